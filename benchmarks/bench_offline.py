@@ -1,0 +1,136 @@
+"""Offline throughput: Ostinato's LLM.generate beside transformers' padded batch generate, same prompts,
+same machine, same run; with the memory-bandwidth floor (weights read once per decode step).
+
+CPU (issue default):  python benchmarks/bench_offline.py
+GPU, nano-vllm shape: python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b \
+                          --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+
+from ostinato import LLM, SamplingParams
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device copy, counting read + write."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 26)
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n / best
+
+
+def make_prompts(args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    lo, hi = args.input_len
+    olo, ohi = args.output_len
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_seqs)]
+    outs = [rng.randint(olo, ohi) for _ in range(args.num_seqs)]
+    return prompts, outs
+
+
+def bench_hf(llm: LLM, prompts: list[list[int]], max_new: int, device: torch.device) -> float:
+    """transformers generate on the same weights, one left-padded batch, greedy, EOS ignored."""
+    import transformers
+
+    cfg = llm.source.hf_config
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=llm.engine.runner.dtype).to(device).eval()
+    sd = {}
+    for name, t in llm.source.iter_weights() if llm.source.load_format != "dummy" else []:
+        sd[name] = t
+    if sd:
+        hf.load_state_dict(sd, strict=False)
+    width = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                          do_sample=False, pad_token_id=pad)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    assert out.shape[1] == width + max_new
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-seqs", type=int, default=32)
+    ap.add_argument("--input-len", type=int, nargs=2, default=[64, 256])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128])
+    ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--max-total-tokens", type=int, default=None)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<device>.json)")
+    args = ap.parse_args()
+
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+              max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
+    runner = llm.engine.runner
+    device = runner.device
+    prompts, outs = make_prompts(args, runner.vocab_size)
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    batch = [{"prompt_token_ids": p} for p in prompts]
+
+    llm.generate(batch[:2], params[:2], use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    results = llm.generate(batch, params)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    assert out_tokens == sum(outs)
+
+    bw = copy_bandwidth(device)
+    # floor: every decode step reads all weights once; a batch holds at most max_running_requests
+    steps = max(outs) * -(-args.num_seqs // args.max_running_requests)
+    floor = steps * runner.weight_bytes / bw
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    rows = [{"engine": "ostinato", "seconds": elapsed, "output_tok_s": out_tokens / elapsed,
+             "floor_s": floor, "fraction_of_floor": floor / elapsed}]
+    if not args.no_hf:
+        assert len(set(outs)) == 1, "the HF baseline needs one output length"
+        hf_s = bench_hf(llm, prompts, outs[0], device)
+        rows.append({"engine": "transformers-generate", "seconds": hf_s, "output_tok_s": out_tokens / hf_s,
+                     "floor_s": floor, "fraction_of_floor": floor / hf_s})
+    report = {"device": name, "device_type": device.type, "torch": torch.__version__,
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "model": args.model or "SmolLM2-135M-Instruct (default)", "dtype": str(runner.dtype),
+              "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
+              "output_tokens": out_tokens, "copy_bandwidth_GBps": bw / 1e9,
+              "weight_bytes": runner.weight_bytes, "rows": rows}
+    print(f"{'engine':<24}{'seconds':>10}{'out tok/s':>12}{'floor s':>10}{'floor frac':>12}")
+    for r in rows:
+        print(f"{r['engine']:<24}{r['seconds']:>10.2f}{r['output_tok_s']:>12.1f}{r['floor_s']:>10.2f}"
+              f"{r['fraction_of_floor']:>12.1%}")
+    path = args.out or os.path.join(os.path.dirname(__file__), "results", f"offline-{device.type}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

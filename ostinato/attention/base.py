@@ -1,0 +1,56 @@
+"""The attention-backend interface every backend implements."""
+
+import abc
+
+import torch
+
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.mem.kv_cache import KVCache
+from ostinato.mem.req_to_token_pool import ReqToTokenPool
+
+
+class AttentionBackend(abc.ABC):
+    """Reads and writes the paged KV cache for one forward pass.
+
+    `init_forward_metadata` runs once per batch, before the model; `forward_*` run once per layer
+    (from inside the `ostinato::attention` op) and must not re-derive per-batch metadata.
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_cache = kv_cache
+
+    @abc.abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec",
+                batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; stores k/v at batch.out_cache_loc first."""
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+        v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        self.kv_cache.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        if batch.mode is ForwardMode.DECODE:
+            o = self.forward_decode(q, layer, batch)
+        else:
+            o = self.forward_extend(q, layer, batch)
+        return o.reshape(-1, layer.num_heads * layer.head_dim)
+
+    @abc.abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer: "AttentionSpec", batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D]: causal over the cached prefix plus the new tokens."""
+
+    @abc.abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: "AttentionSpec", batch: ForwardBatch) -> torch.Tensor:
+        """q [bs, H, D] -> [bs, H, D]: one query per request over its whole cached sequence."""
+
+
+class AttentionSpec:
+    """The shape facts of one attention layer a backend needs."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling

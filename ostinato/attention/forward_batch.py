@@ -1,0 +1,30 @@
+"""What one forward pass computes, as tensors the model and attention read."""
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill or a prefill chunk, possibly over a cached prefix
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    req_pool_indices: torch.Tensor  # int64 [bs]
+    seq_lens: torch.Tensor  # int32 [bs]: KV length once this pass has written its tokens
+    out_cache_loc: torch.Tensor  # int64 [num_tokens]: slot each new token's K/V is written to
+    logits_indices: torch.Tensor  # int64 [bs]: row of each request's last token in input_ids
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int] | None = None  # EXTEND: tokens already in the cache
+    extend_seq_lens_cpu: list[int] | None = None  # EXTEND: new tokens per request
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]

@@ -1,0 +1,50 @@
+"""The one call through which every model layer reaches attention.
+
+It is a registered custom op, so `torch.compile` sees an opaque node: the split point of piecewise
+graphs. What the op needs besides q/k/v (the backend, the batch, the layer's shape) comes from the
+forward context set around each forward pass.
+"""
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ostinato.attention.base import AttentionBackend, AttentionSpec
+from ostinato.attention.forward_batch import ForwardBatch
+
+
+@dataclass
+class ForwardContext:
+    backend: AttentionBackend | None = None
+    batch: ForwardBatch | None = None
+    layers: dict[int, AttentionSpec] = field(default_factory=dict)
+
+
+_ctx = ForwardContext()
+
+
+def register_attention_layer(spec: AttentionSpec) -> None:
+    _ctx.layers[spec.layer_id] = spec
+
+
+@contextlib.contextmanager
+def forward_context(backend: AttentionBackend, batch: ForwardBatch) -> Iterator[None]:
+    _ctx.backend, _ctx.batch = backend, batch
+    try:
+        yield
+    finally:
+        _ctx.backend, _ctx.batch = None, None
+
+
+@torch.library.custom_op("ostinato::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    if _ctx.backend is None or _ctx.batch is None:
+        raise RuntimeError("ostinato::attention called outside forward_context()")
+    return _ctx.backend.forward(q, k, v, _ctx.layers[layer_id], _ctx.batch)
+
+
+@attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    return torch.empty_like(q)

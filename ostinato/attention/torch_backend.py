@@ -1,0 +1,47 @@
+"""Reference attention in plain PyTorch over the paged cache: the CPU backend and the test oracle."""
+
+import torch
+import torch.nn.functional as F
+
+from ostinato.attention.base import AttentionBackend, AttentionSpec
+from ostinato.attention.forward_batch import ForwardBatch
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
+        max_len = max(batch.seq_lens_cpu)
+        self.kv_slots = rows[:, :max_len].to(torch.int64)  # [bs, max_len]
+        arange = torch.arange(max_len, device=rows.device)
+        self.kv_valid = arange[None, :] < batch.seq_lens[:, None]  # [bs, max_len]
+
+    def _gather(self, layer: AttentionSpec, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_buf, v_buf = self.kv_cache.get_kv_buffer(layer.layer_id)
+        return k_buf[slots], v_buf[slots]
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu,
+                                            strict=True)):
+            total = prefix + n
+            k, v = self._gather(layer, self.kv_slots[i, :total])  # [total, Hkv, D]
+            qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
+            # query j sits at position prefix + j and sees keys 0..prefix + j
+            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+            o = F.scaled_dot_product_attention(
+                qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), attn_mask=mask,
+                scale=layer.scaling, enable_gqa=True,
+            )
+            out[start : start + n] = o.transpose(0, 1)
+            start += n
+        return out
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        k, v = self._gather(layer, self.kv_slots)  # [bs, L, Hkv, D]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [bs, H, 1, D]
+            k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=self.kv_valid[:, None, None, :], scale=layer.scaling, enable_gqa=True,
+        )
+        return o[:, :, 0, :]

@@ -1,0 +1,70 @@
+"""Engine arguments: one frozen dataclass; the CLI flags are generated from its fields."""
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin
+
+
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = _arg(None, "HF model dir, hub id, .gguf file, or dummy preset; default SmolLM2-135M")
+    load_format: str = _arg("auto", "auto | safetensors | gguf | dummy")
+    dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on GPU)")
+    device: str = _arg("auto", "auto | cpu | cuda")
+    seed: int = _arg(0, "seed for dummy weights and for requests without a seed")
+    max_model_len: int | None = _arg(None, "longest prompt + output; default: the model's, capped by KV")
+    max_total_tokens: int | None = _arg(None, "KV pool size in tokens (overrides memory-based sizing)")
+    mem_fraction_static: float = _arg(0.85, "GPU memory fraction for weights + KV pool")
+    page_size: int = _arg(1, "tokens per KV page")
+    kv_cache_dtype: str = _arg("auto", "auto (the model dtype) | fp8_e4m3 | fp8_e5m2")
+    chunked_prefill_size: int = _arg(2048, "most prompt tokens prefilled in one step")
+    max_running_requests: int = _arg(128, "most requests decoding at once")
+    attention_backend: str = _arg("torch", "attention backend: torch")
+    skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
+    trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
+    disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("page_size", self.page_size >= 1, ">= 1"),
+            ("chunked_prefill_size", self.chunked_prefill_size >= 1, ">= 1"),
+            ("max_running_requests", self.max_running_requests >= 1, ">= 1"),
+            ("mem_fraction_static", 0.0 < self.mem_fraction_static < 1.0, "in (0, 1)"),
+            ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= 1, ">= 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, ">= 1"),
+            ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             "one of auto, float32, bfloat16, float16"),
+            ("device", self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             "auto, cpu or cuda[:N]"),
+            ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2"),
+             "one of auto, fp8_e4m3, fp8_e5m2"),
+            ("attention_backend", self.attention_backend in ("torch",), "one of torch"),
+        ]
+        for name, ok, limit in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {limit}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type is bool or f.type == "bool":
+                parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+                continue
+            typ = f.type
+            if get_origin(typ) is not None:  # X | None
+                typ = next(a for a in get_args(typ) if a is not type(None))
+            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"])
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> "EngineArgs":
+        kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        kw.update(overrides)
+        return cls(**kw)

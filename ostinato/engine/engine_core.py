@@ -1,0 +1,116 @@
+"""The engine core loop: schedule -> run the model -> process outputs."""
+
+import logging
+import random
+from dataclasses import dataclass
+
+from ostinato.config import EngineArgs
+from ostinato.engine.request import Request, RequestStatus
+from ostinato.engine.scheduler import Scheduler
+from ostinato.loader import ModelSource
+from ostinato.runner.model_runner import ModelRunner
+from ostinato.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def eos_token_ids(source: ModelSource) -> frozenset[int]:
+    ids: set[int] = set()
+    for holder in (getattr(source, "generation_config", None), source.hf_config, source.tokenizer):
+        value = getattr(holder, "eos_token_id", None) if holder is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, source: ModelSource) -> None:
+        self.args = args
+        self.runner = ModelRunner(args, source)
+        self.scheduler = Scheduler(self.runner.kv_manager, args.max_running_requests, args.chunked_prefill_size)
+        self.eos_token_ids = eos_token_ids(source)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(args.seed)
+        self._aborted: list[EngineCoreOutput] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; changes nothing."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds the context length max_model_len={self.max_model_len}"
+            )
+        unsupported = [name for name, value, default in (
+            ("presence_penalty", params.presence_penalty, 0.0),
+            ("frequency_penalty", params.frequency_penalty, 0.0),
+            ("repetition_penalty", params.repetition_penalty, 1.0),
+            ("logprobs", params.logprobs, None),
+        ) if value != default]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]}: not supported by this engine yet (leave it at its default)")
+
+    def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if rid in self.requests:
+            raise ValueError(f"request_id: {rid!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is None or req.is_finished:
+            return
+        self.scheduler.finish(req, "abort")
+        self._aborted.append(EngineCoreOutput(rid, [], "abort"))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if sched is not None:
+            batch = self.runner.prepare(sched)
+            logits = self.runner.forward(batch)
+            sampled = self.runner.sample(logits, sched)
+            for req, token, emits in zip(sched.reqs, sampled, sched.sample_mask, strict=True):
+                if not emits:
+                    continue
+                req.output_token_ids.append(token)
+                req.check_stop_token()
+                out = EngineCoreOutput(req.rid, [token])
+                if req.finish_reason is not None:
+                    self.scheduler.finish(req, req.finish_reason)
+                    self.requests.pop(req.rid, None)
+                    out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+                outputs.append(out)
+        if not self.has_unfinished() and not self.args.disable_leak_check:
+            self.check_memory_leak()
+        return outputs
+
+    def check_memory_leak(self) -> None:
+        assert not any(r.status is RequestStatus.RUNNING for r in self.requests.values())
+        self.runner.kv_manager.check_all_free()

@@ -1,0 +1,135 @@
+"""Continuous batching: which requests run in the next forward pass, and their KV.
+
+Each step is either an EXTEND batch (new prompts and prompt chunks, bounded by
+`chunked_prefill_size` tokens) or a DECODE batch (one token for every running request). Prefill goes
+first when it can make progress. When a decode step finds too little KV, the latest-admitted
+requests are retracted: their KV is freed and they are requeued at the front, to be recomputed
+from prompt + output so far; no request is lost.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.attention.forward_batch import ForwardMode
+from ostinato.engine.request import Request, RequestStatus
+from ostinato.mem.kv_manager import KVManager
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Request]
+    prefix_lens: list[int]  # KV already cached per request
+    extend_lens: list[int]  # tokens computed this pass per request
+    out_cache_loc: torch.Tensor  # slots for the new tokens, in batch order
+    sample_mask: list[bool]  # whether the pass ends the request's pending tokens (so it samples)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int) -> None:
+        self.kv = kv
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = chunked_prefill_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted, holding a request slot (prefilling or decoding)
+        self.num_retractions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_extend() or self._schedule_decode()
+
+    # ---------------------------------------------------------------- extend
+    def _pending(self, req: Request) -> int:
+        """Tokens whose K/V must be computed before the request can decode."""
+        return req.seq_len - req.kv_len
+
+    def _schedule_extend(self) -> ScheduledBatch | None:
+        budget = self.chunked_prefill_size
+        reqs, prefix, lens, locs = [], [], [], []
+        # a request cut by the last chunk continues first, then new ones in arrival order
+        partial = [r for r in self.running if self._pending(r) > 1]
+        decoding = len(self.running) - len(partial)
+        for req in partial + list(self.waiting):
+            if budget <= 0:
+                break
+            admitted = req.status is RequestStatus.RUNNING
+            if not admitted and len(self.running) >= self.max_running_requests:
+                break
+            n = min(self._pending(req), budget)
+            # keep one page per decoding request free so the next decode step does not retract at once
+            reserve = decoding if not admitted else 0
+            if self.kv.pages_needed(req.kv_len, req.kv_len + n) + reserve > self.kv.allocator.available_pages():
+                break
+            if not admitted:
+                slot = self.kv.req_pool.alloc()
+                if slot is None:
+                    break
+                req.req_pool_idx, req.status = slot, RequestStatus.RUNNING
+                self.waiting.remove(req)
+                self.running.append(req)
+            loc = self.kv.extend(req.req_pool_idx, req.kv_len, req.kv_len + n)
+            assert loc is not None  # pages were checked above
+            reqs.append(req)
+            prefix.append(req.kv_len)
+            lens.append(n)
+            locs.append(loc)
+            budget -= n
+        if not reqs:
+            return None
+        for req, n in zip(reqs, lens, strict=True):
+            req.kv_len += n
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, torch.cat(locs),
+                              [r.kv_len == r.seq_len for r in reqs])
+
+    # ---------------------------------------------------------------- decode
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        # a decoding request has exactly one token without K/V: its last output (or, when a chunk
+        # stopped one short, its last prompt token)
+        decoding = [r for r in self.running if self._pending(r) == 1]
+        if not decoding:
+            return None
+        while True:
+            need = sum(self.kv.pages_needed(r.kv_len, r.kv_len + 1) for r in decoding)
+            if need <= self.kv.allocator.available_pages():
+                break
+            victim = self.running[-1]
+            self.retract(victim)
+            if victim in decoding:
+                decoding.remove(victim)
+            if not decoding:
+                return None
+        locs = [self.kv.extend(r.req_pool_idx, r.kv_len, r.kv_len + 1) for r in decoding]
+        prefix = [r.kv_len for r in decoding]
+        for r in decoding:
+            r.kv_len += 1
+        return ScheduledBatch(ForwardMode.DECODE, decoding, prefix, [1] * len(decoding), torch.cat(locs),
+                              [True] * len(decoding))
+
+    def retract(self, req: Request) -> None:
+        """Free the request's KV and requeue it first; it is recomputed from all its tokens later."""
+        self._release(req)
+        req.status, req.kv_len = RequestStatus.WAITING, 0
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    # ---------------------------------------------------------------- finish / abort
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self._release(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+
+    def _release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.release(req.req_pool_idx, req.kv_len)
+        req.req_pool_idx = None

@@ -1,0 +1,128 @@
+"""The offline API, shaped like vLLM's `LLM`."""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from ostinato.config import EngineArgs
+from ostinato.engine.engine_core import EngineCore
+from ostinato.engine.output_processor import OutputProcessor
+from ostinato.loader import load_model_source
+from ostinato.outputs import RequestOutput
+from ostinato.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """`LLM(model=...).generate(prompts, SamplingParams(...))` -> list[RequestOutput], in prompt order."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.args = EngineArgs(model=model, **engine_args)
+        self.source = load_model_source(self.args.model, self.args.load_format, self.args.trust_remote_code)
+        self.tokenizer = None if self.args.skip_tokenizer_init else self.source.tokenizer
+        self.engine = EngineCore(self.args, self.source)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        # Validate everything before queuing anything, so a bad prompt leaves the engine unchanged.
+        encoded = [self._encode(p) for p in prompts]
+        for (_, ids), sp in zip(encoded, params, strict=True):
+            self.engine.validate(ids, sp)
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no tokenizer chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      **(chat_template_kwargs or {}))
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ------------------------------------------------------------------
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple):
+                raise ValueError("prompt_token_ids: must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"prompt: expected a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        processor = OutputProcessor(self.tokenizer)
+        results: dict[str, RequestOutput] = {}
+        child_index: dict[str, tuple[str, int]] = {}
+        for (text, ids), sp in zip(encoded, params, strict=True):
+            rid = str(self._counter)
+            self._counter += 1
+            results[rid] = RequestOutput(rid, text, ids, [None] * sp.n)
+            for j in range(sp.n):  # n > 1: independent samples, seeds offset so they differ but stay reproducible
+                child = f"{rid}-{j}" if sp.n > 1 else rid
+                child_sp = sp if sp.n == 1 else _child_params(sp, j)
+                child_index[child] = (rid, j)
+                processor.add(child, ids, child_sp)
+                self.engine.add_request(child, ids, child_sp)
+        bar = tqdm(total=len(child_index), desc="Generating", disable=not use_tqdm, leave=False)
+        try:
+            while self.engine.has_unfinished():
+                states, to_abort = processor.process(self.engine.step())
+                for rid in to_abort:
+                    self.engine.abort(rid)
+                for state in states:
+                    if state.finish_reason is None:
+                        continue
+                    parent, j = child_index[state.rid]
+                    results[parent].outputs[j] = state.completion(j)
+                    bar.update(1)
+            processor.process(self.engine.step())  # flush abort acknowledgements
+        except BaseException:
+            for child in child_index:
+                self.engine.abort(child)
+            self.engine.step()
+            raise
+        finally:
+            bar.close()
+        for out in results.values():
+            out.finished = True
+        return list(results.values())
+
+
+def _child_params(sp: SamplingParams, j: int) -> SamplingParams:
+    seed = None if sp.seed is None else sp.seed + j
+    return dataclasses.replace(sp, n=1, seed=seed)

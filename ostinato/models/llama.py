@@ -1,0 +1,152 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3 differ in q/k/v bias and per-head q/k norm).
+
+Forward takes flat tokens: `input_ids` and `positions` are [num_tokens] for the whole batch; the
+attention op and the forward context know which request each token belongs to. No branch depends on
+tensor values, so the forward can be compiled and captured.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from ostinato.attention.base import AttentionSpec
+from ostinato.attention.op import attention, register_attention_layer
+from ostinato.layers.norm import RMSNorm
+from ostinato.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.layer_id = layer_id
+        register_attention_layer(
+            AttentionSpec(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = attention(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), self.layer_id)
+        return self.o_proj(o)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_id, rotary, qkv_bias, qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                       bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # HF checkpoint name fragment -> (our fused parameter, shard index) for fused projections
+    _stacked = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; raise if a parameter of ours was never written."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name.startswith("lm_head") and self.lm_head is None):
+                continue
+            parts = name.split(".")
+            fused = next((self._stacked[p] for p in parts if p in self._stacked), None)
+            if fused is None:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {hf_name!r} has no parameter in {type(self).__name__}")
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+                continue
+            target, shard = fused
+            name = name.replace(parts[[p in self._stacked for p in parts].index(True)], target)
+            param = params[name]
+            sizes = self._shard_sizes(target)
+            offset = sum(sizes[:shard])
+            param.data[offset : offset + sizes[shard]].copy_(tensor)
+            loaded.add(f"{name}#{shard}")
+        missing = [n for n in params if n not in loaded and not any(f"{n}#" in x for x in loaded)]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:3]}")
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        attn = self.layers[0].self_attn
+        if target == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.config.intermediate_size
+        return [inter, inter]
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

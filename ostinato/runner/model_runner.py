@@ -1,0 +1,147 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; turns a scheduled batch into
+logits and sampled token ids."""
+
+import logging
+import time
+
+import torch
+
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.attention.op import forward_context
+from ostinato.attention.torch_backend import TorchAttentionBackend
+from ostinato.config import EngineArgs
+from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.loader import ModelSource, dummy_init_
+from ostinato.mem.kv_cache import MHATokenToKVPool
+from ostinato.mem.kv_manager import KVManager
+from ostinato.mem.req_to_token_pool import ReqToTokenPool
+from ostinato.mem.token_allocator import TokenToKVPoolAllocator
+from ostinato.models.registry import model_class
+from ostinato.runner.sampler import SamplingTensors, sample
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_TOKENS = 16384
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, source: ModelSource) -> None:
+        self.args = args
+        self.config = config = source.hf_config
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.vocab_size = config.vocab_size
+        model_max = getattr(config, "max_position_embeddings", None) or 4096
+        if args.max_model_len is not None and args.max_model_len > model_max:
+            raise ValueError(f"max_model_len must be <= {model_max} (the model's max_position_embeddings), "
+                             f"got {args.max_model_len}")
+        want_len = args.max_model_len or model_max
+
+        t0 = time.perf_counter()
+        cls = model_class(config)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = cls(config, max_positions=want_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if source.load_format == "dummy":
+            dummy_init_(self.model, seed=args.seed)
+        else:
+            self.model.load_weights(source.iter_weights())
+        self.model.eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.load_seconds = time.perf_counter() - t0
+
+        self._init_memory(want_len)
+        self.backend = TorchAttentionBackend(self.req_to_token_pool, self.kv_cache)
+
+    # ------------------------------------------------------------------ memory
+    def _init_memory(self, want_len: int) -> None:
+        cfg, args = self.config, self.args
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_dtype = _KV_DTYPES.get(args.kv_cache_dtype, self.dtype)
+        per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers,
+                                                     kv_dtype)
+        tokens = args.max_total_tokens or self._tokens_from_memory(per_token)
+        page = args.page_size
+        num_pages = -(-tokens // page) + 1  # +1: page 0 is the reserved sink
+        self.allocator = TokenToKVPoolAllocator(num_pages * page, page, self.device)
+        self.kv_cache = MHATokenToKVPool(num_pages * page, kv_dtype, cfg.num_key_value_heads, head_dim,
+                                         cfg.num_hidden_layers, self.device)
+        self.max_total_tokens = self.allocator.size
+        self.max_model_len = min(want_len, self.max_total_tokens)
+        if self.max_model_len < want_len:
+            logger.warning("max_model_len capped at %d by the KV pool size", self.max_model_len)
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_model_len + page, self.device)
+        self.kv_manager = KVManager(self.req_to_token_pool, self.allocator)
+
+    def _tokens_from_memory(self, per_token: int) -> int:
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.args.mem_fraction_static - (total - free)
+        if budget < per_token * 16:
+            raise ValueError(f"mem_fraction_static={self.args.mem_fraction_static} leaves no room for the KV "
+                             f"pool after the weights; raise it or set max_total_tokens")
+        return int(budget // per_token)
+
+    # ------------------------------------------------------------------ forward
+    def prepare(self, sched: ScheduledBatch) -> ForwardBatch:
+        ids, pos = [], []
+        for req, start, n in zip(sched.reqs, sched.prefix_lens, sched.extend_lens, strict=True):
+            if sched.mode is ForwardMode.DECODE:
+                ids.append(req.token_at(start))
+            else:
+                ids.extend(req.all_token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+        seq_lens = [s + n for s, n in zip(sched.prefix_lens, sched.extend_lens, strict=True)]
+        ends = torch.tensor(sched.extend_lens).cumsum(0) - 1
+        dev = self.device
+        return ForwardBatch(
+            mode=sched.mode,
+            batch_size=len(sched.reqs),
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in sched.reqs], dtype=torch.int64).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            out_cache_loc=sched.out_cache_loc.to(dev, torch.int64),
+            logits_indices=ends.to(dev, non_blocking=True),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(sched.prefix_lens),
+            extend_seq_lens_cpu=list(sched.extend_lens),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [bs, vocab] (float32) at each request's last token."""
+        with forward_context(self.backend, batch):
+            self.backend.init_forward_metadata(batch)
+            hidden = self.model(batch.input_ids, batch.positions)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sched: ScheduledBatch) -> list[int]:
+        reqs = sched.reqs
+        tensors = SamplingTensors.from_params(
+            [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs],
+            self.vocab_size, self.device,
+        )
+        return sample(logits, tensors).tolist()

@@ -1,0 +1,138 @@
+"""Batched, seed-reproducible sampling on the device.
+
+Randomness is counter-based: the uniform for (seed, step, token id) is an integer hash computed with
+tensor ops, so a request's tokens depend only on its own seed, the index of the token being sampled and
+its logits, not on the batch it shares or on when it was scheduled (a retracted and recomputed request
+draws the same tokens). Sampling is Gumbel-max over the filtered logits, with each token's noise keyed by
+its original id. `sample` has no per-request Python loop and no device->host sync, so it can be captured
+in a CUDA graph. Penalties (presence/frequency/repetition) are applied to the logits by the caller
+before `sample`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ostinato.sampling_params import GREEDY_EPS, SamplingParams
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x045D9F3B  # odd and < 2**31: (x < 2**32) * _MUL < 2**63, so int64 never overflows
+_MIN_SEED, _SPAN_SEED = -(2**63), 2**64
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """Bijective 32-bit integer hash (xorshift-multiply finalizer) on int64 tensors holding values < 2**32."""
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    return (x >> 16) ^ x
+
+
+def hash_uniform(seeds: Tensor, steps: Tensor, token_ids: Tensor) -> Tensor:
+    """Uniforms in (0, 1), float32 [B, V], for int64 seeds [B], steps [B] and token ids [B, V] or [V].
+
+    The token id is hashed before the row key is mixed in, so rows see unrelated noise even when their
+    keys are close (hashing `id ^ key` directly would give permuted copies), and for a [V] id vector
+    that first hash costs O(V), not O(B * V).
+    """
+    key = _mix32(_mix32((seeds & _M32) ^ 0x3C6EF372) ^ ((seeds >> 32) & _M32))
+    key = _mix32(key ^ (steps & _M32))
+    h = _mix32(_mix32(token_ids) ^ key[:, None])
+    # top 23 bits, centred in their bin: exactly representable in fp32, never 0 or 1
+    return ((h >> 9).float() + 0.5) * 2.0**-23
+
+
+@dataclass
+class SamplingTensors:
+    """Per-step sampling inputs on the target device; the bool flags are host-side and skip unused work."""
+
+    temperatures: Tensor  # float32 [B]; rows below GREEDY_EPS are greedy
+    top_ks: Tensor  # int64 [B], vocab_size when disabled
+    top_ps: Tensor  # float32 [B]
+    min_ps: Tensor  # float32 [B]
+    seeds: Tensor  # int64 [B]
+    steps: Tensor  # int64 [B]: index of the output token being sampled
+    all_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    sort_width: int  # the top_k/top_p filters look at this many highest logits per row (vocab_size: all)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        steps: list[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        device = torch.device(device)
+        top_ks = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in params]
+        rand = [p for p in params if not p.is_greedy]
+        # a row with top_k only needs its k highest logits; a top_p row without top_k needs them all
+        widths = [
+            k
+            for p, k in zip(params, top_ks, strict=True)
+            if not p.is_greedy and (k < vocab_size or p.top_p < 1.0)
+        ]
+
+        def put(data: list, dtype: torch.dtype) -> Tensor:
+            t = torch.tensor(data, dtype=dtype)
+            if device.type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return cls(
+            temperatures=put([p.temperature for p in params], torch.float32),
+            top_ks=put(top_ks, torch.int64),
+            top_ps=put([p.top_p for p in params], torch.float32),
+            min_ps=put([p.min_p for p in params], torch.float32),
+            # any Python int -> its two's-complement int64 (only the low 64 bits matter to the hash)
+            seeds=put([(s - _MIN_SEED) % _SPAN_SEED + _MIN_SEED for s in seeds], torch.int64),
+            steps=put(steps, torch.int64),
+            all_greedy=not rand,
+            need_top_k=any(1 <= p.top_k < vocab_size for p in rand),
+            need_top_p=any(p.top_p < 1.0 for p in rand),
+            need_min_p=any(p.min_p > 0.0 for p in rand),
+            sort_width=max(widths, default=vocab_size),
+        )
+
+
+def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """Token ids, int64 [B], from logits [B, V] (any float dtype; computed in fp32).
+
+    Greedy rows take the argmax. Other rows: logits / temperature, then keep the tokens allowed by min_p
+    (p >= min_p * p_max) and top_k, then top_p on that set's renormalized distribution (the smallest
+    run of the highest-probability tokens reaching top_p; the top token always stays), and sample from
+    the renormalized rest. min_p and top_k don't depend on renormalization; top_p is applied last, as in
+    vLLM. top_k and top_p become a per-row logit threshold, so tokens tied with the last kept one stay.
+    """
+    greedy = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy
+    is_greedy = t.temperatures < GREEDY_EPS
+    x = logits.float() / torch.where(is_greedy, 1.0, t.temperatures)[:, None]
+    if t.need_min_p:
+        # p_i < min_p * p_max  <=>  x_i - x_max < log(min_p); min_p = 0 gives -inf and removes nothing
+        x = x.masked_fill(x - x.amax(dim=-1, keepdim=True) < t.min_ps.log()[:, None], float("-inf"))
+    if t.need_top_k or t.need_top_p:
+        v, w = x.shape[-1], t.sort_width
+        s = x.topk(w, dim=-1).values if w < v else x.sort(dim=-1, descending=True).values
+        cut = torch.full_like(s[:, :1], float("-inf"))
+        if t.need_top_k:
+            kth = s.gather(1, t.top_ks.clamp(max=w)[:, None] - 1)
+            cut = torch.where(t.top_ks[:, None] < v, kth, cut)
+            s = s.masked_fill(s < cut, float("-inf"))
+        if t.need_top_p:
+            p = s.softmax(dim=-1)
+            n_keep = (p.cumsum(dim=-1) - p < t.top_ps[:, None]).sum(dim=-1)  # >= 1: the top token's is 0
+            # rows with top_p == 1 keep all (an fp32 cumsum can reach 1.0 before the tail)
+            cut_p = torch.where(t.top_ps[:, None] < 1.0, s.gather(1, n_keep[:, None] - 1), float("-inf"))
+            cut = torch.maximum(cut, cut_p)
+        x = x.masked_fill(x < cut, float("-inf"))
+    u = hash_uniform(t.seeds, t.steps, torch.arange(x.shape[-1], device=x.device))
+    sampled = (x - (-u.log()).log()).argmax(dim=-1)  # Gumbel-max: a sample of softmax(x)
+    return torch.where(is_greedy, greedy, sampled)

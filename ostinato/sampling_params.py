@@ -1,0 +1,95 @@
+"""Per-request sampling parameters (vLLM's field names and defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's threshold)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalized to list[str]
+    stop_token_ids: list[int] | None = None  # normalized to list[int]
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, msg: str, value: object) -> None:
+            if not ok:
+                raise ValueError(f"{msg}, got {value!r}")
+
+        check(_is_int(self.n) and self.n >= 1, "n must be an int >= 1", self.n)
+        check(
+            -2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", self.presence_penalty
+        )
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty must be in [-2, 2]",
+            self.frequency_penalty,
+        )
+        check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0", self.repetition_penalty)
+        check(self.temperature >= 0.0, "temperature must be >= 0", self.temperature)
+        check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p)
+        check(_is_int(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 (disabled) or >= 1", self.top_k)
+        check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p)
+        check(self.seed is None or _is_int(self.seed), "seed must be an int or None", self.seed)
+        check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings", self.stop)
+        check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be ints >= 0",
+            self.stop_token_ids,
+        )
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens)
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens)
+        check(
+            self.min_tokens <= self.max_tokens,
+            f"min_tokens must be <= max_tokens ({self.max_tokens})",
+            self.min_tokens,
+        )
+        check(
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs must be None or an int >= 0",
+            self.logprobs,
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k >= 1
+
+    def clone(self) -> SamplingParams:
+        """A copy with its own stop lists (replace() re-runs __post_init__, which copies them)."""
+        return dataclasses.replace(self)

@@ -1,0 +1,59 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain how a rainbow forms, step by step.",
+    "List five fruits and describe the taste of each.",
+    "Tell me a story about a dragon who learns to cook.",
+    "How do I make a cup of tea?",
+    "What are the planets of the solar system? Describe each one briefly.",
+    "Give me three tips for learning to program in Python.",
+    "Why is the sky blue?",
+    "Describe the water cycle in detail.",
+    "Write a letter to a friend about your summer holiday.",
+    "What is photosynthesis and why does it matter?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How does a bicycle stay upright?",
+    "Invent a new board game and explain its rules.",
+    "What should I pack for a week of hiking in the mountains?",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    from ostinato.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """SmolLM2 fp32 on the CPU with a KV pool small enough that 16 chat requests force retraction."""
+    from ostinato import LLM
+
+    return LLM(dtype="float32", device="cpu", max_total_tokens=1024, chunked_prefill_size=48, page_size=4,
+               max_running_requests=16)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm_path):
+    import transformers
+
+    d, name = os.path.split(smollm_path)
+    return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(autouse=True)
+def _no_leak_after_engine_tests(request):
+    """Every test that touched the shared engine must leave no request, KV page or request slot behind."""
+    yield
+    if "llm" in request.fixturenames:
+        engine = request.getfixturevalue("llm").engine
+        assert not engine.has_unfinished(), "a request is still queued or running"
+        engine.check_memory_leak()

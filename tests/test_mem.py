@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from ostinato.mem.kv_cache import MHATokenToKVPool
+from ostinato.mem.kv_manager import KVManager
+from ostinato.mem.req_to_token_pool import ReqToTokenPool
+from ostinato.mem.token_allocator import TokenToKVPoolAllocator
+
+
+def make(num_pages: int, page: int, reqs: int = 8, ctx: int = 256) -> KVManager:
+    return KVManager(ReqToTokenPool(reqs, ctx, "cpu"), TokenToKVPoolAllocator(num_pages * page, page, "cpu"))
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_extend_grows_pages_and_never_hands_out_the_sink(page):
+    kv = make(64, page)
+    gen = torch.Generator().manual_seed(page)
+    slots = [kv.req_pool.alloc() for _ in range(4)]
+    lens = [0] * 4
+    for _ in range(30):  # random interleaved growth, like chunked prefill + decode
+        i = int(torch.randint(4, (1,), generator=gen))
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        if kv.allocator.available_pages() < kv.pages_needed(lens[i], lens[i] + n):
+            assert kv.extend(slots[i], lens[i], lens[i] + n) is None  # refused, nothing taken
+            continue
+        loc = kv.extend(slots[i], lens[i], lens[i] + n)
+        assert loc.shape == (n,)
+        lens[i] += n
+    all_slots = torch.cat([kv.req_pool.req_to_token[s, :n].long() for s, n in zip(slots, lens, strict=True)])
+    assert (all_slots >= page).all(), "page 0 is the reserved sink"
+    assert len(torch.unique(all_slots)) == len(all_slots), "two tokens share a KV slot"
+    for s, n in zip(slots, lens, strict=True):  # a request's tokens fill its pages in order
+        row = kv.req_pool.req_to_token[s, :n].long()
+        assert torch.equal(row % page, torch.arange(n) % page)
+        assert torch.equal(row // page, (row // page)[torch.arange(n) // page * page]) if n else True
+    held = sum(-(-n // page) for n in lens)
+    assert kv.allocator.available_pages() == 63 - held
+    for s, n in zip(slots, lens, strict=True):
+        kv.release(s, n)
+    kv.check_all_free()
+
+
+def test_alloc_refuses_without_taking():
+    a = TokenToKVPoolAllocator(5 * 2, 2, "cpu")
+    assert a.available_pages() == 4 and a.size == 8
+    pages = a.alloc_pages(3)
+    assert a.alloc_pages(2) is None and a.available_pages() == 1
+    a.free_pages_(pages)
+    assert a.available_pages() == 4
+
+
+def test_leak_check_catches_a_held_page_and_slot():
+    kv = make(8, 1)
+    slot = kv.req_pool.alloc()
+    kv.extend(slot, 0, 3)
+    with pytest.raises(RuntimeError, match="leak"):
+        kv.check_all_free()
+    kv.release(slot, 3)
+    kv.check_all_free()
+
+
+def test_request_pool_exhaustion_and_double_free():
+    pool = ReqToTokenPool(2, 16, "cpu")
+    a, b = pool.alloc(), pool.alloc()
+    assert pool.alloc() is None
+    pool.free(a)
+    with pytest.raises(AssertionError):
+        pool.free(a)
+    pool.free(b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_kv_pool_roundtrip(dtype):
+    pool = MHATokenToKVPool(32, dtype, head_num=2, head_dim=8, layer_num=3, device="cpu")
+    if dtype == torch.float8_e4m3fn:
+        assert pool.store_dtype == torch.uint8
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    loc = torch.tensor([3, 9, 4, 30, 17])
+    pool.set_kv_buffer(1, loc, k, v)
+    kb, vb = pool.get_kv_buffer(1)
+    assert kb.dtype == dtype
+    torch.testing.assert_close(kb[loc].float(), k.to(dtype).float())
+    torch.testing.assert_close(vb[loc].float(), v.to(dtype).float())
+    assert pool.bytes() == 2 * 3 * 32 * 2 * 8 * (1 if dtype == torch.float8_e4m3fn else dtype.itemsize)

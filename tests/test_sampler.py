@@ -1,0 +1,222 @@
+import math
+
+import pytest
+import torch
+
+from ostinato.runner.sampler import SamplingTensors, hash_uniform, sample
+from ostinato.sampling_params import SamplingParams
+
+# chi-square critical values at p = 0.001, by degrees of freedom
+CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
+
+
+def run(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]
+) -> torch.Tensor:
+    t = SamplingTensors.from_params(params, seeds, steps, logits.shape[-1], logits.device)
+    return sample(logits, t)
+
+
+def rand_logits(b: int, v: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_greedy_is_argmax():
+    logits = rand_logits(16, 3000, 0)
+    out = run(logits, [SamplingParams(temperature=0.0)] * 16, list(range(16)), [5] * 16)
+    assert out.dtype == torch.int64
+    assert torch.equal(out, logits.argmax(-1))
+    # ties go to the lowest index, like torch.argmax
+    tied = torch.zeros(2, 10)
+    tied[:, 3] = tied[:, 7] = 1.0
+    assert run(tied, [SamplingParams(temperature=0.0)] * 2, [0, 1], [0, 0]).tolist() == [3, 3]
+
+
+def test_mixed_batch_keeps_greedy_rows_exact():
+    logits = rand_logits(12, 3000, 1, scale=1.0)
+    params = [
+        SamplingParams(temperature=0.0)
+        if i % 2 == 0
+        else SamplingParams(temperature=1.5, top_k=100, top_p=0.9, min_p=0.01)
+        for i in range(12)
+    ]
+    out = run(logits, params, list(range(12)), [0] * 12)
+    assert torch.equal(out[::2], logits[::2].argmax(-1))
+    assert not torch.equal(out[1::2], logits[1::2].argmax(-1))  # high-entropy rows do sample
+
+
+def test_low_precision_logits():
+    logits = rand_logits(6, 500, 2).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.7, top_p=0.95)] * 6
+    ref = run(logits.float(), params, list(range(6)), [3] * 6)
+    assert torch.equal(run(logits, params, list(range(6)), [3] * 6), ref)
+
+
+def test_reproducible_across_batch_composition():
+    v = 2000
+    logits = rand_logits(8, v, 3, scale=1.0)
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(top_p=0.8),
+        SamplingParams(min_p=0.05),
+        SamplingParams(temperature=1.3, top_k=500, top_p=0.9, min_p=0.02),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0),
+        SamplingParams(top_k=1),
+    ]
+    seeds = [11, 22, 33, 44, 55, 66, 77, 2**64 - 1]
+    steps = [0, 1, 2, 3, 100, 5, 6, 7]
+    full = run(logits, params, seeds, steps)
+    # each row alone (different need_* flags, so different code paths)
+    for i in range(8):
+        assert run(logits[i : i + 1], [params[i]], [seeds[i]], [steps[i]]).item() == full[i].item()
+    # without the top_p-only row the filters look at the 500 highest logits instead of sorting all
+    sub = [0, 1, 3, 4, 5, 6, 7]
+    t = SamplingTensors.from_params(
+        [params[i] for i in sub], [seeds[i] for i in sub], [steps[i] for i in sub], v, "cpu"
+    )
+    assert t.sort_width == 500
+    assert torch.equal(sample(logits[sub], t), full[sub])
+    # reversed and shuffled orders
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(4)).tolist()
+    out = run(logits[perm], [params[i] for i in perm], [seeds[i] for i in perm], [steps[i] for i in perm])
+    assert out.tolist() == [full[i].item() for i in perm]
+    # inside a bigger batch with unrelated rows
+    other = rand_logits(5, v, 5)
+    big = run(
+        torch.cat([other, logits]), [SamplingParams(top_k=3)] * 5 + params, [1] * 5 + seeds, [9] * 5 + steps
+    )
+    assert torch.equal(big[5:], full)
+
+
+def test_ties_at_the_cutoff_are_kept():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0, -1.0]]).expand(4000, 6).contiguous()
+    n = logits.shape[0]
+    out = run(logits, [SamplingParams(top_k=2)] * n, [5] * n, list(range(n)))
+    assert set(out.tolist()) == {0, 2, 3}
+    # softmax: the top token has ~0.52, so top_p = 0.6 needs one of the tied 2.0s, and keeps both
+    out = run(logits, [SamplingParams(top_p=0.6)] * n, [5] * n, list(range(n)))
+    assert set(out.tolist()) == {0, 2, 3}
+
+
+def test_seeds_and_steps_give_different_streams():
+    v, n = 1000, 200
+    logits = rand_logits(1, v, 6, scale=0.5).expand(n, v)
+    p = [SamplingParams()] * n
+    a = run(logits, p, [1] * n, list(range(n)))
+    b = run(logits, p, [2] * n, list(range(n)))
+    a2 = run(logits, p, [1] * n, list(range(n)))
+    assert torch.equal(a, a2)
+    assert (a != b).float().mean() > 0.9  # near-uniform over 1000 tokens: collisions are rare
+    assert len(set(a.tolist())) > 150  # steps vary the draw
+
+
+def ref_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """The distribution from the definitions, float64, written independently of the sampler."""
+    x = logits.double() / temperature
+    p = torch.softmax(x, -1)
+    order = sorted(range(len(p)), key=lambda i: -p[i].item())
+    keep = [True] * len(p)
+    for rank, i in enumerate(order):
+        if top_k >= 1 and rank >= top_k:
+            keep[i] = False
+        if p[i] < min_p * p.max():
+            keep[i] = False
+    z = sum(p[i].item() for i in order if keep[i])
+    cum = 0.0
+    for i in order:
+        if keep[i]:
+            if cum >= top_p:
+                keep[i] = False
+            cum += p[i].item() / z
+    q = p * torch.tensor(keep, dtype=torch.float64)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.5, 0, 1.0, 0.0),
+        (2.0, -1, 1.0, 0.0),
+        (1.0, 3, 1.0, 0.0),
+        (1.0, 0, 0.7, 0.0),
+        (1.0, 0, 1.0, 0.2),
+        (0.8, 5, 0.8, 0.05),
+        (1.5, 6, 0.9, 0.1),
+    ],
+)
+def test_distribution_matches_reference(temperature, top_k, top_p, min_p):
+    v, n = 8, 20000
+    logits = torch.tensor([1.2, -0.3, 0.5, 2.0, 0.1, -1.0, 0.8, 1.6])
+    q = ref_probs(logits, temperature, top_k, top_p, min_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    out = run(logits.expand(n, v).contiguous(), [params] * n, [1234] * n, list(range(n)))
+    counts = torch.bincount(out, minlength=v).double()
+    allowed = q > 0
+    assert counts[~allowed].sum() == 0, "sampled a token the filters remove"
+    expected = q[allowed] * n
+    assert expected.min() >= 5  # chi-square approximation holds
+    chi2 = ((counts[allowed] - expected) ** 2 / expected).sum().item()
+    df = int(allowed.sum()) - 1
+    if df == 0:
+        return
+    assert chi2 < CHI2_CRIT_001[df], (chi2, counts.tolist(), expected.tolist())
+
+
+def test_distribution_varying_seed():
+    v, n = 8, 20000
+    logits = torch.tensor([0.3, 1.1, -0.4, 0.9, 0.0, 1.7, -1.2, 0.6])
+    q = ref_probs(logits, 1.0, 0, 1.0, 0.0)
+    out = run(logits.expand(n, v).contiguous(), [SamplingParams()] * n, list(range(n)), [7] * n)
+    counts = torch.bincount(out, minlength=v).double()
+    chi2 = ((counts - q * n) ** 2 / (q * n)).sum().item()
+    assert chi2 < CHI2_CRIT_001[7]
+
+
+def test_hash_uniform_is_uniform():
+    b, v = 64, 4096
+    seeds = torch.arange(b, dtype=torch.int64) * 7919
+    u = hash_uniform(seeds, torch.arange(b, dtype=torch.int64), torch.arange(v))
+    assert u.shape == (b, v) and u.dtype == torch.float32
+    assert u.min() > 0.0 and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.002
+    assert abs(u.var().item() - 1 / 12) < 0.001
+    # Kolmogorov-Smirnov: sqrt(n) * D < 1.95 at p = 0.001
+    x = u.flatten().double().sort().values
+    n = x.numel()
+    d = torch.maximum(torch.arange(1, n + 1) / n - x, x - torch.arange(n) / n).max().item()
+    assert math.sqrt(n) * d < 1.95
+
+    # neighbouring steps, tokens and seeds are uncorrelated
+    def corr(a: torch.Tensor, c: torch.Tensor) -> float:
+        return torch.corrcoef(torch.stack([a.flatten(), c.flatten()]))[0, 1].item()
+
+    assert abs(corr(u[:-1], u[1:])) < 0.005
+    assert abs(corr(u[:, :-1], u[:, 1:])) < 0.005
+    u2 = hash_uniform(seeds + 1, torch.arange(b, dtype=torch.int64), torch.arange(v))
+    assert abs(corr(u, u2)) < 0.005
+    # noise is keyed by token id: a permuted id tensor permutes the noise
+    perm = torch.randperm(v, generator=torch.Generator().manual_seed(0))
+    up = hash_uniform(seeds, torch.arange(b, dtype=torch.int64), perm.expand(b, v))
+    assert torch.equal(up, u[:, perm])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_on_cuda():
+    logits = rand_logits(8, 5000, 8).cuda()
+    params = [
+        SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.01),
+        SamplingParams(temperature=0),
+    ] * 4
+    t = SamplingTensors.from_params(params, list(range(8)), [0] * 8, 5000, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample(logits, t)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.cpu(), run(logits.cpu(), params, list(range(8)), [0] * 8))
