@@ -22,9 +22,17 @@ class EngineArgs:
     mem_fraction_static: float = _arg(0.85, "GPU memory fraction for weights + KV pool")
     page_size: int = _arg(1, "tokens per KV page")
     kv_cache_dtype: str = _arg("auto", "auto (the model dtype) | fp8_e4m3 | fp8_e5m2")
-    chunked_prefill_size: int = _arg(2048, "most prompt tokens prefilled in one step")
-    max_running_requests: int = _arg(128, "most requests decoding at once")
-    attention_backend: str = _arg("torch", "attention backend: torch")
+    chunked_prefill_size: int | None = _arg(None, "most prompt tokens prefilled in one step (default 8192 GPU, "
+                                            "2048 CPU)")
+    max_running_requests: int | None = _arg(None, "most requests running at once (default 256 GPU, 128 CPU)")
+    attention_backend: str = _arg("auto", "auto (triton on GPU, torch on CPU) | triton | torch")
+    cuda_graph_max_bs: int | None = _arg(None, "largest decode batch captured (default by GPU memory)")
+    cuda_graph_bs: list[int] | None = _arg(None, "decode batch sizes to capture (overrides cuda_graph_max_bs)")
+    disable_cuda_graph: bool = _arg(False, "run decode eagerly")
+    disable_cuda_graph_padding: bool = _arg(False, "replay only batches whose size was captured exactly")
+    enable_torch_compile: bool = _arg(False, "torch.compile the model for captured sizes <= torch_compile_max_bs")
+    torch_compile_max_bs: int = _arg(32, "largest decode batch size compiled")
+    enable_cudagraph_gc: bool = _arg(False, "keep the garbage collector running during capture")
     skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
     trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
@@ -32,8 +40,12 @@ class EngineArgs:
     def __post_init__(self) -> None:
         checks = [
             ("page_size", self.page_size >= 1, ">= 1"),
-            ("chunked_prefill_size", self.chunked_prefill_size >= 1, ">= 1"),
-            ("max_running_requests", self.max_running_requests >= 1, ">= 1"),
+            ("chunked_prefill_size", self.chunked_prefill_size is None or self.chunked_prefill_size >= 1, ">= 1"),
+            ("max_running_requests", self.max_running_requests is None or self.max_running_requests >= 1, ">= 1"),
+            ("cuda_graph_max_bs", self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, ">= 1"),
+            ("cuda_graph_bs", self.cuda_graph_bs is None or (bool(self.cuda_graph_bs) and min(self.cuda_graph_bs) >= 1),
+             "a non-empty list of sizes >= 1"),
+            ("torch_compile_max_bs", self.torch_compile_max_bs >= 1, ">= 1"),
             ("mem_fraction_static", 0.0 < self.mem_fraction_static < 1.0, "in (0, 1)"),
             ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= 1, ">= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, ">= 1"),
@@ -43,7 +55,7 @@ class EngineArgs:
              "auto, cpu or cuda[:N]"),
             ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2"),
              "one of auto, fp8_e4m3, fp8_e5m2"),
-            ("attention_backend", self.attention_backend in ("torch",), "one of torch"),
+            ("attention_backend", self.attention_backend in ("auto", "triton", "torch"), "one of auto, triton, torch"),
         ]
         for name, ok, limit in checks:
             if not ok:
@@ -58,10 +70,12 @@ class EngineArgs:
             if f.type is bool or f.type == "bool":
                 parser.add_argument(flag, action="store_true", help=f.metadata["help"])
                 continue
-            typ = f.type
+            typ, nargs = f.type, None
             if get_origin(typ) is not None:  # X | None
                 typ = next(a for a in get_args(typ) if a is not type(None))
-            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"])
+            if get_origin(typ) is list:  # list[int]
+                typ, nargs = get_args(typ)[0], "+"
+            parser.add_argument(flag, type=typ, nargs=nargs, default=f.default, help=f.metadata["help"])
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> "EngineArgs":

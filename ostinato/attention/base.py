@@ -23,6 +23,24 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
 
+    # ---- decode graph capture: metadata lives in buffers allocated once, before any capture.
+    @abc.abstractmethod
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate every buffer a captured decode step reads, sized for `max_bs` requests."""
+
+    @abc.abstractmethod
+    def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Point decode metadata at the graph runner's static buffers (views of the first `bs` rows).
+
+        Anything derived from `seq_lens` / `req_pool_indices` must be computed on the device from
+        these buffers, inside the captured region or in `init_forward_metadata_replay`; never from a
+        host value seen at capture time.
+        """
+
+    @abc.abstractmethod
+    def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Called after the runner has written the static buffers and before replay."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec",
                 batch: ForwardBatch) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; stores k/v at batch.out_cache_loc first."""

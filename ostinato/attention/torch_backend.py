@@ -8,12 +8,28 @@ from ostinato.attention.forward_batch import ForwardBatch
 
 
 class TorchAttentionBackend(AttentionBackend):
+    graph_mode = False
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.graph_mode = False
         rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices]
         max_len = max(batch.seq_lens_cpu)
         self.kv_slots = rows[:, :max_len].to(torch.int64)  # [bs, max_len]
         arange = torch.arange(max_len, device=rows.device)
         self.kv_valid = arange[None, :] < batch.seq_lens[:, None]  # [bs, max_len]
+
+    # In graph mode the gather spans the whole request row (a fixed shape), and the slots and mask are
+    # recomputed from the static buffers inside the captured region.
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self.graph_arange = torch.arange(self.req_to_token_pool.max_context_len,
+                                         device=self.req_to_token_pool.req_to_token.device)
+
+    def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        self.graph_mode = True
+        self.graph_req_pool_indices, self.graph_seq_lens = req_pool_indices, seq_lens
+
+    def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        self.init_forward_metadata_capture(bs, req_pool_indices, seq_lens)
 
     def _gather(self, layer: AttentionSpec, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_buf, v_buf = self.kv_cache.get_kv_buffer(layer.layer_id)
@@ -38,10 +54,15 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        k, v = self._gather(layer, self.kv_slots)  # [bs, L, Hkv, D]
+        if self.graph_mode:
+            slots = self.req_to_token_pool.req_to_token[self.graph_req_pool_indices].to(torch.int64)
+            valid = self.graph_arange[None, :] < self.graph_seq_lens[:, None]
+        else:
+            slots, valid = self.kv_slots, self.kv_valid
+        k, v = self._gather(layer, slots)  # [bs, L, Hkv, D]
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [bs, H, 1, D]
             k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=self.kv_valid[:, None, None, :], scale=layer.scaling, enable_gqa=True,
+            attn_mask=valid[:, None, None, :], scale=layer.scaling, enable_gqa=True,
         )
         return o[:, :, 0, :]

@@ -37,11 +37,20 @@ class EngineCore:
     def __init__(self, args: EngineArgs, source: ModelSource) -> None:
         self.args = args
         self.runner = ModelRunner(args, source)
-        self.scheduler = Scheduler(self.runner.kv_manager, args.max_running_requests, args.chunked_prefill_size)
+        self.scheduler = Scheduler(self.runner.kv_manager, self.runner.max_running_requests,
+                                   self.runner.chunked_prefill_size)
         self.eos_token_ids = eos_token_ids(source)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._aborted: list[EngineCoreOutput] = []
+        r = self.runner
+        logger.info(
+            "model %s (%s, %s) on %s: weights %.2f GiB loaded in %.1f s; KV pool %d tokens (%.2f GiB, page %d); "
+            "max_model_len %d; max_running_requests %d; chunked_prefill_size %d",
+            source.path, type(r.model).__name__, str(r.dtype).removeprefix("torch."), r.device,
+            r.weight_bytes / 2**30, r.load_seconds, r.max_total_tokens, r.kv_cache.bytes() / 2**30,
+            args.page_size, r.max_model_len, r.max_running_requests, r.chunked_prefill_size,
+        )
 
     @property
     def max_model_len(self) -> int:

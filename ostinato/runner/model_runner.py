@@ -6,11 +6,13 @@ import time
 
 import torch
 
+from ostinato.attention.base import AttentionBackend
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
 from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.mem.kv_manager import KVManager
@@ -47,6 +49,9 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.vocab_size = config.vocab_size
+        cuda = self.device.type == "cuda"
+        self.max_running_requests = args.max_running_requests or (256 if cuda else 128)
+        self.chunked_prefill_size = args.chunked_prefill_size or (8192 if cuda else 2048)
         model_max = getattr(config, "max_position_embeddings", None) or 4096
         if args.max_model_len is not None and args.max_model_len > model_max:
             raise ValueError(f"max_model_len must be <= {model_max} (the model's max_position_embeddings), "
@@ -70,8 +75,25 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.load_seconds = time.perf_counter() - t0
 
+        self.compiled_forward = self.model.forward
+        if args.enable_torch_compile:
+            self.compiled_forward = torch.compile(self.model.forward, dynamic=False, fullgraph=True)
+
         self._init_memory(want_len)
-        self.backend = TorchAttentionBackend(self.req_to_token_pool, self.kv_cache)
+        self.backend = self._make_backend(self.req_to_token_pool, self.kv_cache)
+        self.graph_runner: DecodeGraphRunner | None = None
+        if cuda and not args.disable_cuda_graph:
+            self.graph_runner = DecodeGraphRunner(self)
+
+    def _make_backend(self, req_pool: ReqToTokenPool, kv_cache: MHATokenToKVPool) -> AttentionBackend:
+        name = self.args.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "triton":
+            from ostinato.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(req_pool, kv_cache)
+        return TorchAttentionBackend(req_pool, kv_cache)
 
     # ------------------------------------------------------------------ memory
     def _init_memory(self, want_len: int) -> None:
@@ -80,7 +102,7 @@ class ModelRunner:
         kv_dtype = _KV_DTYPES.get(args.kv_cache_dtype, self.dtype)
         per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers,
                                                      kv_dtype)
-        tokens = args.max_total_tokens or self._tokens_from_memory(per_token)
+        tokens = args.max_total_tokens or self._tokens_from_memory(per_token, head_dim, kv_dtype)
         page = args.page_size
         num_pages = -(-tokens // page) + 1  # +1: page 0 is the reserved sink
         self.allocator = TokenToKVPoolAllocator(num_pages * page, page, self.device)
@@ -90,18 +112,57 @@ class ModelRunner:
         self.max_model_len = min(want_len, self.max_total_tokens)
         if self.max_model_len < want_len:
             logger.warning("max_model_len capped at %d by the KV pool size", self.max_model_len)
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_model_len + page, self.device)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.max_model_len + page, self.device)
         self.kv_manager = KVManager(self.req_to_token_pool, self.allocator)
+        logger.info("KV pool: %d tokens, %.2f GiB (%s)", self.max_total_tokens, self.kv_cache.bytes() / 2**30,
+                    str(kv_dtype).removeprefix("torch."))
 
-    def _tokens_from_memory(self, per_token: int) -> int:
+    def _tokens_from_memory(self, per_token: int, head_dim: int, kv_dtype: torch.dtype) -> int:
+        """KV tokens that fit in mem_fraction_static of the GPU once weights, the activations of the largest
+        prefill chunk (profiled) and room for decode graphs are set aside."""
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
+        activations = self._profile_prefill_bytes(head_dim, kv_dtype)
+        graph_reserve = 2 * 256 * self.vocab_size * 4 + (512 << 20)  # static logits + capture workspace
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.args.mem_fraction_static - (total - free)
-        if budget < per_token * 16:
-            raise ValueError(f"mem_fraction_static={self.args.mem_fraction_static} leaves no room for the KV "
-                             f"pool after the weights; raise it or set max_total_tokens")
+        budget = total * self.args.mem_fraction_static - (total - free) - activations - graph_reserve
+        logger.info("memory: %.2f GiB used after weights, %.2f GiB peak prefill activations, %.2f GiB for graphs, "
+                    "%.2f GiB left for KV", (total - free) / 2**30, activations / 2**30, graph_reserve / 2**30,
+                    max(budget, 0) / 2**30)
+        if budget < per_token * 2 * self.chunked_prefill_size:
+            raise ValueError(f"mem_fraction_static={self.args.mem_fraction_static} leaves no room for the KV pool "
+                             f"after weights and activations; raise it or set max_total_tokens")
         return int(budget // per_token)
+
+    @torch.inference_mode()
+    def _profile_prefill_bytes(self, head_dim: int, kv_dtype: torch.dtype) -> int:
+        """Peak memory of one forward over `chunked_prefill_size` tokens, on a throwaway pool."""
+        cfg, n = self.config, self.chunked_prefill_size
+        req_pool = ReqToTokenPool(1, n + 1, self.device)
+        allocator = TokenToKVPoolAllocator(n + 2, 1, self.device)
+        kv_cache = MHATokenToKVPool(n + 2, kv_dtype, cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers,
+                                    self.device)
+        kv = KVManager(req_pool, allocator)
+        slot = req_pool.alloc()
+        loc = kv.extend(slot, 0, n)
+        backend = self._make_backend(req_pool, kv_cache)
+        ids = torch.randint(0, self.vocab_size, (n,), device=self.device)
+        batch = ForwardBatch(ForwardMode.EXTEND, 1, ids, torch.arange(n, device=self.device),
+                             torch.tensor([slot], device=self.device), torch.tensor([n], dtype=torch.int32,
+                                                                                     device=self.device),
+                             loc, torch.tensor([n - 1], device=self.device), [n], [0], [n])
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        with forward_context(backend, batch):
+            backend.init_forward_metadata(batch)
+            hidden = self.model(batch.input_ids, batch.positions)
+        self.model.compute_logits(hidden[batch.logits_indices])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del kv_cache, backend, hidden
+        torch.cuda.empty_cache()
+        return peak
 
     # ------------------------------------------------------------------ forward
     def prepare(self, sched: ScheduledBatch) -> ForwardBatch:
@@ -132,6 +193,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] (float32) at each request's last token."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         with forward_context(self.backend, batch):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions)

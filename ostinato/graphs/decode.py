@@ -1,0 +1,172 @@
+"""Decode steps captured once per batch size and replayed (seed 002).
+
+Static buffers are allocated once at the largest size; each captured size reads the first `bs` rows.
+A batch is padded up to the nearest captured size: padded rows decode a dummy token that reads one
+cached key (seq_len fill value 1, request row 0) and writes its K/V to slot 0, the pool's reserved
+sink, so real rows and real KV are never touched. Sizes are captured largest first, so smaller graphs
+reuse the memory of larger ones in the process-wide pool.
+"""
+
+import bisect
+import gc
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.attention.op import forward_context
+from ostinato.graphs.graph import Graph
+
+if TYPE_CHECKING:
+    from ostinato.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+SEQ_LEN_FILL_VALUE = 1  # what padded rows' seq_lens hold: one key to read, never an empty softmax
+PAD_SLOT = 0  # the reserved sink slot padded rows write their K/V to
+
+
+def default_cuda_graph_max_bs(gpu_memory_bytes: int | None) -> int:
+    """Larger GPUs run larger decode batches, so capture up to a larger size (SGLang's rule of thumb)."""
+    if gpu_memory_bytes is None:
+        return 8
+    gib = gpu_memory_bytes / 2**30
+    return 8 if gib < 20 else 80 if gib < 35 else 160 if gib < 60 else 256
+
+
+def capture_batch_sizes(cuda_graph_bs: list[int] | None, cuda_graph_max_bs: int,
+                        max_running_requests: int) -> list[int]:
+    """Ascending sizes to capture: given explicitly, or 1, 2, 4, 8 then every 8 (every 16 past 160)."""
+    if cuda_graph_bs:
+        sizes = set(cuda_graph_bs)
+    else:
+        sizes = {1, 2, 4} | set(range(8, min(cuda_graph_max_bs, 160) + 1, 8))
+        sizes |= set(range(176, cuda_graph_max_bs + 1, 16))
+        sizes = {s for s in sizes if s <= cuda_graph_max_bs} | {cuda_graph_max_bs}
+    sizes = sorted(s for s in sizes if s <= max_running_requests)
+    return sizes or [min(max_running_requests, cuda_graph_max_bs)]
+
+
+class DecodeGraphRunner:
+    def __init__(self, runner: "ModelRunner") -> None:
+        self.runner = runner
+        args = runner.args
+        self.device = runner.device
+        self.disable_padding = args.disable_cuda_graph_padding
+        gpu_mem = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        max_bs = args.cuda_graph_max_bs or default_cuda_graph_max_bs(gpu_mem)
+        self.batch_sizes = capture_batch_sizes(args.cuda_graph_bs, max_bs, runner.max_running_requests)
+        self.max_bs = self.batch_sizes[-1]
+        self.compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
+
+        # Static inputs: written in place before every replay, rows [bs:padded_bs] with the padding values.
+        n, dev = self.max_bs, self.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((n,), SEQ_LEN_FILL_VALUE, dtype=torch.int32, device=dev)
+        self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        # Static output, written by every replay.
+        self.logits = torch.zeros(n, runner.vocab_size, dtype=torch.float32, device=dev)
+        runner.backend.init_cuda_graph_state(self.max_bs)
+
+        self.graphs: dict[int, Graph] = {}
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+        self.capture()
+
+    # ------------------------------------------------------------------ capture
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.logits_indices[:bs], seq_lens_cpu=[],
+        )
+
+    def _step_fn(self, bs: int):
+        model = self.runner.model
+        forward = self.runner.compiled_forward if bs <= self.compile_max_bs else model.forward
+        batch = self._batch(bs)
+        backend = self.runner.backend
+
+        def step() -> None:
+            with forward_context(backend, batch):
+                hidden = forward(batch.input_ids, batch.positions)
+            self.logits[:bs] = model.compute_logits(hidden)
+
+        return step
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        gc_was_enabled = gc.isenabled()
+        if not self.runner.args.enable_cudagraph_gc:
+            gc.collect()
+            gc.freeze()  # objects alive now are never scanned: no GC pause mid-capture
+            gc.disable()
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        try:
+            for bs in tqdm(list(reversed(self.batch_sizes)), desc="Capturing decode graphs", leave=False,
+                           disable=not cuda):
+                self._fill_padding(0, bs)
+                self.runner.backend.init_forward_metadata_capture(bs, self.req_pool_indices[:bs], self.seq_lens[:bs])
+                step = self._step_fn(bs)
+                if cuda:  # warm up on the capture stream: lazy init, autotuning and compilation stay outside
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        step()
+                        step()
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    torch.cuda.synchronize(self.device)
+                graph = Graph(self.device)
+                graph.capture(step, stream)
+                self.graphs[bs] = graph
+        finally:
+            if not self.runner.args.enable_cudagraph_gc:
+                gc.unfreeze()
+                if gc_was_enabled:
+                    gc.enable()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured decode graphs for batch sizes %s in %.1f s, graph memory %.2f GiB",
+                    self.batch_sizes, self.capture_seconds, self.graph_memory_bytes / 2**30)
+
+    # ------------------------------------------------------------------ replay
+    def can_run(self, batch: ForwardBatch) -> bool:
+        if batch.mode is not ForwardMode.DECODE or batch.batch_size > self.max_bs:
+            return False
+        return not self.disable_padding or batch.batch_size in self.graphs
+
+    def padded_size(self, bs: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def _fill_padding(self, start: int, stop: int) -> None:
+        if stop > start:
+            self.input_ids[start:stop].zero_()
+            self.positions[start:stop].zero_()
+            self.req_pool_indices[start:stop].zero_()
+            self.seq_lens[start:stop].fill_(SEQ_LEN_FILL_VALUE)
+            self.out_cache_loc[start:stop].fill_(PAD_SLOT)
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [bs, vocab] for a decode batch; the returned tensor is a view of the static output."""
+        bs = batch.batch_size
+        padded = self.padded_size(bs)
+        self.input_ids[:bs].copy_(batch.input_ids)
+        self.positions[:bs].copy_(batch.positions)
+        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        self.seq_lens[:bs].copy_(batch.seq_lens)
+        self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+        self._fill_padding(bs, padded)
+        self.runner.backend.init_forward_metadata_replay(padded, self.req_pool_indices[:padded],
+                                                         self.seq_lens[:padded])
+        self.graphs[padded].replay()
+        return self.logits[:bs]

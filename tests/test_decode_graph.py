@@ -1,0 +1,151 @@
+"""DecodeGraphRunner bookkeeping on the CPU through the Graph stand-in (replay re-runs the captured step
+over the same static buffers)."""
+
+import json
+
+import pytest
+import torch
+
+from ostinato import LLM, SamplingParams
+from ostinato.attention.forward_batch import ForwardMode
+from ostinato.engine.request import Request
+from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.graphs.decode import PAD_SLOT, DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def tiny_llm(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return LLM(str(path), load_format="dummy", device="cpu", max_total_tokens=2048, page_size=4,
+               max_running_requests=8, cuda_graph_bs=[1, 2, 4, 8])
+
+
+def decode_batch(runner, seqs):
+    """Prefill `seqs`, then schedule one decode step for all; returns (ScheduledBatch, requests)."""
+    reqs = []
+    for i, seq in enumerate(seqs):
+        r = Request(str(i), seq, SamplingParams(), seed=0)
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        reqs.append(r)
+    kv = runner.kv_manager
+    n = [len(s) - 1 for s in seqs]
+    locs = [kv.extend(r.req_pool_idx, 0, k) for r, k in zip(reqs, n, strict=True)]
+    for r, k in zip(reqs, n, strict=True):
+        r.kv_len = k
+    runner.forward(runner.prepare(ScheduledBatch(ForwardMode.EXTEND, reqs, [0] * len(reqs), n, torch.cat(locs),
+                                                 [True] * len(reqs))))
+    prefix = [r.kv_len for r in reqs]
+    locs = [kv.extend(r.req_pool_idx, r.kv_len, r.kv_len + 1) for r in reqs]
+    for r in reqs:
+        r.kv_len += 1
+    return ScheduledBatch(ForwardMode.DECODE, reqs, prefix, [1] * len(reqs), torch.cat(locs), [True] * len(reqs)), reqs
+
+
+def release(runner, reqs):
+    for r in reqs:
+        runner.kv_manager.release(r.req_pool_idx, r.kv_len)
+    runner.kv_manager.check_all_free()
+
+
+def test_batch_size_lists():
+    assert capture_batch_sizes(None, 32, 256) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_batch_sizes(None, 256, 256)[-3:] == [224, 240, 256]
+    assert capture_batch_sizes(None, 256, 20) == [1, 2, 4, 8, 16]  # filtered by max_running_requests
+    assert capture_batch_sizes([8, 1, 3], 999, 256) == [1, 3, 8]
+    assert default_cuda_graph_max_bs(80 * 2**30) == 256 and default_cuda_graph_max_bs(16 * 2**30) == 8
+
+
+def test_replay_equals_eager_with_padding(tiny_llm):
+    runner = tiny_llm.engine.runner
+    graphs = DecodeGraphRunner(runner)
+    assert sorted(graphs.graphs) == [1, 2, 4, 8] and graphs.padded_size(3) == 4 and graphs.padded_size(5) == 8
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 30, 17)]
+    sched, reqs = decode_batch(runner, seqs)
+    batch = runner.prepare(sched)
+    assert graphs.can_run(batch)
+    k0, v0 = (b.clone() for b in runner.kv_cache.get_kv_buffer(0))
+    eager = runner.forward(batch).clone()  # graph_runner not attached: eager
+    kv_after_eager = [b.clone() for b in runner.kv_cache.get_kv_buffer(0)]
+    for buf, orig in zip(runner.kv_cache.get_kv_buffer(0), (k0, v0), strict=True):
+        buf.copy_(orig)
+    replayed = graphs.replay(batch).clone()
+    torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
+    # the real rows wrote the same K/V; the padded row wrote only to the sink slot
+    for after_replay, after_eager in zip(runner.kv_cache.get_kv_buffer(0), kv_after_eager, strict=True):
+        torch.testing.assert_close(after_replay[PAD_SLOT + 1 :], after_eager[PAD_SLOT + 1 :])
+    release(runner, reqs)
+
+
+def test_poisoned_padding_never_changes_real_rows(tiny_llm, monkeypatch):
+    runner = tiny_llm.engine.runner
+    graphs = DecodeGraphRunner(runner)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (12, 40, 7, 25, 3)]  # bs 5 -> 8
+    sched, reqs = decode_batch(runner, seqs)
+    batch = runner.prepare(sched)
+    clean = graphs.replay(batch).clone()
+    real_kv = [b[1:].clone() for b in runner.kv_cache.get_kv_buffer(1)]
+
+    fill = graphs._fill_padding
+
+    def poisoned_fill(start, stop):
+        fill(start, stop)  # the padding contract (sink slot, seq_len fill) holds; the tokens are garbage
+        graphs.input_ids[start:stop] = torch.randint(0, 256, (stop - start,), generator=gen)
+        graphs.positions[start:stop] = torch.randint(0, 200, (stop - start,), generator=gen)
+        for buf in runner.kv_cache.get_kv_buffer(1):
+            buf[PAD_SLOT].normal_(0, 1e4, generator=gen)
+
+    monkeypatch.setattr(graphs, "_fill_padding", poisoned_fill)
+    poisoned = graphs.replay(batch).clone()
+    torch.testing.assert_close(poisoned, clean)
+    for before, buf in zip(real_kv, runner.kv_cache.get_kv_buffer(1), strict=True):
+        torch.testing.assert_close(buf[1:], before)
+    release(runner, reqs)
+
+
+def test_stand_in_replays_from_static_buffers(tiny_llm):
+    """A runner that forgot to copy an input would be caught: replay reads only the static buffers."""
+    runner = tiny_llm.engine.runner
+    graphs = DecodeGraphRunner(runner)
+    seqs = [[5, 6, 7, 8], [9, 10, 11]]
+    sched, reqs = decode_batch(runner, seqs)
+    batch = runner.prepare(sched)
+    first = graphs.replay(batch).clone()
+    graphs.input_ids[0] = (graphs.input_ids[0] + 1) % 256  # what a stale buffer would hold
+    graphs.graphs[2].replay()
+    assert not torch.allclose(graphs.logits[0], first[0])
+    torch.testing.assert_close(graphs.logits[1], first[1])
+    release(runner, reqs)
+
+
+def test_generate_through_graphs_equals_eager(tiny_llm):
+    runner = tiny_llm.engine.runner
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,)).tolist()} for n in (5, 33, 18, 60, 2, 41)]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
+    runner.graph_runner = DecodeGraphRunner(runner)
+    calls = []
+    replay = runner.graph_runner.replay
+    runner.graph_runner.replay = lambda b: calls.append(b.batch_size) or replay(b)
+    graphed = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
+    assert graphed == eager
+    assert calls and max(calls) == 6  # decode batches went through the graphs (6 pads to 8)
+    tiny_llm.engine.check_memory_leak()
+
+
+def test_disable_padding_runs_exact_sizes_only(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    llm = LLM(str(path), load_format="dummy", device="cpu", max_total_tokens=512, cuda_graph_bs=[1, 4],
+              disable_cuda_graph_padding=True)
+    graphs = DecodeGraphRunner(llm.engine.runner)
+    sched, reqs = decode_batch(llm.engine.runner, [[1, 2, 3], [4, 5, 6], [7, 8]])
+    batch = llm.engine.runner.prepare(sched)
+    assert not graphs.can_run(batch)  # 3 is not captured and padding is off
+    release(llm.engine.runner, reqs)
