@@ -1,0 +1,147 @@
+"""Decode ms/step, eager vs CUDA graph, by batch size and context, beside the HBM floor.
+
+A step here is what the engine does per decode step minus scheduling: build the batch tensors, run the
+model (replay or eager), sample greedily and copy the tokens to the host. `forward_ms` is the GPU time
+of the model call alone (CUDA events). The floor is the bytes a step must read (all weights once + the
+batch's KV) over the measured device copy bandwidth.
+
+python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from ostinato.attention.forward_batch import ForwardMode
+from ostinato.config import EngineArgs
+from ostinato.engine.request import Request
+from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.loader import load_model_source
+from ostinato.mem.kv_cache import MHATokenToKVPool
+from ostinato.runner.model_runner import ModelRunner
+from ostinato.sampling_params import SamplingParams
+
+CASES = [(1, 128), (8, 128), (32, 128), (64, 128), (128, 128), (256, 128), (1, 4096), (32, 4096)]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    src = torch.randn(1 << 28, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / sorted(times)[len(times) // 2]
+
+
+def decode_batch(runner: ModelRunner, bs: int, ctx: int) -> tuple[ScheduledBatch, list[Request]]:
+    """`bs` requests whose first `ctx` tokens hold (random) KV, scheduled for one decode step."""
+    gen = torch.Generator().manual_seed(bs * 7919 + ctx)
+    reqs = []
+    for i in range(bs):
+        ids = torch.randint(0, runner.vocab_size, (ctx + 1,), generator=gen).tolist()
+        r = Request(f"b{i}", ids, SamplingParams(temperature=0.0), seed=0)
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        runner.kv_manager.extend(r.req_pool_idx, 0, ctx)
+        r.kv_len = ctx
+        reqs.append(r)
+    locs = torch.cat([runner.kv_manager.extend(r.req_pool_idx, ctx, ctx + 1) for r in reqs])
+    return ScheduledBatch(ForwardMode.DECODE, reqs, [ctx] * bs, [1] * bs, locs, [True] * bs), reqs
+
+
+def time_steps(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: int) -> tuple[float, float]:
+    saved = runner.graph_runner
+    runner.graph_runner = saved if graph else None
+    try:
+        for _ in range(3):
+            runner.sample(runner.forward(runner.prepare(sched)), sched)
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        t = time.perf_counter()
+        for s, e in events:
+            batch = runner.prepare(sched)
+            s.record()
+            logits = runner.forward(batch)
+            e.record()
+            runner.sample(logits, sched)  # .tolist(): syncs, as the engine does every step
+        step = (time.perf_counter() - t) / iters
+        fwd = sorted(s.elapsed_time(e) for s, e in events)[iters // 2]
+        return step * 1e3, fwd
+    finally:
+        runner.graph_runner = saved
+
+
+def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[dict], dict]:
+    need = max(bs * (ctx + 1) for bs, ctx in CASES) + 1024
+    eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
+                       max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
+                       enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs)
+    runner = ModelRunner(eargs, load_model_source(name, "dummy"))
+    for layer in range(runner.kv_cache.layer_num):  # never time on zeros
+        for buf in runner.kv_cache.get_kv_buffer(layer):
+            buf.normal_()
+    cfg = runner.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers,
+                                                    runner.kv_cache.dtype)
+    gr = runner.graph_runner
+    print(f"{name}: weights {runner.weight_bytes / 1e9:.2f} GB, capture {gr.capture_seconds:.1f} s "
+          f"for {gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
+    rows = []
+    for bs, ctx in CASES:
+        sched, reqs = decode_batch(runner, bs, ctx)
+        floor_ms = (runner.weight_bytes + bs * (ctx + 1) * kv_per_token) / bw * 1e3
+        for mode in ("eager", "graph"):
+            step_ms, fwd_ms = time_steps(runner, sched, mode == "graph", args.iters)
+            rows.append({"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
+                         "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile})
+            print(f"{name:<14}{bs:>5}{ctx:>7}{mode:>7}{step_ms:>10.3f}{fwd_ms:>10.3f}{floor_ms:>9.3f}", flush=True)
+        for r in reqs:
+            runner.kv_manager.release(r.req_pool_idx, r.kv_len)
+    meta = {"capture_seconds": gr.capture_seconds, "graph_memory_GiB": gr.graph_memory_bytes / 2**30,
+            "batch_sizes": gr.batch_sizes}
+    del runner
+    torch.cuda.empty_cache()
+    return rows, meta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen3-0.6b"])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--compile", action="store_true", help="--enable-torch-compile for the captured sizes")
+    ap.add_argument("--compile-max-bs", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'model':<14}{'bs':>5}{'ctx':>7}{'mode':>7}{'ms/step':>10}{'fwd ms':>10}{'floor':>9}")
+    rows, meta = [], {}
+    for name in args.models:
+        r, m = bench_model(name, args, bw)
+        rows += r
+        meta[name] = m
+    gpu = torch.cuda.get_device_name(device)
+    tag = "h100" if "H100" in gpu else "h200" if "H200" in gpu else gpu.replace(" ", "-").lower()
+    report = {"device": gpu, "torch": torch.__version__, "command": " ".join(["python"] + sys.argv),
+              "copy_bandwidth_TBps": bw / 1e12, "capture": meta, "rows": rows}
+    path = args.out or os.path.join(os.path.dirname(__file__), "results", f"decode-{tag}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Attention in Triton kernels over the paged cache: a one-launch K/V store, split-KV decode that a CUDA
+graph can capture, and causal extend over the cached prefix plus the new tokens."""
+
+import torch
+
+from ostinato.attention.base import AttentionBackend, AttentionSpec
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.attention.triton_ops import decode_attention, extend_attention, store_kv
+from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits
+from ostinato.mem.kv_cache import KVCache
+from ostinato.mem.req_to_token_pool import ReqToTokenPool
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decode splits each request's KV into clamp(ceil(seq_len / min_tokens_per_split), 1, max_kv_splits)
+    parts, counted on the device; the launch grid always has max_kv_splits in its split dimension.
+
+    `num_heads` sizes the graph path's scratch; when left out it is the largest `num_heads` of the
+    attention layers registered with `ostinato.attention.op` when `init_cuda_graph_state` runs.
+    """
+
+    max_kv_splits = 16  # the grid's split dimension and the scratch depth
+    min_tokens_per_split = 128
+    decode_block_n = 64
+    extend_block_m = 64
+    extend_block_n = 64
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, num_heads: int | None = None) -> None:
+        super().__init__(req_to_token_pool, kv_cache)
+        self.num_heads = num_heads
+        self.device = req_to_token_pool.req_to_token.device
+        self.graph_mode = False
+        self.graph_max_bs = 0
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.graph_mode = False
+        self.req_pool_indices = batch.req_pool_indices
+        self.seq_lens = batch.seq_lens
+        if batch.mode is ForwardMode.DECODE:
+            self.num_kv_splits = torch.empty(batch.batch_size, dtype=torch.int32, device=self.device)
+            compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self.min_tokens_per_split, self.max_kv_splits)
+            return
+        prefix, extend = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
+        assert prefix is not None and extend is not None
+        q_start = [0] * len(extend)
+        for i in range(1, len(extend)):
+            q_start[i] = q_start[i - 1] + extend[i - 1]
+        # one host->device copy for the three per-request int vectors
+        meta = torch.tensor([q_start, prefix, extend], dtype=torch.int32).to(self.device, non_blocking=True)
+        self.q_start, self.prefix_lens, self.extend_lens = meta[0], meta[1], meta[2]
+        self.max_extend_len = max(extend, default=0)
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        num_heads = self.num_heads or _registered_max_heads()
+        if num_heads is None:
+            raise ValueError("TritonAttentionBackend needs num_heads (or registered attention layers) "
+                             "to size the decode-graph scratch")
+        head_dim = self.kv_cache.get_kv_buffer(0)[0].shape[2]
+        self.graph_max_bs = max_bs
+        self.graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self.graph_mid_o = torch.empty(max_bs, num_heads, self.max_kv_splits, head_dim, dtype=torch.float32,
+                                       device=self.device)
+        self.graph_mid_lse = torch.empty(max_bs, num_heads, self.max_kv_splits, dtype=torch.float32,
+                                         device=self.device)
+
+    def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        assert self.graph_max_bs > 0, "init_cuda_graph_state must run first"
+        assert bs <= self.graph_max_bs, f"bs={bs} > max_bs={self.graph_max_bs}"
+        self.graph_mode = True
+        self.graph_bs = bs
+        self.graph_req_pool_indices, self.graph_seq_lens = req_pool_indices[:bs], seq_lens[:bs]
+        # the split counts are recomputed by the first layer of every pass; which layer comes first is
+        # learned on the first pass after this call (every pass visits the layers in the same order)
+        self.splits_layer_id: int | None = None
+
+    def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        # everything derived from the buffers is recomputed inside the captured region
+        self.init_forward_metadata_capture(bs, req_pool_indices, seq_lens)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionSpec,
+                batch: ForwardBatch) -> torch.Tensor:
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+        v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        self.store_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        if batch.mode is ForwardMode.DECODE:
+            o = self.forward_decode(q, layer, batch)
+        else:
+            o = self.forward_extend(q, layer, batch)
+        return o.reshape(-1, layer.num_heads * layer.head_dim)
+
+    def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.kv_cache.store_dtype != self.kv_cache.dtype:  # fp8 stored as uint8: the cache casts
+            self.kv_cache.set_kv_buffer(layer_id, loc, k, v)
+            return
+        k_buf, v_buf = self.kv_cache.get_kv_buffer(layer_id)
+        store_kv(k_buf, v_buf, loc, k, v)
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf = self.kv_cache.get_kv_buffer(layer.layer_id)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        extend_attention(
+            q, k_buf, v_buf, out, self.req_to_token_pool.req_to_token, self.req_pool_indices, self.q_start,
+            self.prefix_lens, self.extend_lens, self.max_extend_len, layer.scaling,
+            block_m=self.extend_block_m, block_n=self.extend_block_n,
+        )
+        return out
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        bs, num_heads, head_dim = q.shape
+        if self.graph_mode:
+            cap = self.graph_mid_o.shape
+            assert bs == self.graph_bs and num_heads <= cap[1] and head_dim <= cap[3], (bs, num_heads, head_dim)
+            if self.splits_layer_id is None:
+                self.splits_layer_id = layer.layer_id
+            num_kv_splits = self.graph_num_kv_splits[:bs]
+            if layer.layer_id == self.splits_layer_id:  # once per pass, on the device, inside the capture
+                compute_num_kv_splits(self.graph_seq_lens, num_kv_splits, self.min_tokens_per_split,
+                                      self.max_kv_splits)
+            req_pool_indices, seq_lens = self.graph_req_pool_indices, self.graph_seq_lens
+            mid_o = self.graph_mid_o[:bs, :num_heads, :, :head_dim]
+            mid_lse = self.graph_mid_lse[:bs, :num_heads]
+        else:
+            num_kv_splits, req_pool_indices, seq_lens = self.num_kv_splits, self.req_pool_indices, self.seq_lens
+            mid_o = torch.empty(bs, num_heads, self.max_kv_splits, head_dim, dtype=torch.float32, device=q.device)
+            mid_lse = torch.empty(bs, num_heads, self.max_kv_splits, dtype=torch.float32, device=q.device)
+        k_buf, v_buf = self.kv_cache.get_kv_buffer(layer.layer_id)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        decode_attention(
+            q, k_buf, v_buf, out, self.req_to_token_pool.req_to_token, req_pool_indices, seq_lens,
+            num_kv_splits, mid_o, mid_lse, layer.scaling, block_n=self.decode_block_n,
+        )
+        return out
+
+
+def _registered_max_heads() -> int | None:
+    from ostinato.attention.op import _ctx
+
+    return max((spec.num_heads for spec in _ctx.layers.values()), default=None)

@@ -1,0 +1,7 @@
+"""Triton kernels of the Triton attention backend: one module per kernel."""
+
+from ostinato.attention.triton_ops.decode_attention import decode_attention
+from ostinato.attention.triton_ops.extend_attention import extend_attention
+from ostinato.attention.triton_ops.kv_store import store_kv
+
+__all__ = ["decode_attention", "extend_attention", "store_kv"]

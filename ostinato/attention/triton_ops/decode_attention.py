@@ -1,0 +1,142 @@
+"""Split-KV (flash-decoding) attention for one query token per request over the paged cache.
+
+Stage 1, grid (bs, num_kv_heads, max_kv_splits): a program takes the GQA group of query heads that
+share one KV head (padded to >= 16 rows so the scores are a tl.dot), walks its split of the request's
+tokens through `req_to_token`, and writes the split's normalised partial output and log2-sum-exp.
+Stage 2, grid (bs, num_heads): merges a request's splits.
+
+The split count of a request lives on the device (`num_kv_splits[b]`), so the grid is fixed and the
+launch can be captured in a CUDA graph: programs whose split index is past the count exit at once.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse,
+    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
+    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.load(Num_kv_splits + b)
+    if split >= num_splits:
+        return
+    seq_len = tl.load(Seq_lens + b)
+    req = tl.load(Req_pool_indices + b).to(tl.int64)
+    # splits are whole blocks long; the last ones may be empty (they then write lse = -inf)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(Req_to_token + req * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
+                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # every block holds >= 1 valid key, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out,
+             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    Mid_o, Mid_lse, Num_kv_splits, Out,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_splits = tl.load(Num_kv_splits + b)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(Mid_lse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf"))
+    # split 0 is never empty (seq_len >= 1), so the max is finite
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Mid_o + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+def compute_num_kv_splits(seq_lens: torch.Tensor, out: torch.Tensor, min_tokens_per_split: int,
+                          max_kv_splits: int) -> None:
+    """out[b] = clamp(ceil(seq_lens[b] / min_tokens_per_split), 1, max_kv_splits), on the device, no sync."""
+    n = torch.div(seq_lens + (min_tokens_per_split - 1), min_tokens_per_split, rounding_mode="floor")
+    out.copy_(n.clamp_(1, max_kv_splits))
+
+
+def decode_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+    num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, scale: float,
+    block_n: int = 64,
+) -> None:
+    """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens/num_kv_splits int32 [bs] with seq_lens >= 1.
+
+    mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
+    grid's split dimension and must be >= max(num_kv_splits).
+    """
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    group = num_heads // num_kv_heads
+    max_kv_splits = mid_o.shape[2]
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_buf.stride(2) == 1 and v_buf.stride(2) == 1
+    assert mid_o.stride(3) == 1 and mid_lse.stride(2) == 1 and req_to_token.stride(1) == 1
+    if bs == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=block_n, PRECISION=precision, num_warps=4, num_stages=2,
+    )
+    _decode_stage2_kernel[(bs, num_heads)](
+        mid_o, mid_lse, num_kv_splits, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(max_kv_splits), BLOCK_D=block_d, num_warps=4,
+    )

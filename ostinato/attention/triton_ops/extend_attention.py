@@ -1,0 +1,98 @@
+"""Causal attention of a batch's new tokens over each request's paged prefix plus themselves.
+
+The new tokens' K/V are already in the cache, so every key is read through `req_to_token`: key j of
+request b sits at slot req_to_token[req_pool_indices[b], j]. Query i of request b (row q_start[b] + i
+of q) is at absolute position prefix_lens[b] + i and sees keys 0..prefix_lens[b] + i.
+
+Grid (bs, num_heads, cdiv(max_extend_len, BLOCK_M)): one program per block of BLOCK_M queries of one
+request and one head; programs past their request's extend length exit at once.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    Q, Out, K_buf, V_buf, Req_to_token, Req_pool_indices, Q_start, Prefix_lens, Extend_lens,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    extend_len = tl.load(Extend_lens + b)
+    if m0 >= extend_len:
+        return
+    prefix = tl.load(Prefix_lens + b)
+    q_start = tl.load(Q_start + b).to(tl.int64)
+    req = tl.load(Req_pool_indices + b).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < extend_len
+    d_mask = offs_d < HEAD_DIM
+    rows = q_start + offs_m
+    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = prefix + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # the last query of this block sees keys up to kv_end - 1
+    kv_end = prefix + tl.minimum(m0 + BLOCK_M, extend_len)
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        slots = tl.load(Req_to_token + req * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
+                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        # key 0 is visible to every row and lies in the first block, so m_new is finite from then on
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, q_start: torch.Tensor,
+    prefix_lens: torch.Tensor, extend_lens: torch.Tensor, max_extend_len: int, scale: float,
+    block_m: int = 64, block_n: int = 64,
+) -> None:
+    """q/out [T, H, D] (requests' new tokens back to back); k_buf/v_buf [slots, Hkv, D];
+    q_start/prefix_lens/extend_lens int32 [bs]; max_extend_len = max(extend_lens) (host value)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    bs = req_pool_indices.shape[0]
+    group = num_heads // k_buf.shape[1]
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_buf.stride(2) == 1 and v_buf.stride(2) == 1
+    assert req_to_token.stride(1) == 1
+    if bs == 0 or max_extend_len == 0:
+        return
+    _extend_kernel[(bs, num_heads, triton.cdiv(max_extend_len, block_m))](
+        q, out, k_buf, v_buf, req_to_token, req_pool_indices, q_start, prefix_lens, extend_lens,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )

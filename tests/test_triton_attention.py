@@ -1,0 +1,308 @@
+"""The Triton backend against the torch backend on the same pool contents.
+
+Without a GPU the kernels run in Triton's interpreter at tiny shapes (fp32); with one, at model shapes
+in bf16 against the torch backend computed in fp32.
+"""
+
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ostinato.attention.base import AttentionSpec  # noqa: E402
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from ostinato.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from ostinato.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from ostinato.mem.kv_cache import MHATokenToKVPool  # noqa: E402
+from ostinato.mem.kv_manager import KVManager  # noqa: E402
+from ostinato.mem.req_to_token_pool import ReqToTokenPool  # noqa: E402
+from ostinato.mem.token_allocator import TokenToKVPoolAllocator  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TINY_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tiny fp32 cases run on the GPU when there is one
+
+
+@dataclass
+class Env:
+    kv: KVManager
+    cache: MHATokenToKVPool
+    tri: TritonAttentionBackend
+    ref: TorchAttentionBackend
+    spec: AttentionSpec
+    gen: torch.Generator
+    device: str
+    dtype: torch.dtype
+
+
+def make_env(page: int, heads: int, kv_heads: int, dim: int, *, dtype=torch.float32, device=TINY_DEVICE,
+             slots=1024, max_reqs=8, max_ctx=128, seed=0, small_blocks=True, cache_dtype=None) -> Env:
+    gen = torch.Generator(device).manual_seed(seed)
+    req_pool = ReqToTokenPool(max_reqs, max_ctx, device)
+    alloc = TokenToKVPoolAllocator(slots, page, device)
+    # hand pages out in a random order, so a request's slots are scattered over the pool
+    alloc.free_pages = alloc.free_pages[torch.randperm(len(alloc.free_pages), generator=gen, device=device)]
+    cache = MHATokenToKVPool(slots, cache_dtype or dtype, kv_heads, dim, 1, device)
+    tri = TritonAttentionBackend(req_pool, cache, num_heads=heads)
+    if small_blocks:  # the interpreter's shapes: several blocks and splits per request
+        tri.decode_block_n = tri.extend_block_m = tri.extend_block_n = 16
+        tri.min_tokens_per_split = 16
+    spec = AttentionSpec(0, heads, kv_heads, dim, dim**-0.5)
+    return Env(KVManager(req_pool, alloc), cache, tri, TorchAttentionBackend(req_pool, cache), spec, gen, device,
+               dtype)
+
+
+def randn(env: Env, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=env.gen, device=env.device, dtype=torch.float32).to(env.dtype)
+
+
+def new_requests(env: Env, prefix_lens: list[int]) -> list[int]:
+    """Allocate a row per request and fill its cached prefix with random K/V."""
+    rows = []
+    for p in prefix_lens:
+        row = env.kv.req_pool.alloc()
+        if p:
+            loc = env.kv.extend(row, 0, p)
+            env.cache.set_kv_buffer(0, loc, randn(env, p, env.spec.num_kv_heads, env.spec.head_dim),
+                                    randn(env, p, env.spec.num_kv_heads, env.spec.head_dim))
+        rows.append(row)
+    return rows
+
+
+def make_batch(env: Env, mode: ForwardMode, rows: list[int], prefix: list[int], new: list[int]) -> ForwardBatch:
+    locs = [env.kv.extend(r, p, p + n) for r, p, n in zip(rows, prefix, new, strict=True)]
+    seq = [p + n for p, n in zip(prefix, new, strict=True)]
+    t, dev = sum(new), env.device
+    return ForwardBatch(
+        mode, len(rows), torch.zeros(t, dtype=torch.int64, device=dev), torch.zeros(t, dtype=torch.int64, device=dev),
+        torch.tensor(rows, device=dev), torch.tensor(seq, dtype=torch.int32, device=dev), torch.cat(locs),
+        torch.tensor(new, device=dev).cumsum(0) - 1, seq, list(prefix), list(new),
+    )
+
+
+def qkv(env: Env, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, hk, d = env.spec.num_heads, env.spec.num_kv_heads, env.spec.head_dim
+    return randn(env, t, h, d), randn(env, t, hk, d), randn(env, t, hk, d)
+
+
+def run_triton(env: Env, batch: ForwardBatch, q, k, v) -> torch.Tensor:
+    env.tri.init_forward_metadata(batch)
+    s = env.spec
+    out = env.tri.forward(q.reshape(len(q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), s, batch)
+    return out.view(-1, s.num_heads, s.head_dim)
+
+
+def run_reference(env: Env, batch: ForwardBatch, q: torch.Tensor) -> torch.Tensor:
+    """The torch backend in fp32 over the pool as it is now (the new K/V already stored)."""
+    env.ref.init_forward_metadata(batch)
+    if batch.mode is ForwardMode.DECODE:
+        return env.ref.forward_decode(q.float(), env.spec, batch)
+    return env.ref.forward_extend(q.float(), env.spec, batch)
+
+
+def check(env: Env, batch: ForwardBatch, out: torch.Tensor, q: torch.Tensor, atol: float) -> None:
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ref = run_reference(env, batch, q)
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
+
+
+def check_stored(env: Env, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+    k_buf, v_buf = env.cache.get_kv_buffer(0)
+    assert torch.equal(k_buf[batch.out_cache_loc].float(), k.to(env.cache.dtype).float())
+    assert torch.equal(v_buf[batch.out_cache_loc].float(), v.to(env.cache.dtype).float())
+
+
+# ---------------------------------------------------------------- tiny shapes, fp32 (the interpreter on a CPU)
+def test_store_kv_casts_to_cache_dtype():
+    env = make_env(4, 4, 2, 16, dtype=torch.float16)
+    rows = new_requests(env, [0, 0])
+    batch = make_batch(env, ForwardMode.EXTEND, rows, [0, 0], [7, 5])
+    k, v = randn(env, 12, 2, 16), randn(env, 12, 2, 16)  # fp32 into an fp16 cache
+    env.tri.store_kv(0, batch.out_cache_loc, k, v)
+    check_stored(env, batch, k, v)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_matches_torch(page, group):
+    env = make_env(page, 2 * group, 2, 32 if group == 2 else 16, seed=page * 10 + group)
+    prefix = [0, 16, 79, 44]  # seq lens 1, 17 (2 splits), 80 (5 splits), 45
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1] * 4)
+    q, k, v = qkv(env, 4)
+    out = run_triton(env, batch, q, k, v)
+    check_stored(env, batch, k, v)
+    assert env.tri.num_kv_splits.tolist() == [1, 2, 5, 3]
+    check(env, batch, out, q, atol=1e-4)
+
+
+def test_decode_clamped_splits_with_empty_tail():
+    env = make_env(4, 4, 2, 16, seed=3)
+    env.tri.max_kv_splits = 4  # seq len 80 -> 4 splits of 32 tokens: the last one is empty
+    rows = new_requests(env, [79, 9])
+    batch = make_batch(env, ForwardMode.DECODE, rows, [79, 9], [1, 1])
+    q, k, v = qkv(env, 2)
+    out = run_triton(env, batch, q, k, v)
+    assert env.tri.num_kv_splits.tolist() == [4, 1]
+    check(env, batch, out, q, atol=1e-4)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_extend_matches_torch(page, group):
+    env = make_env(page, 2 * group, 2, 32 if group == 2 else 16, seed=page * 10 + group)
+    prefix, new = [0, 21, 0, 50], [37, 19, 1, 30]  # with and without a cached prefix, odd chunk lengths
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.EXTEND, rows, prefix, new)
+    q, k, v = qkv(env, sum(new))
+    out = run_triton(env, batch, q, k, v)
+    check_stored(env, batch, k, v)
+    check(env, batch, out, q, atol=1e-4)
+
+
+def decode_step(env: Env, rows: list[int], lens: list[int]) -> tuple[ForwardBatch, tuple]:
+    """A decode batch of requests whose KV holds `lens` tokens, plus its fresh q/k/v."""
+    batch = make_batch(env, ForwardMode.DECODE, rows, lens, [1] * len(rows))
+    return batch, qkv(env, len(rows))
+
+
+def graph_path(env: Env, max_bs: int, steps: list[tuple[ForwardBatch, tuple]], pad_to: int) -> list[torch.Tensor]:
+    """Run decode steps through the graph path with static buffers padded to `pad_to` rows (padded rows:
+    seq_len 1, req_pool_idx 0, loc 0, huge q/k/v). On CUDA the first step is captured and later steps are
+    replays; on the CPU each step calls forward in graph mode. Returns the real rows' outputs."""
+    s, dev = env.spec, env.device
+    env.tri.init_cuda_graph_state(max_bs)
+    rpi = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+    seq = torch.ones(max_bs, dtype=torch.int32, device=dev)
+    loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+    q_in = torch.empty(max_bs, s.num_heads * s.head_dim, dtype=env.dtype, device=dev)
+    k_in = torch.empty(max_bs, s.num_kv_heads * s.head_dim, dtype=env.dtype, device=dev)
+    v_in = torch.empty(max_bs, s.num_kv_heads * s.head_dim, dtype=env.dtype, device=dev)
+    static = ForwardBatch(ForwardMode.DECODE, pad_to, loc[:pad_to], loc[:pad_to], rpi[:pad_to], seq[:pad_to],
+                          loc[:pad_to], torch.arange(pad_to, device=dev), [1] * pad_to)
+
+    def run() -> torch.Tensor:
+        return env.tri.forward(q_in[:pad_to], k_in[:pad_to], v_in[:pad_to], s, static)
+
+    outs, graph, out = [], None, None
+    for i, (batch, (q, k, v)) in enumerate(steps):
+        n = batch.batch_size
+        rpi[:n], seq[:n], loc[:n] = batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
+        q_in[:n], k_in[:n], v_in[:n] = q.flatten(1), k.flatten(1), v.flatten(1)
+        rpi[n:], seq[n:], loc[n:] = 0, 1, 0  # the padded rows, as the graph runner fills them
+        q_in[n:], k_in[n:], v_in[n:] = 1e4, 1e4, -1e4
+        if i == 0:
+            env.tri.init_forward_metadata_capture(pad_to, rpi, seq)
+            if env.device == "cuda":
+                # warm up (compiles the kernels) on a side stream, then capture
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    run()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = run()
+        else:
+            env.tri.init_forward_metadata_replay(pad_to, rpi, seq)
+        if graph is not None:
+            graph.replay()
+        else:
+            out = run()
+        outs.append(out.view(pad_to, s.num_heads, s.head_dim)[:n].clone())
+    return outs
+
+
+def check_graph_path(env: Env, lens_a: list[int], lens_b: list[int], pad_to: int, max_bs: int, atol: float) -> None:
+    rows = new_requests(env, lens_a)
+    step_a = decode_step(env, rows, lens_a)
+    # the next step: partly other requests, other lengths, another row count
+    lens_b = [lens_a[0] + 1] + lens_b
+    rows_b = [rows[0]] + new_requests(env, lens_b[1:])
+    step_b = decode_step(env, rows_b, lens_b)
+    outs = graph_path(env, max_bs, [step_a, step_b], pad_to)
+    for (batch, (q, k, v)), out in zip([step_a, step_b], outs, strict=True):
+        check_stored(env, batch, k, v)  # the real rows' K/V, not the padded rows' poison
+        check(env, batch, out, q, atol=atol)
+        eager = run_triton(env, batch, q, k, v)  # eager path, real rows only: bitwise the same
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+def test_graph_path_follows_buffers_and_ignores_padded_rows():
+    env = make_env(4, 8, 2, 16, seed=7, max_reqs=6)
+    check_graph_path(env, lens_a=[40, 3, 70], lens_b=[0, 22], pad_to=4, max_bs=5, atol=1e-4)
+
+
+# ---------------------------------------------------------------- CUDA at model shapes, bf16
+SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3": (16, 8, 128)}
+
+
+def cuda_env(page: int, shape: str, seed: int, slots: int = 64 * 4096 + 4096, max_reqs: int = 72,
+             cache_dtype: torch.dtype | None = None) -> Env:
+    heads, kv_heads, dim = SHAPES[shape]
+    return make_env(page, heads, kv_heads, dim, dtype=torch.bfloat16, device="cuda", slots=slots,
+                    max_reqs=max_reqs, max_ctx=4096 + 32, seed=seed, small_blocks=False, cache_dtype=cache_dtype)
+
+
+@cuda
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("bs", [1, 7, 64])
+def test_cuda_decode_matches_torch(page, shape, bs):
+    env = cuda_env(page, shape, seed=bs + page)
+    lens = torch.randint(1, 4096, (bs,), generator=torch.Generator().manual_seed(bs)).tolist()
+    lens[0] = 4095  # seq len 4096: all 16 splits
+    if bs > 1:
+        lens[1] = 0  # seq len 1
+    rows = new_requests(env, lens)
+    batch, (q, k, v) = decode_step(env, rows, lens)
+    out = run_triton(env, batch, q, k, v)
+    check_stored(env, batch, k, v)
+    check(env, batch, out, q, atol=2e-2)
+
+
+@cuda
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cuda_extend_matches_torch(page, shape):
+    env = cuda_env(page, shape, seed=page, slots=16 * 4096, max_reqs=8)
+    prefix = [0, 0, 1000, 3000, 17, 0, 2048, 511]
+    new = [1, 4096, 333, 1096, 1, 700, 64, 129]
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.EXTEND, rows, prefix, new)
+    q, k, v = qkv(env, sum(new))
+    out = run_triton(env, batch, q, k, v)
+    check_stored(env, batch, k, v)
+    check(env, batch, out, q, atol=2e-2)
+
+
+@cuda
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cuda_graph_path(page, shape):
+    env = cuda_env(page, shape, seed=5, slots=80 * 4096, max_reqs=80)
+    gen = torch.Generator().manual_seed(page)
+    lens_a = torch.randint(1, 4000, (40,), generator=gen).tolist()
+    lens_b = torch.randint(0, 4000, (30,), generator=gen).tolist()
+    check_graph_path(env, lens_a=lens_a, lens_b=lens_b, pad_to=48, max_bs=64, atol=2e-2)
+
+
+@cuda
+def test_cuda_fp8_cache():
+    """An fp8 cache: the store falls back to the cache's own cast, the kernels read fp8 and upcast."""
+    env = cuda_env(16, "qwen3", seed=9, slots=16 * 4096, max_reqs=8, cache_dtype=torch.float8_e4m3fn)
+    prefix, new = [0, 700, 3000], [300, 129, 1]
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.EXTEND, rows, prefix, new)
+    q, k, v = qkv(env, sum(new))
+    out = run_triton(env, batch, q, k, v)
+    check_stored(env, batch, k, v)
+    check(env, batch, out, q, atol=2e-2)
+    lens = [p + n for p, n in zip(prefix, new, strict=True)]
+    batch, (q, k, v) = decode_step(env, rows, lens)
+    check(env, batch, run_triton(env, batch, q, k, v), q, atol=2e-2)
