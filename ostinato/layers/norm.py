@@ -1,5 +1,44 @@
+"""RMSNorm with HF LlamaRMSNorm numerics, optionally fused with the residual add before it.
+
+Each op has a plain-torch twin (the CPU path and the test oracle) and a Triton kernel for CUDA tensors;
+the choice is made once, on the device, at the op boundary.
+"""
+
+from typing import overload
+
 import torch
 from torch import nn
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + x  # in the model dtype, as HF adds residuals
+    return rms_norm_torch(residual, weight, eps), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        from ostinato.layers import triton_ops  # lazily: see its docstring
+
+        return triton_ops.rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(residual + x), residual + x)."""
+    if x.is_cuda:
+        from ostinato.layers import triton_ops
+
+        return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
+    return fused_add_rms_norm_torch(x, residual, weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -8,8 +47,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with a residual (norm(residual + x), residual + x)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,48 @@
+"""silu(gate) * up over the fused gate_up projection output [T, 2I] -> [T, I].
+
+Rounding follows HF's `act_fn(gate_proj(x)) * up_proj(x)`: silu in fp32 rounded to the model dtype, then
+the product in fp32 rounded again.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Out + row * stride_o + offs, (act * up).to(Out.dtype.element_ty), mask=mask)
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    num_tokens, width = x.shape
+    n = width // 2
+    out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    assert x.stride(1) == 1 and width == 2 * n
+    if num_tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4 if block >= 512 else 1,
+    )
+    return out
+
+
+silu_and_mul_op = torch.library.custom_op("ostinato::silu_and_mul", _silu_and_mul, mutates_args=())
+
+
+@silu_and_mul_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (last dim contiguous) -> silu(x[:, :I]) * x[:, I:] as a new [T, I] tensor."""
+    # the custom op only where torch.compile needs an opaque node: its eager dispatch costs ~25 us a call
+    return (silu_and_mul_op if torch.compiler.is_compiling() else _silu_and_mul)(x)
