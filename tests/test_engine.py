@@ -92,7 +92,7 @@ BAD_INPUTS = [
     ("hello", SamplingParams(max_tokens=10**6), "max_tokens"),
     ({"prompt_token_ids": [1, 49152]}, GREEDY, "prompt_token_ids"),
     ({"prompt_token_ids": [-1]}, GREEDY, "prompt_token_ids"),
-    ("hello", SamplingParams(presence_penalty=0.5), "presence_penalty"),
+    ("hello", SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
 ]
 
 

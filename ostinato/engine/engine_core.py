@@ -5,10 +5,12 @@ import random
 from dataclasses import dataclass
 
 from ostinato.config import EngineArgs
+from ostinato.engine.limits import EngineLimits, validate_request
 from ostinato.engine.request import Request, RequestStatus
 from ostinato.engine.scheduler import Scheduler
 from ostinato.loader import ModelSource
 from ostinato.runner.model_runner import ModelRunner
+from ostinato.runner.sampler import TokenLogprobs
 from ostinato.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -20,6 +22,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
 
 
 def eos_token_ids(source: ModelSource) -> frozenset[int]:
@@ -56,28 +59,13 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.runner.vocab_size, self.max_model_len)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field and the limit; changes nothing."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.runner.vocab_size
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                f"exceeds the context length max_model_len={self.max_model_len}"
-            )
-        unsupported = [name for name, value, default in (
-            ("presence_penalty", params.presence_penalty, 0.0),
-            ("frequency_penalty", params.frequency_penalty, 0.0),
-            ("repetition_penalty", params.repetition_penalty, 1.0),
-            ("logprobs", params.logprobs, None),
-        ) if value != default]
-        if unsupported:
-            raise ValueError(f"{unsupported[0]}: not supported by this engine yet (leave it at its default)")
+        validate_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if rid in self.requests:
@@ -105,12 +93,13 @@ class EngineCore:
             batch = self.runner.prepare(sched)
             logits = self.runner.forward(batch)
             sampled = self.runner.sample(logits, sched)
-            for req, token, emits in zip(sched.reqs, sampled, sched.sample_mask, strict=True):
+            logprobs = sampled.logprobs or [None] * len(sched.reqs)
+            for req, token, lp, emits in zip(sched.reqs, sampled.token_ids, logprobs, sched.sample_mask, strict=True):
                 if not emits:
                     continue
                 req.output_token_ids.append(token)
                 req.check_stop_token()
-                out = EngineCoreOutput(req.rid, [token])
+                out = EngineCoreOutput(req.rid, [token], logprobs=None if lp is None else [lp])
                 if req.finish_reason is not None:
                     self.scheduler.finish(req, req.finish_reason)
                     self.requests.pop(req.rid, None)

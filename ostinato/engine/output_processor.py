@@ -1,14 +1,16 @@
 """Front-end side of generation: detokenize incrementally, apply stop strings, build RequestOutputs.
 
 Stop strings are found here, after detokenization; the request is then aborted in the core and
-reported with finish_reason "stop".
+reported with finish_reason "stop". Each `process` call also leaves on every updated state what it
+added (`delta_text`, `delta_token_ids`, `delta_logprobs`), for streaming.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ostinato.engine.detokenizer import IncrementalDetokenizer
 from ostinato.engine.engine_core import EngineCoreOutput
-from ostinato.outputs import CompletionOutput
+from ostinato.outputs import CompletionOutput, Logprob
+from ostinato.runner.sampler import TokenLogprobs
 from ostinato.sampling_params import SamplingParams
 
 
@@ -21,13 +23,45 @@ class RequestState:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
+    # what the latest `process` call added
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return self.detok.output_text if self.detok is not None else ""
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(lp[0] for lp in self.logprobs)
+
     def completion(self, index: int = 0) -> CompletionOutput:
-        return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason)
+        logprobs = None
+        if self.logprobs is not None:
+            tokenizer = self.detok.tokenizer if self.detok is not None else None
+            pairs = zip(self.token_ids, self.logprobs, strict=False)
+            logprobs = [logprob_dict(tokenizer, tok, lp) for tok, lp in pairs]
+        return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
+                                self.cumulative_logprob, logprobs)
+
+
+def decode_tokens(tokenizer, ids: list[int]) -> list[str]:
+    """Each id decoded on its own (special tokens kept): the token strings that logprobs report."""
+    if tokenizer is None or not ids:
+        return [""] * len(ids)
+    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+
+
+def logprob_dict(tokenizer, token_id: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+    """vLLM's per-position form: the top alternatives (ranks 1..k), and the sampled token with its own rank."""
+    chosen, rank, top_ids, top_lps = lp
+    ids = [*top_ids, token_id]
+    texts = decode_tokens(tokenizer, ids)
+    out = {t: Logprob(v, r + 1, s) for r, (t, v, s) in enumerate(zip(top_ids, top_lps, texts, strict=False))}
+    out[token_id] = Logprob(chosen, rank, texts[-1])
+    return out
 
 
 class OutputProcessor:
@@ -37,19 +71,35 @@ class OutputProcessor:
 
     def add(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer else None
-        self.states[rid] = RequestState(rid, prompt_token_ids, params, detok, [])
+        logprobs = [] if params.logprobs is not None else None
+        self.states[rid] = RequestState(rid, prompt_token_ids, params, detok, [], logprobs=logprobs)
+
+    def remove(self, rid: str) -> None:
+        self.states.pop(rid, None)
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestState], list[str]]:
         """Updated request states, and the ids of requests a stop string ended (to abort in the core)."""
-        updated, to_abort = [], []
+        updated: dict[str, RequestState] = {}
+        to_abort = []
         for out in outputs:
             state = self.states.get(out.rid)
             if state is None:
                 continue
+            if out.rid not in updated:
+                state.delta_text, state.delta_token_ids, state.delta_logprobs = "", [], []
+                updated[out.rid] = state
             state.token_ids.extend(out.new_token_ids)
+            state.delta_token_ids.extend(out.new_token_ids)
+            if state.logprobs is not None and out.logprobs:
+                state.logprobs.extend(out.logprobs)
+                state.delta_logprobs.extend(out.logprobs)
             stop_str = None
             if state.detok is not None and out.new_token_ids:
-                _, stop_str = state.detok.push(out.new_token_ids)
+                delta, stop_str = state.detok.push(out.new_token_ids)
+                state.delta_text += delta
+            if stop_str is None and out.finish_reason is not None and state.detok is not None:
+                delta, stop_str = state.detok.flush()  # the held-back tail; it may still complete a stop string
+                state.delta_text += delta
             if stop_str is not None:
                 state.finish_reason, state.stop_reason = "stop", stop_str
                 if out.finish_reason is None:
@@ -58,5 +108,4 @@ class OutputProcessor:
                 state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
             if state.finish_reason is not None:
                 del self.states[out.rid]
-            updated.append(state)
-        return updated, to_abort
+        return list(updated.values()), to_abort

@@ -1,4 +1,4 @@
-"""`ostinato generate` and `ostinato chat`."""
+"""`ostinato generate`, `ostinato chat` and `ostinato serve`."""
 
 import argparse
 import logging
@@ -34,12 +34,24 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         EngineArgs.add_cli_args(p)
         _add_sampling_args(p)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the engine runs in its own process)")
+    from ostinato.entrypoints.openai.cli_args import add_serve_args
+
+    add_serve_args(serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
+    if ns.command == "serve":
+        from ostinato.entrypoints.openai.api_server import run_server
+
+        try:
+            return run_server(ns)
+        except ValueError as e:
+            print(f"ostinato: error: {e}", file=sys.stderr)
+            return 2
     from ostinato.entrypoints.llm import LLM
 
     try:

@@ -5,12 +5,14 @@ tensor ops, so a request's tokens depend only on its own seed, the index of the 
 its logits, not on the batch it shares or on when it was scheduled (a retracted and recomputed request
 draws the same tokens). Sampling is Gumbel-max over the filtered logits, with each token's noise keyed by
 its original id. `sample` has no per-request Python loop and no device->host sync, so it can be captured
-in a CUDA graph. Penalties (presence/frequency/repetition) are applied to the logits by the caller
-before `sample`.
+in a CUDA graph. Eager, its ~25 elementwise passes over [B, V] cost ~1.2 ms at B=64, V=152k on an H100;
+torch.compile fuses them (~0.1 ms). Penalties (presence/frequency/repetition) are applied to the logits
+by the caller before `sample`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +61,12 @@ class SamplingTensors:
     need_top_p: bool
     need_min_p: bool
     sort_width: int  # the top_k/top_p filters look at this many highest logits per row (vocab_size: all)
+    # penalties: None when no row of the batch has one
+    presence_penalties: Tensor | None = None  # float32 [B]
+    frequency_penalties: Tensor | None = None  # float32 [B]
+    output_counts: Tensor | None = None  # float32 [B, V]: occurrences of each token in the row's output so far
+    # logprobs: per row, how many top alternatives to return (None: no logprobs for the row); None when no row asks
+    num_logprobs: list[int | None] | None = None
 
     @classmethod
     def from_params(
@@ -68,7 +76,9 @@ class SamplingTensors:
         steps: list[int],
         vocab_size: int,
         device: torch.device | str,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplingTensors:
+        """`output_token_ids` (each row's generated tokens so far) is needed only when a row has a penalty."""
         device = torch.device(device)
         top_ks = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in params]
         rand = [p for p in params if not p.is_greedy]
@@ -85,6 +95,9 @@ class SamplingTensors:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
+        penalized = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        if penalized and output_token_ids is None:
+            raise ValueError("output_token_ids: needed for presence/frequency penalties")
         return cls(
             temperatures=put([p.temperature for p in params], torch.float32),
             top_ks=put(top_ks, torch.int64),
@@ -98,7 +111,73 @@ class SamplingTensors:
             need_top_p=any(p.top_p < 1.0 for p in rand),
             need_min_p=any(p.min_p > 0.0 for p in rand),
             sort_width=max(widths, default=vocab_size),
+            presence_penalties=put([p.presence_penalty for p in params], torch.float32) if penalized else None,
+            frequency_penalties=put([p.frequency_penalty for p in params], torch.float32) if penalized else None,
+            output_counts=token_counts(output_token_ids, vocab_size, put) if penalized else None,
+            num_logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
         )
+
+
+def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, put=None) -> Tensor:
+    """float32 [B, V]: how often each token id occurs in each row, by one scatter_add on the device.
+
+    Rows are right-padded with the id `vocab_size`, which lands in an extra column that is dropped.
+    """
+    width = max((len(row) for row in token_ids), default=0)
+    padded = [list(row) + [vocab_size] * (width - len(row)) for row in token_ids] if width else []
+    ids = put(padded, torch.int64) if put is not None else torch.tensor(padded, dtype=torch.int64)
+    ids = ids.reshape(len(token_ids), width)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """OpenAI's presence/frequency penalties: logit - frequency * count - presence * (count > 0), in fp32."""
+    if t.output_counts is None:
+        return logits
+    counts = t.output_counts
+    return (logits.float() - t.frequency_penalties[:, None] * counts
+            - t.presence_penalties[:, None] * (counts > 0).float())
+
+
+# per sampled token: (its logprob, its rank in the vocabulary (1 = most likely), top-k ids, top-k logprobs)
+TokenLogprobs = tuple[float, int, list[int], list[float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # per row; None when no row asked for logprobs
+
+
+def compute_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """log_softmax of `logits` [B, V]: the logprob of `token_ids` [B], its rank (1-based; ties rank
+    first), and the `k` highest logprobs with their ids ([B, k] each)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids[:, None])
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    if k == 0:
+        return chosen[:, 0], ranks, token_ids.new_zeros(lp.shape[0], 0), lp.new_zeros(lp.shape[0], 0)
+    top = lp.topk(k, dim=-1)
+    return chosen[:, 0], ranks, top.indices, top.values
+
+
+def sample_batch(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
+    """Penalties, `sample`, then the requested logprobs, copied to the host in one go per tensor."""
+    x = apply_penalties(logits, t)
+    ids = sample(x, t)
+    if t.num_logprobs is None:
+        return SamplerOutput(ids.tolist())
+    k = max(n for n in t.num_logprobs if n is not None)
+    chosen, ranks, top_ids, top_lps = compute_logprobs(x, ids, k)
+    ids_l, chosen_l, ranks_l = ids.tolist(), chosen.tolist(), ranks.tolist()
+    top_ids_l, top_lps_l = top_ids.tolist(), top_lps.tolist()
+    logprobs: list[TokenLogprobs | None] = [
+        None if n is None else (chosen_l[i], ranks_l[i], top_ids_l[i][:n], top_lps_l[i][:n])
+        for i, n in enumerate(t.num_logprobs)
+    ]
+    return SamplerOutput(ids_l, logprobs)
 
 
 def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
@@ -128,9 +207,10 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
             s = s.masked_fill(s < cut, float("-inf"))
         if t.need_top_p:
             p = s.softmax(dim=-1)
-            n_keep = (p.cumsum(dim=-1) - p < t.top_ps[:, None]).sum(dim=-1)  # >= 1: the top token's is 0
+            # keep token i while the tokens before it sum to < top_p: up to the first reaching it
+            last = torch.searchsorted(p.cumsum(dim=-1), t.top_ps[:, None]).clamp(max=s.shape[-1] - 1)
             # rows with top_p == 1 keep all (an fp32 cumsum can reach 1.0 before the tail)
-            cut_p = torch.where(t.top_ps[:, None] < 1.0, s.gather(1, n_keep[:, None] - 1), float("-inf"))
+            cut_p = torch.where(t.top_ps[:, None] < 1.0, s.gather(1, last), float("-inf"))
             cut = torch.maximum(cut, cut_p)
         x = x.masked_fill(x < cut, float("-inf"))
     u = hash_uniform(t.seeds, t.steps, torch.arange(x.shape[-1], device=x.device))

@@ -1,0 +1,142 @@
+"""The engine core in its own process: receive requests over ZMQ, step, send outputs back.
+
+The loop never waits on the front end: it drains whatever requests and aborts have arrived, runs one
+step and pushes that step's outputs (with the scheduler and KV-pool counts) without blocking. When idle it
+blocks on its input for up to a second at a time, and exits if its parent is gone.
+"""
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import zmq
+
+from ostinato.config import EngineArgs
+from ostinato.engine import ipc
+from ostinato.engine.engine_core import EngineCore
+
+logger = logging.getLogger("ostinato.engine")
+
+
+def run_engine_core(args: dict[str, Any], input_addr: str, output_addr: str) -> None:
+    """Process entry point (multiprocessing spawn): load the model, report ready, serve until shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the HTTP process shuts us down
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.RCVHWM, 0)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(output_addr)
+    code = 0
+    try:
+        try:
+            core = _load(args)
+        except Exception as e:
+            if isinstance(e, ValueError):  # a bad argument: its message says which
+                logger.error("engine core failed to start: %s", e)
+            else:
+                logger.exception("engine core failed to start")
+            out.send(ipc.pack({"type": ipc.STARTUP_ERROR, "message": str(e)}))
+            code = 1
+            return
+        out.send(ipc.pack(_ready_message(core)))
+        try:
+            EngineLoop(core, inp, out).run()
+        except Exception as e:
+            logger.exception("engine core failed")
+            with contextlib.suppress(zmq.ZMQError):
+                out.send(ipc.pack((ipc.DEAD, f"{type(e).__name__}: {e}")), zmq.NOBLOCK)
+            code = 1
+    finally:
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+        if code:
+            sys.exit(code)
+
+
+def _load(args: dict[str, Any]) -> EngineCore:
+    from ostinato.loader import load_model_source
+
+    engine_args = EngineArgs(**args)
+    source = load_model_source(engine_args.model, engine_args.load_format, engine_args.trust_remote_code)
+    return EngineCore(engine_args, source)
+
+
+def _ready_message(core: EngineCore) -> dict[str, Any]:
+    r = core.runner
+    return {
+        "type": ipc.READY, "pid": os.getpid(), "vocab_size": r.vocab_size, "max_model_len": core.max_model_len,
+        "max_total_tokens": r.max_total_tokens, "page_size": r.allocator.page_size,
+        "max_running_requests": core.args.max_running_requests, "device": str(r.device),
+        "dtype": str(r.dtype).removeprefix("torch."),
+    }
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so a killed server leaves no engine behind."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket) -> None:
+        self.core, self.inp, self.out = core, inp, out
+        self.parent = os.getppid()
+        self.last_stats: dict[str, int] | None = None
+
+    def run(self) -> None:
+        while True:
+            if not self.core.has_unfinished() and not self.inp.poll(1000):
+                if os.getppid() != self.parent:
+                    logger.warning("parent process gone: engine core exits")
+                    return
+                continue
+            if not self._drain():
+                return
+            outputs = self.core.step()
+            stats = self.stats()
+            if outputs or stats != self.last_stats:
+                self.out.send(ipc.pack((ipc.OUTPUTS, ipc.encode_outputs(outputs), stats)), zmq.NOBLOCK)
+                self.last_stats = stats
+
+    def _drain(self) -> bool:
+        """Apply every message waiting; False on shutdown."""
+        while True:
+            try:
+                msg = ipc.unpack(self.inp.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return True
+            kind = msg[0]
+            if kind == ipc.ADD:
+                _, rid, prompt_ids, params = msg
+                try:
+                    self.core.add_request(rid, prompt_ids, ipc.params_from_dict(params))
+                except (ValueError, TypeError) as e:
+                    self.out.send(ipc.pack((ipc.REJECTED, rid, str(e))), zmq.NOBLOCK)
+            elif kind == ipc.ABORT:
+                for rid in msg[1]:
+                    self.core.abort(rid)
+            elif kind == ipc.SHUTDOWN:
+                logger.info("engine core shutting down")
+                return False
+
+    def stats(self) -> dict[str, int]:
+        sched, alloc, slots = self.core.scheduler, self.core.runner.allocator, self.core.runner.req_to_token_pool
+        return {
+            "running": len(sched.running), "waiting": len(sched.waiting),
+            "kv_free_pages": alloc.available_pages(), "kv_total_pages": alloc.num_pages - 1,
+            "req_slots_free": slots.available_size(), "req_slots_total": slots.size,
+            "num_retractions": sched.num_retractions,
+        }

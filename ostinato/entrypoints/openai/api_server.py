@@ -1,0 +1,235 @@
+"""`ostinato serve`: the FastAPI app and the server's life cycle.
+
+Process layout: this (HTTP) process runs uvicorn, validates, applies chat templates, tokenizes and
+detokenizes; the engine core (scheduler + model runner) runs in a spawned process and talks to it
+over ZMQ (`ostinato.engine.async_client` / `core_proc`). SIGINT / SIGTERM: uvicorn stops accepting,
+lets in-flight requests finish (up to --graceful-shutdown-timeout, then cancels them, which aborts
+them in the engine), then the engine is asked to exit and joined. If the engine process dies, every
+pending and new request gets a 503, /health turns 503, and the server exits with status 1 shortly after.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ostinato.config import EngineArgs
+from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineStartError
+from ostinato.entrypoints.openai.errors import OpenAIError, engine_dead, error_body, from_validation_error
+from ostinato.entrypoints.openai.metrics import ServerMetrics
+from ostinato.entrypoints.openai.protocol import BatchRequest, ChatCompletionRequest, CompletionRequest
+from ostinato.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger("ostinato.serve")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+ENGINE_DEATH_GRACE_S = 3.0  # after the engine dies, keep answering 503 this long, then exit 1
+
+
+# ---------------------------------------------------------------------------- the app
+class ApiKeyMiddleware:
+    """401 in OpenAI's format unless the bearer token matches (the API paths only; /health and /metrics stay open)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/completions"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                body = error_body("Invalid or missing API key (expected `Authorization: Bearer <key>`)",
+                                  "invalid_request_error", None, "invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"Malformed JSON in the request body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "The request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="Ostinato", version="0.1.0")
+    client = serving.client
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return JSONResponse(error_body(f"Internal server error: {type(e).__name__}: {e}", "server_error", None,
+                                       "internal_error"), status_code=500)
+
+    async def respond(request: Request, work: Awaitable[Any]) -> Response:
+        result = await until_disconnected(request, work)
+        if isinstance(result, Response):
+            return result
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.dead is not None:
+            return JSONResponse(engine_dead(client.dead).body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "ostinato",
+             "max_model_len": client.info.max_model_len} for name in serving.model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await respond(request, serving.completions(await parse_body(request, CompletionRequest)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await respond(request, serving.chat(await parse_body(request, ChatCompletionRequest)))
+
+    @app.post("/completions")
+    async def batch(request: Request) -> Response:
+        return await respond(request, serving.batch(await parse_body(request, BatchRequest)))
+
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+# ---------------------------------------------------------------------------- life cycle
+def run_server(ns: argparse.Namespace) -> int:
+    """`ostinato serve`: exit status 0 after a clean shutdown, 1 if the engine died or failed to start."""
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError(f"model: given twice ({ns.model_tag!r} and --model {ns.model!r})")
+        ns.model = ns.model_tag
+    args = EngineArgs.from_cli_args(ns)
+    try:
+        return asyncio.run(_serve(ns, args))
+    except EngineStartError as e:
+        logger.error("the engine failed to start: %s", e)
+        return 1
+
+
+def _load_tokenizer(args: EngineArgs) -> Any:
+    if args.skip_tokenizer_init:
+        return None
+    from ostinato.loader import load_model_source
+
+    return load_model_source(args.model, args.load_format, args.trust_remote_code).tokenizer
+
+
+async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
+    loop = asyncio.get_running_loop()
+    names = ns.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    metrics = ServerMetrics(names[0])
+    hooks = EngineClientHooks(on_stats=metrics.on_stats, on_finished=metrics.on_finished)
+
+    # start-up (model loading) can be interrupted by SIGINT / SIGTERM
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.ensure_future(AsyncEngineClient.start(args, lambda: _load_tokenizer(args), hooks))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        logger.info("interrupted during start-up")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return 0
+    client = starting.result()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, lambda *_: None)  # uvicorn handles them while serving and re-raises them after
+    info = client.info
+    logger.info("engine ready (pid %d): %s on %s (%s), max_model_len %d, KV pool %d tokens; serving %s",
+                info.pid, names[0], info.device, info.dtype, info.max_model_len, info.max_total_tokens,
+                ", ".join(names))
+    try:
+        serving = OpenAIServing(client, names)
+        app = build_app(serving, metrics, ns.api_key)
+        config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                                timeout_graceful_shutdown=ns.graceful_shutdown_timeout, lifespan="off")
+        server = uvicorn.Server(config)
+
+        def on_dead(message: str) -> None:
+            logger.error("shutting down in %.0f s: %s", ENGINE_DEATH_GRACE_S, message)
+            loop.call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
+
+        hooks.on_dead = on_dead
+        if client.dead is not None:
+            on_dead(client.dead)
+        await server.serve()
+    finally:
+        await client.shutdown()
+        client.kill()
+    if client.dead is not None:
+        logger.error("exiting with status 1: %s", client.dead)
+        return 1
+    logger.info("server stopped")
+    return 0

@@ -1,0 +1,152 @@
+"""Request schemas (pydantic) of the OpenAI-compatible API and of the Tokn batch endpoint.
+
+Ranges are checked by SamplingParams and the engine limits, whose messages name the field; the
+schemas check types and shapes. Unknown fields are ignored, as OpenAI and vLLM do.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ostinato.entrypoints.openai.errors import OpenAIError
+from ostinato.sampling_params import SamplingParams
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by the generation endpoints; the extras (top_k, min_p, ignore_eos, ...) are vLLM's."""
+
+    model: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise OpenAIError(400, "logit_bias: not supported by this server", param="logit_bias",
+                              code="unsupported_value")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams' checks)."""
+        return SamplingParams(
+            n=self.n,
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            temperature=_or(self.temperature, 1.0),
+            top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, 0),
+            min_p=_or(self.min_p, 0.0),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
+            if bad:
+                raise OpenAIError(400, f"{name}: not supported by this server", param=name, code="unsupported_value")
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the chat template
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(p.text for p in self.content)
+        elif self.content is None:
+            d["content"] = ""
+        return d
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise OpenAIError(400, "tools: not supported by this server", param="tools", code="unsupported_value")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise OpenAIError(400, "response_format: only {'type': 'text'} is supported", param="response_format",
+                              code="unsupported_value")
+        if not self.messages:
+            raise OpenAIError(400, "messages: must not be empty", param="messages", code="invalid_value")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise OpenAIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs",
+                                  code="invalid_value")
+            return None
+        return self.top_logprobs or 0
+
+
+class BatchRequest(SamplingFields):
+    """Tokn's `POST /completions`: {"prompts": [...]} -> {"0": text, "1": text, ...}."""
+
+    prompts: list[str]
+    max_tokens: int = 16

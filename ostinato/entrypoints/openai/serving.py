@@ -1,0 +1,262 @@
+"""Request handling: prompts and sampling parameters from a request, engine output into OpenAI's shapes.
+
+Non-streaming calls return the response dict; streaming calls return an async iterator of SSE lines
+(`data: {...}` chunks, an optional usage chunk, then `data: [DONE]`). Every check that can fail runs
+before anything is sent to the engine, so a bad request leaves no trace there.
+"""
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ostinato.engine.async_client import AsyncEngineClient, ChoiceDelta, EngineDeadError, RequestRejected
+from ostinato.engine.limits import validate_request
+from ostinato.engine.output_processor import decode_tokens
+from ostinato.entrypoints.openai.errors import OpenAIError, engine_dead, from_value_error
+from ostinato.entrypoints.openai.protocol import (
+    BatchRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from ostinato.runner.sampler import TokenLogprobs
+from ostinato.sampling_params import SamplingParams
+
+Response = dict[str, Any] | AsyncIterator[str]
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class OpenAIServing:
+    def __init__(self, client: AsyncEngineClient, served_model_names: list[str]) -> None:
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.model_names = served_model_names
+        self.limits = client.info.limits
+
+    # ------------------------------------------------------------------ checks shared by the endpoints
+    def check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise OpenAIError(404, f"The model `{model}` does not exist (this server serves "
+                                   f"{', '.join(self.model_names)})", param="model", code="model_not_found")
+        return model
+
+    def check_alive(self) -> None:
+        if self.client.dead is not None:
+            raise engine_dead(self.client.dead)
+
+    def sampling_params(self, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+                        logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+        if max_tokens is None:  # as much as the context leaves (the prompt check below reports a full one)
+            max_tokens = max(1, self.limits.max_model_len - max(len(p) for p in prompts))
+        try:
+            params = req.sampling_params(max_tokens, logprobs)
+            for ids in prompts:
+                validate_request(ids, params, self.limits)
+        except ValueError as e:
+            raise from_value_error(e, rename) from None
+        return params
+
+    def encode_text(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError(400, f"{param}: this model has no tokenizer; send token ids", param=param,
+                              code="invalid_value")
+        return self.tokenizer.encode(text)
+
+    # ------------------------------------------------------------------ /v1/completions
+    async def completions(self, req: CompletionRequest) -> Response:
+        model = self.check_model(req.model)
+        req.check_supported()
+        prompts = self._completion_prompts(req.prompt)
+        rename = {"prompt_token_ids": "prompt"}
+        params = self.sampling_params(req, prompts, req.max_tokens, req.logprobs, rename)
+        self.check_alive()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gen = self.client.generate(rid, prompts, params)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+        n_prompt = sum(len(p) for p in prompts)
+        if req.stream:
+            return self._stream_completions(gen, head, n_prompt, req.logprobs is not None, req.include_usage)
+        choices = await self._collect(gen, rename)
+        return {**head, "choices": [
+            {"index": i, "text": c.text, "finish_reason": c.finish_reason,
+             "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0) if req.logprobs is not None else None}
+            for i, c in sorted(choices.items())
+        ], "usage": usage(n_prompt, sum(len(c.token_ids) for c in choices.values()))}
+
+    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self.encode_text(prompt, "prompt")]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = [self.encode_text(p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+        if not prompts or any(not p for p in prompts):
+            raise OpenAIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+        return prompts
+
+    async def _stream_completions(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int,
+                                  logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+        n_out = 0
+        offsets: dict[int, int] = {}
+        try:
+            async for d in gen:
+                n_out += len(d.token_ids)
+                if not d.token_ids and not d.text and d.finish_reason is None:
+                    continue
+                lp = None
+                if logprobs:
+                    lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets.get(d.index, 0))
+                offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+                yield sse({**head, "choices": [
+                    {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
+        except EngineDeadError as e:
+            yield sse(engine_dead(str(e)).body())
+        except RequestRejected as e:
+            yield sse(from_value_error(e).body())
+        finally:
+            await gen.aclose()  # aborts unfinished choices at once, even when the client went away mid-send
+        yield "data: [DONE]\n\n"
+
+    def _completion_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        tokens = decode_tokens(self.tokenizer, token_ids)
+        top, offsets = [], []
+        for tok, text, (chosen, _, ids, vals) in zip(token_ids, tokens, lps, strict=False):
+            alts = dict(zip(decode_tokens(self.tokenizer, ids), vals, strict=True))
+            if tok not in ids:
+                alts.setdefault(text, chosen)
+            top.append(alts)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp[0] for lp in lps], "top_logprobs": top,
+                "text_offset": offsets}
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    async def chat(self, req: ChatCompletionRequest) -> Response:
+        model = self.check_model(req.model)
+        req.check_supported()
+        prompt = self._chat_prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
+        if req.max_completion_tokens is not None:
+            rename["max_tokens"] = "max_completion_tokens"
+        params = self.sampling_params(req, [prompt], max_tokens, req.num_logprobs, rename)
+        self.check_alive()
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = self.client.generate(rid, [prompt], params)
+        if req.stream:
+            head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+            return self._stream_chat(gen, head, len(prompt), params.n, req.logprobs, req.include_usage)
+        choices = await self._collect(gen, rename)
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
+        return {**head, "choices": [
+            {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+             "logprobs": {"content": self._chat_logprobs(c.token_ids, c.logprobs)} if req.logprobs else None}
+            for i, c in sorted(choices.items())
+        ], "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices.values()))}
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise OpenAIError(400, "messages: this model has no chat template; use /v1/completions",
+                              param="messages", code="invalid_value")
+        try:
+            text = tok.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           **(req.chat_template_kwargs or {}))
+        except Exception as e:
+            raise OpenAIError(400, f"messages: the chat template failed: {e}", param="messages",
+                              code="invalid_value") from None
+        return tok.encode(text, add_special_tokens=False)
+
+    async def _stream_chat(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int, n: int,
+                           logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+        n_out = 0
+        try:
+            for i in range(n):
+                yield sse({**head, "choices": [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}]})
+            async for d in gen:
+                n_out += len(d.token_ids)
+                if not d.token_ids and not d.text and d.finish_reason is None:
+                    continue
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                lp = {"content": self._chat_logprobs(d.token_ids, d.logprobs)} if logprobs else None
+                yield sse({**head, "choices": [
+                    {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}]})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
+        except EngineDeadError as e:
+            yield sse(engine_dead(str(e)).body())
+        except RequestRejected as e:
+            yield sse(from_value_error(e).body())
+        finally:
+            await gen.aclose()  # aborts unfinished choices at once, even when the client went away mid-send
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs]) -> list[dict[str, Any]]:
+        def entry(text: str, lp: float) -> dict[str, Any]:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        out = []
+        for text, (chosen, _, ids, vals) in zip(decode_tokens(self.tokenizer, token_ids), lps, strict=False):
+            alts = [entry(t, v) for t, v in zip(decode_tokens(self.tokenizer, ids), vals, strict=True)]
+            out.append({**entry(text, chosen), "top_logprobs": alts})
+        return out
+
+    # ------------------------------------------------------------------ POST /completions (Tokn's batch shape)
+    async def batch(self, req: BatchRequest) -> dict[str, str]:
+        self.check_model(req.model)
+        req.check_supported()
+        if not req.prompts:
+            raise OpenAIError(400, "prompts: must not be empty", param="prompts", code="invalid_value")
+        prompts = [self.encode_text(p, "prompts") for p in req.prompts]
+        if any(not p for p in prompts):
+            raise OpenAIError(400, "prompts: a prompt is empty", param="prompts", code="invalid_value")
+        params = self.sampling_params(req, prompts, req.max_tokens, None, {"prompt": "prompts"})
+        if params.n != 1:
+            raise OpenAIError(400, "n: must be 1 on /completions", param="n", code="invalid_value")
+        self.check_alive()
+        choices = await self._collect(self.client.generate(f"batch-{uuid.uuid4().hex}", prompts, params), {})
+        return {str(i): c.text for i, c in sorted(choices.items())}
+
+    # ------------------------------------------------------------------
+    async def _collect(self, gen: AsyncIterator[ChoiceDelta], rename: dict[str, str]) -> dict[int, _Choice]:
+        choices: dict[int, _Choice] = {}
+        try:
+            async for d in gen:
+                c = choices.setdefault(d.index, _Choice())
+                c.text += d.text
+                c.token_ids += d.token_ids
+                c.logprobs += d.logprobs
+                c.finish_reason = d.finish_reason
+        except EngineDeadError as e:
+            raise engine_dead(str(e)) from None
+        except RequestRejected as e:
+            raise from_value_error(e, rename) from None
+        finally:
+            await gen.aclose()
+        return choices

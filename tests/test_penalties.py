@@ -1,0 +1,142 @@
+"""Presence/frequency penalties and logprobs: the batched sampler against straightforward per-row
+references on a toy vocabulary, and the engine's output against teacher-forced logits (transformers)."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from ostinato import SamplingParams
+from ostinato.runner.sampler import SamplingTensors, apply_penalties, compute_logprobs, sample_batch, token_counts
+
+V = 11
+
+
+def ref_penalize(logits: list[float], outputs: list[int], presence: float, frequency: float) -> list[float]:
+    counts = Counter(outputs)
+    return [x - frequency * counts[t] - (presence if counts[t] else 0.0) for t, x in enumerate(logits)]
+
+
+def toy_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(5, V, generator=g) * 2
+    outputs = [[1, 1, 3], [], [0, 10, 10, 10, 2, 1], [4], [7, 7]]
+    params = [
+        SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=1.0),
+        SamplingParams(temperature=0, frequency_penalty=2.0),
+        SamplingParams(temperature=0, presence_penalty=-1.0, frequency_penalty=0.3),
+        SamplingParams(temperature=0),  # no penalty in a penalized batch
+        SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=-2.0),
+    ]
+    return logits, outputs, params
+
+
+def tensors(params, outputs, **kw):
+    return SamplingTensors.from_params(params, list(range(len(params))), [len(o) for o in outputs], V, "cpu",
+                                       output_token_ids=outputs, **kw)
+
+
+def test_token_counts_match_counter():
+    outputs = [[1, 1, 3], [], [10, 10, 0]]
+    counts = token_counts(outputs, V)
+    assert counts.shape == (3, V)
+    for row, out in zip(counts.tolist(), outputs, strict=True):
+        assert row == [float(Counter(out)[t]) for t in range(V)]
+
+
+def test_penalties_match_reference():
+    logits, outputs, params = toy_batch()
+    got = apply_penalties(logits, tensors(params, outputs))
+    for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        ref = ref_penalize(logits[i].tolist(), out, p.presence_penalty, p.frequency_penalty)
+        assert got[i].tolist() == pytest.approx(ref, abs=1e-6)
+    # greedy sampling picks the argmax of the penalized logits
+    ids = sample_batch(logits, tensors(params, outputs)).token_ids
+    for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        ref = ref_penalize(logits[i].tolist(), out, p.presence_penalty, p.frequency_penalty)
+        assert ids[i] == max(range(V), key=lambda t: ref[t])
+
+
+def test_penalties_skipped_when_unused_and_needed_when_used():
+    logits, outputs, _ = toy_batch()
+    plain = [SamplingParams(temperature=0)] * 5
+    t = SamplingTensors.from_params(plain, list(range(5)), [0] * 5, V, "cpu")
+    assert t.output_counts is None and apply_penalties(logits, t) is logits
+    with pytest.raises(ValueError, match="output_token_ids"):
+        SamplingTensors.from_params([SamplingParams(presence_penalty=1.0)], [0], [0], V, "cpu")
+
+
+def test_logprobs_match_reference():
+    logits, outputs, params = toy_batch(1)
+    params = [SamplingParams(temperature=t, logprobs=k, frequency_penalty=0.7, seed=3)
+              for t, k in zip([0, 0.8, 1.5, 0, 1.0], [0, 3, None, 5, 11], strict=True)]
+    out = sample_batch(logits, tensors(params, outputs))
+    for i, (p, o) in enumerate(zip(params, outputs, strict=True)):
+        lp = out.logprobs[i]
+        if p.logprobs is None:
+            assert lp is None
+            continue
+        ref = ref_penalize(logits[i].tolist(), o, 0.0, 0.7)
+        norm = math.log(sum(math.exp(x) for x in ref))
+        ref_lp = [x - norm for x in ref]  # before temperature, whatever the temperature
+        chosen, rank, top_ids, top_lps = lp
+        tok = out.token_ids[i]
+        assert chosen == pytest.approx(ref_lp[tok], abs=1e-5)
+        assert rank == 1 + sum(x > ref_lp[tok] for x in ref_lp)
+        order = sorted(range(V), key=lambda t: -ref_lp[t])[: p.logprobs]
+        assert top_ids == order
+        assert top_lps == pytest.approx([ref_lp[t] for t in order], abs=1e-5)
+
+
+def test_compute_logprobs_k0():
+    x = torch.randn(3, V)
+    chosen, ranks, ids, vals = compute_logprobs(x, x.argmax(-1), 0)
+    assert ids.shape == (3, 0) and vals.shape == (3, 0) and ranks.tolist() == [1, 1, 1]
+    assert torch.allclose(chosen, torch.log_softmax(x, -1).max(-1).values)
+
+
+# ---------------------------------------------------------------------------- engine, against teacher forcing
+@pytest.fixture
+def smollm(llm):
+    return llm
+
+
+def teacher_forced_logprobs(hf_model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """log_softmax-free logits [len(out), V] predicting each output token from prompt + the outputs before it."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + out])).logits[0]
+    return logits[len(prompt) - 1 : len(prompt) + len(out) - 1].float()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_engine_penalties_and_logprobs_vs_teacher_forcing(smollm, hf_model, temperature):
+    llm = smollm
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("List the days of the week, then list them again, and again:")
+    kw = dict(temperature=temperature, seed=11, max_tokens=24, ignore_eos=True)
+    pen = dict(frequency_penalty=2.0, presence_penalty=1.0)
+    got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(logprobs=4, **pen, **kw),
+                       use_tqdm=False)[0].outputs[0]
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**kw), use_tqdm=False)[0].outputs[0]
+    assert got.token_ids != plain.token_ids  # the penalties changed the continuation
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+
+    logits = teacher_forced_logprobs(hf_model, prompt, got.token_ids)
+    counts = torch.zeros(logits.shape[-1])
+    total = 0.0
+    for i, t in enumerate(got.token_ids):
+        x = logits[i] - pen["frequency_penalty"] * counts - pen["presence_penalty"] * (counts > 0).float()
+        ref = torch.log_softmax(x, -1)
+        if temperature == 0.0:  # greedy: the argmax of the penalized logits (up to a near-tie)
+            assert ref[t] >= ref.max() - 2e-3, f"token {i}"
+        entry = got.logprobs[i]
+        assert entry[t].logprob == pytest.approx(ref[t].item(), abs=2e-3)
+        assert 1 + int((ref > ref[t] + 2e-3).sum()) <= entry[t].rank <= 1 + int((ref > ref[t] - 2e-3).sum())
+        assert entry[t].decoded_token == tok.decode([t])
+        top = sorted((lp for tid, lp in entry.items() if lp.rank <= 4), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in top] == [1, 2, 3, 4]
+        assert [lp.logprob for lp in top] == pytest.approx(ref.topk(4).values.tolist(), abs=2e-3)
+        total += entry[t].logprob
+        counts[t] += 1
+    assert got.cumulative_logprob == pytest.approx(total, abs=1e-6)

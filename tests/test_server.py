@@ -1,0 +1,224 @@
+"""`ostinato serve` through the official openai client and raw HTTP: chat and completions, streaming and
+not, stop strings, n with seeds, logprobs, usage, the Tokn batch endpoint, API key, and a table of bad inputs."""
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_server_helpers import Server, metric
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("server") / "server.log", ["--api-key", API_KEY])
+    yield s
+    assert s.stop() == 0, s.log()
+    assert "Traceback" not in s.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def chat_text(client, content: str, **kw) -> tuple[str, object]:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+    return r.choices[0].message.content, r
+
+
+def stream_chat(client, content: str, **kw) -> tuple[dict[int, str], dict[int, str], object]:
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                stream=True, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return texts, finish, usage
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_chat_greedy_stream_equals_non_stream_and_usage(client):
+    q = "What is the capital of France?"
+    text, r = chat_text(client, q, temperature=0, max_tokens=24, logprobs=True)
+    assert "Paris" in text
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
+    n_tokens = len(r.choices[0].logprobs.content)  # one entry per generated token
+    assert r.usage.completion_tokens == n_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    texts, finish, usage = stream_chat(client, q, temperature=0, max_tokens=24,
+                                       stream_options={"include_usage": True})
+    assert texts == {0: text} and finish == {0: r.choices[0].finish_reason}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, n_tokens)
+
+
+def test_completions_stream_equals_non_stream_and_usage(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=20, extra_body={"ignore_eos": True})
+    r = client.completions.create(logprobs=2, **kw)
+    c = r.choices[0]
+    assert r.object == "text_completion" and c.finish_reason == "length" and len(c.text) > 10
+    assert len(c.logprobs.tokens) == 20 and r.usage.completion_tokens == 20
+    assert "".join(c.logprobs.tokens) == c.text
+    text, usage = "", None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        text += "".join(ch.text for ch in chunk.choices)
+        usage = chunk.usage or usage
+    assert text == c.text
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, 20)
+    # token-id prompts: prompt_tokens is their count
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens <= 3
+
+
+def test_stop_strings(client):
+    q = "Write a short poem about the sea."
+    full, _ = chat_text(client, q, temperature=0, max_tokens=40)
+    stop = full[12:17]
+    text, r = chat_text(client, q, temperature=0, max_tokens=40, stop=[stop, "never-appears"])
+    assert r.choices[0].finish_reason == "stop" and text == full[: full.index(stop)]
+    texts, finish, _ = stream_chat(client, q, temperature=0, max_tokens=40, stop=stop)
+    assert texts == {0: text} and finish == {0: "stop"}
+
+
+def test_n_with_seed_is_reproducible(client):
+    kw = dict(n=3, temperature=1.0, max_tokens=12, seed=7)
+    _, a = chat_text(client, "Tell me a joke.", **kw)
+    _, b = chat_text(client, "Tell me a joke.", **kw)
+    ta = [c.message.content for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert ta == [c.message.content for c in b.choices]
+    assert len(set(ta)) > 1
+    texts, _, _ = stream_chat(client, "Tell me a joke.", **kw)
+    assert [texts[i] for i in range(3)] == ta
+    _, other = chat_text(client, "Tell me a joke.", n=3, temperature=1.0, max_tokens=12, seed=8)
+    assert [c.message.content for c in other.choices] != ta
+
+
+def test_chat_logprobs_and_penalties(client):
+    _, r = chat_text(client, "Count from one to ten.", temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    for entry in r.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.token == entry.top_logprobs[0].token  # greedy: the sampled token is the most likely
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    kw = dict(temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
+    plain, _ = chat_text(client, "Say the word 'yes' many times.", **kw)
+    penal, _ = chat_text(client, "Say the word 'yes' many times.", frequency_penalty=2.0, presence_penalty=1.0, **kw)
+    assert plain != penal
+    assert len(set(penal.split())) > len(set(plain.split()))  # penalties push towards new words
+
+
+def test_tokn_batch_endpoint(server, client):
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    r = httpx.post(server.url + "/completions", json={"prompts": prompts, "temperature": 0, "max_tokens": 8},
+                   headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"0", "1"}
+    for i, p in enumerate(prompts):
+        ref = client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8).choices[0].text
+        assert out[str(i)] == ref
+
+
+def test_raw_sse_format(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+LONG = "word " * 600
+BAD_INPUTS = [
+    # (path, body (dict, or str sent raw), headers, status, message fragment, param)
+    ("/v1/completions", '{"prompt": "hi",', AUTH, 400, "Malformed JSON", None),
+    ("/v1/completions", "[1, 2]", AUTH, 400, "JSON object", None),
+    ("/v1/completions", {"max_tokens": 3}, AUTH, 400, "Field required", "prompt"),
+    ("/v1/chat/completions", {"model": MODEL}, AUTH, 400, "Field required", "messages"),
+    ("/v1/chat/completions", {"messages": []}, AUTH, 400, "must not be empty", "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, AUTH, 400, "Field required", "messages.0.role"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, AUTH, 400, "temperature must be >= 0", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, AUTH, 400, "valid number", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, AUTH, 400, "top_p must be in (0, 1]", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -5}, AUTH, 400, "top_k must be", "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, AUTH, 400, "min_p must be in [0, 1]", "min_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, AUTH, 400, "n must be an int >= 1", "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens must be >= 1", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, AUTH, 400, "in [-2, 2]", "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, AUTH, 400, "in [-2, 2]", "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}, AUTH, 400, "not supported", "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, AUTH, 400, "at most 20", "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, AUTH, 400, "non-empty strings", "stop"),
+    ("/v1/completions", {"prompt": "hi", "seed": "abc"}, AUTH, 400, "valid integer", "seed"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, AUTH, 400, "not supported", "echo"),
+    ("/v1/completions", {"prompt": ""}, AUTH, 400, "must not be empty", "prompt"),
+    ("/v1/completions", {"prompt": [1, 49152]}, AUTH, 400, "outside the vocabulary", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, AUTH, 400, "max_model_len=512", "max_tokens"),
+    ("/v1/completions", {"prompt": LONG}, AUTH, 400, "max_model_len=512", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, AUTH, 400, "max_model_len=512",
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, AUTH,
+     400, "max_completion_tokens must be >= 1", "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 30}, AUTH, 400, "at most 20", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, AUTH, 400,
+     "needs logprobs", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": 5}, AUTH, 400,
+     "", "stream_options"),
+    ("/completions", {"max_tokens": 3}, AUTH, 400, "Field required", "prompts"),
+    ("/completions", {"prompts": []}, AUTH, 400, "must not be empty", "prompts"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, AUTH, 404, "does not exist", "model"),
+    ("/v1/completions", {"prompt": "hi"}, {}, 401, "API key", None),
+    ("/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer wrong"}, 401, "API key", None),
+    ("/completions", {"prompts": ["hi"]}, {"Authorization": "wrong"}, 401, "API key", None),
+]
+
+
+@pytest.mark.parametrize("path,body,headers,status,fragment,param", BAD_INPUTS,
+                         ids=[f"{i}-{b[0]}-{b[3]}" for i, b in enumerate(BAD_INPUTS)])
+def test_bad_input(server, path, body, headers, status, fragment, param):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(server.url + path, headers={"Content-Type": "application/json", **headers}, timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert fragment in err["message"]
+    assert err["param"] == param
+
+
+def test_client_errors_map_to_openai_exceptions(server, client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-3)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_still_serves_after_bad_inputs(server, client):
+    text, r = chat_text(client, "What is the capital of France?", temperature=0, max_tokens=16)
+    assert "Paris" in text
+    m = httpx.get(server.url + "/metrics").text
+    assert metric(m, "ostinato:kv_cache_free_pages") == metric(m, "ostinato:kv_cache_total_pages")
+    assert metric(m, "ostinato:num_requests_running") == 0
+    assert metric(m, "ostinato:generation_tokens_total") > 0
+    assert "ostinato:time_to_first_token_seconds_bucket" in m and "ostinato:e2e_request_latency_seconds_count" in m

@@ -1,0 +1,111 @@
+"""Start `ostinato serve` (SmolLM2, CPU) as a subprocess on a free loopback port; no tests here.
+
+Every test module that needs a server starts one and shares it; all traffic goes to 127.0.0.1.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+SERVER_ARGS = ["--dtype", "float32", "--device", "cpu", "--max-total-tokens", "8192", "--page-size", "4",
+               "--max-model-len", "512", "--max-running-requests", "96"]
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Server:
+    def __init__(self, log_path: Path, extra_args: list[str] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "ostinato", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               *SERVER_ARGS, *extra_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not ready in {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def engine_pid(self) -> int:
+        pids = [p for p in children(self.proc.pid) if "spawn_main" in cmdline(p)]
+        assert len(pids) == 1, f"expected one engine process, found {pids}"
+        return pids[0]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then SIGKILL past `timeout`; also kills any child left behind. Returns the exit code."""
+        kids = children(self.proc.pid) if self.proc.poll() is None else []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for pid in kids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self._log.close()
+        return self.proc.returncode
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled-or-single-series metric line `name{...} value`."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
