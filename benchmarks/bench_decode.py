@@ -9,12 +9,12 @@ python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
+from common import RESULTS, copy_bandwidth, device_tag, write_report
 
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.config import EngineArgs
@@ -26,22 +26,6 @@ from ostinato.runner.model_runner import ModelRunner
 from ostinato.sampling_params import SamplingParams
 
 CASES = [(1, 128), (8, 128), (32, 128), (64, 128), (128, 128), (256, 128), (1, 4096), (32, 4096)]
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    src = torch.randn(1 << 28, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * src.element_size() / sorted(times)[len(times) // 2]
 
 
 def decode_batch(runner: ModelRunner, bs: int, ctx: int) -> tuple[ScheduledBatch, list[Request]]:
@@ -121,8 +105,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--compile", action="store_true", help="--enable-torch-compile for the captured sizes")
     ap.add_argument("--compile-max-bs", type=int, default=32)
+    ap.add_argument("--cases", nargs="+", default=None, help="bs:context pairs, e.g. 1:128 32:128")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.cases:
+        CASES[:] = [tuple(int(x) for x in c.split(":")) for c in args.cases]
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -132,15 +119,10 @@ def main() -> None:
         r, m = bench_model(name, args, bw)
         rows += r
         meta[name] = m
-    gpu = torch.cuda.get_device_name(device)
-    tag = "h100" if "H100" in gpu else "h200" if "H200" in gpu else gpu.replace(" ", "-").lower()
-    report = {"device": gpu, "torch": torch.__version__, "command": " ".join(["python"] + sys.argv),
-              "copy_bandwidth_TBps": bw / 1e12, "capture": meta, "rows": rows}
-    path = args.out or os.path.join(os.path.dirname(__file__), "results", f"decode-{tag}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {path}")
+    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,
+              "capture": meta, "rows": rows}
+    write_report(report, args.out or os.path.join(RESULTS, f"decode-{device_tag(device)}.json"))
 
 
 if __name__ == "__main__":

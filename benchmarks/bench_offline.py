@@ -7,7 +7,6 @@ GPU, nano-vllm shape: python benchmarks/bench_offline.py --load-format dummy --m
 """
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -15,26 +14,9 @@ import sys
 import time
 
 import torch
+from common import RESULTS, copy_bandwidth, device_tag, write_report
 
 from ostinato import LLM, SamplingParams
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a large device copy, counting read + write."""
-    n = (1 << 28) if device.type == "cuda" else (1 << 26)
-    src = torch.randn(n // 4, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n / best
 
 
 def make_prompts(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -104,9 +86,12 @@ def main() -> None:
     assert out_tokens == sum(outs)
 
     bw = copy_bandwidth(device)
-    # floor: every decode step reads all weights once; a batch holds at most max_running_requests
+    # floor: every decode step reads all weights once (a batch holds at most max_running_requests), and
+    # every generated token reads its request's KV so far once
     steps = max(outs) * -(-args.num_seqs // args.max_running_requests)
-    floor = steps * runner.weight_bytes / bw
+    kv_token = runner.kv_cache.bytes() // runner.kv_cache.size
+    kv_reads = sum((len(p) * o + o * (o - 1) // 2) * kv_token for p, o in zip(prompts, outs, strict=True))
+    floor = (steps * runner.weight_bytes + kv_reads) / bw
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     rows = [{"engine": "ostinato", "seconds": elapsed, "output_tok_s": out_tokens / elapsed,
              "floor_s": floor, "fraction_of_floor": floor / elapsed}]
@@ -120,16 +105,13 @@ def main() -> None:
               "model": args.model or "SmolLM2-135M-Instruct (default)", "dtype": str(runner.dtype),
               "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
               "output_tokens": out_tokens, "copy_bandwidth_GBps": bw / 1e9,
-              "weight_bytes": runner.weight_bytes, "rows": rows}
+              "weight_bytes": runner.weight_bytes, "kv_bytes_read": kv_reads, "decode_steps_floor": steps,
+              "max_total_tokens": runner.max_total_tokens, "rows": rows}
     print(f"{'engine':<24}{'seconds':>10}{'out tok/s':>12}{'floor s':>10}{'floor frac':>12}")
     for r in rows:
         print(f"{r['engine']:<24}{r['seconds']:>10.2f}{r['output_tok_s']:>12.1f}{r['floor_s']:>10.2f}"
               f"{r['fraction_of_floor']:>12.1%}")
-    path = args.out or os.path.join(os.path.dirname(__file__), "results", f"offline-{device.type}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {path}")
+    write_report(report, args.out or os.path.join(RESULTS, f"offline-{device_tag(device)}.json"))
 
 
 if __name__ == "__main__":

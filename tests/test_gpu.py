@@ -88,22 +88,32 @@ def test_poisoned_padding_never_changes_real_rows(gpu_llm):
 
 
 def test_logits_match_transformers_teacher_forced(gpu_llm):
+    """bf16 against transformers: our error to HF's fp32 logits must be no larger than HF's own bf16 error
+    (random weights compound rounding through the layers, so a fixed threshold would test the weights)."""
     from test_models import teacher_forced_logits
 
     runner = gpu_llm.engine.runner
-    hf = transformers.AutoModelForCausalLM.from_config(runner.config, dtype=torch.bfloat16).cuda().eval()
-    missing, unexpected = hf.load_state_dict(hf_state_dict(runner.model), strict=False)
+    weights = hf_state_dict(runner.model)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(runner.config, dtype=torch.bfloat16).eval()
+        hf32 = transformers.AutoModelForCausalLM.from_config(runner.config, dtype=torch.float32).eval()
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing)
+    hf32.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, runner.vocab_size, (300,), generator=gen).tolist() for _ in range(3)]
-    ours = teacher_forced_logits(runner, seqs, [280, 280, 280])  # chunked extend, then 19 decode steps
+    ours = teacher_forced_logits(runner, seqs, [280, 280, 280])  # chunked extend, then 19 decode steps (graphs)
     with torch.no_grad():
         for seq, got in zip(seqs, ours, strict=True):
-            ref = hf(torch.tensor([seq], device="cuda")).logits[0, 279:299].float()
-            rel = ((got - ref).norm() / ref.norm()).item()
-            agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-            print(f"\n{runner.config.architectures[0]}: relative logit error {rel:.2e}, top-1 agreement {agree:.2f}")
-            assert rel < 2e-2 and agree >= 0.9
+            ids = torch.tensor([seq], device="cuda")
+            ref = hf(ids).logits[0, 279:299].float()
+            ref32 = hf32(ids).logits[0, 279:299].float()
+            ours_err = ((got - ref32).norm() / ref32.norm()).item()
+            hf_err = ((ref - ref32).norm() / ref32.norm()).item()
+            agree = (got.argmax(-1) == ref32.argmax(-1)).float().mean().item()
+            print(f"\n{runner.config.architectures[0]}: error vs HF fp32 {ours_err:.2e} (HF bf16: {hf_err:.2e}), "
+                  f"top-1 agreement {agree:.2f}")
+            assert ours_err <= 1.25 * hf_err + 1e-3 and agree >= 0.9
 
 
 def test_generate_with_graphs_equals_eager(gpu_llm):

@@ -82,3 +82,46 @@ def test_kv_pool_roundtrip(dtype):
     torch.testing.assert_close(kb[loc].float(), k.to(dtype).float())
     torch.testing.assert_close(vb[loc].float(), v.to(dtype).float())
     assert pool.bytes() == 2 * 3 * 32 * 2 * 8 * (1 if dtype == torch.float8_e4m3fn else dtype.itemsize)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_batched_decode_extend_equals_per_request_extend(page):
+    gen = torch.Generator().manual_seed(page)
+    lens = [int(n) for n in torch.randint(1, 40, (6,), generator=gen)]
+    lens[0] = 4 * page  # a request exactly at a page boundary opens a new page
+    results = []
+    for batched in (False, True):
+        kv = make(200, page)
+        slots = [kv.req_pool.alloc() for _ in lens]
+        for s, n in zip(slots, lens, strict=True):
+            kv.extend(s, 0, n)
+        for step in range(9):
+            cur = [n + step for n in lens]
+            if batched:
+                loc = kv.extend_decode(slots, cur)
+            else:
+                loc = torch.cat([kv.extend(s, n, n + 1) for s, n in zip(slots, cur, strict=True)])
+            assert loc.shape == (len(slots),)
+        rows = torch.stack([kv.req_pool.req_to_token[s, : max(lens) + 9] for s in slots])
+        results.append((rows, kv.allocator.available_pages()))
+        for s, n in zip(slots, lens, strict=True):
+            kv.release(s, n + 9)
+        kv.check_all_free()
+    (rows_a, free_a), (rows_b, free_b) = results
+    assert free_a == free_b
+    for r, n in enumerate(lens):  # same page structure (page ids may differ in order)
+        a, b = rows_a[r, : n + 9].long(), rows_b[r, : n + 9].long()
+        assert torch.equal(a % page, b % page) and torch.equal(a % page, torch.arange(n + 9) % page)
+        assert len(torch.unique(b // page)) == -(-(n + 9) // page)
+
+
+def test_batched_decode_extend_refuses_without_taking():
+    kv = make(4, 1)  # 3 usable pages
+    slots = [kv.req_pool.alloc() for _ in range(2)]
+    kv.extend(slots[0], 0, 1)
+    kv.extend(slots[1], 0, 1)
+    assert kv.extend_decode(slots, [1, 1]) is None
+    assert kv.allocator.available_pages() == 1
+    for s in slots:
+        kv.release(s, 1)
+    kv.check_all_free()

@@ -59,11 +59,11 @@ def teacher_forced_logits(runner, seqs, prefill_lens):
     step(ForwardMode.EXTEND, half)
     out = step(ForwardMode.EXTEND, [n - h for n, h in zip(prefill_lens, half, strict=True)])
     for i in range(len(seqs)):
-        logits[i].append(out[i])
+        logits[i].append(out[i].clone())
     for _ in range(len(seqs[0]) - 1 - prefill_lens[0]):
         out = step(ForwardMode.DECODE, [1] * len(seqs))
         for i in range(len(seqs)):
-            logits[i].append(out[i])
+            logits[i].append(out[i].clone())  # graph replay returns views of a static buffer
     for r in reqs:
         kv.release(r.req_pool_idx, r.kv_len)
     kv.check_all_free()

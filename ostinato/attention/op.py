@@ -25,17 +25,14 @@ class ForwardContext:
 _ctx = ForwardContext()
 
 
-def register_attention_layer(spec: AttentionSpec) -> None:
-    _ctx.layers[spec.layer_id] = spec
-
-
 @contextlib.contextmanager
-def forward_context(backend: AttentionBackend, batch: ForwardBatch) -> Iterator[None]:
-    _ctx.backend, _ctx.batch = backend, batch
+def forward_context(backend: AttentionBackend, batch: ForwardBatch, layers: dict[int, AttentionSpec]) -> Iterator[None]:
+    """Set for one forward pass of one model: its backend, batch and attention layers by layer id."""
+    _ctx.backend, _ctx.batch, _ctx.layers = backend, batch, layers
     try:
         yield
     finally:
-        _ctx.backend, _ctx.batch = None, None
+        _ctx.backend, _ctx.batch, _ctx.layers = None, None, {}
 
 
 @torch.library.custom_op("ostinato::attention", mutates_args=())

@@ -15,8 +15,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Decode splits each request's KV into clamp(ceil(seq_len / min_tokens_per_split), 1, max_kv_splits)
     parts, counted on the device; the launch grid always has max_kv_splits in its split dimension.
 
-    `num_heads` sizes the graph path's scratch; when left out it is the largest `num_heads` of the
-    attention layers registered with `ostinato.attention.op` when `init_cuda_graph_state` runs.
+    `num_heads` (the model's largest query-head count) sizes the graph path's scratch.
     """
 
     max_kv_splits = 16  # the grid's split dimension and the scratch depth
@@ -25,7 +24,7 @@ class TritonAttentionBackend(AttentionBackend):
     extend_block_m = 64
     extend_block_n = 64
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, num_heads: int | None = None) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, num_heads: int) -> None:
         super().__init__(req_to_token_pool, kv_cache)
         self.num_heads = num_heads
         self.device = req_to_token_pool.req_to_token.device
@@ -52,10 +51,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_extend_len = max(extend, default=0)
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        num_heads = self.num_heads or _registered_max_heads()
-        if num_heads is None:
-            raise ValueError("TritonAttentionBackend needs num_heads (or registered attention layers) "
-                             "to size the decode-graph scratch")
+        num_heads = self.num_heads
         head_dim = self.kv_cache.get_kv_buffer(0)[0].shape[2]
         self.graph_max_bs = max_bs
         self.graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
@@ -133,9 +129,3 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_splits, mid_o, mid_lse, layer.scaling, block_n=self.decode_block_n,
         )
         return out
-
-
-def _registered_max_heads() -> int | None:
-    from ostinato.attention.op import _ctx
-
-    return max((spec.num_heads for spec in _ctx.layers.values()), default=None)

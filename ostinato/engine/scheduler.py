@@ -105,12 +105,12 @@ class Scheduler:
                 decoding.remove(victim)
             if not decoding:
                 return None
-        locs = [self.kv.extend(r.req_pool_idx, r.kv_len, r.kv_len + 1) for r in decoding]
         prefix = [r.kv_len for r in decoding]
+        loc = self.kv.extend_decode([r.req_pool_idx for r in decoding], prefix)
+        assert loc is not None  # pages were checked above
         for r in decoding:
             r.kv_len += 1
-        return ScheduledBatch(ForwardMode.DECODE, decoding, prefix, [1] * len(decoding), torch.cat(locs),
-                              [True] * len(decoding))
+        return ScheduledBatch(ForwardMode.DECODE, decoding, prefix, [1] * len(decoding), loc, [True] * len(decoding))
 
     def retract(self, req: Request) -> None:
         """Free the request's KV and requeue it first; it is recomputed from all its tokens later."""

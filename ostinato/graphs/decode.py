@@ -92,9 +92,10 @@ class DecodeGraphRunner:
         forward = self.runner.compiled_forward if bs <= self.compile_max_bs else model.forward
         batch = self._batch(bs)
         backend = self.runner.backend
+        layers = model.attention_specs
 
         def step() -> None:
-            with forward_context(backend, batch):
+            with forward_context(backend, batch, layers):
                 hidden = forward(batch.input_ids, batch.positions)
             self.logits[:bs] = model.compute_logits(hidden)
 

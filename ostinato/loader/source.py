@@ -12,7 +12,6 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from ostinato.loader.dummy import list_presets, preset_path
-from ostinato.loader.gguf_weights import iter_gguf_weights
 from ostinato.loader.safetensors_weights import iter_safetensors_weights
 
 logger = logging.getLogger(__name__)
@@ -35,6 +34,8 @@ class ModelSource:
         if self.load_format == "safetensors":
             return iter_safetensors_weights(self.path)
         if self.load_format == "gguf":
+            from ostinato.loader.gguf_weights import iter_gguf_weights  # gguf is only needed for GGUF files
+
             return iter_gguf_weights(self.path)
         raise ValueError(f"load_format={self.load_format!r} has no weights; initialize with dummy_init_")
 

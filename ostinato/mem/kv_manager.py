@@ -38,6 +38,26 @@ class KVManager:
         row[cur_len:new_len] = loc.to(torch.int32)
         return loc
 
+    def extend_decode(self, req_slots: list[int], kv_lens: list[int]) -> torch.Tensor | None:
+        """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`), for a whole decode
+        batch in a handful of tensor ops; None (nothing taken) if KV is short."""
+        p = self.page_size
+        opens_page = [n % p == 0 for n in kv_lens]  # the new token starts a fresh page
+        new_pages = self.allocator.alloc_pages(sum(opens_page))
+        if new_pages is None:
+            return None
+        table = self.req_pool.req_to_token
+        rows = torch.tensor(req_slots, dtype=torch.int64).to(table.device, non_blocking=True)
+        lens = torch.tensor(kv_lens, dtype=torch.int64).to(table.device, non_blocking=True)
+        if p == 1:
+            loc = new_pages
+        else:  # continue the last page (the previous token's slot + 1), or start one of the new pages
+            loc = table[rows, (lens - 1).clamp(min=0)].to(torch.int64) + 1
+            fresh = torch.tensor(opens_page).to(table.device, non_blocking=True)
+            loc[fresh] = new_pages * p
+        table[rows, lens] = loc.to(torch.int32)
+        return loc
+
     def release(self, req_slot: int, kv_len: int) -> None:
         """Free the request's pages (its first `kv_len` tokens hold KV) and its request slot."""
         if kv_len:

@@ -3,6 +3,10 @@
 Forward takes flat tokens: `input_ids` and `positions` are [num_tokens] for the whole batch; the
 attention op and the forward context know which request each token belongs to. No branch depends on
 tensor values, so the forward can be compiled and captured.
+
+The layers pass a residual stream: layer(positions, hidden, residual) -> (hidden, residual), where the
+residual add is fused into the next RMSNorm. On CUDA a layer issues: add+norm, qkv GEMM, rotary (with
+Qwen3's q/k norm), attention, o_proj GEMM, add+norm, gate_up GEMM, silu_and_mul, down GEMM.
 """
 
 from collections.abc import Iterable
@@ -13,7 +17,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ostinato.attention.base import AttentionSpec
-from ostinato.attention.op import attention, register_attention_layer
+from ostinato.attention.op import attention
+from ostinato.layers.activation import silu_and_mul
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.rotary import RotaryEmbedding
 
@@ -33,19 +38,21 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.layer_id = layer_id
-        register_attention_layer(
-            AttentionSpec(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-        )
+        self.attn_spec = AttentionSpec(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                       self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = attention(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), self.layer_id)
-        return self.o_proj(o)
+        # strided views into the qkv output (row stride q_size + 2 * kv_size), never copied: both attention
+        # backends read them through their strides. Sliced, not split: autograd forbids in-place writes to
+        # split()'s views, and the CPU graph stand-in replays outside inference mode.
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : -self.kv_size], qkv[:, -self.kv_size :]
+        q_heads, k_heads = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            self.rotary(positions, q_heads, k_heads)
+        else:  # Qwen3: per-head RMSNorm, fused into the rotary op
+            self.rotary(positions, q_heads, k_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return self.o_proj(attention(q, k, v, self.layer_id))
 
 
 class GatedMLP(nn.Module):
@@ -55,8 +62,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -68,9 +74,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's MLP output (or the embeddings, with residual None for the first layer);
+        returns this layer's MLP output and the residual stream it still has to be added to."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -87,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm)
             for i in range(config.num_hidden_layers)
         )
+        self.attention_specs = {layer.self_attn.layer_id: layer.self_attn.attn_spec for layer in self.layers}
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
@@ -94,10 +109,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

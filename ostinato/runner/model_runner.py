@@ -19,7 +19,7 @@ from ostinato.mem.kv_manager import KVManager
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
 from ostinato.mem.token_allocator import TokenToKVPoolAllocator
 from ostinato.models.registry import model_class
-from ostinato.runner.sampler import SamplingTensors, sample
+from ostinato.runner.sampler import SamplerOutput, SamplingTensors, sample_batch
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class ModelRunner:
                 self.model = cls(config, max_positions=want_len)
         finally:
             torch.set_default_dtype(default_dtype)
+        self.model.to(self.device)  # tables built on the CPU (rotary cos/sin) follow the parameters
         if source.load_format == "dummy":
             dummy_init_(self.model, seed=args.seed)
         else:
@@ -92,7 +93,8 @@ class ModelRunner:
         if name == "triton":
             from ostinato.attention.triton_backend import TritonAttentionBackend
 
-            return TritonAttentionBackend(req_pool, kv_cache)
+            num_heads = max(spec.num_heads for spec in self.model.attention_specs.values())
+            return TritonAttentionBackend(req_pool, kv_cache, num_heads)
         return TorchAttentionBackend(req_pool, kv_cache)
 
     # ------------------------------------------------------------------ memory
@@ -154,7 +156,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        with forward_context(backend, batch):
+        with forward_context(backend, batch, self.model.attention_specs):
             backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions)
         self.model.compute_logits(hidden[batch.logits_indices])
@@ -195,16 +197,17 @@ class ModelRunner:
         """Logits [bs, vocab] (float32) at each request's last token."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
-        with forward_context(self.backend, batch):
+        with forward_context(self.backend, batch, self.model.attention_specs):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sched: ScheduledBatch) -> list[int]:
+    def sample(self, logits: torch.Tensor, sched: ScheduledBatch) -> SamplerOutput:
+        """Token ids (and the logprobs asked for) per scheduled request; penalties count each request's output."""
         reqs = sched.reqs
         tensors = SamplingTensors.from_params(
             [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs],
-            self.vocab_size, self.device,
+            self.vocab_size, self.device, output_token_ids=[r.output_token_ids for r in reqs],
         )
-        return sample(logits, tensors).tolist()
+        return sample_batch(logits, tensors)

@@ -1,0 +1,42 @@
+"""What every benchmark script shares: the measured bandwidth for the floor, the device tag, the report."""
+
+import json
+import os
+import time
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device copy (median of 10), counting bytes read + bytes written."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 25)
+    src = torch.randn(n, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * src.element_size() / sorted(times)[len(times) // 2]
+
+
+def device_tag(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    return "h100" if "H100" in name else "h200" if "H200" in name else name.replace(" ", "-").lower()
+
+
+def write_report(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
