@@ -50,12 +50,13 @@ def hash_uniform(seeds: Tensor, steps: Tensor, token_ids: Tensor) -> Tensor:
 class SamplingTensors:
     """Per-step sampling inputs on the target device; the bool flags are host-side and skip unused work."""
 
-    temperatures: Tensor  # float32 [B]; rows below GREEDY_EPS are greedy
-    top_ks: Tensor  # int64 [B], vocab_size when disabled
-    top_ps: Tensor  # float32 [B]
-    min_ps: Tensor  # float32 [B]
-    seeds: Tensor  # int64 [B]
-    steps: Tensor  # int64 [B]: index of the output token being sampled
+    # the six per-row tensors are None when every row is greedy: an all-greedy step copies nothing to the device
+    temperatures: Tensor | None  # float32 [B]; rows below GREEDY_EPS are greedy
+    top_ks: Tensor | None  # int64 [B], vocab_size when disabled
+    top_ps: Tensor | None  # float32 [B]
+    min_ps: Tensor | None  # float32 [B]
+    seeds: Tensor | None  # int64 [B]
+    steps: Tensor | None  # int64 [B]: index of the output token being sampled
     all_greedy: bool
     need_top_k: bool
     need_top_p: bool
@@ -90,22 +91,22 @@ class SamplingTensors:
         ]
 
         def put(data: list, dtype: torch.dtype) -> Tensor:
-            t = torch.tensor(data, dtype=dtype)
-            if device.type == "cuda":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
+            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+        def put_sampling(data: list, dtype: torch.dtype) -> Tensor | None:
+            return put(data, dtype) if rand else None
 
         penalized = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
         if penalized and output_token_ids is None:
             raise ValueError("output_token_ids: needed for presence/frequency penalties")
         return cls(
-            temperatures=put([p.temperature for p in params], torch.float32),
-            top_ks=put(top_ks, torch.int64),
-            top_ps=put([p.top_p for p in params], torch.float32),
-            min_ps=put([p.min_p for p in params], torch.float32),
+            temperatures=put_sampling([p.temperature for p in params], torch.float32),
+            top_ks=put_sampling(top_ks, torch.int64),
+            top_ps=put_sampling([p.top_p for p in params], torch.float32),
+            min_ps=put_sampling([p.min_p for p in params], torch.float32),
             # any Python int -> its two's-complement int64 (only the low 64 bits matter to the hash)
-            seeds=put([(s - _MIN_SEED) % _SPAN_SEED + _MIN_SEED for s in seeds], torch.int64),
-            steps=put(steps, torch.int64),
+            seeds=put_sampling([(s - _MIN_SEED) % _SPAN_SEED + _MIN_SEED for s in seeds], torch.int64),
+            steps=put_sampling(steps, torch.int64),
             all_greedy=not rand,
             need_top_k=any(1 <= p.top_k < vocab_size for p in rand),
             need_top_p=any(p.top_p < 1.0 for p in rand),
