@@ -96,7 +96,8 @@ class OpenAIServing:
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         n_prompt = sum(len(p) for p in prompts)
         if req.stream:
-            return self._stream_completions(gen, head, n_prompt, req.logprobs is not None, req.include_usage)
+            return self._sse(gen, self._stream_completions(gen, head, n_prompt, req.logprobs is not None,
+                                                           req.include_usage))
         choices = await self._collect(gen, rename)
         return {**head, "choices": [
             {"index": i, "text": c.text, "finish_reason": c.finish_reason,
@@ -115,23 +116,12 @@ class OpenAIServing:
             raise OpenAIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
         return prompts
 
-    async def _stream_completions(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int,
-                                  logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
-        n_out = 0
-        offsets: dict[int, int] = {}
+    @staticmethod
+    async def _sse(gen: AsyncIterator[ChoiceDelta], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """`chunks`, then an error chunk if the engine died or rejected the request, then [DONE]."""
         try:
-            async for d in gen:
-                n_out += len(d.token_ids)
-                if not d.token_ids and not d.text and d.finish_reason is None:
-                    continue
-                lp = None
-                if logprobs:
-                    lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets.get(d.index, 0))
-                offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
-                yield sse({**head, "choices": [
-                    {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
+            async for chunk in chunks:
+                yield chunk
         except EngineDeadError as e:
             yield sse(engine_dead(str(e)).body())
         except RequestRejected as e:
@@ -139,6 +129,23 @@ class OpenAIServing:
         finally:
             await gen.aclose()  # aborts unfinished choices at once, even when the client went away mid-send
         yield "data: [DONE]\n\n"
+
+    async def _stream_completions(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int,
+                                  logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+        n_out = 0
+        offsets: dict[int, int] = {}
+        async for d in gen:
+            n_out += len(d.token_ids)
+            if not d.token_ids and not d.text and d.finish_reason is None:
+                continue
+            lp = None
+            if logprobs:
+                lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets.get(d.index, 0))
+            offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+            yield sse({**head, "choices": [
+                {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
 
     def _completion_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         tokens = decode_tokens(self.tokenizer, token_ids)
@@ -168,7 +175,7 @@ class OpenAIServing:
         gen = self.client.generate(rid, [prompt], params)
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-            return self._stream_chat(gen, head, len(prompt), params.n, req.logprobs, req.include_usage)
+            return self._sse(gen, self._stream_chat(gen, head, len(prompt), params.n, req.logprobs, req.include_usage))
         choices = await self._collect(gen, rename)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
         return {**head, "choices": [
@@ -194,28 +201,20 @@ class OpenAIServing:
     async def _stream_chat(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int, n: int,
                            logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
         n_out = 0
-        try:
-            for i in range(n):
-                yield sse({**head, "choices": [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}]})
-            async for d in gen:
-                n_out += len(d.token_ids)
-                if not d.token_ids and not d.text and d.finish_reason is None:
-                    continue
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                lp = {"content": self._chat_logprobs(d.token_ids, d.logprobs)} if logprobs else None
-                yield sse({**head, "choices": [
-                    {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}]})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
-        except EngineDeadError as e:
-            yield sse(engine_dead(str(e)).body())
-        except RequestRejected as e:
-            yield sse(from_value_error(e).body())
-        finally:
-            await gen.aclose()  # aborts unfinished choices at once, even when the client went away mid-send
-        yield "data: [DONE]\n\n"
+        for i in range(n):
+            yield sse({**head, "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]})
+        async for d in gen:
+            n_out += len(d.token_ids)
+            if not d.token_ids and not d.text and d.finish_reason is None:
+                continue
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            lp = {"content": self._chat_logprobs(d.token_ids, d.logprobs)} if logprobs else None
+            yield sse({**head, "choices": [
+                {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}]})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
 
     def _chat_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs]) -> list[dict[str, Any]]:
         def entry(text: str, lp: float) -> dict[str, Any]:
