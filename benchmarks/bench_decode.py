@@ -22,6 +22,7 @@ from ostinato.engine.request import Request
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.loader import load_model_source
 from ostinato.mem.kv_cache import MHATokenToKVPool
+from ostinato.models.llama import head_dim_of
 from ostinato.runner.model_runner import ModelRunner
 from ostinato.sampling_params import SamplingParams
 
@@ -75,9 +76,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[di
         for buf in runner.kv_cache.get_kv_buffer(layer):
             buf.normal_()
     cfg = runner.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers,
-                                                    runner.kv_cache.dtype)
+    kv_per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim_of(cfg),
+                                                    cfg.num_hidden_layers, runner.kv_cache.dtype)
     gr = runner.graph_runner
     print(f"{name}: weights {runner.weight_bytes / 1e9:.2f} GB, capture {gr.capture_seconds:.1f} s "
           f"for {gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)

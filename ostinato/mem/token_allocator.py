@@ -41,6 +41,3 @@ class TokenToKVPoolAllocator:
     def free_pages_(self, pages: torch.Tensor) -> None:
         if pages.numel():
             self.free_pages = torch.cat([self.free_pages, pages.to(self.free_pages)])
-
-    def pages_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)

@@ -23,13 +23,18 @@ from ostinato.layers.norm import RMSNorm
 from ostinato.layers.rotary import RotaryEmbedding
 
 
+def head_dim_of(config: PretrainedConfig) -> int:
+    """Per-head width: explicit in Qwen3-style configs, hidden_size / heads otherwise."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool,
                  qk_norm: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -94,8 +99,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm)

@@ -18,6 +18,7 @@ from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.mem.kv_manager import KVManager
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
 from ostinato.mem.token_allocator import TokenToKVPoolAllocator
+from ostinato.models.llama import head_dim_of
 from ostinato.models.registry import model_class
 from ostinato.runner.sampler import SamplerOutput, SamplingTensors, sample_batch
 
@@ -100,7 +101,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ memory
     def _init_memory(self, want_len: int) -> None:
         cfg, args = self.config, self.args
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = head_dim_of(cfg)
         kv_dtype = _KV_DTYPES.get(args.kv_cache_dtype, self.dtype)
         per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers,
                                                      kv_dtype)
