@@ -66,6 +66,22 @@ def time_steps(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: i
         runner.graph_runner = saved
 
 
+def profile_steps(runner: ModelRunner, sched: ScheduledBatch, iters: int = 20) -> None:
+    """Kernel table of graph-mode steps: where the forward's GPU time goes (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            runner.sample(runner.forward(runner.prepare(sched)), sched)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events) / iters
+    kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
+    print(f"profile bs {len(sched.reqs)}: GPU kernel time {gpu_us / 1e3:.3f} ms/step, {kernels / iters:.0f} "
+          "kernels/step")
+    print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70))
+
+
 def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[dict], dict]:
     need = max(bs * (ctx + 1) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
@@ -90,6 +106,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[di
             rows.append({"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
                          "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile})
             print(f"{name:<14}{bs:>5}{ctx:>7}{mode:>7}{step_ms:>10.3f}{fwd_ms:>10.3f}{floor_ms:>9.3f}", flush=True)
+        if f"{bs}:{ctx}" in (args.profile or []):
+            profile_steps(runner, sched)
         for r in reqs:
             runner.kv_manager.release(r.req_pool_idx, r.kv_len)
     meta = {"capture_seconds": gr.capture_seconds, "graph_memory_GiB": gr.graph_memory_bytes / 2**30,
@@ -106,6 +124,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="--enable-torch-compile for the captured sizes")
     ap.add_argument("--compile-max-bs", type=int, default=32)
     ap.add_argument("--cases", nargs="+", default=None, help="bs:context pairs, e.g. 1:128 32:128")
+    ap.add_argument("--profile", nargs="*", default=None, help="bs:context pairs to profile in graph mode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cases:
