@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_suite.sh decode    GPU tests, decode ms/step (eager, graph; + torch.compile at bs 1, 32)
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape, a profile of steady offline decode,
 #                                          and the start-up capture time of the default batch-size list
+#   bash benchmarks/gpu_suite.sh serving   serving overhead: streamed TPOT at concurrency 1 and output tok/s
+#                                          at 64 against the offline engine (needs the .whl wheels carried)
 # Writes logs and JSON under $OUT (or ./gpu-out).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
@@ -15,6 +17,11 @@ timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test
 timeout 220 python benchmarks/bench_decode.py --iters 30 --profile 1:128 32:128 --out "$OUT/decode.json" 2>&1 | quiet | tee "$OUT/decode.log"
 timeout 150 python benchmarks/bench_decode.py --models llama-3.2-1b --compile --cases 1:128 32:128 \
     --out "$OUT/decode-compile.json" 2>&1 | quiet | tail -6 | tee "$OUT/decode-compile.log"
+exit 0
+fi
+if [ "$part" = serving ]; then
+timeout 500 python benchmarks/bench_serving_overhead.py --model llama-3.2-1b --load-format dummy --dtype bfloat16 \
+    --out "$OUT/serving-overhead.json" 2>&1 | quiet | tail -20 | tee "$OUT/serving-overhead.log"
 exit 0
 fi
 timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \

@@ -55,6 +55,7 @@ def test_replay_gives_the_eager_tokens(gpu_llm):
         runner.graph_runner = graphs
         replayed = graphs.replay(batch).clone()
         assert torch.equal(eager.argmax(-1), replayed.argmax(-1)), f"bs {bs}: tokens differ"
+        assert torch.equal(graphs.argmax[:bs], replayed.argmax(-1)), f"bs {bs}: the graph's argmax differs"
         torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)
         release(runner, reqs)
 

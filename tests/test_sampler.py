@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ostinato.runner.sampler import SamplingTensors, hash_uniform, sample
+from ostinato.runner.sampler import ARGMAX_CHUNK, SamplingTensors, chunked_argmax, hash_uniform, padded_vocab, sample
 from ostinato.sampling_params import SamplingParams
 
 # chi-square critical values at p = 0.001, by degrees of freedom
@@ -30,6 +30,30 @@ def test_greedy_is_argmax():
     tied = torch.zeros(2, 10)
     tied[:, 3] = tied[:, 7] = 1.0
     assert run(tied, [SamplingParams(temperature=0.0)] * 2, [0, 1], [0, 0]).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("vocab", [1, ARGMAX_CHUNK, 3 * ARGMAX_CHUNK + 17, 151_936])
+def test_chunked_argmax_matches_torch(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    b = 5
+    # small integers: many ties, across chunks and within them; the first maximum must win, as torch's
+    logits = torch.randint(-6, 7, (b, vocab), generator=gen).float()
+    logits[1] = torch.randn(vocab, generator=gen)
+    logits[2, -1] = 100.0  # the maximum in the last, partly padded chunk
+    padded = torch.full((b, padded_vocab(vocab)), float("-inf"))
+    padded[:, :vocab] = logits
+    assert padded.shape[1] % ARGMAX_CHUNK == 0
+    assert torch.equal(chunked_argmax(padded), logits.argmax(-1))
+
+
+def test_precomputed_argmax_is_used_only_for_greedy_rows():
+    logits = rand_logits(4, 3000, 3, scale=1.0)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    t = SamplingTensors.from_params(params, [0, 1, 2, 3], [0] * 4, 3000, "cpu")
+    marker = torch.tensor([7, 7, 7, 7])  # not the argmax: shows which rows took the precomputed ids
+    out = sample(logits, t, marker)
+    assert out[0::2].tolist() == [7, 7]
+    assert torch.equal(out[1::2], sample(logits, t)[1::2])
 
 
 def test_mixed_batch_keeps_greedy_rows_exact():

@@ -18,12 +18,15 @@ class ForwardBatch:
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
     req_pool_indices: torch.Tensor  # int64 [bs]
-    seq_lens: torch.Tensor  # int32 [bs]: KV length once this pass has written its tokens
+    seq_lens: torch.Tensor  # int64 (or int32) [bs]: KV length once this pass has written its tokens
     out_cache_loc: torch.Tensor  # int64 [num_tokens]: slot each new token's K/V is written to
     logits_indices: torch.Tensor  # int64 [bs]: row of each request's last token in input_ids
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int] | None = None  # EXTEND: tokens already in the cache
     extend_seq_lens_cpu: list[int] | None = None  # EXTEND: new tokens per request
+    # DECODE from ModelRunner.prepare: int64 [4, bs], rows input_ids, positions, req_pool_indices, seq_lens
+    # (the fields above are views of it), so a graph replay takes all four in one copy
+    decode_ints: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

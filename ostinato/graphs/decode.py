@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
 from ostinato.graphs.graph import Graph
+from ostinato.runner.sampler import chunked_argmax, padded_vocab
 
 if TYPE_CHECKING:
     from ostinato.runner.model_runner import ModelRunner
@@ -62,16 +63,21 @@ class DecodeGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
 
-        # Static inputs: written in place before every replay, rows [bs:padded_bs] with the padding values.
+        # Static inputs, written in place before every replay; rows [bs:padded_bs] hold the padding values.
+        # One int64 block so a replay fills the four per-request vectors with one copy.
         n, dev = self.max_bs, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.full((n,), SEQ_LEN_FILL_VALUE, dtype=torch.int32, device=dev)
+        self.ints = torch.zeros(4, n, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.req_pool_indices, self.seq_lens = self.ints
+        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.pad_column = torch.tensor([0, 0, 0, SEQ_LEN_FILL_VALUE], dtype=torch.int64, device=dev)[:, None]
         self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        # Static output, written by every replay.
-        self.logits = torch.zeros(n, runner.vocab_size, dtype=torch.float32, device=dev)
+        # Static outputs, written by every replay: float32 logits in a vocabulary padded to whole argmax
+        # chunks (the padding columns stay -inf), and their argmax for greedy rows.
+        self.vocab_size = runner.vocab_size
+        self.logits = torch.full((n, padded_vocab(runner.vocab_size)), float("-inf"), dtype=torch.float32,
+                                 device=dev)
+        self.argmax = torch.zeros(n, dtype=torch.int64, device=dev)
         runner.backend.init_cuda_graph_state(self.max_bs)
 
         self.graphs: dict[int, Graph] = {}
@@ -97,7 +103,8 @@ class DecodeGraphRunner:
         def step() -> None:
             with forward_context(backend, batch, layers):
                 hidden = forward(batch.input_ids, batch.positions)
-            self.logits[:bs] = model.compute_logits(hidden)
+            model.compute_logits(hidden, out=self.logits[:bs, : self.vocab_size])
+            self.argmax[:bs] = chunked_argmax(self.logits[:bs])
 
         return step
 
@@ -151,23 +158,22 @@ class DecodeGraphRunner:
 
     def _fill_padding(self, start: int, stop: int) -> None:
         if stop > start:
-            self.input_ids[start:stop].zero_()
-            self.positions[start:stop].zero_()
-            self.req_pool_indices[start:stop].zero_()
-            self.seq_lens[start:stop].fill_(SEQ_LEN_FILL_VALUE)
+            self.ints[:, start:stop] = self.pad_column
             self.out_cache_loc[start:stop].fill_(PAD_SLOT)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [bs, vocab] for a decode batch; the returned tensor is a view of the static output."""
+        """Logits [bs, vocab] for a decode batch, a view of the static output (valid until the next replay);
+        `self.argmax[:bs]` then holds their argmax."""
         bs = batch.batch_size
         padded = self.padded_size(bs)
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-        self.seq_lens[:bs].copy_(batch.seq_lens)
-        self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+        if batch.decode_ints is not None:
+            self.ints[:, :bs] = batch.decode_ints
+        else:
+            self.ints[:, :bs] = torch.stack([batch.input_ids, batch.positions, batch.req_pool_indices,
+                                             batch.seq_lens.to(torch.int64)])
+        self.out_cache_loc[:bs] = batch.out_cache_loc
         self._fill_padding(bs, padded)
         self.runner.backend.init_forward_metadata_replay(padded, self.req_pool_indices[:padded],
                                                          self.seq_lens[:padded])
         self.graphs[padded].replay()
-        return self.logits[:bs]
+        return self.logits[:bs, : self.vocab_size]

@@ -118,9 +118,12 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits; with `out`, cast straight into it (one pass, no float32 temporary)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if out is None:
+            return F.linear(hidden, weight).float()
+        return out.copy_(F.linear(hidden, weight))
 
     # HF checkpoint name fragment -> (our fused parameter, shard index) for fused projections
     _stacked = {

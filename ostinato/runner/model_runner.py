@@ -84,6 +84,7 @@ class ModelRunner:
         self._init_memory(want_len)
         self.backend = self._make_backend(self.req_to_token_pool, self.kv_cache)
         self.graph_runner: DecodeGraphRunner | None = None
+        self._argmax: torch.Tensor | None = None  # argmax of the last forward's logits, when a graph computed it
         if cuda and not args.disable_cuda_graph:
             self.graph_runner = DecodeGraphRunner(self)
 
@@ -169,35 +170,40 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     def prepare(self, sched: ScheduledBatch) -> ForwardBatch:
-        ids, pos = [], []
-        for req, start, n in zip(sched.reqs, sched.prefix_lens, sched.extend_lens, strict=True):
-            if sched.mode is ForwardMode.DECODE:
-                ids.append(req.token_at(start))
-            else:
-                ids.extend(req.all_token_ids[start : start + n])
-            pos.extend(range(start, start + n))
+        """Device tensors for a scheduled batch, in as few host->device copies as the shapes allow
+        (each copy from pageable memory costs ~10 us of host time, which a decode step cannot hide)."""
+        dev, reqs = self.device, sched.reqs
         seq_lens = [s + n for s, n in zip(sched.prefix_lens, sched.extend_lens, strict=True)]
+        req_rows = [r.req_pool_idx for r in reqs]
+        out_cache_loc = sched.out_cache_loc.to(dev, torch.int64)
+        if sched.mode is ForwardMode.DECODE:
+            ids = [r.token_at(s) for r, s in zip(reqs, sched.prefix_lens, strict=True)]
+            rows = [ids, sched.prefix_lens, req_rows, seq_lens, list(range(len(reqs)))]
+            ints = torch.tensor(rows, dtype=torch.int64).to(dev)
+            return ForwardBatch(ForwardMode.DECODE, len(reqs), ints[0], ints[1], ints[2], ints[3], out_cache_loc,
+                                ints[4], seq_lens, decode_ints=ints[:4])
+        ids, pos = [], []
+        for req, start, n in zip(reqs, sched.prefix_lens, sched.extend_lens, strict=True):
+            ids.extend(req.all_token_ids[start : start + n])
+            pos.extend(range(start, start + n))
         ends = torch.tensor(sched.extend_lens).cumsum(0) - 1
-        dev = self.device
+        tokens = torch.tensor([ids, pos], dtype=torch.int64).to(dev)
+        per_req = torch.cat([torch.tensor([req_rows, seq_lens], dtype=torch.int64), ends[None]]).to(dev)
         return ForwardBatch(
-            mode=sched.mode,
-            batch_size=len(sched.reqs),
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in sched.reqs], dtype=torch.int64).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            out_cache_loc=sched.out_cache_loc.to(dev, torch.int64),
-            logits_indices=ends.to(dev, non_blocking=True),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=list(sched.prefix_lens),
-            extend_seq_lens_cpu=list(sched.extend_lens),
+            mode=sched.mode, batch_size=len(reqs), input_ids=tokens[0], positions=tokens[1],
+            req_pool_indices=per_req[0], seq_lens=per_req[1], out_cache_loc=out_cache_loc,
+            logits_indices=per_req[2], seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(sched.prefix_lens), extend_seq_lens_cpu=list(sched.extend_lens),
         )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] (float32) at each request's last token."""
+        self._argmax = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)
+            logits = self.graph_runner.replay(batch)
+            self._argmax = self.graph_runner.argmax[: batch.batch_size]
+            return logits
         with forward_context(self.backend, batch, self.model.attention_specs):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions)
@@ -211,4 +217,5 @@ class ModelRunner:
             [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs],
             self.vocab_size, self.device, output_token_ids=[r.output_token_ids for r in reqs],
         )
-        return sample_batch(logits, tensors)
+        # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
+        return sample_batch(logits, tensors, self._argmax)

@@ -110,7 +110,7 @@ def decode_attention(
     num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, scale: float,
     block_n: int = 64,
 ) -> None:
-    """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens/num_kv_splits int32 [bs] with seq_lens >= 1.
+    """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
