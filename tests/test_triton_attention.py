@@ -152,6 +152,21 @@ def test_decode_clamped_splits_with_empty_tail():
     check(env, batch, out, q, atol=1e-4)
 
 
+def test_decode_split_cap_follows_batch_size():
+    """Few SMs per request: the cap drops to one split (a grid with one program per request and KV head)."""
+    env = make_env(4, 4, 2, 16, seed=4)
+    assert env.tri.kv_splits_cap(1) == env.tri.max_kv_splits
+    env.tri.num_sms = 4  # 2 * 4 programs wanted, 4 requests x 2 KV heads already give them
+    assert env.tri.kv_splits_cap(4) == 1 and env.tri.kv_splits_cap(2) == 2
+    prefix = [40, 3, 77, 20]
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1] * 4)
+    q, k, v = qkv(env, 4)
+    out = run_triton(env, batch, q, k, v)
+    assert env.tri.num_kv_splits.tolist() == [1, 1, 1, 1]
+    check(env, batch, out, q, atol=1e-4)
+
+
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_extend_matches_torch(page, group):

@@ -12,14 +12,14 @@ from ostinato.mem.req_to_token_pool import ReqToTokenPool
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Decode splits each request's KV into clamp(ceil(seq_len / min_tokens_per_split), 1, max_kv_splits)
+    """Decode splits each request's KV into clamp(ceil(seq_len / min_tokens_per_split), 1, kv_splits_cap(bs))
     parts, counted on the device; the launch grid always has max_kv_splits in its split dimension.
 
     `num_heads` (the model's largest query-head count) sizes the graph path's scratch.
     """
 
     max_kv_splits = 16  # the grid's split dimension and the scratch depth
-    min_tokens_per_split = 128
+    min_tokens_per_split = 64  # one block: a split's programs then run a single loop iteration
     decode_block_n = 64
     extend_block_m = 64
     extend_block_n = 64
@@ -30,6 +30,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.device = req_to_token_pool.req_to_token.device
         self.graph_mode = False
         self.graph_max_bs = 0
+        self.num_kv_heads = kv_cache.get_kv_buffer(0)[0].shape[1]
+        cuda = self.device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 132
+
+    def kv_splits_cap(self, bs: int) -> int:
+        """Most splits a request gets in a batch of `bs`: enough stage-1 programs (bs x kv heads x splits) for
+        two per SM, at most max_kv_splits. Small batches split finely (a short context's latency is then one
+        loop iteration); large ones little or not at all (less stage-2 traffic, the grid is full anyway)."""
+        want = -(-2 * self.num_sms // (bs * self.num_kv_heads))
+        return max(1, min(self.max_kv_splits, want))
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -38,7 +48,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.seq_lens = batch.seq_lens
         if batch.mode is ForwardMode.DECODE:
             self.num_kv_splits = torch.empty(batch.batch_size, dtype=torch.int32, device=self.device)
-            compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self.min_tokens_per_split, self.max_kv_splits)
+            compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self.min_tokens_per_split,
+                                  self.kv_splits_cap(batch.batch_size))  # the same cap forward_decode's grid has
             return
         prefix, extend = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
         assert prefix is not None and extend is not None
@@ -106,6 +117,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
         bs, num_heads, head_dim = q.shape
+        splits = self.kv_splits_cap(bs)  # the grid's split dimension: no program past the cap
         if self.graph_mode:
             cap = self.graph_mid_o.shape
             assert bs == self.graph_bs and num_heads <= cap[1] and head_dim <= cap[3], (bs, num_heads, head_dim)
@@ -113,15 +125,14 @@ class TritonAttentionBackend(AttentionBackend):
                 self.splits_layer_id = layer.layer_id
             num_kv_splits = self.graph_num_kv_splits[:bs]
             if layer.layer_id == self.splits_layer_id:  # once per pass, on the device, inside the capture
-                compute_num_kv_splits(self.graph_seq_lens, num_kv_splits, self.min_tokens_per_split,
-                                      self.max_kv_splits)
+                compute_num_kv_splits(self.graph_seq_lens, num_kv_splits, self.min_tokens_per_split, splits)
             req_pool_indices, seq_lens = self.graph_req_pool_indices, self.graph_seq_lens
-            mid_o = self.graph_mid_o[:bs, :num_heads, :, :head_dim]
-            mid_lse = self.graph_mid_lse[:bs, :num_heads]
+            mid_o = self.graph_mid_o[:bs, :num_heads, :splits, :head_dim]
+            mid_lse = self.graph_mid_lse[:bs, :num_heads, :splits]
         else:
             num_kv_splits, req_pool_indices, seq_lens = self.num_kv_splits, self.req_pool_indices, self.seq_lens
-            mid_o = torch.empty(bs, num_heads, self.max_kv_splits, head_dim, dtype=torch.float32, device=q.device)
-            mid_lse = torch.empty(bs, num_heads, self.max_kv_splits, dtype=torch.float32, device=q.device)
+            mid_o = torch.empty(bs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+            mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
         k_buf, v_buf = self.kv_cache.get_kv_buffer(layer.layer_id)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode_attention(

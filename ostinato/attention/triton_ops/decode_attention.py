@@ -138,5 +138,5 @@ def decode_attention(
         mid_o, mid_lse, num_kv_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(max_kv_splits), BLOCK_D=block_d, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), BLOCK_D=block_d, num_warps=4,
     )
