@@ -102,7 +102,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[di
         sched, reqs = decode_batch(runner, bs, ctx)
         floor_ms = (runner.weight_bytes + bs * (ctx + 1) * kv_per_token) / bw * 1e3
         for mode in ("eager", "graph"):
-            step_ms, fwd_ms = time_steps(runner, sched, mode == "graph", args.iters)
+            iters = args.iters if mode == "graph" else args.eager_iters
+            step_ms, fwd_ms = time_steps(runner, sched, mode == "graph", iters)
             rows.append({"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
                          "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile})
             print(f"{name:<14}{bs:>5}{ctx:>7}{mode:>7}{step_ms:>10.3f}{fwd_ms:>10.3f}{floor_ms:>9.3f}", flush=True)
@@ -121,6 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen3-0.6b"])
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--eager-iters", type=int, default=10, help="eager steps are ~10 ms and host-bound: fewer")
     ap.add_argument("--compile", action="store_true", help="--enable-torch-compile for the captured sizes")
     ap.add_argument("--compile-max-bs", type=int, default=32)
     ap.add_argument("--cases", nargs="+", default=None, help="bs:context pairs, e.g. 1:128 32:128")

@@ -4,6 +4,7 @@ Without a GPU the kernels run in Triton's interpreter at tiny shapes (fp32); wit
 in bf16 against the torch backend computed in fp32.
 """
 
+import bisect
 import os
 import shutil
 
@@ -157,7 +158,7 @@ def test_decode_split_cap_follows_batch_size():
     env = make_env(4, 4, 2, 16, seed=4)
     assert env.tri.kv_splits_cap(1) == env.tri.max_kv_splits
     env.tri.num_sms = 4  # 2 * 4 programs wanted, 4 requests x 2 KV heads already give them
-    assert env.tri.kv_splits_cap(4) == 1 and env.tri.kv_splits_cap(2) == 2
+    assert env.tri.kv_splits_cap(4) == env.tri.kv_splits_cap(3) == 1 and env.tri.kv_splits_cap(2) == 2
     prefix = [40, 3, 77, 20]
     rows = new_requests(env, prefix)
     batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1] * 4)
@@ -165,6 +166,19 @@ def test_decode_split_cap_follows_batch_size():
     out = run_triton(env, batch, q, k, v)
     assert env.tri.num_kv_splits.tolist() == [1, 1, 1, 1]
     check(env, batch, out, q, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_sms", [8, 78, 132])
+def test_padding_to_a_captured_size_keeps_the_split_cap(num_sms):
+    """What makes a padded replay bitwise equal to eager: the cap of bs and of its padded size agree."""
+    from ostinato.graphs.decode import capture_batch_sizes
+
+    env = make_env(4, 32, 8, 16)
+    env.tri.num_sms = num_sms
+    sizes = capture_batch_sizes(None, 256, 256)
+    for bs in range(1, 257):
+        padded = sizes[bisect.bisect_left(sizes, bs)]
+        assert env.tri.kv_splits_cap(bs) == env.tri.kv_splits_cap(padded), (bs, padded)
 
 
 @pytest.mark.parametrize("page", [1, 4])
@@ -303,7 +317,7 @@ def test_cuda_graph_path(page, shape):
     env = cuda_env(page, shape, seed=5, slots=80 * 4096, max_reqs=80)
     gen = torch.Generator().manual_seed(page)
     lens_a = torch.randint(1, 4000, (40,), generator=gen).tolist()
-    lens_b = torch.randint(0, 4000, (30,), generator=gen).tolist()
+    lens_b = torch.randint(0, 4000, (35,), generator=gen).tolist()  # 36 rows: 36, 40 and 48 share a cap
     check_graph_path(env, lens_a=lens_a, lens_b=lens_b, pad_to=48, max_bs=64, atol=2e-2)
 
 

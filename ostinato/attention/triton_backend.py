@@ -37,8 +37,13 @@ class TritonAttentionBackend(AttentionBackend):
     def kv_splits_cap(self, bs: int) -> int:
         """Most splits a request gets in a batch of `bs`: enough stage-1 programs (bs x kv heads x splits) for
         two per SM, at most max_kv_splits. Small batches split finely (a short context's latency is then one
-        loop iteration); large ones little or not at all (less stage-2 traffic, the grid is full anyway)."""
-        want = -(-2 * self.num_sms // (bs * self.num_kv_heads))
+        loop iteration); large ones little or not at all (less stage-2 traffic, the grid is full anyway).
+
+        It depends on bs only through the next power of two, which padding to a captured size does not change
+        for the default sizes (every power of two is captured), so a padded replay splits each request as
+        an eager pass of the same batch does and gives bitwise the same output."""
+        bucket = 1 << (max(bs, 1) - 1).bit_length()
+        want = -(-2 * self.num_sms // (bucket * self.num_kv_heads))
         return max(1, min(self.max_kv_splits, want))
 
     # ------------------------------------------------------------------ metadata
