@@ -104,6 +104,23 @@ class EngineClientHooks:
     on_dead: Callable[[str], None] | None = None  # the engine process died (message)
 
 
+def coalesce_deltas(items: list[ChoiceDelta | BaseException]) -> list[ChoiceDelta | BaseException]:
+    """Merge each run of consecutive deltas of one choice into one delta (text, token ids and logprobs
+    concatenated in order; the finish of the last). An exception ends merging and keeps its place."""
+    out: list[ChoiceDelta | BaseException] = []
+    for item in items:
+        last = out[-1] if out else None
+        if (isinstance(item, ChoiceDelta) and isinstance(last, ChoiceDelta) and last.index == item.index
+                and last.finish_reason is None):
+            out[-1] = dataclasses.replace(
+                last, text=last.text + item.text, token_ids=last.token_ids + item.token_ids,
+                logprobs=last.logprobs + item.logprobs, finish_reason=item.finish_reason,
+                stop_reason=item.stop_reason)
+        else:
+            out.append(item)
+    return out
+
+
 def child_params(params: SamplingParams, j: int) -> SamplingParams:
     """The j-th of n independent samples: n = 1, and the seed offset by j (so they differ reproducibly)."""
     seed = None if params.seed is None else params.seed + j
@@ -225,12 +242,17 @@ class AsyncEngineClient:
                     remaining[index] = rid
                     self._send((ipc.ADD, rid, ids, ipc.params_to_dict(sp)))
             while remaining:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    remaining.pop(item.index, None)
-                yield item
+                # what piled up while the consumer was busy goes out as one delta per choice, so a slow
+                # stream sends fewer, larger chunks instead of falling further behind
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in coalesce_deltas(items):
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finish_reason is not None:
+                        remaining.pop(item.index, None)
+                    yield item
         finally:
             if remaining:
                 rids = list(remaining.values())
