@@ -166,11 +166,8 @@ class DecodeGraphRunner:
         `self.argmax[:bs]` then holds their argmax."""
         bs = batch.batch_size
         padded = self.padded_size(bs)
-        if batch.decode_ints is not None:
-            self.ints[:, :bs] = batch.decode_ints
-        else:
-            self.ints[:, :bs] = torch.stack([batch.input_ids, batch.positions, batch.req_pool_indices,
-                                             batch.seq_lens.to(torch.int64)])
+        assert batch.decode_ints is not None, "decode batches come from ModelRunner.prepare"
+        self.ints[:, :bs] = batch.decode_ints
         self.out_cache_loc[:bs] = batch.out_cache_loc
         self._fill_padding(bs, padded)
         self.runner.backend.init_forward_metadata_replay(padded, self.req_pool_indices[:padded],

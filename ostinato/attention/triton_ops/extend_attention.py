@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block
 
 
 @triton.jit
@@ -49,23 +49,11 @@ def _extend_kernel(
     # the last query of this block sees keys up to kv_end - 1
     kv_end = prefix + tl.minimum(m0 + BLOCK_M, extend_len)
     for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        slots = tl.load(Req_to_token + req * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
-                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        # key 0 is visible to every row and lies in the first block, so m_new is finite from then on
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_kv_block(
+            q, acc, m_i, l_i, n0, kv_end, q_pos, K_buf, V_buf, Req_to_token + req * stride_r2t, kv_head,
+            stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
+            BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+        )
 
     out = acc / l_i[:, None]
     tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -89,7 +77,7 @@ def extend_attention(
         return
     _extend_kernel[(bs, num_heads, triton.cdiv(max_extend_len, block_m))](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, q_start, prefix_lens, extend_lens,
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
