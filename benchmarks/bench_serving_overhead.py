@@ -68,13 +68,20 @@ def offline(args) -> dict:
     timed(prompts[:1], args.output_len)
     steps = [(timed([p], args.output_len) - timed([p], 1)) / (args.output_len - 1)
              for p in prompts[:args.single_prompts]]
-    tok_s = {}
+    tok_s, engine = {}, {}
+    core = llm.engine
     for c in (c for c in args.concurrency if c > 1):
-        llm.engine.scheduler.max_running_requests = c  # a plain attribute the scheduler reads each step
-        tok_s[c] = args.num_prompts * args.output_len / timed(prompts, args.output_len)
+        core.scheduler.max_running_requests = c  # a plain attribute the scheduler reads each step
+        before = {**{f"{m}_steps": n for m, n in core.step_counts.items()},
+                  **{f"{m}_tokens": n for m, n in core.step_tokens.items()}, "busy_seconds": 0.0}
+        elapsed = timed(prompts, args.output_len)
+        tok_s[c] = args.num_prompts * args.output_len / elapsed
+        after = {**{f"{m}_steps": n for m, n in core.step_counts.items()},
+                 **{f"{m}_tokens": n for m, n in core.step_tokens.items()}, "busy_seconds": elapsed}
+        engine[c] = engine_summary(before, after, elapsed)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": name, "device_tag": device_tag(device), "torch": torch.__version__, "prompts": prompts,
-            "decode_step_ms": [1000 * s for s in steps], "output_tok_s": tok_s}
+            "decode_step_ms": [1000 * s for s in steps], "output_tok_s": tok_s, "engine": engine}
 
 
 def start_server(args, log) -> subprocess.Popen:
@@ -84,7 +91,8 @@ def start_server(args, log) -> subprocess.Popen:
         sys.exit(f"bench_serving_overhead: something already answers on port {args.port}")
     except httpx.HTTPError:
         pass
-    cmd = [sys.executable, "-m", "ostinato.entrypoints.cli", "serve", "--port", str(args.port), *engine_flags(args)]
+    cmd = [sys.executable, "-m", "ostinato.entrypoints.cli", "serve", "--port", str(args.port), *engine_flags(args),
+           *shlex.split(args.server_args)]
     print("starting:", shlex.join(cmd), f"(log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=False)
     deadline = time.time() + args.server_timeout
@@ -102,6 +110,42 @@ def start_server(args, log) -> subprocess.Popen:
         time.sleep(1)
     proc.kill()
     sys.exit(f"bench_serving_overhead: the server was not healthy after {args.server_timeout} s (log: {log.name})")
+
+
+def engine_counts(url: str) -> dict[str, float]:
+    """The engine's cumulative step counters, from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == "ostinato:engine_steps_total":
+                out[f"{s.labels['mode']}_steps"] = s.value
+            elif s.name == "ostinato:engine_step_tokens_total":
+                out[f"{s.labels['mode']}_tokens"] = s.value
+            elif s.name == "ostinato:engine_busy_seconds_total":
+                out["busy_seconds"] = s.value
+    return out
+
+
+def engine_summary(before: dict[str, float], after: dict[str, float], duration: float) -> dict[str, float]:
+    """What the engine did during one run: its busy fraction, step counts and mean decode batch."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    decode_steps = max(d.get("decode_steps", 0.0), 1.0)
+    return {"busy_fraction": d.get("busy_seconds", 0.0) / duration, "extend_steps": d.get("extend_steps", 0.0),
+            "decode_steps": d.get("decode_steps", 0.0), "mean_decode_batch": d.get("decode_tokens", 0.0) / decode_steps,
+            "busy_ms_per_step": 1000 * d.get("busy_seconds", 0.0)
+            / max(d.get("decode_steps", 0.0) + d.get("extend_steps", 0.0), 1.0)}
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of one process so far (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -127,8 +171,14 @@ def online(args, prompts: list[list[int]]) -> dict:
             for c in args.concurrency:
                 reqs = [(p, args.output_len) for p in prompts[:args.single_prompts if c == 1 else args.num_prompts]]
                 ns.max_concurrency = c
+                before, cpu0 = engine_counts(url), cpu_seconds(proc.pid)
                 results, duration = asyncio.run(run(ns, url, float("inf"), reqs))
+                cpu1 = cpu_seconds(proc.pid)
                 rows[c] = summarize(results, duration, float("inf"), c)
+                rows[c]["engine"] = engine_summary(before, engine_counts(url), duration)
+                # the HTTP process's own CPU (the engine is its child process, not counted): near 1.0 means
+                # the front end, not the engine, sets the pace
+                rows[c]["http_process_cpu_fraction"] = None if cpu0 is None else (cpu1 - cpu0) / duration
                 if rows[c]["failed"] or any(r.output_len != args.output_len for r in results):
                     sys.exit(f"bench_serving_overhead: requests failed at concurrency {c}: {rows[c]['errors']}")
         finally:
@@ -149,6 +199,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--server-timeout", type=float, default=300.0, help="seconds the server gets to become healthy")
     ap.add_argument("--extra-args", default="", help="more engine flags for both phases, e.g. '--page-size 16'")
+    ap.add_argument("--server-args", default="--disable-uvicorn-access-log",
+                    help="flags for `ostinato serve` only (default: no access-log line per request)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving-overhead-<device>.json)")
     ap.add_argument("--phase", choices=["all", "offline"], default="all", help=argparse.SUPPRESS)
     ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
@@ -176,7 +228,9 @@ def main() -> None:
                          "online_tpot_ms_p50": on[1]["tpot_ms"]["p50"], "ratio": y / x})
         else:
             x, y = off["output_tok_s"][str(c)], on[c]["output_tok_s"]
-            rows.append({"concurrency": c, "offline_output_tok_s": x, "online_output_tok_s": y, "ratio": y / x})
+            rows.append({"concurrency": c, "offline_output_tok_s": x, "online_output_tok_s": y, "ratio": y / x,
+                         "offline_engine": off["engine"][str(c)], "online_engine": on[c]["engine"],
+                         "online_http_process_cpu_fraction": on[c]["http_process_cpu_fraction"]})
         # the issue's check is one-sided: serving may not cost more than 10% (a faster server passes)
         rows[-1]["within_10pct"] = rows[-1]["ratio"] <= 1.10 if c == 1 else rows[-1]["ratio"] >= 0.90
     print(f"\n{'conc':>5} {'metric':<18} {'offline':>10} {'online':>10} {'ratio':>7}  within 10%")
@@ -184,6 +238,17 @@ def main() -> None:
         metric, x, y = (("TPOT ms", r["offline_ms_per_token"], r["online_tpot_ms_mean"]) if r["concurrency"] == 1
                         else ("output tok/s", r["offline_output_tok_s"], r["online_output_tok_s"]))
         print(f"{r['concurrency']:>5} {metric:<18} {x:>10.2f} {y:>10.2f} {r['ratio']:>7.3f}  {r['within_10pct']}")
+    for r in rows:
+        if "online_engine" in r:
+            for phase in ("offline", "online"):
+                e = r[f"{phase}_engine"]
+                print(f"      engine {phase:<8} busy {100 * e['busy_fraction']:5.1f}%  "
+                      f"{e['busy_ms_per_step']:.3f} ms/step  {e['decode_steps']:.0f} decode steps "
+                      f"(mean batch {e['mean_decode_batch']:.1f}), "
+                      f"{e['extend_steps']:.0f} extend steps")
+            cpu = r["online_http_process_cpu_fraction"]
+            if cpu is not None:
+                print(f"      HTTP process CPU busy {100 * cpu:5.1f}%")
     report = {"device": off["device"], "torch": off["torch"],
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "config": {k: v for k, v in vars(args).items() if not k.startswith("phase")},

@@ -20,6 +20,8 @@ timeout 150 python benchmarks/bench_decode.py --models llama-3.2-1b --compile --
 exit 0
 fi
 if [ "$part" = serving ]; then
+timeout 120 python benchmarks/bench_sse_ceiling.py --concurrency 1 64 --num-prompts 256 --output-len 128 2>&1 \
+    | tail -3 | tee "$OUT/sse-ceiling.log"
 timeout 500 python benchmarks/bench_serving_overhead.py --model llama-3.2-1b --load-format dummy --dtype bfloat16 \
     --out "$OUT/serving-overhead.json" 2>&1 | quiet | tail -20 | tee "$OUT/serving-overhead.log"
 exit 0

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import zmq
@@ -94,7 +95,8 @@ class EngineLoop:
     def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket) -> None:
         self.core, self.inp, self.out = core, inp, out
         self.parent = os.getppid()
-        self.last_stats: dict[str, int] | None = None
+        self.last_stats: dict[str, int | float] | None = None
+        self.busy_seconds = 0.0  # wall time inside EngineCore.step (it ends with the step's GPU sync)
 
     def run(self) -> None:
         while True:
@@ -105,7 +107,9 @@ class EngineLoop:
                 continue
             if not self._drain():
                 return
+            t = time.perf_counter()
             outputs = self.core.step()
+            self.busy_seconds += time.perf_counter() - t
             stats = self.stats()
             if outputs or stats != self.last_stats:
                 self.out.send(ipc.pack((ipc.OUTPUTS, ipc.encode_outputs(outputs), stats)), zmq.NOBLOCK)
@@ -132,11 +136,15 @@ class EngineLoop:
                 logger.info("engine core shutting down")
                 return False
 
-    def stats(self) -> dict[str, int]:
-        sched, alloc, slots = self.core.scheduler, self.core.runner.allocator, self.core.runner.req_to_token_pool
+    def stats(self) -> dict[str, int | float]:
+        core = self.core
+        sched, alloc, slots = core.scheduler, core.runner.allocator, core.runner.req_to_token_pool
         return {
             "running": len(sched.running), "waiting": len(sched.waiting),
             "kv_free_pages": alloc.available_pages(), "kv_total_pages": alloc.num_pages - 1,
             "req_slots_free": slots.available_size(), "req_slots_total": slots.size,
             "num_retractions": sched.num_retractions,
+            "extend_steps": core.step_counts["extend"], "decode_steps": core.step_counts["decode"],
+            "extend_tokens": core.step_tokens["extend"], "decode_tokens": core.step_tokens["decode"],
+            "busy_seconds": self.busy_seconds,
         }

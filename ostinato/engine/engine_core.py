@@ -4,6 +4,7 @@ import logging
 import random
 from dataclasses import dataclass
 
+from ostinato.attention.forward_batch import ForwardMode
 from ostinato.config import EngineArgs
 from ostinato.engine.limits import EngineLimits, validate_request
 from ostinato.engine.request import Request, RequestStatus
@@ -46,6 +47,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._aborted: list[EngineCoreOutput] = []
+        # cumulative: forward passes and the tokens they computed, by mode ("extend" / "decode")
+        self.step_counts = {"extend": 0, "decode": 0}
+        self.step_tokens = {"extend": 0, "decode": 0}
         r = self.runner
         logger.info(
             "model %s (%s, %s) on %s: weights %.2f GiB loaded in %.1f s; KV pool %d tokens (%.2f GiB, page %d); "
@@ -90,6 +94,9 @@ class EngineCore:
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
         if sched is not None:
+            mode = "decode" if sched.mode is ForwardMode.DECODE else "extend"
+            self.step_counts[mode] += 1
+            self.step_tokens[mode] += sum(sched.extend_lens)
             batch = self.runner.prepare(sched)
             logits = self.runner.forward(batch)
             sampled = self.runner.sample(logits, sched)

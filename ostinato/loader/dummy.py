@@ -19,18 +19,19 @@ def preset_path(name: str) -> str | None:
 @torch.no_grad()
 def dummy_init_(module: torch.nn.Module, seed: int = 0) -> None:
     """Fill every float parameter in place: N(0, 0.02) for matrices/embeddings, 1 + N(0, 0.02) for norm
-    weights, N(0, 0.01) for biases. Values come from a seeded CPU generator, so they depend only on the seed,
-    the parameter order and shapes, whatever the parameters' device."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    weights, N(0, 0.01) for biases. Values come from a seeded generator on each parameter's own device (one
+    per device, in parameter order), so they depend on the seed, the order, the shapes and the device type;
+    filling on the GPU takes well under a second where a CPU generator took ~40 s for 1.2B parameters."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, p in module.named_parameters():
         if not p.is_floating_point():
             continue
-        dtype = p.dtype if p.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-        vals = torch.empty(p.shape, dtype=dtype)
+        gen = generators.get(p.device)
+        if gen is None:
+            gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
         if name.endswith("norm.weight"):  # also matches "layernorm.weight"
-            vals.normal_(1.0, 0.02, generator=gen)
+            p.normal_(1.0, 0.02, generator=gen)
         elif name.endswith("bias"):
-            vals.normal_(0.0, 0.01, generator=gen)
+            p.normal_(0.0, 0.01, generator=gen)
         else:
-            vals.normal_(0.0, 0.02, generator=gen)
-        p.copy_(vals)
+            p.normal_(0.0, 0.02, generator=gen)

@@ -168,10 +168,20 @@ def run_server(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
     try:
-        return asyncio.run(_serve(ns, args))
+        return _run_loop(_serve(ns, args))
     except EngineStartError as e:
         logger.error("the engine failed to start: %s", e)
         return 1
+
+
+def _run_loop(main: Awaitable[int]) -> int:
+    """Run the server on uvloop where it is installed (it halves the per-chunk cost of streaming: socket
+    writes and task wake-ups are the HTTP process's hot path), on asyncio's own loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _load_tokenizer(args: EngineArgs) -> Any:
@@ -214,6 +224,7 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
         serving = OpenAIServing(client, names)
         app = build_app(serving, metrics, ns.api_key)
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                                access_log=not ns.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=ns.graceful_shutdown_timeout, lifespan="off")
         server = uvicorn.Server(config)
 

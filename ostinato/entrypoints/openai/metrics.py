@@ -31,6 +31,18 @@ class ServerMetrics:
         self.success = Counter("ostinato:request_success", "Finished requests by finish reason",
                                [*labels, "finished_reason"], registry=r)
         self.model_name = model_name
+        # engine-side work, from the engine's cumulative counts: tells a slow engine from a slow front end
+        steps = Counter("ostinato:engine_steps", "Forward passes by mode (extend / decode)", [*labels, "mode"],
+                        registry=r)
+        step_tokens = Counter("ostinato:engine_step_tokens", "Tokens computed by forward passes, by mode",
+                              [*labels, "mode"], registry=r)
+        busy = Counter("ostinato:engine_busy_seconds", "Wall time the engine spent in steps", labels, registry=r)
+        # stats key -> its labelled counter (looked up once: labels() costs more than the increment)
+        self._engine_counters = {f"{mode}_steps": steps.labels(model_name, mode) for mode in ("extend", "decode")}
+        self._engine_counters.update({f"{mode}_tokens": step_tokens.labels(model_name, mode)
+                                      for mode in ("extend", "decode")})
+        self._engine_counters["busy_seconds"] = busy.labels(model_name)
+        self._engine_counts: dict[str, float] = {}
         self.ttft = Histogram("ostinato:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.tpot = Histogram("ostinato:time_per_output_token_seconds", "Mean time per output token after the first",
@@ -38,7 +50,7 @@ class ServerMetrics:
         self.e2e = Histogram("ostinato:e2e_request_latency_seconds", "Arrival to last token", labels,
                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
 
-    def on_stats(self, stats: dict[str, int]) -> None:
+    def on_stats(self, stats: dict[str, int | float]) -> None:
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         total = max(stats["kv_total_pages"], 1)
@@ -47,6 +59,11 @@ class ServerMetrics:
         self.kv_usage.set(1.0 - stats["kv_free_pages"] / total)
         self.slots_free.set(stats["req_slots_free"])
         self.retractions.set(stats["num_retractions"])
+        for key, counter in self._engine_counters.items():
+            delta = stats[key] - self._engine_counts.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._engine_counts[key] = stats[key]
 
     def on_finished(self, t: RequestTiming) -> None:
         self.prompt_tokens.inc(t.num_prompt_tokens)

@@ -36,8 +36,36 @@ class _Choice:
     finish_reason: str | None = None
 
 
+_json = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_json(obj)}\n\n"
+
+
+class ChunkFormat:
+    """The SSE frames of one stream. Its head (id, object, created, model) is rendered once, and the
+    frequent chunk (one choice's text, no logprobs) is formatted directly: ~0.2 us against ~4 us through
+    json.dumps of the whole dict, on the HTTP process's hottest path."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self.prefix = "data: " + _json(head)[:-1] + ', "choices": ['
+
+    def choice(self, choice: dict[str, Any]) -> str:
+        return f"{self.prefix}{_json(choice)}]}}\n\n"
+
+    def text(self, index: int, text: str, finish_reason: str | None) -> str:
+        """{"index", "text", "logprobs": null, "finish_reason"}: a completions chunk."""
+        return (f'{self.prefix}{{"index": {index}, "text": {_json(text)}, "logprobs": null, '
+                f'"finish_reason": {_json(finish_reason)}}}]}}\n\n')
+
+    def content(self, index: int, text: str, finish_reason: str | None) -> str:
+        """{"index", "delta": {"content"}, "logprobs": null, "finish_reason"}: a chat chunk with text."""
+        return (f'{self.prefix}{{"index": {index}, "delta": {{"content": {_json(text)}}}, "logprobs": null, '
+                f'"finish_reason": {_json(finish_reason)}}}]}}\n\n')
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        return f"{self.prefix}], \"usage\": {_json(usage(prompt_tokens, completion_tokens))}}}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -132,20 +160,21 @@ class OpenAIServing:
 
     async def _stream_completions(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int,
                                   logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+        fmt = ChunkFormat(head)
         n_out = 0
         offsets: dict[int, int] = {}
         async for d in gen:
             n_out += len(d.token_ids)
             if not d.token_ids and not d.text and d.finish_reason is None:
                 continue
-            lp = None
-            if logprobs:
-                lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets.get(d.index, 0))
+            if not logprobs:
+                yield fmt.text(d.index, d.text, d.finish_reason)
+                continue
+            lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets.get(d.index, 0))
             offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
-            yield sse({**head, "choices": [
-                {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]})
+            yield fmt.choice({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
+            yield fmt.usage(n_prompt, n_out)
 
     def _completion_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         tokens = decode_tokens(self.tokenizer, token_ids)
@@ -200,21 +229,23 @@ class OpenAIServing:
 
     async def _stream_chat(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int, n: int,
                            logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+        fmt = ChunkFormat(head)
         n_out = 0
         for i in range(n):
-            yield sse({**head, "choices": [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]})
+            yield fmt.choice({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None})
         async for d in gen:
             n_out += len(d.token_ids)
             if not d.token_ids and not d.text and d.finish_reason is None:
                 continue
+            if not logprobs and (d.text or d.finish_reason is None):
+                yield fmt.content(d.index, d.text, d.finish_reason)
+                continue
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
             lp = {"content": self._chat_logprobs(d.token_ids, d.logprobs)} if logprobs else None
-            yield sse({**head, "choices": [
-                {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}]})
+            yield fmt.choice({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
+            yield fmt.usage(n_prompt, n_out)
 
     def _chat_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs]) -> list[dict[str, Any]]:
         def entry(text: str, lp: float) -> dict[str, Any]:
