@@ -66,19 +66,18 @@ def offline(args) -> dict:
 
     timed(prompts[:max(args.concurrency)], 4)  # warm-up
     timed(prompts[:1], args.output_len)
+    core = llm.engine
+    before, t0 = core_counts(core), time.perf_counter()
     steps = [(timed([p], args.output_len) - timed([p], 1)) / (args.output_len - 1)
              for p in prompts[:args.single_prompts]]
-    tok_s, engine = {}, {}
-    core = llm.engine
+    engine = {1: engine_summary(before, core_counts(core), time.perf_counter() - t0)}
+    tok_s = {}
     for c in (c for c in args.concurrency if c > 1):
         core.scheduler.max_running_requests = c  # a plain attribute the scheduler reads each step
-        before = {**{f"{m}_steps": n for m, n in core.step_counts.items()},
-                  **{f"{m}_tokens": n for m, n in core.step_tokens.items()}, "busy_seconds": 0.0}
+        before = core_counts(core)
         elapsed = timed(prompts, args.output_len)
         tok_s[c] = args.num_prompts * args.output_len / elapsed
-        after = {**{f"{m}_steps": n for m, n in core.step_counts.items()},
-                 **{f"{m}_tokens": n for m, n in core.step_tokens.items()}, "busy_seconds": elapsed}
-        engine[c] = engine_summary(before, after, elapsed)
+        engine[c] = engine_summary(before, core_counts(core), elapsed)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": name, "device_tag": device_tag(device), "torch": torch.__version__, "prompts": prompts,
             "decode_step_ms": [1000 * s for s in steps], "output_tok_s": tok_s, "engine": engine}
@@ -113,29 +112,37 @@ def start_server(args, log) -> subprocess.Popen:
 
 
 def engine_counts(url: str) -> dict[str, float]:
-    """The engine's cumulative step counters, from the server's /metrics."""
+    """The engine's cumulative step counters from the server's /metrics: {mode}_steps, _tokens, _seconds."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    names = {"ostinato:engine_steps_total": "steps", "ostinato:engine_step_tokens_total": "tokens",
+             "ostinato:engine_step_seconds_total": "seconds"}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for s in family.samples:
-            if s.name == "ostinato:engine_steps_total":
-                out[f"{s.labels['mode']}_steps"] = s.value
-            elif s.name == "ostinato:engine_step_tokens_total":
-                out[f"{s.labels['mode']}_tokens"] = s.value
-            elif s.name == "ostinato:engine_busy_seconds_total":
-                out["busy_seconds"] = s.value
+            if s.name in names:
+                out[f"{s.labels['mode']}_{names[s.name]}"] = s.value
     return out
 
 
+def core_counts(core) -> dict[str, float]:
+    """The same counters, read off an in-process EngineCore."""
+    return {f"{mode}_{key}": v for key, d in (("steps", core.step_counts), ("tokens", core.step_tokens),
+                                              ("seconds", core.step_seconds)) for mode, v in d.items()}
+
+
 def engine_summary(before: dict[str, float], after: dict[str, float], duration: float) -> dict[str, float]:
-    """What the engine did during one run: its busy fraction, step counts and mean decode batch."""
+    """What the engine did during one run: the fraction of the run it spent in steps, and per mode the
+    steps, their mean wall time and (decode) their mean batch."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    decode_steps = max(d.get("decode_steps", 0.0), 1.0)
-    return {"busy_fraction": d.get("busy_seconds", 0.0) / duration, "extend_steps": d.get("extend_steps", 0.0),
-            "decode_steps": d.get("decode_steps", 0.0), "mean_decode_batch": d.get("decode_tokens", 0.0) / decode_steps,
-            "busy_ms_per_step": 1000 * d.get("busy_seconds", 0.0)
-            / max(d.get("decode_steps", 0.0) + d.get("extend_steps", 0.0), 1.0)}
+    busy = d.get("extend_seconds", 0.0) + d.get("decode_seconds", 0.0)
+    out = {"busy_fraction": busy / duration}
+    for mode in ("extend", "decode"):
+        n = d.get(f"{mode}_steps", 0.0)
+        out[f"{mode}_steps"] = n
+        out[f"{mode}_ms_per_step"] = 1000 * d.get(f"{mode}_seconds", 0.0) / max(n, 1.0)
+        out[f"{mode}_tokens_per_step"] = d.get(f"{mode}_tokens", 0.0) / max(n, 1.0)
+    return out
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -226,6 +233,8 @@ def main() -> None:
             x, y = statistics.median(off["decode_step_ms"]), on[1]["tpot_ms"]["mean"]
             rows.append({"concurrency": 1, "offline_ms_per_token": x, "online_tpot_ms_mean": y,
                          "online_tpot_ms_p50": on[1]["tpot_ms"]["p50"], "ratio": y / x})
+            rows[-1].update({"offline_engine": off["engine"]["1"], "online_engine": on[1]["engine"],
+                             "online_http_process_cpu_fraction": on[1]["http_process_cpu_fraction"]})
         else:
             x, y = off["output_tok_s"][str(c)], on[c]["output_tok_s"]
             rows.append({"concurrency": c, "offline_output_tok_s": x, "online_output_tok_s": y, "ratio": y / x,
@@ -239,16 +248,14 @@ def main() -> None:
                         else ("output tok/s", r["offline_output_tok_s"], r["online_output_tok_s"]))
         print(f"{r['concurrency']:>5} {metric:<18} {x:>10.2f} {y:>10.2f} {r['ratio']:>7.3f}  {r['within_10pct']}")
     for r in rows:
-        if "online_engine" in r:
-            for phase in ("offline", "online"):
-                e = r[f"{phase}_engine"]
-                print(f"      engine {phase:<8} busy {100 * e['busy_fraction']:5.1f}%  "
-                      f"{e['busy_ms_per_step']:.3f} ms/step  {e['decode_steps']:.0f} decode steps "
-                      f"(mean batch {e['mean_decode_batch']:.1f}), "
-                      f"{e['extend_steps']:.0f} extend steps")
-            cpu = r["online_http_process_cpu_fraction"]
-            if cpu is not None:
-                print(f"      HTTP process CPU busy {100 * cpu:5.1f}%")
+        for phase in ("offline", "online"):
+            e = r[f"{phase}_engine"]
+            print(f"{r['concurrency']:>5} engine {phase:<8} in steps {100 * e['busy_fraction']:5.1f}% of the run; "
+                  f"{e['decode_steps']:.0f} decode steps of {e['decode_ms_per_step']:.3f} ms "
+                  f"(mean batch {e['decode_tokens_per_step']:.1f}); {e['extend_steps']:.0f} extend steps of "
+                  f"{e['extend_ms_per_step']:.2f} ms ({e['extend_tokens_per_step']:.0f} tokens)")
+        if r["online_http_process_cpu_fraction"] is not None:
+            print(f"{r['concurrency']:>5} HTTP process CPU busy {100 * r['online_http_process_cpu_fraction']:5.1f}%")
     report = {"device": off["device"], "torch": off["torch"],
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "config": {k: v for k, v in vars(args).items() if not k.startswith("phase")},

@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 import zmq
@@ -96,7 +95,6 @@ class EngineLoop:
         self.core, self.inp, self.out = core, inp, out
         self.parent = os.getppid()
         self.last_stats: dict[str, int | float] | None = None
-        self.busy_seconds = 0.0  # wall time inside EngineCore.step (it ends with the step's GPU sync)
 
     def run(self) -> None:
         while True:
@@ -107,9 +105,7 @@ class EngineLoop:
                 continue
             if not self._drain():
                 return
-            t = time.perf_counter()
             outputs = self.core.step()
-            self.busy_seconds += time.perf_counter() - t
             stats = self.stats()
             if outputs or stats != self.last_stats:
                 self.out.send(ipc.pack((ipc.OUTPUTS, ipc.encode_outputs(outputs), stats)), zmq.NOBLOCK)
@@ -144,7 +140,7 @@ class EngineLoop:
             "kv_free_pages": alloc.available_pages(), "kv_total_pages": alloc.num_pages - 1,
             "req_slots_free": slots.available_size(), "req_slots_total": slots.size,
             "num_retractions": sched.num_retractions,
-            "extend_steps": core.step_counts["extend"], "decode_steps": core.step_counts["decode"],
-            "extend_tokens": core.step_tokens["extend"], "decode_tokens": core.step_tokens["decode"],
-            "busy_seconds": self.busy_seconds,
+            **{f"{mode}_steps": n for mode, n in core.step_counts.items()},
+            **{f"{mode}_tokens": n for mode, n in core.step_tokens.items()},
+            **{f"{mode}_seconds": t for mode, t in core.step_seconds.items()},
         }

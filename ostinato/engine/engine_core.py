@@ -2,6 +2,7 @@
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 from ostinato.attention.forward_batch import ForwardMode
@@ -47,9 +48,11 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._aborted: list[EngineCoreOutput] = []
-        # cumulative: forward passes and the tokens they computed, by mode ("extend" / "decode")
+        # cumulative, by mode ("extend" / "decode"): forward passes, the tokens they computed, and the wall
+        # time of those steps (scheduling to sampled ids on the host, so it includes the GPU's time)
         self.step_counts = {"extend": 0, "decode": 0}
         self.step_tokens = {"extend": 0, "decode": 0}
+        self.step_seconds = {"extend": 0.0, "decode": 0.0}
         r = self.runner
         logger.info(
             "model %s (%s, %s) on %s: weights %.2f GiB loaded in %.1f s; KV pool %d tokens (%.2f GiB, page %d); "
@@ -92,6 +95,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._aborted = self._aborted, []
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched is not None:
             mode = "decode" if sched.mode is ForwardMode.DECODE else "extend"
@@ -112,6 +116,7 @@ class EngineCore:
                     self.requests.pop(req.rid, None)
                     out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
                 outputs.append(out)
+            self.step_seconds[mode] += time.perf_counter() - start
         if not self.has_unfinished() and not self.args.disable_leak_check:
             self.check_memory_leak()
         return outputs

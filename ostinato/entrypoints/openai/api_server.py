@@ -16,12 +16,12 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -76,6 +76,46 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise from_validation_error(e) from None
 
 
+class SSEResponse(Response):
+    """Streams `text/event-stream` chunks and stops (closing the chunk iterator, which aborts the request in
+    the engine) when the client disconnects.
+
+    Starlette's StreamingResponse does the same through an anyio task group per response; under 64 busy
+    streams that task group alone took ~40% of the HTTP process's per-request CPU. Here one plain asyncio
+    task waits for the disconnect and cancels the streaming task.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[str]) -> None:
+        self.status_code, self.background, self.chunks = 200, None, chunks
+        # no body and so no content-length: chunked transfer encoding
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            streaming.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # cancelled from elsewhere (shutdown), not by a disconnect
+            streaming.uncancel()  # the client left: nothing more to send
+        finally:
+            watcher.cancel()
+            await self.chunks.aclose()  # type: ignore[attr-defined]
+
+
 async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests)."""
     task = asyncio.ensure_future(work)
@@ -122,8 +162,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
             return result
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(result)
 
     @app.get("/health")
     async def health() -> Response:

@@ -36,12 +36,13 @@ class ServerMetrics:
                         registry=r)
         step_tokens = Counter("ostinato:engine_step_tokens", "Tokens computed by forward passes, by mode",
                               [*labels, "mode"], registry=r)
-        busy = Counter("ostinato:engine_busy_seconds", "Wall time the engine spent in steps", labels, registry=r)
+        step_seconds = Counter("ostinato:engine_step_seconds", "Wall time of forward passes (with sampling), by mode",
+                               [*labels, "mode"], registry=r)
         # stats key -> its labelled counter (looked up once: labels() costs more than the increment)
-        self._engine_counters = {f"{mode}_steps": steps.labels(model_name, mode) for mode in ("extend", "decode")}
-        self._engine_counters.update({f"{mode}_tokens": step_tokens.labels(model_name, mode)
-                                      for mode in ("extend", "decode")})
-        self._engine_counters["busy_seconds"] = busy.labels(model_name)
+        self._engine_counters = {f"{mode}_{key}": counter.labels(model_name, mode)
+                                 for key, counter in (("steps", steps), ("tokens", step_tokens),
+                                                      ("seconds", step_seconds))
+                                 for mode in ("extend", "decode")}
         self._engine_counts: dict[str, float] = {}
         self.ttft = Histogram("ostinato:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
