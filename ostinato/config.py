@@ -30,6 +30,8 @@ class EngineArgs:
     cuda_graph_bs: list[int] | None = _arg(None, "decode batch sizes to capture (overrides cuda_graph_max_bs)")
     disable_cuda_graph: bool = _arg(False, "run decode eagerly")
     disable_cuda_graph_padding: bool = _arg(False, "replay only batches whose size was captured exactly")
+    extend_cuda_graph_max_tokens: int = _arg(4096, "largest extend (prefill) step replayed from a CUDA graph, "
+                                             "in tokens; 0 runs every extend eagerly")
     enable_torch_compile: bool = _arg(False, "torch.compile the model for captured sizes <= torch_compile_max_bs")
     torch_compile_max_bs: int = _arg(32, "largest decode batch size compiled")
     enable_cudagraph_gc: bool = _arg(False, "keep the garbage collector running during capture")
@@ -46,6 +48,7 @@ class EngineArgs:
             ("cuda_graph_bs", self.cuda_graph_bs is None or (bool(self.cuda_graph_bs) and min(self.cuda_graph_bs) >= 1),
              "a non-empty list of sizes >= 1"),
             ("torch_compile_max_bs", self.torch_compile_max_bs >= 1, ">= 1"),
+            ("extend_cuda_graph_max_tokens", self.extend_cuda_graph_max_tokens >= 0, ">= 0"),
             ("mem_fraction_static", 0.0 < self.mem_fraction_static < 1.0, "in (0, 1)"),
             ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= 1, ">= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, ">= 1"),

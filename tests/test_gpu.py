@@ -60,6 +60,33 @@ def test_replay_gives_the_eager_tokens(gpu_llm):
         release(runner, reqs)
 
 
+def test_extend_replay_matches_eager(gpu_llm):
+    from test_extend_graph import extend_batch, release
+
+    runner = gpu_llm.engine.runner
+    graphs = runner.extend_graph_runner
+    assert graphs is not None and graphs.max_tokens == 4096
+    gen = torch.Generator().manual_seed(2)
+    for lens, prefix in (([128], [0]), ([7, 300, 45], [0, 200, 0]), ([1000, 900, 33, 2000], [0, 0, 64, 0])):
+        prompts = [torch.randint(0, runner.vocab_size, (n + p,), generator=gen).tolist()
+                   for n, p in zip(lens, prefix, strict=True)]
+        sched, reqs = extend_batch(runner, prompts, prefix)
+        batch = runner.prepare(sched)
+        assert graphs.can_run(batch)
+        k_before = runner.kv_cache.get_kv_buffer(3)[0].clone()
+        runner.extend_graph_runner = None
+        eager = runner.forward(batch).clone()
+        k_eager = runner.kv_cache.get_kv_buffer(3)[0].clone()
+        runner.kv_cache.get_kv_buffer(3)[0].copy_(k_before)
+        runner.extend_graph_runner = graphs
+        replayed = graphs.replay(batch).clone()
+        assert torch.equal(eager.argmax(-1), replayed.argmax(-1)), f"{lens}: tokens differ"
+        torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(runner.kv_cache.get_kv_buffer(3)[0][PAD_SLOT + 1 :], k_eager[PAD_SLOT + 1 :],
+                                   atol=2e-2, rtol=2e-2)
+        release(runner, reqs)
+
+
 def test_poisoned_padding_never_changes_real_rows(gpu_llm):
     from test_decode_graph import decode_batch, release
 

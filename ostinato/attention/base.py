@@ -41,6 +41,18 @@ class AttentionBackend(abc.ABC):
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Called after the runner has written the static buffers and before replay."""
 
+    # ---- extend graph capture (optional): a backend whose extend kernels take a fixed launch grid
+    supports_extend_graphs = False
+
+    def init_extend_graph_state(self, max_reqs: int, max_tokens: int) -> None:
+        """Allocate the buffers captured extend steps read: up to `max_reqs` requests, `max_tokens` tokens."""
+        raise NotImplementedError(f"{type(self).__name__} does not support extend graphs")
+
+    def init_forward_metadata_extend_graph(self, batch: ForwardBatch, num_tokens: int) -> None:
+        """Write `batch`'s extend metadata into the static buffers, laid out for the graph captured at
+        `num_tokens` tokens (the batch padded to that many tokens and `max_reqs` requests)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support extend graphs")
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec",
                 batch: ForwardBatch) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; stores k/v at batch.out_cache_loc first."""

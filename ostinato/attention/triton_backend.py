@@ -1,12 +1,15 @@
 """Attention in Triton kernels over the paged cache: a one-launch K/V store, split-KV decode that a CUDA
 graph can capture, and causal extend over the cached prefix plus the new tokens."""
 
+import itertools
+
 import torch
 
 from ostinato.attention.base import AttentionBackend, AttentionSpec
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.triton_ops import decode_attention, extend_attention, store_kv
 from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits
+from ostinato.attention.triton_ops.extend_attention import extend_block_table, max_extend_blocks
 from ostinato.mem.kv_cache import KVCache
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
 
@@ -56,15 +59,46 @@ class TritonAttentionBackend(AttentionBackend):
             compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self.min_tokens_per_split,
                                   self.kv_splits_cap(batch.batch_size))  # the same cap forward_decode's grid has
             return
+        flat = torch.tensor(self._extend_meta(batch, batch.batch_size, None), dtype=torch.int32)
+        # one host->device copy for the five per-request and per-block int vectors
+        self._set_extend_views(flat.to(self.device, non_blocking=True), batch.batch_size)
+
+    def _extend_meta(self, batch: ForwardBatch, num_reqs: int, num_blocks: int | None) -> list[int]:
+        """q_start, prefix_lens, extend_lens (each padded with zeros to `num_reqs`), then the block table
+        (padded to `num_blocks` when given), as one flat list."""
         prefix, extend = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
         assert prefix is not None and extend is not None
-        q_start = [0] * len(extend)
-        for i in range(1, len(extend)):
-            q_start[i] = q_start[i - 1] + extend[i - 1]
-        # one host->device copy for the three per-request int vectors
-        meta = torch.tensor([q_start, prefix, extend], dtype=torch.int32).to(self.device, non_blocking=True)
-        self.q_start, self.prefix_lens, self.extend_lens = meta[0], meta[1], meta[2]
-        self.max_extend_len = max(extend, default=0)
+        pad = [0] * (num_reqs - len(extend))
+        q_start = list(itertools.accumulate(extend, initial=0))[:-1]
+        block_req, block_m0 = extend_block_table(extend, self.extend_block_m, num_blocks)
+        return q_start + pad + list(prefix) + pad + list(extend) + pad + block_req + block_m0
+
+    def _set_extend_views(self, flat: torch.Tensor, num_reqs: int) -> None:
+        n = num_reqs
+        self.q_start, self.prefix_lens, self.extend_lens = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+        num_blocks = (flat.shape[0] - 3 * n) // 2
+        self.block_req, self.block_m0 = flat[3 * n : 3 * n + num_blocks], flat[3 * n + num_blocks :]
+
+    # ------------------------------------------------------------------ extend graphs
+    supports_extend_graphs = True
+
+    def init_extend_graph_state(self, max_reqs: int, max_tokens: int) -> None:
+        self.extend_graph_max_reqs = max_reqs
+        blocks = max_extend_blocks(max_tokens, max_reqs, self.extend_block_m)
+        self.extend_graph_meta = torch.zeros(3 * max_reqs + 2 * blocks, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_extend_graph(self, batch: ForwardBatch, num_tokens: int) -> None:
+        # The grid (one program per block-table entry) is fixed by `num_tokens`, the captured token count:
+        # entries past this batch's blocks hold request -1 and exit at once.
+        n = self.extend_graph_max_reqs
+        assert batch.batch_size <= n, (batch.batch_size, n)
+        blocks = max_extend_blocks(num_tokens, n, self.extend_block_m)
+        meta = self._extend_meta(batch, n, blocks)
+        flat = self.extend_graph_meta[: len(meta)]
+        flat.copy_(torch.tensor(meta, dtype=torch.int32), non_blocking=True)
+        self.graph_mode = False
+        self.req_pool_indices, self.seq_lens = batch.req_pool_indices, batch.seq_lens
+        self._set_extend_views(flat, n)
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         num_heads = self.num_heads
@@ -115,7 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         extend_attention(
             q, k_buf, v_buf, out, self.req_to_token_pool.req_to_token, self.req_pool_indices, self.q_start,
-            self.prefix_lens, self.extend_lens, self.max_extend_len, layer.scaling,
+            self.prefix_lens, self.extend_lens, self.block_req, self.block_m0, layer.scaling,
             block_m=self.extend_block_m, block_n=self.extend_block_n,
         )
         return out

@@ -8,17 +8,14 @@ reuse the memory of larger ones in the process-wide pool.
 """
 
 import bisect
-import gc
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
-from ostinato.graphs.graph import Graph
+from ostinato.graphs.graph import Graph, capture_graphs
 from ostinato.runner.sampler import chunked_argmax, padded_vocab
 
 if TYPE_CHECKING:
@@ -110,40 +107,14 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
-        gc_was_enabled = gc.isenabled()
-        if not self.runner.args.enable_cudagraph_gc:
-            gc.collect()
-            gc.freeze()  # objects alive now are never scanned: no GC pause mid-capture
-            gc.disable()
-        stream = torch.cuda.Stream(self.device) if cuda else None
-        try:
-            for bs in tqdm(list(reversed(self.batch_sizes)), desc="Capturing decode graphs", leave=False,
-                           disable=not cuda):
-                self._fill_padding(0, bs)
-                self.runner.backend.init_forward_metadata_capture(bs, self.req_pool_indices[:bs], self.seq_lens[:bs])
-                step = self._step_fn(bs)
-                if cuda:  # warm up on the capture stream: lazy init, autotuning and compilation stay outside
-                    stream.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(stream):
-                        step()
-                        step()
-                    torch.cuda.current_stream(self.device).wait_stream(stream)
-                    torch.cuda.synchronize(self.device)
-                graph = Graph(self.device)
-                graph.capture(step, stream)
-                self.graphs[bs] = graph
-        finally:
-            if not self.runner.args.enable_cudagraph_gc:
-                gc.unfreeze()
-                if gc_was_enabled:
-                    gc.enable()
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        self.capture_seconds = time.perf_counter() - start
+        def make_step(bs: int):
+            self._fill_padding(0, bs)
+            self.runner.backend.init_forward_metadata_capture(bs, self.req_pool_indices[:bs], self.seq_lens[:bs])
+            return self._step_fn(bs)
+
+        self.graphs, self.capture_seconds, self.graph_memory_bytes = capture_graphs(
+            self.device, list(reversed(self.batch_sizes)), make_step, "Capturing decode graphs",
+            keep_gc=self.runner.args.enable_cudagraph_gc)
         logger.info("captured decode graphs for batch sizes %s in %.1f s, graph memory %.2f GiB",
                     self.batch_sizes, self.capture_seconds, self.graph_memory_bytes / 2**30)
 

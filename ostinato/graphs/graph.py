@@ -6,9 +6,12 @@ those same addresses. The CPU form re-runs the callable, which reads the same st
 that forgets to copy an input into them, or reads a result from anywhere else, fails on the CPU too.
 """
 
-from collections.abc import Callable
+import gc
+import time
+from collections.abc import Callable, Hashable
 
 import torch
+from tqdm import tqdm
 
 _pools: dict[int, object] = {}
 
@@ -44,3 +47,44 @@ class Graph:
         else:
             assert self._fn is not None, "replay() before capture()"
             self._fn()
+
+
+def capture_graphs(device: torch.device, keys: list[Hashable], make_step: Callable[[Hashable], Callable[[], None]],
+                   desc: str, keep_gc: bool = False) -> tuple[dict[Hashable, Graph], float, int]:
+    """Capture `make_step(key)` for each key in the order given (largest first, so smaller graphs reuse the
+    larger ones' memory in the shared pool). Each step runs twice on the capture stream first, so lazy init,
+    autotuning and compilation stay outside the capture. The GC is frozen and off throughout unless
+    `keep_gc`. Returns the graphs, the seconds taken and the device memory they hold."""
+    start = time.perf_counter()
+    cuda = device.type == "cuda"
+    free_before = torch.cuda.mem_get_info(device)[0] if cuda else 0
+    gc_was_enabled = gc.isenabled()
+    if not keep_gc:
+        gc.collect()
+        gc.freeze()  # objects alive now are never scanned: no GC pause mid-capture
+        gc.disable()
+    stream = torch.cuda.Stream(device) if cuda else None
+    graphs: dict[Hashable, Graph] = {}
+    try:
+        for key in tqdm(keys, desc=desc, leave=False, disable=not cuda):
+            step = make_step(key)
+            if cuda:
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    step()
+                    step()
+                torch.cuda.current_stream(device).wait_stream(stream)
+                torch.cuda.synchronize(device)
+            graph = Graph(device)
+            graph.capture(step, stream)
+            graphs[key] = graph
+    finally:
+        if not keep_gc:
+            gc.unfreeze()
+            if gc_was_enabled:
+                gc.enable()
+    memory = 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        memory = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+    return graphs, time.perf_counter() - start, memory

@@ -13,6 +13,7 @@ from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.decode import DecodeGraphRunner
+from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.mem.kv_manager import KVManager
@@ -85,8 +86,18 @@ class ModelRunner:
         self.backend = self._make_backend(self.req_to_token_pool, self.kv_cache)
         self.graph_runner: DecodeGraphRunner | None = None
         self._argmax: torch.Tensor | None = None  # argmax of the last forward's logits, when a graph computed it
+        self.extend_graph_runner: ExtendGraphRunner | None = None
         if cuda and not args.disable_cuda_graph:
             self.graph_runner = DecodeGraphRunner(self)
+            if self.extend_graph_max_tokens:
+                self.extend_graph_runner = ExtendGraphRunner(self, self.extend_graph_max_tokens)
+
+    @property
+    def extend_graph_max_tokens(self) -> int:
+        """Largest captured extend, in tokens (0: none); never past one prefill chunk."""
+        if not self.backend.supports_extend_graphs:
+            return 0
+        return min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
 
     def _make_backend(self, req_pool: ReqToTokenPool, kv_cache: MHATokenToKVPool) -> AttentionBackend:
         name = self.args.attention_backend
@@ -128,6 +139,9 @@ class ModelRunner:
             return DEFAULT_CPU_KV_TOKENS
         activations = self._profile_prefill_bytes(head_dim, kv_dtype)
         graph_reserve = 2 * 256 * self.vocab_size * 4 + (512 << 20)  # static logits + capture workspace
+        if not self.args.disable_cuda_graph:  # extend graphs keep the activations of their largest size
+            extend_tokens = min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
+            graph_reserve += activations * extend_tokens // self.chunked_prefill_size
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.args.mem_fraction_static - (total - free) - activations - graph_reserve
         logger.info("memory: %.2f GiB used after weights, %.2f GiB peak prefill activations, %.2f GiB for graphs, "
@@ -204,6 +218,8 @@ class ModelRunner:
             logits = self.graph_runner.replay(batch)
             self._argmax = self.graph_runner.argmax[: batch.batch_size]
             return logits
+        if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch):
+            return self.extend_graph_runner.replay(batch)
         with forward_context(self.backend, batch, self.model.attention_specs):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions)

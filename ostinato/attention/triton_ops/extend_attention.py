@@ -4,8 +4,10 @@ The new tokens' K/V are already in the cache, so every key is read through `req_
 request b sits at slot req_to_token[req_pool_indices[b], j]. Query i of request b (row q_start[b] + i
 of q) is at absolute position prefix_lens[b] + i and sees keys 0..prefix_lens[b] + i.
 
-Grid (bs, num_heads, cdiv(max_extend_len, BLOCK_M)): one program per block of BLOCK_M queries of one
-request and one head; programs past their request's extend length exit at once.
+Grid (num_blocks, num_heads): one program per block of up to BLOCK_M queries of one request and one head.
+A block table says which: block i covers queries block_m0[i] .. + BLOCK_M of request block_req[i] (built
+by `extend_block_table`). Entries with block_req -1 are padding and exit at once, so a captured graph can
+launch a fixed grid sized for its largest batch and run any smaller one.
 """
 
 import torch
@@ -17,18 +19,19 @@ from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block
 
 @triton.jit
 def _extend_kernel(
-    Q, Out, K_buf, V_buf, Req_to_token, Req_pool_indices, Q_start, Prefix_lens, Extend_lens,
+    Q, Out, K_buf, V_buf, Req_to_token, Req_pool_indices, Q_start, Prefix_lens, Extend_lens, Block_req, Block_m0,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    block = tl.program_id(0)
     head = tl.program_id(1)
-    m0 = tl.program_id(2) * BLOCK_M
-    extend_len = tl.load(Extend_lens + b)
-    if m0 >= extend_len:
+    b = tl.load(Block_req + block)
+    if b < 0:
         return
+    m0 = tl.load(Block_m0 + block)
+    extend_len = tl.load(Extend_lens + b)
     prefix = tl.load(Prefix_lens + b)
     q_start = tl.load(Q_start + b).to(tl.int64)
     req = tl.load(Req_pool_indices + b).to(tl.int64)
@@ -60,23 +63,42 @@ def _extend_kernel(
              mask=m_mask[:, None] & d_mask[None, :])
 
 
+def extend_block_table(extend_lens: list[int], block_m: int, pad_to: int | None = None) -> tuple[list[int], list[int]]:
+    """(block_req, block_m0): one entry per block of `block_m` new tokens of each request, padded with
+    (-1, 0) up to `pad_to` entries when given."""
+    reqs = [b for b, n in enumerate(extend_lens) for _ in range(0, n, block_m)]
+    m0s = [m0 for n in extend_lens for m0 in range(0, n, block_m)]
+    if pad_to is not None:
+        assert len(reqs) <= pad_to, f"{len(reqs)} blocks > {pad_to}"
+        reqs += [-1] * (pad_to - len(reqs))
+        m0s += [0] * (pad_to - len(m0s))
+    return reqs, m0s
+
+
+def max_extend_blocks(num_tokens: int, num_reqs: int, block_m: int) -> int:
+    """Most blocks `num_reqs` requests with `num_tokens` new tokens in all can need (each adds at most one
+    partial block)."""
+    return -(-num_tokens // block_m) + min(num_reqs, num_tokens)
+
+
 def extend_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, q_start: torch.Tensor,
-    prefix_lens: torch.Tensor, extend_lens: torch.Tensor, max_extend_len: int, scale: float,
-    block_m: int = 64, block_n: int = 64,
+    prefix_lens: torch.Tensor, extend_lens: torch.Tensor, block_req: torch.Tensor, block_m0: torch.Tensor,
+    scale: float, block_m: int = 64, block_n: int = 64,
 ) -> None:
     """q/out [T, H, D] (requests' new tokens back to back); k_buf/v_buf [slots, Hkv, D];
-    q_start/prefix_lens/extend_lens int32 [bs]; max_extend_len = max(extend_lens) (host value)."""
+    q_start/prefix_lens/extend_lens int32 [bs]; block_req/block_m0 int32 [num_blocks] from
+    `extend_block_table(extend_lens, block_m)` (the launch grid's first dimension)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    bs = req_pool_indices.shape[0]
+    num_blocks = block_req.shape[0]
     group = num_heads // k_buf.shape[1]
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_buf.stride(2) == 1 and v_buf.stride(2) == 1
     assert req_to_token.stride(1) == 1
-    if bs == 0 or max_extend_len == 0:
+    if num_blocks == 0:
         return
-    _extend_kernel[(bs, num_heads, triton.cdiv(max_extend_len, block_m))](
-        q, out, k_buf, v_buf, req_to_token, req_pool_indices, q_start, prefix_lens, extend_lens,
+    _extend_kernel[(num_blocks, num_heads)](
+        q, out, k_buf, v_buf, req_to_token, req_pool_indices, q_start, prefix_lens, extend_lens, block_req, block_m0,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),

@@ -1,0 +1,76 @@
+"""Where an extend (prefill) step's time goes: wall time of one engine step that prefills N new prompts of L
+tokens, against its GPU kernel time (torch.profiler), and the top host-side ops of the first case.
+
+Extend steps run eagerly (no CUDA graph), so small ones can be bound by host launch cost, not the GPU.
+
+python benchmarks/profile_extend.py --model llama-3.2-1b --cases 1:128 8:128 21:128 64:128 1:2048
+"""
+
+import argparse
+import contextlib
+import random
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ostinato import LLM, SamplingParams
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def extend_step(engine, n: int, length: int, rng: random.Random, tag: str, around=contextlib.nullcontext) -> float:
+    """Wall seconds of the one step that prefills n new prompts of `length` tokens, run inside `around()`
+    (then the requests are aborted)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    hi = min(10000, engine.runner.vocab_size)
+    for i in range(n):
+        engine.add_request(f"{tag}-{i}", [rng.randrange(1000, hi) for _ in range(length)], sp)
+    extends = engine.step_counts["extend"]
+    sync()
+    with around():
+        t = time.perf_counter()
+        engine.step()  # sampling ends it with a device->host copy, so the wall time covers the GPU's work
+        wall = time.perf_counter() - t
+    assert engine.step_counts["extend"] == extends + 1, "the step was not an extend"
+    for i in range(n):
+        engine.abort(f"{tag}-{i}")
+    engine.step()
+    return wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--cases", nargs="+", default=["1:128", "8:128", "21:128", "64:128", "1:2048"],
+                    help="N:L = N new prompts of L tokens in one extend step")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    llm = LLM(args.model, load_format="dummy", dtype=args.dtype)
+    engine = llm.engine
+    rng = random.Random(0)
+    cases = [tuple(int(x) for x in c.split(":")) for c in args.cases]
+    for n, length in cases:  # warm-up (Triton compiles, allocator)
+        extend_step(engine, n, length, rng, "warm")
+    print(f"{'prompts':>8} {'tokens':>7} {'wall ms':>8} {'GPU ms':>7} {'launches':>9}")
+    first_table = None
+    for n, length in cases:
+        walls = [extend_step(engine, n, length, rng, f"t{i}") for i in range(args.iters)]
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        extend_step(engine, n, length, rng, "prof", around=lambda p=prof: p)
+        events = prof.key_averages()
+        gpu_ms = sum(e.self_device_time_total for e in events) / 1e3
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        print(f"{n:>8} {n * length:>7} {1e3 * statistics.median(walls):>8.2f} {gpu_ms:>7.2f} {launches:>9}")
+        if first_table is None:
+            first_table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    print(first_table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""ExtendGraphRunner on the CPU: the Triton backend in Triton's interpreter, the Graph stand-in re-running the
+captured step over the static buffers. Replays of padded extend batches must match eager extends."""
+
+import json
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ostinato import LLM, SamplingParams  # noqa: E402
+from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
+from ostinato.attention.triton_ops.extend_attention import extend_block_table, max_extend_blocks  # noqa: E402
+from ostinato.engine.request import Request  # noqa: E402
+from ostinato.engine.scheduler import ScheduledBatch  # noqa: E402
+from ostinato.graphs.decode import PAD_SLOT  # noqa: E402
+from ostinato.graphs.extend import ExtendGraphRunner, extend_token_sizes  # noqa: E402
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def tiny_llm(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return LLM(str(path), load_format="dummy", device="cpu", dtype="float32", attention_backend="triton",
+               max_total_tokens=4096, page_size=4, max_running_requests=8)
+
+
+def extend_batch(runner, prompts, prefix_lens):
+    """Requests whose first prefix_lens[i] tokens are already cached (from an earlier eager extend), and a
+    scheduled extend of the rest."""
+    kv, reqs = runner.kv_manager, []
+    for i, (seq, p) in enumerate(zip(prompts, prefix_lens, strict=True)):
+        r = Request(str(i), seq, SamplingParams(), seed=0)
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        reqs.append(r)
+        if p:
+            loc = kv.extend(r.req_pool_idx, 0, p)
+            runner.forward(runner.prepare(ScheduledBatch(ForwardMode.EXTEND, [r], [0], [p], loc, [True])))
+            r.kv_len = p
+    lens = [len(s) - p for s, p in zip(prompts, prefix_lens, strict=True)]
+    locs = [kv.extend(r.req_pool_idx, p, p + n) for r, p, n in zip(reqs, prefix_lens, lens, strict=True)]
+    for r, n in zip(reqs, lens, strict=True):
+        r.kv_len += n
+    return ScheduledBatch(ForwardMode.EXTEND, reqs, list(prefix_lens), lens, torch.cat(locs), [True] * len(reqs)), reqs
+
+
+def release(runner, reqs):
+    for r in reqs:
+        runner.kv_manager.release(r.req_pool_idx, r.kv_len)
+    runner.kv_manager.check_all_free()
+
+
+def test_sizes_and_block_table():
+    assert extend_token_sizes(100) == [16, 32, 64, 100]
+    assert extend_token_sizes(64) == [16, 32, 64]
+    reqs, m0s = extend_block_table([3, 130, 64], 64, pad_to=8)
+    assert reqs == [0, 1, 1, 1, 2, -1, -1, -1] and m0s == [0, 0, 64, 128, 0, 0, 0, 0]
+    assert max_extend_blocks(197, 3, 64) >= 5  # the table above fits the bound for its token count
+    with pytest.raises(AssertionError):
+        extend_block_table([3, 130, 64], 64, pad_to=4)
+
+
+@pytest.mark.parametrize("prefix_lens", [[0, 0, 0], [5, 0, 17]])
+def test_replay_equals_eager(tiny_llm, prefix_lens):
+    runner = tiny_llm.engine.runner
+    graphs = ExtendGraphRunner(runner, max_tokens=64)
+    assert sorted(graphs.graphs) == [16, 32, 64]
+    gen = torch.Generator().manual_seed(sum(prefix_lens))
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 30, 20)]
+    sched, reqs = extend_batch(runner, prompts, prefix_lens)
+    batch = runner.prepare(sched)
+    assert graphs.can_run(batch) and graphs.padded_size(batch.num_tokens) in (32, 64)
+    kv_before = [b.clone() for b in runner.kv_cache.get_kv_buffer(1)]
+    eager = runner.forward(batch).clone()  # no extend graph runner attached: eager
+    kv_after_eager = [b.clone() for b in runner.kv_cache.get_kv_buffer(1)]
+    for buf, orig in zip(runner.kv_cache.get_kv_buffer(1), kv_before, strict=True):
+        buf.copy_(orig)
+    # poison what padding touches: the sink slot and the static buffers past the batch
+    for buf in runner.kv_cache.get_kv_buffer(1):
+        buf[PAD_SLOT].normal_(0, 1e4, generator=gen)
+    graphs.tokens.random_(0, 200, generator=gen)
+    replayed = graphs.replay(batch).clone()
+    assert replayed.shape == eager.shape == (3, 256)
+    torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+    for after_replay, after_eager in zip(runner.kv_cache.get_kv_buffer(1), kv_after_eager, strict=True):
+        torch.testing.assert_close(after_replay[PAD_SLOT + 1 :], after_eager[PAD_SLOT + 1 :])
+    release(runner, reqs)
+
+
+def test_replay_reads_static_buffers(tiny_llm):
+    runner = tiny_llm.engine.runner
+    graphs = ExtendGraphRunner(runner, max_tokens=32)
+    sched, reqs = extend_batch(runner, [[5, 6, 7, 8, 9], [10, 11, 12]], [0, 0])
+    first = graphs.replay(runner.prepare(sched)).clone()
+    graphs.input_ids[4] = (graphs.input_ids[4] + 1) % 256  # the first request's last token, gone stale
+    graphs.graphs[16].replay()
+    assert not torch.allclose(graphs.logits[0], first[0])
+    torch.testing.assert_close(graphs.logits[1], first[1])
+    release(runner, reqs)
+
+
+def test_generate_through_extend_graphs_equals_eager(tiny_llm):
+    runner = tiny_llm.engine.runner
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,)).tolist()} for n in (5, 33, 18, 60, 2, 41)]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
+    runner.extend_graph_runner = ExtendGraphRunner(runner, max_tokens=256)
+    calls = []
+    replay = runner.extend_graph_runner.replay
+    runner.extend_graph_runner.replay = lambda b: calls.append(b.num_tokens) or replay(b)
+    graphed = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
+    assert graphed == eager
+    assert calls == [159]  # the one extend (all six prompts) went through the 256-token graph
+    tiny_llm.engine.check_memory_leak()
