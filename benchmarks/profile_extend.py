@@ -1,5 +1,6 @@
 """Where an extend (prefill) step's time goes: wall time of one engine step that prefills N new prompts of L
-tokens, against its GPU kernel time (torch.profiler), and the top host-side ops of the first case.
+tokens, eager and through the extend graphs, against its GPU kernel time (torch.profiler), and the top
+host-side ops of the first case.
 
 Extend steps run eagerly (no CUDA graph), so small ones can be bound by host launch cost, not the GPU.
 
@@ -46,7 +47,8 @@ def extend_step(engine, n: int, length: int, rng: random.Random, tag: str, aroun
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.2-1b")
-    ap.add_argument("--cases", nargs="+", default=["1:128", "8:128", "21:128", "64:128", "1:2048"],
+    ap.add_argument("--cases", nargs="+", default=["1:128", "8:128", "13:128", "16:128", "30:64", "64:32", "1:2048",
+                                                   "64:128"],
                     help="N:L = N new prompts of L tokens in one extend step")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16")
@@ -57,16 +59,23 @@ def main() -> None:
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases]
     for n, length in cases:  # warm-up (Triton compiles, allocator)
         extend_step(engine, n, length, rng, "warm")
-    print(f"{'prompts':>8} {'tokens':>7} {'wall ms':>8} {'GPU ms':>7} {'launches':>9}")
+    graphs = engine.runner.extend_graph_runner
+    print(f"{'prompts':>8} {'tokens':>7} {'eager ms':>9} {'wall ms':>8} {'GPU ms':>7} {'launches':>9}  "
+          f"(wall: with extend graphs up to {graphs.max_tokens if graphs else 0} tokens)")
     first_table = None
     for n, length in cases:
+        engine.runner.extend_graph_runner = None
+        extend_step(engine, n, length, rng, "warm-eager")
+        eager = [extend_step(engine, n, length, rng, f"e{i}") for i in range(args.iters)]
+        engine.runner.extend_graph_runner = graphs
         walls = [extend_step(engine, n, length, rng, f"t{i}") for i in range(args.iters)]
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         extend_step(engine, n, length, rng, "prof", around=lambda p=prof: p)
         events = prof.key_averages()
         gpu_ms = sum(e.self_device_time_total for e in events) / 1e3
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
-        print(f"{n:>8} {n * length:>7} {1e3 * statistics.median(walls):>8.2f} {gpu_ms:>7.2f} {launches:>9}")
+        print(f"{n:>8} {n * length:>7} {1e3 * statistics.median(eager):>9.2f} {1e3 * statistics.median(walls):>8.2f} "
+              f"{gpu_ms:>7.2f} {launches:>9}")
         if first_table is None:
             first_table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
     print(first_table)

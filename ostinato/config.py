@@ -30,7 +30,7 @@ class EngineArgs:
     cuda_graph_bs: list[int] | None = _arg(None, "decode batch sizes to capture (overrides cuda_graph_max_bs)")
     disable_cuda_graph: bool = _arg(False, "run decode eagerly")
     disable_cuda_graph_padding: bool = _arg(False, "replay only batches whose size was captured exactly")
-    extend_cuda_graph_max_tokens: int = _arg(4096, "largest extend (prefill) step replayed from a CUDA graph, "
+    extend_cuda_graph_max_tokens: int = _arg(2048, "largest extend (prefill) step replayed from a CUDA graph, "
                                              "in tokens; 0 runs every extend eagerly")
     enable_torch_compile: bool = _arg(False, "torch.compile the model for captured sizes <= torch_compile_max_bs")
     torch_compile_max_bs: int = _arg(32, "largest decode batch size compiled")

@@ -19,6 +19,7 @@ from ostinato.engine.scheduler import ScheduledBatch  # noqa: E402
 from ostinato.graphs.decode import PAD_SLOT  # noqa: E402
 from ostinato.graphs.extend import ExtendGraphRunner, extend_token_sizes  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the graphs are captured for real
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
         "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
@@ -28,8 +29,10 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 def tiny_llm(tmp_path):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(TINY))
-    return LLM(str(path), load_format="dummy", device="cpu", dtype="float32", attention_backend="triton",
-               max_total_tokens=4096, page_size=4, max_running_requests=8)
+    llm = LLM(str(path), load_format="dummy", device=DEVICE, dtype="float32", attention_backend="triton",
+              max_total_tokens=4096, page_size=4, max_running_requests=8, extend_cuda_graph_max_tokens=0)
+    assert llm.engine.runner.extend_graph_runner is None  # every forward is eager unless a test attaches one
+    return llm
 
 
 def extend_batch(runner, prompts, prefix_lens):
@@ -60,6 +63,7 @@ def release(runner, reqs):
 def test_sizes_and_block_table():
     assert extend_token_sizes(100) == [16, 32, 64, 100]
     assert extend_token_sizes(64) == [16, 32, 64]
+    assert extend_token_sizes(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
     reqs, m0s = extend_block_table([3, 130, 64], 64, pad_to=8)
     assert reqs == [0, 1, 1, 1, 2, -1, -1, -1] and m0s == [0, 0, 64, 128, 0, 0, 0, 0]
     assert max_extend_blocks(197, 3, 64) >= 5  # the table above fits the bound for its token count
@@ -83,9 +87,10 @@ def test_replay_equals_eager(tiny_llm, prefix_lens):
     for buf, orig in zip(runner.kv_cache.get_kv_buffer(1), kv_before, strict=True):
         buf.copy_(orig)
     # poison what padding touches: the sink slot and the static buffers past the batch
+    poison = torch.Generator(device=DEVICE).manual_seed(7)
     for buf in runner.kv_cache.get_kv_buffer(1):
-        buf[PAD_SLOT].normal_(0, 1e4, generator=gen)
-    graphs.tokens.random_(0, 200, generator=gen)
+        buf[PAD_SLOT].normal_(0, 1e4, generator=poison)
+    graphs.tokens.random_(0, 200, generator=poison)
     replayed = graphs.replay(batch).clone()
     assert replayed.shape == eager.shape == (3, 256)
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)

@@ -65,9 +65,9 @@ def test_extend_replay_matches_eager(gpu_llm):
 
     runner = gpu_llm.engine.runner
     graphs = runner.extend_graph_runner
-    assert graphs is not None and graphs.max_tokens == 4096
+    assert graphs is not None and graphs.max_tokens == 2048
     gen = torch.Generator().manual_seed(2)
-    for lens, prefix in (([128], [0]), ([7, 300, 45], [0, 200, 0]), ([1000, 900, 33, 2000], [0, 0, 64, 0])):
+    for lens, prefix in (([128], [0]), ([7, 300, 45], [0, 200, 0]), ([1000, 600, 33, 400], [0, 0, 64, 0])):
         prompts = [torch.randint(0, runner.vocab_size, (n + p,), generator=gen).tolist()
                    for n, p in zip(lens, prefix, strict=True)]
         sched, reqs = extend_batch(runner, prompts, prefix)

@@ -4,7 +4,8 @@ Eagerly, an extend step launches ~200 kernels whose host cost (~7 ms for Llama-1
 a short prompt (~1.5 ms for 128 tokens), so TTFT and the steps that admit new requests while others
 decode are bound by launches. A captured step replays them all in one go.
 
-Captured sizes are token counts (powers of two up to `extend_cuda_graph_max_tokens`); a batch of T tokens
+Captured sizes are token counts (16 to 256 by powers of two, then every 256 up to
+`extend_cuda_graph_max_tokens`); a batch of T tokens
 from at most `max_reqs` requests is padded up to the next size. Padded tokens (id 0, position 0) write
 their K/V to slot 0, the pool's reserved sink, and belong to no request; padded requests have no new
 tokens. The attention kernel runs a fixed grid sized for the captured token count over a block table
@@ -30,13 +31,10 @@ logger = logging.getLogger(__name__)
 MAX_REQS = 64  # most requests in one captured extend (bigger batches are rarely launch-bound)
 
 
-def extend_token_sizes(max_tokens: int, smallest: int = 16) -> list[int]:
-    """Ascending token counts to capture: powers of two from `smallest`, and `max_tokens` itself."""
-    sizes = {max_tokens}
-    n = smallest
-    while n < max_tokens:
-        sizes.add(n)
-        n *= 2
+def extend_token_sizes(max_tokens: int) -> list[int]:
+    """Ascending token counts to capture: powers of two from 16 to 256, then every 256 (padding stays under
+    256 tokens where a step's GPU work starts to outweigh its launches), and `max_tokens` itself."""
+    sizes = {n for n in (16, 32, 64, 128) if n < max_tokens} | set(range(256, max_tokens, 256)) | {max_tokens}
     return sorted(sizes)
 
 
