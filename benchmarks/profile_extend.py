@@ -52,11 +52,19 @@ def main() -> None:
                     help="N:L = N new prompts of L tokens in one extend step")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--running", type=int, default=0,
+                    help="requests kept decoding (128-token prompts) while the extends are measured")
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype)
     engine = llm.engine
     rng = random.Random(0)
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases]
+    hi = min(10000, engine.runner.vocab_size)
+    background = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
+    for i in range(args.running):
+        engine.add_request(f"bg-{i}", [rng.randrange(1000, hi) for _ in range(128)], background)
+    while engine.scheduler.waiting or any(r.kv_len < r.seq_len - 1 for r in engine.scheduler.running):
+        engine.step()
     for n, length in cases:  # warm-up (Triton compiles, allocator)
         extend_step(engine, n, length, rng, "warm")
     graphs = engine.runner.extend_graph_runner
@@ -79,6 +87,9 @@ def main() -> None:
         if first_table is None:
             first_table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
     print(first_table)
+    for i in range(args.running):
+        engine.abort(f"bg-{i}")
+    engine.step()
 
 
 if __name__ == "__main__":
