@@ -59,9 +59,14 @@ class TritonAttentionBackend(AttentionBackend):
             compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self.min_tokens_per_split,
                                   self.kv_splits_cap(batch.batch_size))  # the same cap forward_decode's grid has
             return
-        flat = torch.tensor(self._extend_meta(batch, batch.batch_size, None), dtype=torch.int32)
-        # one host->device copy for the five per-request and per-block int vectors
-        self._set_extend_views(flat.to(self.device, non_blocking=True), batch.batch_size)
+        # one host->device copy for the five per-request and per-block int vectors, each padded to a multiple
+        # of 4 entries so every one starts 16-byte aligned (Triton specializes kernels on pointer alignment;
+        # an alignment that varied with the batch would compile new variants while serving)
+        num_reqs = _round4(batch.batch_size)
+        bm = self.extend_block_m
+        num_blocks = _round4(sum(-(-n // bm) for n in batch.extend_seq_lens_cpu))
+        flat = torch.tensor(self._extend_meta(batch, num_reqs, num_blocks), dtype=torch.int32)
+        self._set_extend_views(flat.to(self.device, non_blocking=True), num_reqs)
 
     def _extend_meta(self, batch: ForwardBatch, num_reqs: int, num_blocks: int | None) -> list[int]:
         """q_start, prefix_lens, extend_lens (each padded with zeros to `num_reqs`), then the block table
@@ -83,8 +88,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_extend_graphs = True
 
     def init_extend_graph_state(self, max_reqs: int, max_tokens: int) -> None:
-        self.extend_graph_max_reqs = max_reqs
-        blocks = max_extend_blocks(max_tokens, max_reqs, self.extend_block_m)
+        self.extend_graph_max_reqs = max_reqs = _round4(max_reqs)
+        blocks = _round4(max_extend_blocks(max_tokens, max_reqs, self.extend_block_m))
         self.extend_graph_meta = torch.zeros(3 * max_reqs + 2 * blocks, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_extend_graph(self, batch: ForwardBatch, num_tokens: int) -> None:
@@ -92,7 +97,7 @@ class TritonAttentionBackend(AttentionBackend):
         # entries past this batch's blocks hold request -1 and exit at once.
         n = self.extend_graph_max_reqs
         assert batch.batch_size <= n, (batch.batch_size, n)
-        blocks = max_extend_blocks(num_tokens, n, self.extend_block_m)
+        blocks = _round4(max_extend_blocks(num_tokens, n, self.extend_block_m))
         meta = self._extend_meta(batch, n, blocks)
         flat = self.extend_graph_meta[: len(meta)]
         flat.copy_(torch.tensor(meta, dtype=torch.int32), non_blocking=True)
@@ -179,3 +184,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_splits, mid_o, mid_lse, layer.scaling, block_n=self.decode_block_n,
         )
         return out
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4

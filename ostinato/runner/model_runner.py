@@ -193,7 +193,7 @@ class ModelRunner:
         if sched.mode is ForwardMode.DECODE:
             ids = [r.token_at(s) for r, s in zip(reqs, sched.prefix_lens, strict=True)]
             rows = [ids, sched.prefix_lens, req_rows, seq_lens, list(range(len(reqs)))]
-            ints = torch.tensor(rows, dtype=torch.int64).to(dev)
+            ints = torch.tensor(_even_columns(rows), dtype=torch.int64).to(dev)[:, : len(reqs)]
             return ForwardBatch(ForwardMode.DECODE, len(reqs), ints[0], ints[1], ints[2], ints[3], out_cache_loc,
                                 ints[4], seq_lens, decode_ints=ints[:4])
         ids, pos = [], []
@@ -201,7 +201,7 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start : start + n])
             pos.extend(range(start, start + n))
         ends = torch.tensor(sched.extend_lens).cumsum(0) - 1
-        tokens = torch.tensor([ids, pos], dtype=torch.int64).to(dev)
+        tokens = torch.tensor(_even_columns([ids, pos]), dtype=torch.int64).to(dev)[:, : len(ids)]
         per_req = torch.cat([torch.tensor([req_rows, seq_lens], dtype=torch.int64), ends[None]]).to(dev)
         return ForwardBatch(
             mode=sched.mode, batch_size=len(reqs), input_ids=tokens[0], positions=tokens[1],
@@ -235,3 +235,10 @@ class ModelRunner:
         )
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
         return sample_batch(logits, tensors, self._argmax)
+
+
+def _even_columns(rows: list[list[int]]) -> list[list[int]]:
+    """`rows` padded with a zero column when their length is odd, so every int64 row of the tensor made
+    from them starts 16-byte aligned. Triton specializes kernels on pointer alignment: a row whose
+    alignment changed with the batch size would make a new kernel variant (a compile, mid-serving)."""
+    return [row + [0] for row in rows] if len(rows[0]) % 2 else rows
