@@ -109,3 +109,19 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def test_engine_step_counters_in_metrics():
+    from ostinato.entrypoints.openai.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    base = {"running": 1, "waiting": 0, "kv_free_pages": 10, "kv_total_pages": 20, "req_slots_free": 3,
+            "req_slots_total": 4, "num_retractions": 0}
+    m.on_stats({**base, "extend_steps": 2, "decode_steps": 5, "extend_tokens": 300, "decode_tokens": 9,
+                "extend_seconds": 0.5, "decode_seconds": 0.25})
+    m.on_stats({**base, "extend_steps": 3, "decode_steps": 7, "extend_tokens": 310, "decode_tokens": 13,
+                "extend_seconds": 0.75, "decode_seconds": 0.5})
+    text = m.render().decode()
+    assert 'ostinato:engine_steps_total{mode="decode",model_name="m"} 7.0' in text
+    assert 'ostinato:engine_step_tokens_total{mode="extend",model_name="m"} 310.0' in text
+    assert 'ostinato:engine_step_seconds_total{mode="decode",model_name="m"} 0.5' in text
