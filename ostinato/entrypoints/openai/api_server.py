@@ -156,8 +156,10 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
         return JSONResponse(error_body(f"Internal server error: {type(e).__name__}: {e}", "server_error", None,
                                        "internal_error"), status_code=500)
 
-    async def respond(request: Request, work: Awaitable[Any]) -> Response:
-        result = await until_disconnected(request, work)
+    async def respond(request: Request, work: Awaitable[Any], stream: bool = False) -> Response:
+        # a stream's handler returns at once (the stream itself notices a disconnect); other requests run
+        # until done or until the client leaves
+        result = await work if stream else await until_disconnected(request, work)
         if isinstance(result, Response):
             return result
         if isinstance(result, dict):
@@ -181,17 +183,22 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
             {"id": name, "object": "model", "created": created, "owned_by": "ostinato",
              "max_model_len": client.info.max_model_len} for name in serving.model_names]}
 
-    @app.post("/v1/completions")
+    # The generation endpoints parse their own bodies, so they are plain Starlette routes: FastAPI's
+    # per-request dependency solving would only add host time to every request.
     async def completions(request: Request) -> Response:
-        return await respond(request, serving.completions(await parse_body(request, CompletionRequest)))
+        req = await parse_body(request, CompletionRequest)
+        return await respond(request, serving.completions(req), req.stream)
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await respond(request, serving.chat(await parse_body(request, ChatCompletionRequest)))
+        req = await parse_body(request, ChatCompletionRequest)
+        return await respond(request, serving.chat(req), req.stream)
 
-    @app.post("/completions")
     async def batch(request: Request) -> Response:
         return await respond(request, serving.batch(await parse_body(request, BatchRequest)))
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/completions", batch, methods=["POST"])
 
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
