@@ -10,6 +10,8 @@ if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from test_decode_graph import TINY as DECODE_TINY  # noqa: E402
+from test_decode_graph import release  # noqa: E402
 
 from ostinato import LLM, SamplingParams  # noqa: E402
 from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
@@ -20,9 +22,7 @@ from ostinato.graphs.decode import PAD_SLOT  # noqa: E402
 from ostinato.graphs.extend import ExtendGraphRunner, extend_token_sizes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the graphs are captured for real
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+TINY = {**DECODE_TINY, "max_position_embeddings": 512}
 
 
 @pytest.fixture
@@ -52,12 +52,6 @@ def extend_batch(runner, prompts, prefix_lens):
     for r, n in zip(reqs, lens, strict=True):
         r.kv_len += n
     return ScheduledBatch(ForwardMode.EXTEND, reqs, list(prefix_lens), lens, torch.cat(locs), [True] * len(reqs)), reqs
-
-
-def release(runner, reqs):
-    for r in reqs:
-        runner.kv_manager.release(r.req_pool_idx, r.kv_len)
-    runner.kv_manager.check_all_free()
 
 
 def test_sizes_and_block_table():

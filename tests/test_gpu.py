@@ -61,7 +61,8 @@ def test_replay_gives_the_eager_tokens(gpu_llm):
 
 
 def test_extend_replay_matches_eager(gpu_llm):
-    from test_extend_graph import extend_batch, release
+    from test_decode_graph import release
+    from test_extend_graph import extend_batch
 
     runner = gpu_llm.engine.runner
     graphs = runner.extend_graph_runner
