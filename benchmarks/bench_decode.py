@@ -1,8 +1,10 @@
 """Decode ms/step, eager vs CUDA graph, by batch size and context, beside the HBM floor.
 
 A step here is what the engine does per decode step minus scheduling: build the batch tensors, run the
-model (replay or eager), sample greedily and copy the tokens to the host. `forward_ms` is the GPU time
-of the model call alone (CUDA events). The floor is the bytes a step must read (all weights once + the
+model (replay or eager), sample greedily and copy the tokens to the host. Modes "eager" and "graph" overlap
+as the engine does by default (a step's tokens are waited for once the next step is launched);
+"graph-sync" waits for each step's tokens before the next (--disable-overlap-schedule). `forward_ms` is
+the GPU time of the model call alone (CUDA events). The floor is the bytes a step must read (all weights once + the
 batch's KV) over the measured device copy bandwidth.
 
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
@@ -44,21 +46,31 @@ def decode_batch(runner: ModelRunner, bs: int, ctx: int) -> tuple[ScheduledBatch
     return ScheduledBatch(ForwardMode.DECODE, reqs, [ctx] * bs, [1] * bs, locs, [True] * bs), reqs
 
 
-def time_steps(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: int) -> tuple[float, float]:
+def time_steps(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: int,
+               overlap: bool = True) -> tuple[float, float]:
+    """(wall ms per step, median GPU ms of the forward). `overlap`: as the engine runs by default, a step's
+    tokens are waited for after the next step is launched; otherwise right after its own launch."""
     saved = runner.graph_runner
     runner.graph_runner = saved if graph else None
     try:
         for _ in range(3):
-            runner.sample(runner.forward(runner.prepare(sched)), sched)
+            runner.step(sched).result()
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        in_flight = None
         t = time.perf_counter()
         for s, e in events:
             batch = runner.prepare(sched)
             s.record()
             logits = runner.forward(batch)
             e.record()
-            runner.sample(logits, sched)  # .tolist(): syncs, as the engine does every step
+            sampled = runner.sample(logits, sched, batch)
+            if overlap:
+                sampled, in_flight = in_flight, sampled
+            if sampled is not None:
+                sampled.result()  # waits for the step's tokens on the host, as the engine does
+        if in_flight is not None:
+            in_flight.result()
         step = (time.perf_counter() - t) / iters
         fwd = sorted(s.elapsed_time(e) for s, e in events)[iters // 2]
         return step * 1e3, fwd
@@ -72,7 +84,7 @@ def profile_steps(runner: ModelRunner, sched: ScheduledBatch, iters: int = 20) -
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            runner.sample(runner.forward(runner.prepare(sched)), sched)
+            runner.step(sched).result()
         torch.cuda.synchronize()
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events) / iters
@@ -101,9 +113,9 @@ def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[di
     for bs, ctx in CASES:
         sched, reqs = decode_batch(runner, bs, ctx)
         floor_ms = (runner.weight_bytes + bs * (ctx + 1) * kv_per_token) / bw * 1e3
-        for mode in ("eager", "graph"):
-            iters = args.iters if mode == "graph" else args.eager_iters
-            step_ms, fwd_ms = time_steps(runner, sched, mode == "graph", iters)
+        for mode in ("eager", "graph", "graph-sync"):
+            iters = args.eager_iters if mode == "eager" else args.iters
+            step_ms, fwd_ms = time_steps(runner, sched, mode != "eager", iters, overlap=mode != "graph-sync")
             rows.append({"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
                          "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile})
             print(f"{name:<14}{bs:>5}{ctx:>7}{mode:>7}{step_ms:>10.3f}{fwd_ms:>10.3f}{floor_ms:>9.3f}", flush=True)

@@ -35,7 +35,8 @@ def extend_step(engine, n: int, length: int, rng: random.Random, tag: str, aroun
     sync()
     with around():
         t = time.perf_counter()
-        engine.step()  # sampling ends it with a device->host copy, so the wall time covers the GPU's work
+        engine.step()  # launches the extend (overlap scheduling: without waiting for it)
+        sync()
         wall = time.perf_counter() - t
     assert engine.step_counts["extend"] == extends + 1, "the step was not an extend"
     for i in range(n):

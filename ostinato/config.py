@@ -32,6 +32,8 @@ class EngineArgs:
     disable_cuda_graph_padding: bool = _arg(False, "replay only batches whose size was captured exactly")
     extend_cuda_graph_max_tokens: int = _arg(2048, "largest extend (prefill) step replayed from a CUDA graph, "
                                              "in tokens; 0 runs every extend eagerly")
+    disable_overlap_schedule: bool = _arg(False, "wait for each step's tokens before scheduling the next (by "
+                                          "default the next step is scheduled while the GPU runs this one)")
     enable_torch_compile: bool = _arg(False, "torch.compile the model for captured sizes <= torch_compile_max_bs")
     torch_compile_max_bs: int = _arg(32, "largest decode batch size compiled")
     enable_cudagraph_gc: bool = _arg(False, "keep the garbage collector running during capture")

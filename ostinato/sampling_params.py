@@ -87,6 +87,11 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @property
+    def has_penalties(self) -> bool:
+        """Penalties count the request's earlier outputs, so its sampling needs them on the host."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def top_k_enabled(self) -> bool:
         return self.top_k >= 1
 

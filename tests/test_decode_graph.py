@@ -8,7 +8,7 @@ import torch
 
 from ostinato import LLM, SamplingParams
 from ostinato.attention.forward_batch import ForwardMode
-from ostinato.engine.request import Request
+from ostinato.engine.request import PENDING_TOKEN, Request
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.decode import PAD_SLOT, DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
 
@@ -151,3 +151,21 @@ def test_disable_padding_runs_exact_sizes_only(tmp_path):
     batch = llm.engine.runner.prepare(sched)
     assert not graphs.can_run(batch)  # 3 is not captured and padding is off
     release(llm.engine.runner, reqs)
+
+
+def test_replay_reads_pending_inputs_from_the_next_token_buffer(tiny_llm):
+    """Overlap scheduling: a decode input still in flight is PENDING_TOKEN on the host; the graph reads it
+    from the device buffer the previous step stored it in, and gives what the known token gives."""
+    runner = tiny_llm.engine.runner
+    graphs = DecodeGraphRunner(runner)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (14, 6, 21)]
+    sched, reqs = decode_batch(runner, seqs)
+    known = graphs.replay(runner.prepare(sched)).clone()
+    for r in reqs[::2]:  # rows 0 and 2: their last token "in flight", stored on the device only
+        runner.next_tokens.store_(torch.tensor([r.req_pool_idx]), torch.tensor([r.prompt_token_ids[-1]]))
+        r.prompt_token_ids[-1] = PENDING_TOKEN
+    batch = runner.prepare(sched)
+    assert batch.input_ids.tolist().count(PENDING_TOKEN) == 2
+    torch.testing.assert_close(graphs.replay(batch), known)
+    release(runner, reqs)

@@ -1,6 +1,8 @@
 """GPU correctness at real shapes (dummy weights, bf16): graph replay vs eager, poisoned padding, and
 logits vs transformers. Skipped without CUDA; run on the lent GPU with `pytest tests/test_gpu.py`."""
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -164,3 +166,29 @@ def test_generate_with_graphs_equals_eager(gpu_llm):
     finally:
         runner.graph_runner = graphs
     assert graphed == eager
+
+
+def test_overlap_schedule_equals_waiting_for_every_step(gpu_llm):
+    """On the GPU the next step really is launched before the last one's tokens reach the host: the pending
+    inputs must come from the device buffer, never from stale host state."""
+    engine = gpu_llm.engine
+    gen = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(0, engine.runner.vocab_size, (int(n),), generator=gen).tolist()}
+               for n in torch.randint(5, 300, (24,), generator=gen)]
+    probe = gpu_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                             use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[o.outputs[0].token_ids[10 + i % 20]])
+              if i % 2 else SamplingParams(temperature=0.9, top_k=50, max_tokens=30 + i, seed=i, logprobs=2)
+              for i, o in enumerate(probe)]
+    overlapped = gpu_llm.generate(prompts, params, use_tqdm=False)
+    saved = engine.args
+    engine.args = dataclasses.replace(saved, disable_overlap_schedule=True)
+    try:
+        waited = gpu_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.args = saved
+    for a, b in zip(overlapped, waited, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    assert {o.outputs[0].finish_reason for o in overlapped} == {"stop", "length"}
+    engine.check_memory_leak()

@@ -15,7 +15,7 @@ class ForwardMode(enum.Enum):
 class ForwardBatch:
     mode: ForwardMode
     batch_size: int
-    input_ids: torch.Tensor  # int64 [num_tokens]
+    input_ids: torch.Tensor  # int64 [num_tokens]; DECODE may hold PENDING_TOKEN until NextTokenBuffer.resolve_
     positions: torch.Tensor  # int64 [num_tokens]
     req_pool_indices: torch.Tensor  # int64 [bs]
     seq_lens: torch.Tensor  # int64 (or int32) [bs]: KV length once this pass has written its tokens
@@ -27,6 +27,9 @@ class ForwardBatch:
     # DECODE from ModelRunner.prepare: int64 [4, bs], rows input_ids, positions, req_pool_indices, seq_lens
     # (the fields above are views of it), so a graph replay takes all four in one copy
     decode_ints: torch.Tensor | None = None
+    # from ModelRunner.prepare: int64 [bs], the NextTokenBuffer row each request's sampled token is stored to
+    # (its request slot, or the sink when this pass samples nothing for it)
+    sample_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,10 +10,10 @@ from ostinato.attention.forward_batch import ForwardMode
 from ostinato.config import EngineArgs
 from ostinato.engine.limits import EngineLimits, validate_request
 from ostinato.engine.request import Request, RequestStatus
-from ostinato.engine.scheduler import Scheduler
+from ostinato.engine.scheduler import ScheduledBatch, Scheduler
 from ostinato.loader import ModelSource
 from ostinato.runner.model_runner import ModelRunner
-from ostinato.runner.sampler import TokenLogprobs
+from ostinato.runner.sampler import SampledTensors, TokenLogprobs
 from ostinato.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._aborted: list[EngineCoreOutput] = []
+        # overlap scheduling: the launched step whose tokens have not been read back yet
+        self._in_flight: tuple[ScheduledBatch, SampledTensors] | None = None
         # cumulative, by mode ("extend" / "decode"): forward passes, the tokens they computed, and the wall
         # time of those steps (scheduling to sampled ids on the host, so it includes the GPU's time)
         self.step_counts = {"extend": 0, "decode": 0}
@@ -96,34 +98,57 @@ class EngineCore:
         self._aborted.append(EngineCoreOutput(rid, [], "abort"))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch a step, then read back the previous one's tokens while the GPU runs it.
+
+        Overlap scheduling: the host work of a step (scheduling, inputs, output processing) hides behind the
+        GPU's work on the previous one. A decode input whose token is still in flight is PENDING_TOKEN on the
+        host and is read from the device (NextTokenBuffer). A request that stops on a token still in flight
+        may get one wasted step, whose result is dropped. A step that samples for a request with penalties
+        is read back at once, because the next one needs that request's outputs on the host.
+        """
         outputs, self._aborted = self._aborted, []
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        launched = None
+        if sched is not None:
+            launched = sched, self.runner.step(sched)
+            for req, emits in zip(sched.reqs, sched.sample_mask, strict=True):
+                if emits:
+                    req.add_pending()
+        if self._in_flight is not None:
+            outputs += self._read_back(*self._in_flight)
+        self._in_flight = launched
+        if launched is not None and (self.args.disable_overlap_schedule
+                                     or any(r.params.has_penalties for r in sched.reqs)):
+            outputs += self._read_back(*launched)
+            self._in_flight = None
         if sched is not None:
             mode = "decode" if sched.mode is ForwardMode.DECODE else "extend"
             self.step_counts[mode] += 1
             self.step_tokens[mode] += sum(sched.extend_lens)
-            batch = self.runner.prepare(sched)
-            logits = self.runner.forward(batch)
-            sampled = self.runner.sample(logits, sched)
-            logprobs = sampled.logprobs or [None] * len(sched.reqs)
-            for req, token, lp, emits in zip(sched.reqs, sampled.token_ids, logprobs, sched.sample_mask, strict=True):
-                if not emits:
-                    continue
-                req.output_token_ids.append(token)
-                req.check_stop_token()
-                out = EngineCoreOutput(req.rid, [token], logprobs=None if lp is None else [lp])
-                if req.finish_reason is not None:
-                    self.scheduler.finish(req, req.finish_reason)
-                    self.requests.pop(req.rid, None)
-                    out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
-                outputs.append(out)
             self.step_seconds[mode] += time.perf_counter() - start
         if not self.has_unfinished() and not self.args.disable_leak_check:
             self.check_memory_leak()
+        return outputs
+
+    def _read_back(self, sched: ScheduledBatch, sampled: SampledTensors) -> list[EngineCoreOutput]:
+        """Wait for a launched step's tokens; append them and finish the requests they stop."""
+        result = sampled.result()
+        logprobs = result.logprobs or [None] * len(sched.reqs)
+        outputs = []
+        for req, token, lp, emits in zip(sched.reqs, result.token_ids, logprobs, sched.sample_mask, strict=True):
+            if not emits or req.is_finished:  # finished (stopped, aborted) after this step was launched
+                continue
+            req.resolve_pending(token)
+            out = EngineCoreOutput(req.rid, [token], logprobs=None if lp is None else [lp])
+            if req.finish_reason is not None:
+                self.scheduler.finish(req, req.finish_reason)
+                self.requests.pop(req.rid, None)
+                out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+            outputs.append(out)
         return outputs
 
     def check_memory_leak(self) -> None:

@@ -5,6 +5,10 @@ from dataclasses import dataclass, field
 
 from ostinato.sampling_params import SamplingParams
 
+# An output token whose step is still on the GPU (overlap scheduling): it holds the token's place, so lengths,
+# positions and sampling step counters are right before the value reaches the host.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -26,6 +30,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_retractions: int = 0
+    num_pending: int = 0  # trailing PENDING_TOKENs in output_token_ids (launched steps not yet resolved)
 
     @property
     def seq_len(self) -> int:
@@ -43,10 +48,33 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def check_stop_token(self) -> None:
-        """After a token is appended: finish on EOS, a stop token id or max_tokens."""
-        p, n = self.params, len(self.output_token_ids)
-        last = self.output_token_ids[-1]
+    def add_pending(self) -> None:
+        """A step that samples this request's next token was launched."""
+        self.output_token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+
+    def resolve_pending(self, token: int) -> None:
+        """The oldest pending token arrived: put it in place and check stops. A request that stops here drops
+        the later pending tokens (steps launched before the stop was known; their results are ignored)."""
+        i = len(self.output_token_ids) - self.num_pending
+        self.output_token_ids[i] = token
+        self.num_pending -= 1
+        self.check_stop_token(i + 1)
+        if self.finish_reason is not None and self.num_pending:
+            del self.output_token_ids[i + 1 :]
+            self.num_pending = 0
+
+    @property
+    def can_sample_more(self) -> bool:
+        """False once max_tokens outputs are sampled or pending: another step would be wasted."""
+        return len(self.output_token_ids) < self.params.max_tokens
+
+    def check_stop_token(self, n: int | None = None) -> None:
+        """After the n-th output token (default: the last) is known: finish on EOS, a stop token id or
+        max_tokens."""
+        p = self.params
+        n = len(self.output_token_ids) if n is None else n
+        last = self.output_token_ids[n - 1]
         if n >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = "stop", None

@@ -24,7 +24,7 @@ class ScheduledBatch:
     prefix_lens: list[int]  # KV already cached per request
     extend_lens: list[int]  # tokens computed this pass per request
     out_cache_loc: torch.Tensor  # slots for the new tokens, in batch order
-    sample_mask: list[bool]  # whether the pass ends the request's pending tokens (so it samples)
+    sample_mask: list[bool]  # whether the pass reaches the request's last token (so it samples the next)
 
 
 class Scheduler:
@@ -92,7 +92,8 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         # a decoding request has exactly one token without K/V: its last output (or, when a chunk
         # stopped one short, its last prompt token)
-        decoding = [r for r in self.running if self._pending(r) == 1]
+        # (overlap scheduling: one whose pending outputs already reach max_tokens will finish; skip it)
+        decoding = [r for r in self.running if self._pending(r) == 1 and r.can_sample_more]
         if not decoding:
             return None
         while True:

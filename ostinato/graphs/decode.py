@@ -61,6 +61,7 @@ class DecodeGraphRunner:
         self.compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
 
         # Static inputs, written in place before every replay; rows [bs:padded_bs] hold the padding values.
+        # input_ids may hold PENDING_TOKEN: the graph resolves them from the runner's NextTokenBuffer.
         # One int64 block so a replay fills the four per-request vectors with one copy.
         n, dev = self.max_bs, self.device
         self.ints = torch.zeros(4, n, dtype=torch.int64, device=dev)
@@ -96,8 +97,10 @@ class DecodeGraphRunner:
         batch = self._batch(bs)
         backend = self.runner.backend
         layers = model.attention_specs
+        next_tokens = self.runner.next_tokens
 
         def step() -> None:
+            next_tokens.resolve_(batch.input_ids, batch.req_pool_indices)
             with forward_context(backend, batch, layers):
                 hidden = forward(batch.input_ids, batch.positions)
             model.compute_logits(hidden, out=self.logits[:bs, : self.vocab_size])

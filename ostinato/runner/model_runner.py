@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, the KV pools and the attention backend; turns a scheduled batch into
 logits and sampled token ids."""
 
+import itertools
 import logging
 import time
 
@@ -11,6 +12,7 @@ from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
+from ostinato.engine.request import PENDING_TOKEN
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
@@ -21,7 +23,8 @@ from ostinato.mem.req_to_token_pool import ReqToTokenPool
 from ostinato.mem.token_allocator import TokenToKVPoolAllocator
 from ostinato.models.llama import head_dim_of
 from ostinato.models.registry import model_class
-from ostinato.runner.sampler import SamplerOutput, SamplingTensors, sample_batch
+from ostinato.runner.next_tokens import NextTokenBuffer
+from ostinato.runner.sampler import SampledTensors, SamplingTensors, sample_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class ModelRunner:
 
         self._init_memory(want_len)
         self.backend = self._make_backend(self.req_to_token_pool, self.kv_cache)
+        self.next_tokens = NextTokenBuffer(self.req_to_token_pool.size, self.device)
         self.graph_runner: DecodeGraphRunner | None = None
         self._argmax: torch.Tensor | None = None  # argmax of the last forward's logits, when a graph computed it
         self.extend_graph_runner: ExtendGraphRunner | None = None
@@ -183,31 +187,44 @@ class ModelRunner:
         return peak
 
     # ------------------------------------------------------------------ forward
+    def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
+        """int64 [len(rows), n] on the device, in one copy that does not wait for the GPU: pinned memory and
+        a non-blocking copy, so a step can be prepared while the previous one runs (overlap scheduling)."""
+        host = torch.tensor(_even_columns(rows), dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)[:, : len(rows[0])]
+
     def prepare(self, sched: ScheduledBatch) -> ForwardBatch:
         """Device tensors for a scheduled batch, in as few host->device copies as the shapes allow
-        (each copy from pageable memory costs ~10 us of host time, which a decode step cannot hide)."""
+        (each copy costs ~10 us of host time)."""
         dev, reqs = self.device, sched.reqs
         seq_lens = [s + n for s, n in zip(sched.prefix_lens, sched.extend_lens, strict=True)]
         req_rows = [r.req_pool_idx for r in reqs]
         out_cache_loc = sched.out_cache_loc.to(dev, torch.int64)
         if sched.mode is ForwardMode.DECODE:
+            # the input is each request's last token: PENDING_TOKEN while the step sampling it is in flight
             ids = [r.token_at(s) for r, s in zip(reqs, sched.prefix_lens, strict=True)]
-            rows = [ids, sched.prefix_lens, req_rows, seq_lens, list(range(len(reqs)))]
-            ints = torch.tensor(_even_columns(rows), dtype=torch.int64).to(dev)[:, : len(reqs)]
+            ints = self._to_device([ids, sched.prefix_lens, req_rows, seq_lens, list(range(len(reqs)))])
             return ForwardBatch(ForwardMode.DECODE, len(reqs), ints[0], ints[1], ints[2], ints[3], out_cache_loc,
-                                ints[4], seq_lens, decode_ints=ints[:4])
+                                ints[4], seq_lens, decode_ints=ints[:4], sample_slots=ints[2])
+        # an extend reads prompt (or recomputed) tokens only: the engine resolves pending ones before scheduling
+        assert all(r.num_pending == 0 for r in reqs), "extend of a request with tokens in flight"
         ids, pos = [], []
         for req, start, n in zip(reqs, sched.prefix_lens, sched.extend_lens, strict=True):
             ids.extend(req.all_token_ids[start : start + n])
             pos.extend(range(start, start + n))
-        ends = torch.tensor(sched.extend_lens).cumsum(0) - 1
-        tokens = torch.tensor(_even_columns([ids, pos]), dtype=torch.int64).to(dev)[:, : len(ids)]
-        per_req = torch.cat([torch.tensor([req_rows, seq_lens], dtype=torch.int64), ends[None]]).to(dev)
+        ends = list(itertools.accumulate(sched.extend_lens, initial=-1))[1:]
+        sink = self.next_tokens.sink
+        slots = [r if emits else sink for r, emits in zip(req_rows, sched.sample_mask, strict=True)]
+        tokens = self._to_device([ids, pos])
+        per_req = self._to_device([req_rows, seq_lens, ends, slots])
         return ForwardBatch(
             mode=sched.mode, batch_size=len(reqs), input_ids=tokens[0], positions=tokens[1],
             req_pool_indices=per_req[0], seq_lens=per_req[1], out_cache_loc=out_cache_loc,
             logits_indices=per_req[2], seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(sched.prefix_lens), extend_seq_lens_cpu=list(sched.extend_lens),
+            sample_slots=per_req[3],
         )
 
     @torch.inference_mode()
@@ -215,26 +232,41 @@ class ModelRunner:
         """Logits [bs, vocab] (float32) at each request's last token."""
         self._argmax = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits = self.graph_runner.replay(batch)
+            logits = self.graph_runner.replay(batch)  # the graph resolves pending input ids itself
             self._argmax = self.graph_runner.argmax[: batch.batch_size]
             return logits
         if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch):
             return self.extend_graph_runner.replay(batch)
+        if batch.mode is ForwardMode.DECODE:
+            self.next_tokens.resolve_(batch.input_ids, batch.req_pool_indices)
         with forward_context(self.backend, batch, self.model.attention_specs):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sched: ScheduledBatch) -> SamplerOutput:
-        """Token ids (and the logprobs asked for) per scheduled request; penalties count each request's output."""
+    def sample(self, logits: torch.Tensor, sched: ScheduledBatch, batch: ForwardBatch) -> SampledTensors:
+        """Token ids (and the logprobs asked for) per scheduled request, stored in `next_tokens` and on their
+        way to the host; penalties count each request's output (which must hold no pending token)."""
         reqs = sched.reqs
+        outputs = None  # counted for the penalized rows only: the others may hold pending tokens
+        if any(r.params.has_penalties for r in reqs):
+            outputs = [r.output_token_ids if r.params.has_penalties else [] for r in reqs]
+            assert PENDING_TOKEN not in itertools.chain(*outputs), "penalties need every earlier output known"
         tensors = SamplingTensors.from_params(
             [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs],
-            self.vocab_size, self.device, output_token_ids=[r.output_token_ids for r in reqs],
+            self.vocab_size, self.device, output_token_ids=outputs,
         )
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
-        return sample_batch(logits, tensors, self._argmax)
+        sampled = sample_tensors(logits, tensors, self._argmax)
+        self.next_tokens.store_(batch.sample_slots, sampled.ids)
+        return sampled.copy_to_host()
+
+    def step(self, sched: ScheduledBatch) -> SampledTensors:
+        """Launch one scheduled step: inputs, forward, sampling. Returns without waiting for the GPU;
+        `.result()` on the return value waits and gives the tokens."""
+        batch = self.prepare(sched)
+        return self.sample(self.forward(batch), sched, batch)
 
 
 def _even_columns(rows: list[list[int]]) -> list[list[int]]:

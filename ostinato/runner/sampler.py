@@ -113,7 +113,7 @@ class SamplingTensors:
         def put_sampling(data: list, dtype: torch.dtype) -> Tensor | None:
             return put(data, dtype) if rand else None
 
-        penalized = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        penalized = any(p.has_penalties for p in params)
         if penalized and output_token_ids is None:
             raise ValueError("output_token_ids: needed for presence/frequency penalties")
         return cls(
@@ -181,22 +181,63 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor,
     return chosen[:, 0], ranks, top.indices, top.values
 
 
-def sample_batch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SamplerOutput:
-    """Penalties, `sample`, then the requested logprobs, copied to the host in one go per tensor.
+@dataclass
+class SampledTensors:
+    """A step's sampled ids (and logprob tensors) on their way to the host. `copy_to_host` queues the copies
+    into pinned memory behind the step's kernels and returns at once; `result` waits for them. In between,
+    the engine schedules and launches the next step while the GPU works (overlap scheduling)."""
+
+    ids: Tensor  # int64 [B]
+    logprobs: tuple[Tensor, Tensor, Tensor, Tensor] | None  # chosen, ranks, top ids, top logprobs
+    num_logprobs: list[int | None] | None
+    done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
+
+    def copy_to_host(self) -> SampledTensors:
+        """Copies, not views: `ids` can be a graph's static argmax, which the next replay overwrites."""
+        cuda = self.ids.device.type == "cuda"
+
+        def host(t: Tensor) -> Tensor:
+            if not cuda:
+                return t.clone()
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        self.ids = host(self.ids)
+        if self.logprobs is not None:
+            self.logprobs = tuple(host(t) for t in self.logprobs)
+        if cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+        return self
+
+    def result(self) -> SamplerOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        if self.logprobs is None:
+            return SamplerOutput(self.ids.tolist())
+        ids_l = self.ids.tolist()
+        chosen_l, ranks_l, top_ids_l, top_lps_l = (t.tolist() for t in self.logprobs)
+        logprobs: list[TokenLogprobs | None] = [
+            None if n is None else (chosen_l[i], ranks_l[i], top_ids_l[i][:n], top_lps_l[i][:n])
+            for i, n in enumerate(self.num_logprobs)
+        ]
+        return SamplerOutput(ids_l, logprobs)
+
+
+def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SampledTensors:
+    """Penalties, `sample`, then the requested logprobs, all on the device (no sync).
     `argmax`: the logits' argmax when already computed (a decode graph computes it); unused under penalties."""
     x = apply_penalties(logits, t)
     ids = sample(x, t, argmax if x is logits else None)
     if t.num_logprobs is None:
-        return SamplerOutput(ids.tolist())
+        return SampledTensors(ids, None, None)
     k = max(n for n in t.num_logprobs if n is not None)
-    chosen, ranks, top_ids, top_lps = compute_logprobs(x, ids, k)
-    ids_l, chosen_l, ranks_l = ids.tolist(), chosen.tolist(), ranks.tolist()
-    top_ids_l, top_lps_l = top_ids.tolist(), top_lps.tolist()
-    logprobs: list[TokenLogprobs | None] = [
-        None if n is None else (chosen_l[i], ranks_l[i], top_ids_l[i][:n], top_lps_l[i][:n])
-        for i, n in enumerate(t.num_logprobs)
-    ]
-    return SamplerOutput(ids_l, logprobs)
+    return SampledTensors(ids, compute_logprobs(x, ids, k), t.num_logprobs)
+
+
+def sample_batch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SamplerOutput:
+    """`sample_tensors`, waited for: the token ids and logprobs as Python lists."""
+    return sample_tensors(logits, t, argmax).copy_to_host().result()
 
 
 def sample(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> Tensor:
