@@ -1,4 +1,4 @@
-"""PNG plots of benchmark JSON: decode ms/step (eager, graph, floor) by batch size.
+"""PNG plots of benchmark JSON: decode ms/step (eager, graph, graph-sync, floor) by batch size.
 
 python benchmarks/plot_results.py benchmarks/results/decode-h100.json
 """
@@ -28,6 +28,7 @@ def plot_decode(path: str) -> str:
             xs = sorted(pts)
             ax.plot(xs, [pts[x] for x in xs], marker="o", label=name, linestyle="--" if name == "HBM floor" else "-")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("batch size (context 128)")
         ax.set_ylabel("ms / decode step")
         ax.set_title(f"{model} on {report['device']}")

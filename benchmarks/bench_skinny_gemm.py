@@ -1,0 +1,156 @@
+"""Decode-sized linear layers, y = x @ W^T: torch.nn.functional.linear (cuBLAS) vs skinny_linear, in us per
+call and TB/s of weight bytes, beside the device copy bandwidth (bytes read + written per second).
+
+Each figure is one call's share of a CUDA graph of 20 back-to-back calls (decode runs inside graphs: no
+launch overhead, but each call's ramp-up and tail count). The calls cycle through copies of W that add up
+to 3x the L2 cache, so every call reads its W from HBM as a model's layers do. M = 32 is torch only, for
+reference. `err` is max |skinny - torch|, `ref` the largest |y|.
+
+python benchmarks/bench_skinny_gemm.py [--out PATH] [--sweep]
+--sweep also times variants of each heuristic config (one field changed at a time); takes minutes.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from common import RESULTS, copy_bandwidth, device_tag, write_report
+
+from ostinato.layers.triton_ops.skinny_gemm import MAX_M, SkinnyConfig, config_for, skinny_linear
+
+SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (N, K)
+MS = [1, 2, 4, 8, 16, 32]
+
+
+def graph_us(calls: list, reps: int) -> float:
+    """us per call: median over `reps` replays of a CUDA graph of the calls, back to back."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (Triton compiles, cuBLAS picks its kernels) outside the capture
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] * 1e3 / len(calls)
+
+
+def variants(cfg: SkinnyConfig, m: int) -> list[SkinnyConfig]:
+    """The heuristic's config with one field changed at a time (tile bytes kept where a size moves)."""
+    out = [cfg._replace(num_stages=s) for s in (2, 4, 5) if s != cfg.num_stages]
+    out += [cfg._replace(block_n=cfg.block_n * 2, block_k=max(16, cfg.block_k // 2)),
+            cfg._replace(block_k=cfg.block_k * 2), cfg._replace(block_k=max(16, cfg.block_k // 2)),
+            cfg._replace(num_warps=8), cfg._replace(num_warps=2)]
+    if cfg.block_n > (16 if cfg.use_dot else 2):
+        out.append(cfg._replace(block_n=cfg.block_n // 2, block_k=cfg.block_k * 2))
+    if not cfg.use_dot and m <= 8:
+        out.append(SkinnyConfig(16, 16, 512, True, 4, 4))
+    elif cfg.use_dot and m <= 8:
+        m_pad = 1 << (m - 1).bit_length()
+        out.append(SkinnyConfig(m_pad, 8, max(16, 2048 // m_pad), False, 4, 3))
+    return out
+
+
+def short(cfg: SkinnyConfig) -> str:
+    return (f"{'dot' if cfg.use_dot else 'fma'} m{cfg.m_pad} n{cfg.block_n} k{cfg.block_k} "
+            f"w{cfg.num_warps} s{cfg.num_stages}")
+
+
+def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: float) -> list[dict]:
+    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    props = torch.cuda.get_device_properties(device)
+    gen = torch.Generator(device).manual_seed(n + k)
+    w_bytes = n * k * torch.finfo(dtype).bits // 8
+    copies = min(args.calls, max(2, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / w_bytes)))
+    weights = [(torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype) for _ in range(copies)]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+        ws = [weights[i % copies] for i in range(args.calls)]
+        torch_us = graph_us([lambda w=w: F.linear(x, w) for w in ws], args.reps)
+        row = {"N": n, "K": k, "M": m, "dtype": args.dtype, "weight_bytes": w_bytes, "weight_copies": copies,
+               "torch_us": torch_us, "torch_TBps": w_bytes / torch_us / 1e6}
+        if m <= MAX_M:
+            cfg = config_for(m, n, k, props.multi_processor_count)
+            out = torch.empty(m, n, dtype=dtype, device=device)
+            timed = []
+            for c in [cfg, *(variants(cfg, m) if args.sweep else [])]:
+                try:
+                    us = graph_us([lambda w=w, c=c: skinny_linear(x, w, out=out, config=c) for w in ws], args.reps)
+                except Exception as e:  # a sweep variant past the shared memory or register limits
+                    if c is cfg:
+                        raise
+                    print(f"    {short(c)}: {type(e).__name__}", flush=True)
+                    continue
+                timed.append((us, c))
+                if args.sweep:
+                    print(f"    {short(c):<28}{us:>8.2f} us{w_bytes / us / 1e6:>7.2f} TB/s", flush=True)
+            best_us, best = min(timed)
+            y_torch, y = F.linear(x, weights[0]), skinny_linear(x, weights[0])
+            row.update(config=cfg._asdict(), skinny_us=timed[0][0], skinny_TBps=w_bytes / timed[0][0] / 1e6,
+                       speedup=torch_us / timed[0][0], frac_of_copy_bw=w_bytes / timed[0][0] / 1e6 / (bw / 1e12),
+                       max_abs_err=(y.float() - y_torch.float()).abs().max().item(),
+                       ref_max_abs=y_torch.float().abs().max().item())
+            if args.sweep:
+                row.update(best_config=best._asdict(), best_us=best_us, best_TBps=w_bytes / best_us / 1e6)
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
+def print_row(r: dict) -> None:
+    line = f"{r['N']:>6}x{r['K']:<6}{r['M']:>4}{r['torch_us']:>9.2f}{r['torch_TBps']:>7.2f}"
+    if "skinny_us" in r:
+        line += (f"{r['skinny_us']:>9.2f}{r['skinny_TBps']:>7.2f}{r['speedup']:>7.2f}x{r['frac_of_copy_bw']:>6.0%}"
+                 f"{r['max_abs_err']:>9.2e}{r['ref_max_abs']:>7.1f}  {short(SkinnyConfig(**r['config']))}")
+        if "best_us" in r:
+            line += f"  | best {r['best_us']:.2f} us {r['best_TBps']:.2f} TB/s {short(SkinnyConfig(**r['best_config']))}"
+    print(line, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=None, help="NxK pairs, e.g. 2048x2048 (default: the four below)")
+    ap.add_argument("--ms", type=int, nargs="+", default=MS, help="batch sizes (above 16: torch only)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--calls", type=int, default=20, help="back-to-back calls in each captured graph")
+    ap.add_argument("--reps", type=int, default=50, help="graph replays timed (median)")
+    ap.add_argument("--sweep", action="store_true", help="also time variants of each heuristic config")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/skinny-gemm-<device>.json)")
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    print(f"device copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name(device)}, {args.dtype})")
+    print(f"{'N x K':<13}{'M':>4}{'torch us':>9}{'TB/s':>7}{'skinny':>9}{'TB/s':>7}{'speed':>8}{'copy':>6}"
+          f"{'err':>9}{'ref':>7}  config")
+    rows = []
+    with torch.inference_mode():
+        for n, k in shapes:
+            rows += bench_shape(n, k, args.ms, args, bw)
+            torch.cuda.empty_cache()
+    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12, "rows": rows}
+    write_report(report, args.out or os.path.join(RESULTS, f"skinny-gemm-{device_tag(device)}.json"))
+
+
+if __name__ == "__main__":
+    main()
