@@ -11,6 +11,7 @@ python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
 """
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -100,6 +101,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[di
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
                        enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs)
     runner = ModelRunner(eargs, load_model_source(name, "dummy"))
+    gc.collect()
+    gc.freeze()  # as EngineCore does after start-up: no collection walks the model's objects mid-timing
     for layer in range(runner.kv_cache.layer_num):  # never time on zeros
         for buf in runner.kv_cache.get_kv_buffer(layer):
             buf.normal_()

@@ -3,14 +3,16 @@ call and TB/s of weight bytes, beside the device copy bandwidth (bytes read + wr
 
 Each figure is one call's share of a CUDA graph of 20 back-to-back calls (decode runs inside graphs: no
 launch overhead, but each call's ramp-up and tail count). The calls cycle through copies of W that add up
-to 3x the L2 cache, so every call reads its W from HBM as a model's layers do. M = 32 is torch only, for
-reference. `err` is max |skinny - torch|, `ref` the largest |y|.
+to 3x the L2 cache (their number divides the calls, so the cycle holds across replays), so every call
+reads its W from HBM as a model's layers do. M = 32 is torch only, for reference. `err` is
+max |skinny - torch|, `ref` the largest |y|.
 
 python benchmarks/bench_skinny_gemm.py [--out PATH] [--sweep]
 --sweep also times variants of each heuristic config (one field changed at a time); takes minutes.
 """
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -42,6 +44,7 @@ def graph_us(calls: list, reps: int) -> float:
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # keeps the GPU busy while the host queues the replay: no gap timed
         start.record()
         graph.replay()
         end.record()
@@ -72,18 +75,21 @@ def short(cfg: SkinnyConfig) -> str:
             f"w{cfg.num_warps} s{cfg.num_stages}")
 
 
-def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: float) -> list[dict]:
-    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: float,
+                device: torch.device) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
     props = torch.cuda.get_device_properties(device)
     gen = torch.Generator(device).manual_seed(n + k)
     w_bytes = n * k * torch.finfo(dtype).bits // 8
-    copies = min(args.calls, max(2, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / w_bytes)))
+    # the same reuse distance across a replay's end: a number of copies that divides the calls
+    need = max(2, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / w_bytes))
+    copies = min(c for c in range(1, args.calls + 1) if args.calls % c == 0 and (c >= need or c == args.calls))
     weights = [(torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype) for _ in range(copies)]
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=gen, device=device).to(dtype)
         ws = [weights[i % copies] for i in range(args.calls)]
-        torch_us = graph_us([lambda w=w: F.linear(x, w) for w in ws], args.reps)
+        torch_us = graph_us([functools.partial(F.linear, x, w) for w in ws], args.reps)
         row = {"N": n, "K": k, "M": m, "dtype": args.dtype, "weight_bytes": w_bytes, "weight_copies": copies,
                "torch_us": torch_us, "torch_TBps": w_bytes / torch_us / 1e6}
         if m <= MAX_M:
@@ -92,7 +98,8 @@ def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: flo
             timed = []
             for c in [cfg, *(variants(cfg, m) if args.sweep else [])]:
                 try:
-                    us = graph_us([lambda w=w, c=c: skinny_linear(x, w, out=out, config=c) for w in ws], args.reps)
+                    calls = [functools.partial(skinny_linear, x, w, out=out, config=c) for w in ws]
+                    us = graph_us(calls, args.reps)
                 except Exception as e:  # a sweep variant past the shared memory or register limits
                     if c is cfg:
                         raise
@@ -120,13 +127,14 @@ def print_row(r: dict) -> None:
         line += (f"{r['skinny_us']:>9.2f}{r['skinny_TBps']:>7.2f}{r['speedup']:>7.2f}x{r['frac_of_copy_bw']:>6.0%}"
                  f"{r['max_abs_err']:>9.2e}{r['ref_max_abs']:>7.1f}  {short(SkinnyConfig(**r['config']))}")
         if "best_us" in r:
-            line += f"  | best {r['best_us']:.2f} us {r['best_TBps']:.2f} TB/s {short(SkinnyConfig(**r['best_config']))}"
+            best = short(SkinnyConfig(**r["best_config"]))
+            line += f"  | best {r['best_us']:.2f} us {r['best_TBps']:.2f} TB/s {best}"
     print(line, flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=None, help="NxK pairs, e.g. 2048x2048 (default: the four below)")
+    ap.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK, W's shape")
     ap.add_argument("--ms", type=int, nargs="+", default=MS, help="batch sizes (above 16: torch only)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--calls", type=int, default=20, help="back-to-back calls in each captured graph")
@@ -134,7 +142,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time variants of each heuristic config")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/skinny-gemm-<device>.json)")
     args = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     device = torch.device("cuda")
@@ -145,7 +153,7 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         for n, k in shapes:
-            rows += bench_shape(n, k, args.ms, args, bw)
+            rows += bench_shape(n, k, args.ms, args, bw, device)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12, "rows": rows}

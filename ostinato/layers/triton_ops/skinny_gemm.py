@@ -1,20 +1,20 @@
 """y = x @ W^T at decode batch sizes (M <= 16), W an nn.Linear weight [N, K]: a weight-streaming kernel.
 
-At M <= 16 the layer is a read of W, so what counts is keeping HBM busy. cuBLAS tiles for large M and at
-M = 1 launches a few dozen CTAs (or splits K into a second reduce kernel). Here each program owns BLOCK_N
-rows of W and walks all of K, so no program needs another's result: one launch, a grid fixed by the shapes,
-no workspace, no atomics, the same bits on every call. BLOCK_N shrinks until the grid fills every SM at
-least twice; M decides the inner product:
+At M <= 16 the layer is a read of W, so what counts is keeping HBM busy. cuBLAS tiles for large M: at M = 1
+it launches a few dozen CTAs, or splits K into a second reduce kernel. Here each program owns BLOCK_N rows
+of W across all of K, so no program needs another's result: one launch, a grid fixed by the shapes, no
+workspace, no atomics, the same bits on every call. K tiles stream through a cp.async ring in shared memory,
+so a program keeps num_stages - 1 tiles of W in flight. M picks the inner product:
 
-- M <= 4: CUDA-core FMAs into an fp32 [M_PAD, BLOCK_N, BLOCK_K] accumulator (a few registers per thread),
-  summed over K once after the loop. Lets BLOCK_N go down to 4, so N = 2048 still gives 512 programs.
-- M > 4: tl.dot of a [16, BLOCK_K] x tile with the [BLOCK_K, BLOCK_N] W tile on the tensor cores (FMAs
-  would cost more than the load at M = 16); tl.dot needs BLOCK_N >= 16, hence the deeper pipeline when
-  that leaves fewer programs than two per SM.
+- M <= 4: CUDA-core FMAs into an fp32 [M_PAD, BLOCK_N, BLOCK_K] accumulator (32-64 registers a thread),
+  summed over K once after the loop. BLOCK_N can go down to 4, so N = 2048 still gives 512 programs.
+- M > 4: tl.dot on the tensor cores (at M = 16 the FMAs would take about as long as the load), x padded to
+  16 rows. Its tiles are >= 16 a side, so N = 2048 gives 128 programs.
 
-Split-K would give more programs at small N, but without atomics into a pre-zeroed buffer it needs a
-persistent workspace and an arrival counter per tile (the last arrival sums the partials); not needed at
-N >= 2048, where the grid already fills the SMs.
+Split-K would give more programs at small N; without atomics into a pre-zeroed buffer it needs a persistent
+workspace and an arrival counter per tile (the last program to arrive sums the partials in a fixed order).
+Left out: the shapes here fill the SMs without it, the closest call being M > 4 at N = 2048 (128 programs
+for 132 SMs).
 """
 
 import functools
@@ -31,22 +31,25 @@ DTYPES = (torch.bfloat16, torch.float16)
 @triton.jit
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
-    # rows past M / N re-read the last valid row instead of masking the loads; their sums are never stored
-    x_ptrs = X + tl.minimum(offs_m, M - 1)[:, None, None] * stride_xm + offs_k
+    # x rows past M are masked (not fetched); W rows past N re-read row N - 1 (unpredicated loads) and are
+    # never stored
+    m_mask = (offs_m < M)[:, None, None]
+    x_ptrs = X + offs_m[:, None, None] * stride_xm + offs_k
     w_ptrs = W + tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None] * stride_wn + offs_k
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    for k in range(0, k_full, BLOCK_K):
-        acc += tl.load(x_ptrs + k).to(tl.float32) * tl.load(w_ptrs + k).to(tl.float32)
+    for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
+        x = tl.load(x_ptrs + k, mask=m_mask, other=0.0).to(tl.float32)
+        acc += x * tl.load(w_ptrs + k).to(tl.float32)
     if k_full < K:
-        mask = offs_k < K - k_full
-        x = tl.load(x_ptrs + k_full, mask=mask, other=0.0).to(tl.float32)
-        acc += x * tl.load(w_ptrs + k_full, mask=mask, other=0.0).to(tl.float32)
+        k_mask = offs_k < K - k_full
+        x = tl.load(x_ptrs + k_full, mask=m_mask & k_mask, other=0.0).to(tl.float32)
+        acc += x * tl.load(w_ptrs + k_full, mask=k_mask, other=0.0).to(tl.float32)
     y = tl.sum(acc, axis=2)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
@@ -55,52 +58,76 @@ def _skinny_fma_kernel(
 @triton.jit
 def _skinny_dot_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    K_SPLIT: tl.constexpr,
 ):
-    offs_m = tl.arange(0, M_PAD)
+    # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
+    # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
+    SUB_K: tl.constexpr = BLOCK_K // K_SPLIT
+    offs_m = tl.arange(0, M_PAD)[None, :, None]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)[None, :]
-    # as in the FMA kernel: clamped rows, never stored
-    x_ptrs = X + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + offs_k
-    w_ptrs = W + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn + offs_k
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    offs_k = (tl.arange(0, K_SPLIT) * SUB_K)[:, None, None] + tl.arange(0, SUB_K)[None, None, :]
+    # rows as in the FMA kernel: x's past M masked, W's past N clamped
+    m_mask = offs_m < M
+    x_ptrs = X + offs_m * stride_xm + offs_k  # [K_SPLIT, M_PAD, SUB_K]
+    w_ptrs = W + tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None] * stride_wn + offs_k  # [.., BLOCK_N, ..]
+    acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    for k in range(0, k_full, BLOCK_K):
-        acc = tl.dot(tl.load(x_ptrs + k), tl.trans(tl.load(w_ptrs + k)), acc)
+    for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
+        x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k), (0, 2, 1)), acc)
     if k_full < K:
-        mask = offs_k < K - k_full
-        x = tl.load(x_ptrs + k_full, mask=mask, other=0.0)
-        acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k_full, mask=mask, other=0.0)), acc)
+        k_mask = offs_k < K - k_full
+        x = tl.load(x_ptrs + k_full, mask=m_mask & k_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k_full, mask=k_mask, other=0.0), (0, 2, 1)), acc)
+    y = tl.sum(acc, axis=0)
+    offs_m = tl.arange(0, M_PAD)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
 
 class SkinnyConfig(NamedTuple):
-    m_pad: int
+    m_pad: int  # x rows in a tile: next power of 2 >= M, 16 for tl.dot
     block_n: int
     block_k: int
     use_dot: bool
     num_warps: int
-    num_stages: int
+    num_stages: int  # K tiles in flight per program: num_stages - 1 (cp.async ring in shared memory)
 
 
 def config_for(m: int, n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
-    """Tile sizes for x [m, k] @ W [n, k]^T: a rule of the shapes only (no autotuning: capture must not
-    benchmark), tuned for H100 (132 SMs) with bf16/fp16 weights."""
+    """Tiles for x [m, k] @ W [n, k]^T, a rule of the shapes (no autotuning: a capture must not benchmark).
+    Set for H100 and 2-byte dtypes from bytes in flight and occupancy, not from timings of these tiles.
+
+    The grid aims at one wave: every program resident from the start (so all of them have loads in flight)
+    and none left for a tail with the SMs half idle. x is re-read from L2 by every program, m / block_n of
+    the W bytes, so block_n >= 2 * m_pad."""
     num_warps, threads = 4, 128
     k_cap = max(16, triton.next_power_of_2(k))
     if m > 4:
-        # tl.dot's smallest tile is 16; fewer programs than two per SM each keep a deeper pipeline in flight
-        block_n = 16 if triton.cdiv(n, 32) < 4 * num_sms else 32
+        # tl.dot tiles are >= 16 a side; a grid under two programs per SM gets bigger, deeper K tiles
+        # (3 x 16 KB of W in flight per program, 96 KB of shared memory: two programs an SM)
+        block_n = 32 if triton.cdiv(n, 32) >= 2 * num_sms else 16
         few = triton.cdiv(n, block_n) < 2 * num_sms
         return SkinnyConfig(16, block_n, min(512 if few else 256, k_cap), True, num_warps, 4 if few else 3)
     m_pad = triton.next_power_of_2(m)
-    block_n = 16
-    while block_n > 4 and triton.cdiv(n, block_n) < 2 * num_sms:
-        block_n //= 2
-    # 32 W elements a thread per tile (four 16-byte loads), 16 at m_pad = 4: <= 64 fp32 accumulators
+    # programs resident an SM, by registers: ~72 a thread at m_pad = 1 (32 W elements a thread), ~125 with
+    # 64 accumulators (Triton 3.9, sm_90)
+    resident = (7 if m_pad == 1 else 4) * num_sms
+    block_n = max(4, 2 * m_pad)
+    while block_n < 32 and triton.cdiv(n, block_n) > resident:
+        block_n *= 2
+    # W elements a thread per K tile: 32 (four 16-byte loads), 16 at m_pad = 4: 64 fp32 accumulators at most
     per_thread = 32 if m_pad <= 2 else 16
-    return SkinnyConfig(m_pad, block_n, min(per_thread * threads // block_n, k_cap), False, num_warps, 1)
+    if m_pad * per_thread * threads // block_n < 256:
+        # an x tile of 128 elements has Triton 3.9 read W back from shared memory 2 bytes at a time
+        per_thread *= 2
+    block_k = min(per_thread * threads // block_n, k_cap)
+    if m_pad == 1 and k <= 4096:  # H200 sweep at K = 2048: K tiles of 512 beat 1024 by 5%
+        block_k = min(block_k, 512)
+    # >= 16 KB of W in flight per program, and at least two tiles
+    num_stages = min(5, max(3, 1 + triton.cdiv(16384, block_n * block_k * 2)))
+    return SkinnyConfig(m_pad, block_n, block_k, False, num_warps, num_stages)
 
 
 @functools.cache
@@ -118,32 +145,36 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"x must be [M, K] and weight [N, K], got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    """ValueError naming the first field that skinny_linear cannot take."""
+    if x.dim() != 2:
+        raise ValueError(f"x.dim() must be 2 ([M, K]), got shape {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight.dim() must be 2 ([N, K]), got shape {tuple(weight.shape)}")
     (m, k), (n, wk) = x.shape, weight.shape
     if wk != k:
         raise ValueError(f"weight.shape[1] ({wk}) must equal x.shape[1] ({k})")
     if m > MAX_M:
         raise ValueError(f"x.shape[0] (M = {m}) must be at most {MAX_M}")
     if x.dtype not in DTYPES:
-        raise ValueError(f"x.dtype must be bfloat16 or float16, got {x.dtype}")
+        raise ValueError(f"x.dtype must be torch.bfloat16 or torch.float16, got {x.dtype}")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight.dtype ({weight.dtype}) must equal x.dtype ({x.dtype})")
     if weight.device != x.device:
         raise ValueError(f"weight.device ({weight.device}) must equal x.device ({x.device})")
-    if x.stride(1) != 1:
-        raise ValueError(f"x must have a contiguous last dim, got strides {x.stride()}")
+    if x.stride(1) != 1 and k > 1:
+        raise ValueError(f"x.stride(1) must be 1 (rows contiguous), got strides {x.stride()}")
     if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
-    if out is not None:
-        if out.shape != (m, n):
-            raise ValueError(f"out.shape must be {(m, n)}, got {tuple(out.shape)}")
-        if out.dtype != x.dtype:
-            raise ValueError(f"out.dtype ({out.dtype}) must equal x.dtype ({x.dtype})")
-        if out.device != x.device:
-            raise ValueError(f"out.device ({out.device}) must equal x.device ({x.device})")
-        if out.stride(1) != 1 and n > 1:
-            raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+        raise ValueError(f"weight.stride() must be contiguous ({(k, 1)}), got {weight.stride()}")
+    if out is None:
+        return
+    if out.shape != (m, n):
+        raise ValueError(f"out.shape must be {(m, n)}, got {tuple(out.shape)}")
+    if out.dtype != x.dtype:
+        raise ValueError(f"out.dtype ({out.dtype}) must equal x.dtype ({x.dtype})")
+    if out.device != x.device:
+        raise ValueError(f"out.device ({out.device}) must equal x.device ({x.device})")
+    if out.stride(1) != 1 and n > 1:
+        raise ValueError(f"out.stride(1) must be 1 (rows contiguous), got strides {out.stride()}")
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig | None) -> None:
@@ -154,13 +185,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
         out.zero_()
         return
     cfg = config or config_for(m, n, k, _num_sms(x.device))
-    assert cfg.m_pad >= m and (not cfg.use_dot or min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16)
-    kernel = _skinny_dot_kernel if cfg.use_dot else _skinny_fma_kernel
-    kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    grid = (triton.cdiv(n, cfg.block_n),)
+    args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert cfg.m_pad >= m
+    if cfg.use_dot:
+        assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16
+        # one K slice a warp, each >= 16 (the MMA's K)
+        _skinny_dot_kernel[grid](*args, **meta, K_SPLIT=min(cfg.num_warps, cfg.block_k // 16))
+    else:
+        _skinny_fma_kernel[grid](*args, **meta)
 
 
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -180,7 +215,8 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, last dim contiguous) @ weight [N, K]^T -> [M, N] in x's dtype, fp32 accumulation.
-    `out`: [M, N] to write into (last dim contiguous); `config` overrides config_for (for tuning)."""
+    `out`: [M, N] to write into (last dim contiguous); `config` overrides config_for (for tuning; ignored
+    under torch.compile)."""
     _check(x, weight, out)
     if torch.compiler.is_compiling():  # opaque node for torch.compile; eager skips the op's ~25 us dispatch
         y = skinny_linear_op(x, weight)

@@ -1,0 +1,28 @@
+"""nn.Linear whose decode-sized calls on the GPU may run the skinny GEMM kernel instead of cuBLAS.
+
+At a few rows a linear layer is a read of its weight. cuBLAS reads the o_proj / down_proj shapes at
+1.4-2.4 TB/s at M = 1 (few CTAs, or split-K plus a reduce kernel); the skinny kernel at 1.8-3.3 on an H200
+(`benchmarks/bench_skinny_gemm.py`). It loses on wide outputs (gate_up, N = 8 K: 0.86-0.99x), and on
+qkv-shaped ones (N = 1.5 K) once M > 4, so those stay on cuBLAS. The choice depends only on shapes, so a
+captured graph keeps the one it made at capture.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def prefers_skinny(m: int, n: int, k: int) -> bool:
+    """Whether x [m, k] @ W [n, k]^T is faster on the skinny kernel than on cuBLAS (measured shapes:
+    N x K = 2048 x 2048, 2048 x 8192 at M <= 16 faster; 3072 x 2048 faster at M <= 4; 16384 x 2048 never)."""
+    return m <= 16 and (n <= k or (m <= 4 and n <= 2 * k))
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.bias is None and x.dim() == 2 and prefers_skinny(x.shape[0], *self.weight.shape):
+            from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
+
+            if skinny_gemm.supports(x, self.weight):
+                return skinny_gemm.skinny_linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
