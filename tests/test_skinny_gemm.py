@@ -1,4 +1,5 @@
-"""skinny_linear (decode-sized x @ W^T) against a float64 reference.
+"""skinny_linear (decode-sized x @ W^T) and skinny_gate_up_silu (silu_and_mul of it, fused) against
+float64 references and against each other.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors at small shapes, in fp16 only: the
 interpreter has no bf16 tl.dot (it multiplies the raw bit patterns) and rounds fp32 -> bf16 by truncation,
@@ -15,15 +16,20 @@ if shutil.which("nvidia-smi") is None:  # must be set before the kernels are dec
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from ostinato.layers.activation import silu_and_mul, silu_and_mul_torch  # noqa: E402
 from ostinato.layers.triton_ops.skinny_gemm import (  # noqa: E402
     MAX_M,
     SkinnyConfig,
     config_for,
+    skinny_gate_up_silu,
+    skinny_gate_up_silu_op,
     skinny_linear,
     skinny_linear_op,
     supports,
+    supports_gate_up,
 )
 
 GPU = torch.cuda.is_available()
@@ -107,9 +113,10 @@ def test_custom_op_registration():
                                              randn(gen, 20, 32, dtype=torch.float16)))
 
 
-def _bad_inputs() -> list[tuple[str, dict]]:
+def _bad_inputs(gated: bool = False) -> list[tuple[str, dict]]:
     h = torch.float16
     x, w = torch.randn(2, 32).to(h), torch.randn(8, 32).to(h)
+    n = 4 if gated else 8  # out's width
     return [
         ("x.dim()", dict(x=x[None], weight=w)),
         ("weight.dim()", dict(x=x, weight=w[None])),
@@ -121,10 +128,10 @@ def _bad_inputs() -> list[tuple[str, dict]]:
         ("x.stride(1)", dict(x=torch.randn(32, 2).to(h).T, weight=w)),
         ("weight.stride()", dict(x=x, weight=torch.randn(32, 8).to(h).T)),
         ("out.shape", dict(x=x, weight=w, out=torch.empty(8, 2, dtype=h))),
-        ("out.dtype", dict(x=x, weight=w, out=torch.empty(2, 8))),
-        ("out.device", dict(x=x, weight=w, out=torch.empty(2, 8, dtype=h, device="meta"))),
-        ("out.stride(1)", dict(x=x, weight=w, out=torch.empty(8, 2, dtype=h).T)),
-    ]
+        ("out.dtype", dict(x=x, weight=w, out=torch.empty(2, n))),
+        ("out.device", dict(x=x, weight=w, out=torch.empty(2, n, dtype=h, device="meta"))),
+        ("out.stride(1)", dict(x=x, weight=w, out=torch.empty(n, 2, dtype=h).T)),
+    ] + ([("weight.shape[0]", dict(x=x, weight=torch.randn(7, 32).to(h)))] if gated else [])
 
 
 @pytest.mark.parametrize("field,kwargs", _bad_inputs(), ids=[f for f, _ in _bad_inputs()])
@@ -133,9 +140,15 @@ def test_bad_inputs_raise(field, kwargs):
         skinny_linear(**kwargs)
 
 
+@pytest.mark.parametrize("field,kwargs", _bad_inputs(gated=True), ids=[f for f, _ in _bad_inputs(gated=True)])
+def test_gate_up_bad_inputs_raise(field, kwargs):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        skinny_gate_up_silu(**kwargs)
+
+
 def test_supports_needs_cuda():
     x, w = torch.randn(2, 32).half(), torch.randn(8, 32).half()
-    assert not supports(x, w)  # the CPU path is the interpreter, for tests only
+    assert not supports(x, w) and not supports_gate_up(x, w)  # the CPU path is the interpreter, for tests only
 
 
 @pytest.mark.parametrize("m", range(1, MAX_M + 1))
@@ -229,3 +242,176 @@ def test_linear_matches_torch(monkeypatch, m, n, k, skinny):
     x = randn(gen, m, k, dtype=torch.bfloat16)
     check(layer(x), x, layer.weight)
     assert bool(calls) == skinny
+
+
+# ---------------------------------------------------------------- skinny_gate_up_silu
+# gate and up are rounded to the dtype and the product is too, as in silu_and_mul: about two half-ulps of the
+# output, more where silu is steep next to its rounded gate; x is scaled so that gate and up are O(1)
+GATE_UP_TOL = {torch.float16: (2e-3, 4e-3), torch.bfloat16: (1.6e-2, 3.2e-2)}
+MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in units of want's ulp in want's dtype (subnormal spacing next to zero)."""
+    finfo = torch.finfo(want.dtype)
+    _, exp = torch.frexp(want.float())
+    ulp = torch.ldexp(torch.ones_like(exp, dtype=torch.float64), exp - 1 - MANTISSA[want.dtype])
+    ulp = torch.where(want.abs() < finfo.smallest_normal, finfo.smallest_normal * finfo.eps, ulp)
+    return (got.double() - want.double()).abs() / ulp
+
+
+def gate_up_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gate_up_inputs(m: int, i: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    return randn(gen, m, k, dtype=torch.float32).mul(k**-0.5).to(dtype), randn(gen, 2 * i, k, dtype=dtype)
+
+
+def check_gate_up(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, unfused: torch.Tensor) -> None:
+    """Against the float64 reference, and against `unfused` (silu_and_mul of skinny_linear): the same fp32
+    sums rounded to the dtype, then the same silu and product roundings, so the same bits, up to the exp: the
+    unfused silu's exp (torch's on the CPU, Triton's on the GPU) may differ from the kernel's by an fp32 ulp,
+    which moves the rounded silu by one ulp of the dtype when it sits on a rounding boundary (about 1 in 2^13
+    on the CPU; never on the GPU, where both are Triton's tl.exp)."""
+    want = gate_up_reference(x, w)
+    assert got.shape == want.shape == unfused.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), want, atol=GATE_UP_TOL[x.dtype][0], rtol=GATE_UP_TOL[x.dtype][1])
+    assert ulps(got, unfused).max() <= 1
+    assert (got == unfused).double().mean() >= 0.99
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])  # FMA kernel up to 4, tl.dot above
+# I not a multiple of BLOCK_N; K = 200: the masked tail tile only; K = 50: rows not 16-byte aligned
+@pytest.mark.parametrize("i,k", [(37, 200), (19, 50)])
+def test_gate_up_small(m, i, k):
+    x, w = gate_up_inputs(m, i, k, torch.float16, seed=m * 1000 + i + k)
+    # the default configs sum in the same order (config_for(gated=True) is skinny_linear's on W, block_n halved)
+    check_gate_up(skinny_gate_up_silu(x, w), x, w, silu_and_mul_torch(skinny_linear(x, w)))
+
+
+# several full K tiles through the pipeline, then the masked tail (200 = 6 * 32 + 8); I = 45 not a multiple
+# of BLOCK_N
+@pytest.mark.parametrize("m,config", [
+    (1, SkinnyConfig(1, 4, 32, False, 4, 3)),
+    (3, SkinnyConfig(4, 8, 64, False, 4, 2)),
+    (4, SkinnyConfig(4, 2, 16, False, 2, 1)),
+    (7, SkinnyConfig(16, 16, 32, True, 4, 3)),
+])
+def test_gate_up_k_tiles(m, config):
+    x, w = gate_up_inputs(m, 45, 200, torch.float16, seed=m)
+    # block_k sets the summation order: the same config gives skinny_linear the same sums
+    check_gate_up(skinny_gate_up_silu(x, w, config=config), x, w,
+                  silu_and_mul_torch(skinny_linear(x, w, config=config)))
+
+
+def test_gate_up_strided_x_and_out():
+    for m, start in ((1, 16), (6, 16), (3, 1)):  # start 1: x not 16-byte aligned
+        xs, w = gate_up_inputs(m, 15, 100, torch.float16, seed=m)
+        out_buf = torch.full((m, 50), 3.0, dtype=torch.float16, device=DEVICE)
+        x, out = xs[:, start : start + 64], out_buf[:, 10:25]
+        w = w[:, :64].contiguous()
+        assert skinny_gate_up_silu(x, w, out=out) is out
+        check_gate_up(out, x, w, silu_and_mul_torch(skinny_linear(x, w)))
+        assert (out_buf[:, :10] == 3.0).all() and (out_buf[:, 25:] == 3.0).all()
+
+
+def test_gate_up_empty():
+    h = torch.float16
+    w = torch.ones(8, 32, dtype=h, device=DEVICE)
+    assert skinny_gate_up_silu(torch.empty(0, 32, dtype=h, device=DEVICE), w).shape == (0, 4)
+    y = skinny_gate_up_silu(torch.empty(2, 0, dtype=h, device=DEVICE), torch.empty(8, 0, dtype=h, device=DEVICE))
+    assert y.shape == (2, 4) and (y == 0).all()
+
+
+def test_gate_up_custom_op_registration():
+    x, w = gate_up_inputs(3, 10, 32, torch.float16, seed=0)
+    torch.library.opcheck(skinny_gate_up_silu_op, (x, w))
+
+
+@pytest.mark.parametrize("m", range(1, MAX_M + 1))
+@pytest.mark.parametrize("i,k", [(8192, 2048), (4096, 2048), (2048, 2048), (37, 200), (1, 8)])
+def test_gate_up_config(m, i, k):
+    """A gated program reads 2 * block_n rows: the tiles of skinny_linear on W [2I, K] (FMA: block_n halved,
+    the same block_k and so the same sums), the grid the same, the register budget the same."""
+    cfg = config_for(m, i, k, gated=True)
+    assert cfg.m_pad >= m and cfg.use_dot == (m > 4) and cfg.num_stages >= 2
+    for size in (cfg.m_pad, cfg.block_n, cfg.block_k, cfg.num_warps):
+        assert size == triton.next_power_of_2(size)
+    plain = config_for(m, 2 * i, k)
+    if cfg.use_dot:
+        assert cfg.block_n == 16 and cfg.block_k >= 16
+    else:
+        assert cfg == plain._replace(block_n=plain.block_n // 2)
+        assert 2 * cfg.m_pad * cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 64
+    if i >= 2048:
+        assert triton.cdiv(i, cfg.block_n) >= 128  # every SM has work
+
+
+@cuda
+def test_supports_gate_up_cuda():
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
+    assert supports_gate_up(x, w) and supports_gate_up(torch.randn(MAX_M, 64, device="cuda").bfloat16(), w)
+    assert not supports_gate_up(x, w[:95]) and not supports_gate_up(x, w.T.contiguous().T)
+    assert not supports_gate_up(torch.randn(MAX_M + 1, 64, device="cuda").bfloat16(), w)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+def test_gate_up_real(m, dtype):
+    """Llama-3.2-1B's gate_up (I = 8192, K = 2048) against silu_and_mul over cuBLAS (tolerance) and over
+    skinny_linear (the same bits expected; at most an ulp asserted)."""
+    x, w = gate_up_inputs(m, 8192, 2048, dtype, seed=m)
+    got = skinny_gate_up_silu(x, w)
+    torch.testing.assert_close(got, silu_and_mul(F.linear(x, w)), atol=GATE_UP_TOL[dtype][0],
+                               rtol=GATE_UP_TOL[dtype][1])
+    check_gate_up(got, x, w, silu_and_mul(skinny_linear(x, w)))
+
+
+@cuda
+def test_gate_up_cuda_graph():
+    with torch.inference_mode():
+        for m in (1, 4, 8):
+            x, w = gate_up_inputs(m, 8192, 2048, torch.bfloat16, seed=m)
+            out = torch.empty(m, 8192, dtype=torch.bfloat16, device="cuda")
+            skinny_gate_up_silu(x, w, out=out)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                skinny_gate_up_silu(x, w, out=out)
+            x2, w2 = gate_up_inputs(m, 8192, 2048, torch.bfloat16, seed=m + 100)
+            x.copy_(x2)
+            w.copy_(w2)
+            graph.replay()
+            assert torch.equal(out, skinny_gate_up_silu(x, w))
+            check_gate_up(out, x, w, silu_and_mul(skinny_linear(x, w)))
+
+
+@cuda
+def test_gate_up_compile():
+    x, w = gate_up_inputs(4, 2048, 2048, torch.bfloat16, seed=1)
+    with torch.inference_mode():
+        compiled = torch.compile(lambda a, b: skinny_gate_up_silu(a, b), fullgraph=True, dynamic=False)
+        assert torch.equal(compiled(x, w), skinny_gate_up_silu(x, w))
+
+
+@cuda
+@pytest.mark.parametrize("m,fused", [(1, True), (4, True), (8, False)])
+def test_gate_up_silu_layer(monkeypatch, m, fused):
+    from ostinato.layers import linear
+    from ostinato.layers.activation import silu_and_mul
+    from ostinato.layers.triton_ops import skinny_gemm
+
+    calls = []
+    real = skinny_gemm.skinny_gate_up_silu
+    monkeypatch.setattr(skinny_gemm, "skinny_gate_up_silu", lambda x, w: calls.append(1) or real(x, w))
+    gen = torch.Generator("cuda").manual_seed(m)
+    layer = linear.Linear(2048, 2 * 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer.weight.data = randn(gen, 2 * 4096, 2048, dtype=torch.bfloat16)
+    x = randn(gen, m, 2048, dtype=torch.bfloat16) * 2048**-0.5
+    torch.testing.assert_close(linear.gate_up_silu(layer, x), silu_and_mul(layer(x)), atol=2e-2, rtol=3e-2)
+    assert bool(calls) == fused

@@ -11,6 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ostinato.layers.activation import silu_and_mul
+
+GATED_MAX_M = 4  # the gated kernel's FMA path; its tensor-core path (M > 4) is not measured faster
+
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
     """Whether x [m, k] @ W [n, k]^T is faster on the skinny kernel than on cuBLAS (measured shapes:
@@ -26,3 +30,14 @@ class Linear(nn.Linear):
             if skinny_gemm.supports(x, self.weight):
                 return skinny_gemm.skinny_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
+
+
+def gate_up_silu(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(gate_up(x)) for the MLP's fused gate/up layer: at decode sizes on the GPU one kernel that
+    applies the activation to its accumulators, instead of a GEMM, a [M, 2I] round trip and a second kernel."""
+    if x.is_cuda and gate_up.bias is None and x.dim() == 2 and x.shape[0] <= GATED_MAX_M:
+        from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
+
+        if skinny_gemm.supports_gate_up(x, gate_up.weight):
+            return skinny_gemm.skinny_gate_up_silu(x, gate_up.weight)
+    return silu_and_mul(gate_up(x))

@@ -18,8 +18,7 @@ from transformers import PretrainedConfig
 
 from ostinato.attention.base import AttentionSpec
 from ostinato.attention.op import attention
-from ostinato.layers.activation import silu_and_mul
-from ostinato.layers.linear import Linear
+from ostinato.layers.linear import Linear, gate_up_silu
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.rotary import RotaryEmbedding
 
@@ -68,7 +67,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gate_up_silu(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):

@@ -15,6 +15,12 @@ Split-K would give more programs at small N; without atomics into a pre-zeroed b
 workspace and an arrival counter per tile (the last program to arrive sums the partials in a fixed order).
 Left out: the shapes here fill the SMs without it, the closest call being M > 4 at N = 2048 (128 programs
 for 132 SMs).
+
+skinny_gate_up_silu is the MLP's gate_up projection with its activation: W the fused [2I, K] weight, out
+silu(x @ W[:I]^T) * (x @ W[I:]^T), [M, I]. Both kernels take it under the constexpr GATED: a program owns
+BLOCK_N gate rows and the BLOCK_N up rows I further on, accumulates both from the same x tile, and applies
+silu_and_mul's rounding (gate and up rounded to the dtype, silu rounded, product rounded) before its one
+store: the bits of silu_and_mul(skinny_linear(x, W)) without the [M, 2I] round trip or the second launch.
 """
 
 import functools
@@ -29,28 +35,47 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up on fp32 sums, rounded as silu_and_mul.py's kernel rounds a [T, 2I] input of `dtype`."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return act * up
+
+
+@triton.jit
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     # x rows past M are masked (not fetched); W rows past N re-read row N - 1 (unpredicated loads) and are
-    # never stored
+    # never stored. GATED: N is the output width I, W rows n (gate) and I + n (up) make output column n
     m_mask = (offs_m < M)[:, None, None]
     x_ptrs = X + offs_m[:, None, None] * stride_xm + offs_k
-    w_ptrs = W + tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None] * stride_wn + offs_k
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None]
+    w_ptrs = W + rows * stride_wn + offs_k
+    u_ptrs = W + (rows + N) * stride_wn + offs_k
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_full = K - K % BLOCK_K
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0).to(tl.float32)
         acc += x * tl.load(w_ptrs + k).to(tl.float32)
+        if GATED:
+            acc_u += x * tl.load(u_ptrs + k).to(tl.float32)
     if k_full < K:
         k_mask = offs_k < K - k_full
         x = tl.load(x_ptrs + k_full, mask=m_mask & k_mask, other=0.0).to(tl.float32)
         acc += x * tl.load(w_ptrs + k_full, mask=k_mask, other=0.0).to(tl.float32)
+        if GATED:
+            acc_u += x * tl.load(u_ptrs + k_full, mask=k_mask, other=0.0).to(tl.float32)
     y = tl.sum(acc, axis=2)
+    if GATED:
+        y = _silu_mul(y, tl.sum(acc_u, axis=2), Out.dtype.element_ty)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
@@ -59,7 +84,7 @@ def _skinny_fma_kernel(
 def _skinny_dot_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    K_SPLIT: tl.constexpr,
+    K_SPLIT: tl.constexpr, GATED: tl.constexpr,
 ):
     # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
     # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
@@ -67,20 +92,29 @@ def _skinny_dot_kernel(
     offs_m = tl.arange(0, M_PAD)[None, :, None]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = (tl.arange(0, K_SPLIT) * SUB_K)[:, None, None] + tl.arange(0, SUB_K)[None, None, :]
-    # rows as in the FMA kernel: x's past M masked, W's past N clamped
+    # rows as in the FMA kernel: x's past M masked, W's past N clamped, GATED's up rows N further on
     m_mask = offs_m < M
     x_ptrs = X + offs_m * stride_xm + offs_k  # [K_SPLIT, M_PAD, SUB_K]
-    w_ptrs = W + tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None] * stride_wn + offs_k  # [.., BLOCK_N, ..]
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None]
+    w_ptrs = W + rows * stride_wn + offs_k  # [.., BLOCK_N, ..]
+    u_ptrs = W + (rows + N) * stride_wn + offs_k
     acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k), (0, 2, 1)), acc)
+        if GATED:
+            acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k), (0, 2, 1)), acc_u)
     if k_full < K:
         k_mask = offs_k < K - k_full
         x = tl.load(x_ptrs + k_full, mask=m_mask & k_mask, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k_full, mask=k_mask, other=0.0), (0, 2, 1)), acc)
+        if GATED:
+            acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k_full, mask=k_mask, other=0.0), (0, 2, 1)), acc_u)
     y = tl.sum(acc, axis=0)
+    if GATED:
+        y = _silu_mul(y, tl.sum(acc_u, axis=0), Out.dtype.element_ty)
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
@@ -95,39 +129,48 @@ class SkinnyConfig(NamedTuple):
     num_stages: int  # K tiles in flight per program: num_stages - 1 (cp.async ring in shared memory)
 
 
-def config_for(m: int, n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
+def config_for(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> SkinnyConfig:
     """Tiles for x [m, k] @ W [n, k]^T, a rule of the shapes (no autotuning: a capture must not benchmark).
     Set for H100 and 2-byte dtypes from bytes in flight and occupancy, not from timings of these tiles.
 
     The grid aims at one wave: every program resident from the start (so all of them have loads in flight)
     and none left for a tail with the SMs half idle. x is re-read from L2 by every program, m / block_n of
-    the W bytes, so block_n >= 2 * m_pad."""
+    the W bytes, so block_n >= 2 * m_pad.
+
+    gated: tiles for skinny_gate_up_silu, n the output width I (W [2n, k]). A program reads 2 * block_n rows
+    of W into two accumulators of block_n, which costs what one of 2 * block_n costs: the rule is the one
+    for W's rows (tile = W rows a program), and the grid, cdiv(n, tile / 2), is that of x @ W^T. So an FMA
+    config is that of skinny_linear on W with block_n halved, and the fp32 sums are summed in the same order
+    (same block_k)."""
     num_warps, threads = 4, 128
+    rows = 2 if gated else 1  # W rows a program reads per output column
     k_cap = max(16, triton.next_power_of_2(k))
     if m > 4:
         # tl.dot tiles are >= 16 a side; a grid under two programs per SM gets bigger, deeper K tiles
-        # (3 x 16 KB of W in flight per program, 96 KB of shared memory: two programs an SM)
-        block_n = 32 if triton.cdiv(n, 32) >= 2 * num_sms else 16
+        # (3 x 16 KB of W in flight per program, 96 KB of shared memory: two programs an SM). Gated: always
+        # 16 + 16 rows, the wide plain tile, and 3 stages (deep tiles of W and x are 48 KB a stage)
+        block_n = 32 if not gated and triton.cdiv(n, 32) >= 2 * num_sms else 16
         few = triton.cdiv(n, block_n) < 2 * num_sms
-        return SkinnyConfig(16, block_n, min(512 if few else 256, k_cap), True, num_warps, 4 if few else 3)
+        stages = 4 if few and not gated else 3
+        return SkinnyConfig(16, block_n, min(512 if few else 256, k_cap), True, num_warps, stages)
     m_pad = triton.next_power_of_2(m)
     # programs resident an SM, by registers: ~72 a thread at m_pad = 1 (32 W elements a thread), ~125 with
     # 64 accumulators (Triton 3.9, sm_90)
     resident = (7 if m_pad == 1 else 4) * num_sms
-    block_n = max(4, 2 * m_pad)
-    while block_n < 32 and triton.cdiv(n, block_n) > resident:
-        block_n *= 2
+    tile = max(4, 2 * m_pad)
+    while tile < 32 and triton.cdiv(rows * n, tile) > resident:
+        tile *= 2
     # W elements a thread per K tile: 32 (four 16-byte loads), 16 at m_pad = 4: 64 fp32 accumulators at most
     per_thread = 32 if m_pad <= 2 else 16
-    if m_pad * per_thread * threads // block_n < 256:
+    if m_pad * per_thread * threads // tile < 256:
         # an x tile of 128 elements has Triton 3.9 read W back from shared memory 2 bytes at a time
         per_thread *= 2
-    block_k = min(per_thread * threads // block_n, k_cap)
+    block_k = min(per_thread * threads // tile, k_cap)
     if m_pad == 1 and k <= 4096:  # H200 sweep at K = 2048: K tiles of 512 beat 1024 by 5%
         block_k = min(block_k, 512)
     # >= 16 KB of W in flight per program, and at least two tiles
-    num_stages = min(5, max(3, 1 + triton.cdiv(16384, block_n * block_k * 2)))
-    return SkinnyConfig(m_pad, block_n, block_k, False, num_warps, num_stages)
+    num_stages = min(5, max(3, 1 + triton.cdiv(16384, tile * block_k * 2)))
+    return SkinnyConfig(m_pad, tile // rows, block_k, False, num_warps, num_stages)
 
 
 @functools.cache
@@ -144,8 +187,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:
-    """ValueError naming the first field that skinny_linear cannot take."""
+def supports_gate_up(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_gate_up_silu takes (x, weight [2I, K]) on the GPU; otherwise fall back to
+    skinny_linear / F.linear and silu_and_mul."""
+    return supports(x, weight) and weight.shape[0] % 2 == 0
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, gated: bool = False) -> None:
+    """ValueError naming the first field that skinny_linear (gated: skinny_gate_up_silu) cannot take."""
     if x.dim() != 2:
         raise ValueError(f"x.dim() must be 2 ([M, K]), got shape {tuple(x.shape)}")
     if weight.dim() != 2:
@@ -165,6 +214,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> N
         raise ValueError(f"x.stride(1) must be 1 (rows contiguous), got strides {x.stride()}")
     if not weight.is_contiguous():
         raise ValueError(f"weight.stride() must be contiguous ({(k, 1)}), got {weight.stride()}")
+    if gated:
+        if n % 2:
+            raise ValueError(f"weight.shape[0] (2I = {n}) must be even (gate rows, then as many up rows)")
+        n //= 2
     if out is None:
         return
     if out.shape != (m, n):
@@ -177,18 +230,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> N
         raise ValueError(f"out.stride(1) must be 1 (rows contiguous), got strides {out.stride()}")
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig | None) -> None:
-    (m, k), n = x.shape, weight.shape[0]
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig | None,
+            gated: bool = False) -> None:
+    (m, k), n = x.shape, out.shape[1]  # gated: n = I, half of weight's rows
     if m == 0 or n == 0:
         return
     if k == 0:
-        out.zero_()
+        out.zero_()  # gated too: silu(0) * 0
         return
-    cfg = config or config_for(m, n, k, _num_sms(x.device))
+    cfg = config or config_for(m, n, k, _num_sms(x.device), gated)
     grid = (triton.cdiv(n, cfg.block_n),)
     args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert cfg.m_pad >= m
     if cfg.use_dot:
         assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16
@@ -224,4 +278,35 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(x, weight, out, config)
+    return out
+
+
+def _skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, None, gated=True)
+    return out
+
+
+skinny_gate_up_silu_op = torch.library.custom_op("ostinato::skinny_gate_up_silu", _skinny_gate_up_silu,
+                                                 mutates_args=())
+
+
+@skinny_gate_up_silu_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
+                        config: SkinnyConfig | None = None) -> torch.Tensor:
+    """silu_and_mul(skinny_linear(x, weight)) in one launch, without the [M, 2I] intermediate: x [M, K]
+    (M <= 16, last dim contiguous), weight the fused gate_up weight [2I, K] (gate rows, then up rows) ->
+    silu(x @ weight[:I]^T) * (x @ weight[I:]^T), [M, I] in x's dtype. `out`: [M, I] to write into (last
+    dim contiguous); `config` overrides config_for(m, I, k, gated=True) (ignored under torch.compile)."""
+    _check(x, weight, out, gated=True)
+    if torch.compiler.is_compiling():
+        y = skinny_gate_up_silu_op(x, weight)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, config, gated=True)
     return out
