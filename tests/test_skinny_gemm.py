@@ -59,6 +59,16 @@ def check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert (got == want.to(x.dtype)).double().mean() > 0.95
 
 
+def captured(fn) -> "torch.cuda.CUDAGraph":
+    """`fn` run once (Triton compiles outside the capture), then captured into a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def run_case(m: int, n: int, k: int, dtype: torch.dtype, seed: int, config: SkinnyConfig | None = None) -> None:
     gen = torch.Generator(DEVICE).manual_seed(seed)
     x, w = randn(gen, m, k, dtype=dtype), randn(gen, n, k, dtype=dtype)
@@ -198,11 +208,7 @@ def test_cuda_graph():
             x = randn(gen, m, 2048, dtype=torch.bfloat16)
             w = randn(gen, 3072, 2048, dtype=torch.bfloat16)
             out = torch.empty(m, 3072, dtype=torch.bfloat16, device="cuda")
-            skinny_linear(x, w, out=out)  # compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                skinny_linear(x, w, out=out)
+            graph = captured(lambda x=x, w=w, out=out: skinny_linear(x, w, out=out))
             x.copy_(randn(gen, m, 2048, dtype=torch.bfloat16))
             w.copy_(randn(gen, 3072, 2048, dtype=torch.bfloat16))
             graph.replay()
@@ -378,11 +384,7 @@ def test_gate_up_cuda_graph():
         for m in (1, 4, 8):
             x, w = gate_up_inputs(m, 8192, 2048, torch.bfloat16, seed=m)
             out = torch.empty(m, 8192, dtype=torch.bfloat16, device="cuda")
-            skinny_gate_up_silu(x, w, out=out)  # compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                skinny_gate_up_silu(x, w, out=out)
+            graph = captured(lambda x=x, w=w, out=out: skinny_gate_up_silu(x, w, out=out))
             x2, w2 = gate_up_inputs(m, 8192, 2048, torch.bfloat16, seed=m + 100)
             x.copy_(x2)
             w.copy_(w2)

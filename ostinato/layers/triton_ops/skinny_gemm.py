@@ -193,6 +193,12 @@ def supports_gate_up(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return supports(x, weight) and weight.shape[0] % 2 == 0
 
 
+def _check_like_x(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    for attr in ("dtype", "device"):
+        if getattr(t, attr) != getattr(x, attr):
+            raise ValueError(f"{name}.{attr} ({getattr(t, attr)}) must equal x.{attr} ({getattr(x, attr)})")
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, gated: bool = False) -> None:
     """ValueError naming the first field that skinny_linear (gated: skinny_gate_up_silu) cannot take."""
     if x.dim() != 2:
@@ -206,10 +212,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, gate
         raise ValueError(f"x.shape[0] (M = {m}) must be at most {MAX_M}")
     if x.dtype not in DTYPES:
         raise ValueError(f"x.dtype must be torch.bfloat16 or torch.float16, got {x.dtype}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight.dtype ({weight.dtype}) must equal x.dtype ({x.dtype})")
-    if weight.device != x.device:
-        raise ValueError(f"weight.device ({weight.device}) must equal x.device ({x.device})")
+    _check_like_x("weight", weight, x)
     if x.stride(1) != 1 and k > 1:
         raise ValueError(f"x.stride(1) must be 1 (rows contiguous), got strides {x.stride()}")
     if not weight.is_contiguous():
@@ -222,10 +225,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, gate
         return
     if out.shape != (m, n):
         raise ValueError(f"out.shape must be {(m, n)}, got {tuple(out.shape)}")
-    if out.dtype != x.dtype:
-        raise ValueError(f"out.dtype ({out.dtype}) must equal x.dtype ({x.dtype})")
-    if out.device != x.device:
-        raise ValueError(f"out.device ({out.device}) must equal x.device ({x.device})")
+    _check_like_x("out", out, x)
     if out.stride(1) != 1 and n > 1:
         raise ValueError(f"out.stride(1) must be 1 (rows contiguous), got strides {out.stride()}")
 
