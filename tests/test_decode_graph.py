@@ -126,19 +126,30 @@ def test_stand_in_replays_from_static_buffers(tiny_llm):
     release(runner, reqs)
 
 
-def test_generate_through_graphs_equals_eager(tiny_llm):
-    runner = tiny_llm.engine.runner
+def generate_eager_then_graphed(llm, attach, max_tokens):
+    """Greedy tokens of six random prompts, eagerly, then with the graph runner `attach(runner)` returns
+    (after setting it on the runner); also the batches that runner replayed. Leaves no KV behind."""
     prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,)).tolist()} for n in (5, 33, 18, 60, 2, 41)]
-    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
-    runner.graph_runner = DecodeGraphRunner(runner)
-    calls = []
-    replay = runner.graph_runner.replay
-    runner.graph_runner.replay = lambda b: calls.append(b.batch_size) or replay(b)
-    graphed = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    graphs = attach(llm.engine.runner)
+    replayed = []
+    replay = graphs.replay
+    graphs.replay = lambda b: replayed.append(b) or replay(b)
+    graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    llm.engine.check_memory_leak()
+    return eager, graphed, replayed
+
+
+def test_generate_through_graphs_equals_eager(tiny_llm):
+    def attach(runner):
+        runner.graph_runner = DecodeGraphRunner(runner)
+        return runner.graph_runner
+
+    eager, graphed, replayed = generate_eager_then_graphed(tiny_llm, attach, max_tokens=20)
     assert graphed == eager
-    assert calls and max(calls) == 6  # decode batches went through the graphs (6 pads to 8)
-    tiny_llm.engine.check_memory_leak()
+    sizes = [b.batch_size for b in replayed]
+    assert sizes and max(sizes) == 6  # decode batches went through the graphs (6 pads to 8)
 
 
 def test_disable_padding_runs_exact_sizes_only(tmp_path):

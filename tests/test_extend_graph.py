@@ -11,7 +11,7 @@ if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_decode_graph import TINY as DECODE_TINY  # noqa: E402
-from test_decode_graph import release  # noqa: E402
+from test_decode_graph import generate_eager_then_graphed, release  # noqa: E402
 
 from ostinato import LLM, SamplingParams  # noqa: E402
 from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
@@ -106,15 +106,10 @@ def test_replay_reads_static_buffers(tiny_llm):
 
 
 def test_generate_through_extend_graphs_equals_eager(tiny_llm):
-    runner = tiny_llm.engine.runner
-    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,)).tolist()} for n in (5, 33, 18, 60, 2, 41)]
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
-    runner.extend_graph_runner = ExtendGraphRunner(runner, max_tokens=256)
-    calls = []
-    replay = runner.extend_graph_runner.replay
-    runner.extend_graph_runner.replay = lambda b: calls.append(b.num_tokens) or replay(b)
-    graphed = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
+    def attach(runner):
+        runner.extend_graph_runner = ExtendGraphRunner(runner, max_tokens=256)
+        return runner.extend_graph_runner
+
+    eager, graphed, replayed = generate_eager_then_graphed(tiny_llm, attach, max_tokens=6)
     assert graphed == eager
-    assert calls == [159]  # the one extend (all six prompts) went through the 256-token graph
-    tiny_llm.engine.check_memory_leak()
+    assert [b.num_tokens for b in replayed] == [159]  # the one extend (all six prompts) went through the graph

@@ -52,7 +52,8 @@ class EngineCore:
         # overlap scheduling: the launched step whose tokens have not been read back yet
         self._in_flight: tuple[ScheduledBatch, SampledTensors] | None = None
         # cumulative, by mode ("extend" / "decode"): forward passes, the tokens they computed, and the wall
-        # time of those steps (scheduling to sampled ids on the host, so it includes the GPU's time)
+        # time of the step() calls that launched them (with overlap, that call waits for the previous step's
+        # tokens, so over a run it adds up to the GPU's time as well as the host's)
         self.step_counts = {"extend": 0, "decode": 0}
         self.step_tokens = {"extend": 0, "decode": 0}
         self.step_seconds = {"extend": 0.0, "decode": 0.0}
@@ -121,8 +122,7 @@ class EngineCore:
         if self._in_flight is not None:
             outputs += self._read_back(*self._in_flight)
         self._in_flight = launched
-        if launched is not None and (self.args.disable_overlap_schedule
-                                     or any(r.params.has_penalties for r in sched.reqs)):
+        if launched is not None and (self.args.disable_overlap_schedule or launched[1].penalized):
             outputs += self._read_back(*launched)
             self._in_flight = None
         if sched is not None:

@@ -190,9 +190,7 @@ class ModelRunner:
     def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
         """int64 [len(rows), n] on the device, in one copy that does not wait for the GPU: pinned memory and
         a non-blocking copy, so a step can be prepared while the previous one runs (overlap scheduling)."""
-        host = torch.tensor(_even_columns(rows), dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
+        host = torch.tensor(_even_columns(rows), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)[:, : len(rows[0])]
 
     def prepare(self, sched: ScheduledBatch) -> ForwardBatch:

@@ -190,6 +190,7 @@ class SampledTensors:
     ids: Tensor  # int64 [B]
     logprobs: tuple[Tensor, Tensor, Tensor, Tensor] | None  # chosen, ranks, top ids, top logprobs
     num_logprobs: list[int | None] | None
+    penalized: bool  # some row had presence/frequency penalties (the engine reads such a step back at once)
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
 
     def copy_to_host(self) -> SampledTensors:
@@ -229,10 +230,11 @@ def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = N
     `argmax`: the logits' argmax when already computed (a decode graph computes it); unused under penalties."""
     x = apply_penalties(logits, t)
     ids = sample(x, t, argmax if x is logits else None)
+    penalized = t.output_counts is not None
     if t.num_logprobs is None:
-        return SampledTensors(ids, None, None)
+        return SampledTensors(ids, None, None, penalized)
     k = max(n for n in t.num_logprobs if n is not None)
-    return SampledTensors(ids, compute_logprobs(x, ids, k), t.num_logprobs)
+    return SampledTensors(ids, compute_logprobs(x, ids, k), t.num_logprobs, penalized)
 
 
 def sample_batch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SamplerOutput:
