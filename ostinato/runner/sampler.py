@@ -86,6 +86,11 @@ class SamplingTensors:
     # logprobs: per row, how many top alternatives to return (None: no logprobs for the row); None when no row asks
     num_logprobs: list[int | None] | None = None
 
+    @property
+    def fused_ok(self) -> bool:
+        """Whether the fused kernel (runner/fused_sample.py) can draw this step: no top_k / top_p row."""
+        return not (self.all_greedy or self.need_top_k or self.need_top_p)
+
     @classmethod
     def from_params(
         cls,
@@ -243,6 +248,24 @@ def sample_batch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = Non
 
 
 def sample(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> Tensor:
+    """Token ids, int64 [B], from logits [B, V]: `sample_torch`'s draw. On CUDA a step with sampled rows but
+    no top_k / top_p row runs as one fused kernel that draws the same tokens (tests/test_fused_sample.py
+    checks the two agree, on the CPU through Triton's interpreter)."""
+    if t.fused_ok and logits.is_cuda:
+        return sample_fused(logits, t)
+    return sample_torch(logits, t, argmax)
+
+
+def sample_fused(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """`sample` through the fused Triton kernel; needs `t.fused_ok`."""
+    from ostinato.runner.fused_sample import fused_sample
+
+    x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
+    return fused_sample(x, t.temperatures, t.min_ps if t.need_min_p else None, t.seeds, t.steps,
+                        logits.shape[-1], GREEDY_EPS)
+
+
+def sample_torch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> Tensor:
     """Token ids, int64 [B], from logits [B, V] (any float dtype; computed in fp32).
 
     Greedy rows take the argmax. Other rows: logits / temperature, then keep the tokens allowed by min_p

@@ -1,0 +1,80 @@
+"""Decode cost as a user sees it: ms per output token through the public `LLM.generate`, the difference
+between a long and a short generation from the same prompts divided by the extra tokens (prefill and
+start-up cancel out), greedy and sampled, beside the HBM floor (weights + KV read once per step).
+
+GPU: python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b --batch-sizes 1 32 \
+         --temperature 0 0.6
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+from common import RESULTS, copy_bandwidth, device_tag, write_report
+
+from ostinato import LLM, SamplingParams
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperature: float) -> float:
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    t = time.perf_counter()
+    out = llm.generate(batch, params, use_tqdm=False)
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    assert all(len(r.outputs[0].token_ids) == new_tokens for r in out)
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen3-0.6b"])
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.6])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--short", type=int, default=32)
+    ap.add_argument("--long", type=int, default=288)
+    ap.add_argument("--repeats", type=int, default=3, help="each length is timed this often; the median counts")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    rows, device = [], None
+    for model in args.models:
+        llm = LLM(model, load_format=args.load_format, dtype=args.dtype)
+        runner = llm.engine.runner
+        device = runner.device
+        bw = copy_bandwidth(device)
+        kv_token = runner.kv_cache.bytes() // runner.kv_cache.size
+        rng = random.Random(0)
+        for bs in args.batch_sizes:
+            prompts = [[rng.randrange(100, runner.vocab_size - 100) for _ in range(args.prompt_len)]
+                       for _ in range(bs)]
+            for temperature in args.temperature:
+                timed_generate(llm, prompts, args.short, temperature)  # warm-up
+                med = {}
+                for n in (args.short, args.long):
+                    times = sorted(timed_generate(llm, prompts, n, temperature) for _ in range(args.repeats))
+                    med[n] = times[len(times) // 2]
+                ms = (med[args.long] - med[args.short]) / (args.long - args.short) * 1e3
+                mean_ctx = args.prompt_len + (args.short + args.long) / 2
+                floor_ms = (runner.weight_bytes + bs * mean_ctx * kv_token) / bw * 1e3
+                rows.append({"model": model, "batch_size": bs, "temperature": temperature,
+                             "ms_per_token": ms, "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms})
+                print(f"{model:<16} bs {bs:>4} T={temperature:<4g} {ms:8.3f} ms/token   floor {floor_ms:.3f} "
+                      f"({floor_ms / ms:.0%})", flush=True)
+        getattr(llm, "shutdown", lambda: None)()  # frees the GPU memory for the next model
+        del llm
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "rows": rows}
+    write_report(report, args.out or os.path.join(RESULTS, f"generate-{device_tag(device)}.json"))
+
+
+if __name__ == "__main__":
+    main()
