@@ -19,26 +19,33 @@ from ostinato.sampling_params import SamplingParams  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-VOCABS = [1000, 2048 + 37] + ([128_256, 151_936] if GPU else [])
+VOCABS = [700, 2048 + 37] + ([128_256, 151_936] if GPU else [])
 
 
-def _params(gen: torch.Generator, b: int, min_p: bool) -> list[SamplingParams]:
+def _params(gen: torch.Generator, b: int, min_p: bool, cut: bool) -> list[SamplingParams]:
     out = []
     for i in range(b):
         if i % 4 == 0:
             out.append(SamplingParams(temperature=0.0))
-        else:
-            t = 0.3 + 1.2 * torch.rand(1, generator=gen).item()
-            out.append(SamplingParams(temperature=t, min_p=0.05 * (i % 3) if min_p else 0.0))
+            continue
+        t = 0.3 + 1.2 * torch.rand(1, generator=gen).item()
+        kw = {"min_p": 0.05 * (i % 3)} if min_p else {}
+        if cut:  # top_k alone, top_p alone, both, and neither
+            kw["top_k"] = [1, 5, 50, -1][i % 4] if i % 3 else -1
+            kw["top_p"] = [1.0, 0.3, 0.9, 0.97][i % 4] if i % 2 else 1.0
+        out.append(SamplingParams(temperature=t, **kw))
     return out
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("min_p", [False, True])
-def test_fused_equals_torch_sampler(vocab, min_p):
-    gen = torch.Generator().manual_seed(vocab + min_p)
-    b = 12
-    params = _params(gen, b, min_p)
+@pytest.mark.parametrize("cut", [False, True])
+def test_fused_equals_torch_sampler(vocab, min_p, cut):
+    if cut and not GPU and vocab > 2048:
+        pytest.skip("the interpreter runs the cut search slowly: one multi-split vocabulary is enough on the CPU")
+    gen = torch.Generator().manual_seed(vocab + 2 * min_p + cut)
+    b = 16
+    params = _params(gen, b, min_p, cut)
     seeds = torch.randint(-(2**62), 2**62, (b,), generator=gen).tolist()
     steps = torch.randint(0, 5000, (b,), generator=gen).tolist()
     # a logits buffer as the decode graph keeps it: padded to whole argmax chunks with -inf columns
@@ -56,7 +63,6 @@ def test_fused_equals_torch_sampler(vocab, min_p):
     assert fused.max().item() < vocab
 
 
-def test_top_k_and_top_p_rows_stay_on_the_torch_path():
-    params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.7, top_p=0.9)]
-    t = SamplingTensors.from_params(params, [1, 2], [0, 0], 1000, DEVICE)
+def test_all_greedy_steps_skip_the_kernels():
+    t = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 2, [1, 2], [0, 0], 1000, DEVICE)
     assert not t.fused_ok

@@ -1,10 +1,11 @@
-"""One Triton kernel for the common sampling case: temperature, min_p and greedy rows, no sort.
+"""Sampling in a few Triton kernels with a fixed grid and no sort: temperature, min_p, top_k, top_p, greedy.
 
 It draws exactly what `sampler.sample_torch` draws: Gumbel-max over logits / temperature with the same
 counter-based noise (`hash_uniform`'s hash, computed in uint32 arithmetic), after the same min_p filter;
 greedy rows take the first index of the maximum. A step reads the logits once (twice with min_p: the row
-maximum first) instead of the eager path's ~25 elementwise passes over [B, V]. top_k / top_p rows need a
-threshold over the sorted row and stay on the torch path. Fixed grid, no host sync: it can run inside a CUDA graph.
+maximum first) instead of the eager path's ~25 elementwise passes over [B, V]. top_k and top_p become one
+logit cut per row, found without sorting by a 16-way search over the floats' order (`_threshold_kernel`):
+the same cut `sample_torch` reads off its sorted row. Fixed grids, no host sync: capturable in a CUDA graph.
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
 the GPU and its CPU interpreter when the kernel is decorated).
@@ -53,9 +54,9 @@ def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_s
 
 
 @triton.jit
-def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Seeds, Steps, OutVal, OutIdx, vocab_size,
-                         split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
-                         SPLITS_POW2: tl.constexpr):
+def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, Steps, OutVal, OutIdx, vocab_size,
+                         split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr,
+                         BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
     """Per (row, split): the best Gumbel-perturbed logit among the split's allowed columns and its first index.
     Greedy rows use no noise and no filter (their best is the argmax)."""
     row = tl.program_id(0).to(tl.int64)
@@ -70,6 +71,9 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Seeds, Steps,
         s = tl.arange(0, SPLITS_POW2)
         x_max = tl.max(tl.load(SplitMax + row * num_splits + s, mask=s < num_splits, other=float("-inf")), axis=0)
         log_min_p = tl.where(greedy, float("-inf"), tl.log(tl.load(MinPs + row)))  # greedy rows: no filter
+    cut = float("-inf")
+    if HAS_CUT:
+        cut = tl.load(Cuts + row)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, vocab_size)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -80,6 +84,8 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Seeds, Steps,
         x = tl.load(Logits + row * stride_l + offs, mask=valid, other=float("-inf")) / div
         if HAS_MIN_P:
             x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
+        if HAS_CUT:
+            x = tl.where(x >= cut, x, float("-inf"))  # greedy rows' cut is -inf
         h = _mix32(_mix32(offs.to(tl.uint32)) ^ key)
         u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
         val = tl.where(greedy, x, x - tl.log(-tl.log(u)))
@@ -94,14 +100,103 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Seeds, Steps,
     tl.store(OutIdx + row * num_splits + split, tl.where(idx == 2147483647, lo, idx).to(tl.int64))
 
 
+@triton.jit
+def _order_key(x):
+    """fp32 -> int32 whose signed order is the floats' order (negative floats have their magnitude bits flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _search_key(row_ptr, vocab_size, div, x_max, log_min_p, lo, hi, k, floor_key, mass_goal,
+                TOP_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr):
+    """The largest order key c in [lo, hi] whose predicate holds, for a predicate that holds at lo and fails
+    from some key on: count(key(x) >= c) >= k (top_k), or the softmax mass of those x >= mass_goal (top_p),
+    over the row's x = logits / div kept by min_p and by key(x) >= floor_key. Each pass over the row tests
+    NWAY - 1 keys at once, so the 2**32 keys take 8 passes for NWAY = 16."""
+    j = tl.arange(0, NWAY)
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    while hi > lo:
+        step = (hi - lo + NWAY - 1) // NWAY
+        cand = tl.minimum(lo + j.to(tl.int64) * step, hi)  # cand[0] = lo holds already
+        acc = tl.zeros([NWAY], tl.float32)
+        for start in range(0, vocab_size, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")) / div
+            x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
+            key = _order_key(x).to(tl.int64)
+            kept = key >= floor_key
+            if TOP_P:
+                w = tl.where(kept, tl.exp(x - x_max), 0.0)
+            else:
+                w = tl.where(kept & (offs < vocab_size), 1.0, 0.0)
+            acc += tl.sum(tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0), axis=1)
+        goal = mass_goal if TOP_P else k.to(tl.float32)
+        ok = (acc >= goal) | (j == 0)
+        best = tl.max(tl.where(ok, j, 0), axis=0)
+        new_lo = tl.max(tl.where(j == best, cand, -(2**62)), axis=0)
+        nxt = tl.min(tl.where(j == best + 1, cand, 2**62), axis=0)
+        hi = tl.where(best == NWAY - 1, hi, tl.minimum(hi, nxt - 1))
+        lo = new_lo
+    return lo
+
+
+_NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
+
+
+@triton.jit
+def _threshold_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, Cuts, vocab_size, greedy_eps,
+                      HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr):
+    """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
+    value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
+    value at which the renormalized mass reaches top_p."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = Logits + row * stride_l
+    temp = tl.load(Temps + row)
+    top_k = tl.load(TopKs + row)
+    top_p = tl.load(TopPs + row)
+    cut = tl.full([], _NEG_INF_KEY, tl.int64)
+    uses_cut = (top_k < vocab_size).to(tl.int32) + (top_p < 1.0).to(tl.int32)
+    if (temp >= greedy_eps).to(tl.int32) * uses_cut > 0:
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, vocab_size, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = tl.maximum(m, tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")) / temp)
+        x_max = tl.max(m, axis=0)
+        log_min_p = float("-inf")
+        if HAS_MIN_P:
+            log_min_p = tl.log(tl.load(MinPs + row))
+        hi = _order_key(x_max).to(tl.int64)
+        if top_k < vocab_size:
+            cut = _search_key(row_ptr, vocab_size, temp, x_max, log_min_p, cut, hi, top_k, cut, 0.0,
+                              TOP_P=False, NWAY=NWAY, BLOCK=BLOCK)
+        if top_p < 1.0:
+            z = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, vocab_size, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")) / temp
+                x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
+                z += tl.where(_order_key(x).to(tl.int64) >= cut, tl.exp(x - x_max), 0.0)
+            cut = _search_key(row_ptr, vocab_size, temp, x_max, log_min_p, cut, hi, top_k, cut,
+                              top_p * tl.sum(z, axis=0), TOP_P=True, NWAY=NWAY, BLOCK=BLOCK)
+    bits = cut.to(tl.int32)
+    bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    tl.store(Cuts + row, bits.to(tl.float32, bitcast=True))
+
+
 _BLOCK = 2048
+_SEARCH_BLOCK = 512
 _TARGET_PROGRAMS = 512  # a few waves over an H100/H200's 132 SMs
 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None,
-                 seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int, greedy_eps: float) -> torch.Tensor:
+                 top_ks: torch.Tensor | None, top_ps: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor,
+                 vocab_size: int, greedy_eps: float) -> torch.Tensor:
     """int64 [B] token ids from float32 logits [B, >= vocab_size] (last dim contiguous); columns past
-    `vocab_size` are ignored. `min_ps` None: no row filters by min_p.
+    `vocab_size` are ignored. `min_ps` None: no row filters by min_p; `top_ks` / `top_ps` None: no row has
+    top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none).
+    With them, one program per row first finds the row's cut (`_threshold_kernel`).
 
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
@@ -120,11 +215,18 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     if min_ps is not None:
         _split_max_kernel[grid](logits, logits.stride(0), temperatures, split_max, vocab_size, split_len,
                                 num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8)
+    cuts = split_max
+    if top_ks is not None:
+        cuts = torch.empty(b, dtype=torch.float32, device=dev)
+        _threshold_kernel[(b,)](logits, logits.stride(0), temperatures,
+                                min_ps if min_ps is not None else temperatures, top_ks, top_ps, cuts, vocab_size,
+                                greedy_eps, HAS_MIN_P=min_ps is not None, NWAY=16, BLOCK=_SEARCH_BLOCK,
+                                num_warps=8)
     vals = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
     idx = torch.empty(b, num_splits, dtype=torch.int64, device=dev)
     _split_sample_kernel[grid](
-        logits, logits.stride(0), temperatures, min_ps if min_ps is not None else temperatures, split_max, seeds,
-        steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P=min_ps is not None,
-        BLOCK=_BLOCK, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=8,
+        logits, logits.stride(0), temperatures, min_ps if min_ps is not None else temperatures, split_max, cuts,
+        seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P=min_ps is not None,
+        HAS_CUT=top_ks is not None, BLOCK=_BLOCK, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=8,
     )
     return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]

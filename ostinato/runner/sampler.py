@@ -88,8 +88,8 @@ class SamplingTensors:
 
     @property
     def fused_ok(self) -> bool:
-        """Whether the fused kernel (runner/fused_sample.py) can draw this step: no top_k / top_p row."""
-        return not (self.all_greedy or self.need_top_k or self.need_top_p)
+        """Whether the fused kernels (runner/fused_sample.py) draw this step: some row samples."""
+        return not self.all_greedy
 
     @classmethod
     def from_params(
@@ -248,8 +248,8 @@ def sample_batch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = Non
 
 
 def sample(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> Tensor:
-    """Token ids, int64 [B], from logits [B, V]: `sample_torch`'s draw. On CUDA a step with sampled rows but
-    no top_k / top_p row runs as one fused kernel that draws the same tokens (tests/test_fused_sample.py
+    """Token ids, int64 [B], from logits [B, V]: `sample_torch`'s draw. On CUDA a step with sampled rows runs
+    as a few fused kernels that draw the same tokens (tests/test_fused_sample.py
     checks the two agree, on the CPU through Triton's interpreter)."""
     if t.fused_ok and logits.is_cuda:
         return sample_fused(logits, t)
@@ -261,8 +261,9 @@ def sample_fused(logits: Tensor, t: SamplingTensors) -> Tensor:
     from ostinato.runner.fused_sample import fused_sample
 
     x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
-    return fused_sample(x, t.temperatures, t.min_ps if t.need_min_p else None, t.seeds, t.steps,
-                        logits.shape[-1], GREEDY_EPS)
+    cut = t.need_top_k or t.need_top_p
+    return fused_sample(x, t.temperatures, t.min_ps if t.need_min_p else None, t.top_ks if cut else None,
+                        t.top_ps if cut else None, t.seeds, t.steps, logits.shape[-1], GREEDY_EPS)
 
 
 def sample_torch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> Tensor:
