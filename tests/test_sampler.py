@@ -6,6 +6,8 @@ import torch
 from ostinato.runner.sampler import ARGMAX_CHUNK, SamplingTensors, chunked_argmax, hash_uniform, padded_vocab, sample
 from ostinato.sampling_params import SamplingParams
 
+# the CPU runs the torch sampler; CUDA runs the fused kernels (runner/fused_sample.py) through the same tests
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # chi-square critical values at p = 0.001, by degrees of freedom
 CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 
@@ -114,8 +116,9 @@ def test_reproducible_across_batch_composition():
     assert torch.equal(big[5:], full)
 
 
-def test_ties_at_the_cutoff_are_kept():
-    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0, -1.0]]).expand(4000, 6).contiguous()
+@pytest.mark.parametrize("device", DEVICES)
+def test_ties_at_the_cutoff_are_kept(device):
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0, -1.0]], device=device).expand(4000, 6).contiguous()
     n = logits.shape[0]
     out = run(logits, [SamplingParams(top_k=2)] * n, [5] * n, list(range(n)))
     assert set(out.tolist()) == {0, 2, 3}
@@ -173,12 +176,13 @@ def ref_probs(
         (1.5, 6, 0.9, 0.1),
     ],
 )
-def test_distribution_matches_reference(temperature, top_k, top_p, min_p):
+@pytest.mark.parametrize("device", DEVICES)
+def test_distribution_matches_reference(temperature, top_k, top_p, min_p, device):
     v, n = 8, 20000
     logits = torch.tensor([1.2, -0.3, 0.5, 2.0, 0.1, -1.0, 0.8, 1.6])
     q = ref_probs(logits, temperature, top_k, top_p, min_p)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    out = run(logits.expand(n, v).contiguous(), [params] * n, [1234] * n, list(range(n)))
+    out = run(logits.expand(n, v).contiguous().to(device), [params] * n, [1234] * n, list(range(n))).cpu()
     counts = torch.bincount(out, minlength=v).double()
     allowed = q > 0
     assert counts[~allowed].sum() == 0, "sampled a token the filters remove"
