@@ -182,8 +182,8 @@ def test_stream_stays_smooth_under_hostile_requests(server):
     while any(j.is_alive() for j in jobs):
         t = time.monotonic()
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        answer_s.append(time.monotonic() - t)
         m = httpx.get(server.url + "/metrics", timeout=30).text
-        answer_s.append(time.monotonic() - t)  # /health and /metrics
         running.append(metric(m, "ostinato:num_requests_running"))
         time.sleep(0.05)
     for j in jobs:
@@ -200,7 +200,7 @@ def test_stream_stays_smooth_under_hostile_requests(server):
     # fair share: the n request never held more than WINDOW slots (+1: the victim)
     assert max(running) <= WINDOW + 1, running
     assert len(texts) >= 10 and gaps, texts
-    assert max(answer_s) < 0.5, answer_s
+    assert max(answer_s) < 0.5, f"/health answered in up to {max(answer_s):.3f} s"
     assert max(gaps) < 0.5, f"largest inter-chunk gap {max(gaps):.3f} s; gaps {sorted(gaps)[-5:]}"
 
 
