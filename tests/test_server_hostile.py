@@ -167,7 +167,7 @@ def test_stream_stays_smooth_under_hostile_requests(server):
     answer_s: list[float] = []
 
     def hostile(name: str, path: str, body) -> None:
-        results[name] = post(server, path, body, timeout=120)
+        results[name] = post(server, path, body, timeout=240)
 
     fat_prompt = json.dumps({"prompt": "x" * (20 * MIB), "max_tokens": 2})  # under the cap: parsed, then refused
     jobs = [
