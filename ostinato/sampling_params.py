@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's threshold)
@@ -10,6 +12,19 @@ GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's thresh
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+class SamplingParamsTypeError(TypeError, ValueError):
+    """A field of the wrong type. A TypeError, and a ValueError too, so callers that map ValueErrors to
+    "bad request" (the server, the CLI) report it like any other invalid value."""
+
+
+def _str_list(name: str, value: object) -> list:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list | tuple):
+        raise SamplingParamsTypeError(f"{name} must be a string or a list of strings, got {value!r}")
+    return list(value)
 
 
 @dataclass
@@ -34,34 +49,43 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
+        self.stop = [] if self.stop is None else _str_list("stop", self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, list | tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+            raise SamplingParamsTypeError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
         self._validate()
 
     def _validate(self) -> None:
+        """Every field, in declaration order; the message starts with the field's name."""
+
         def check(ok: bool, msg: str, value: object) -> None:
             if not ok:
                 raise ValueError(f"{msg}, got {value!r}")
 
+        def real(name: str) -> float:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise SamplingParamsTypeError(f"{name} must be a number, got {value!r}")
+            check(math.isfinite(value), f"{name} must be finite", value)
+            return value
+
+        def flag(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise SamplingParamsTypeError(f"{name} must be a bool, got {value!r}")
+
         check(_is_int(self.n) and self.n >= 1, "n must be an int >= 1", self.n)
-        check(
-            -2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", self.presence_penalty
-        )
-        check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty must be in [-2, 2]",
-            self.frequency_penalty,
-        )
-        check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0", self.repetition_penalty)
-        check(self.temperature >= 0.0, "temperature must be >= 0", self.temperature)
-        check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p)
+        check(-2.0 <= real("presence_penalty") <= 2.0, "presence_penalty must be in [-2, 2]", self.presence_penalty)
+        check(-2.0 <= real("frequency_penalty") <= 2.0, "frequency_penalty must be in [-2, 2]",
+              self.frequency_penalty)
+        check(real("repetition_penalty") > 0.0, "repetition_penalty must be > 0", self.repetition_penalty)
+        check(real("temperature") >= 0.0, "temperature must be >= 0", self.temperature)
+        check(0.0 < real("top_p") <= 1.0, "top_p must be in (0, 1]", self.top_p)
         check(_is_int(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 (disabled) or >= 1", self.top_k)
-        check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p)
+        check(0.0 <= real("min_p") <= 1.0, "min_p must be in [0, 1]", self.min_p)
         check(self.seed is None or _is_int(self.seed), "seed must be an int or None", self.seed)
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings", self.stop)
         check(
@@ -69,6 +93,7 @@ class SamplingParams:
             "stop_token_ids must be ints >= 0",
             self.stop_token_ids,
         )
+        flag("ignore_eos")
         check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens)
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens)
         check(
@@ -81,6 +106,8 @@ class SamplingParams:
             "logprobs must be None or an int >= 0",
             self.logprobs,
         )
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            flag(name)
 
     @property
     def is_greedy(self) -> bool:

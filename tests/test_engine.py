@@ -126,3 +126,27 @@ def test_unknown_path_and_architecture(tmp_path):
         LLM(str(tmp_path), load_format="dummy")
     with pytest.raises(ValueError, match="page_size"):
         LLM(str(tmp_path), load_format="dummy", page_size=0)
+
+
+@pytest.mark.parametrize("messages,fragment", [
+    ([], "messages: must not be empty"),
+    ("hello", "messages: expected a list"),
+    ([{"role": "user"}], "messages[0].content: missing"),
+    ([{"content": "hi"}], "messages[0].role: missing"),
+    ([{"role": "banana", "content": "hi"}], "messages[0].role: unknown role 'banana'"),
+    ([{"role": "user", "content": 5}], "messages[0].content: expected a string"),
+    ([[{"role": "user", "content": "hi"}], []], "messages[1]: must not be empty"),
+])
+def test_chat_bad_messages_raise_value_error(llm, messages, fragment):
+    with pytest.raises(ValueError) as e:
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert fragment in str(e.value)
+
+
+def test_generate_sampling_params_of_the_wrong_type(llm):
+    with pytest.raises(ValueError, match=r"sampling_params: expected a SamplingParams .* got dict"):
+        llm.generate(["hi"], {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params: expected"):
+        llm.generate(["hi"], [{"temperature": 0}], use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        llm.generate(["hi"], SamplingParams(temperature=float("inf")), use_tqdm=False)

@@ -107,3 +107,40 @@ def test_invalid_values_raise(kwargs, message):
 )
 def test_limits_are_accepted(kwargs):
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(stop=123), "stop"),
+        (dict(stop=[1]), "stop"),
+        (dict(stop_token_ids=7), "stop_token_ids"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p="1"), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(min_p=None), "min_p"),
+        (dict(presence_penalty=True), "presence_penalty"),
+        (dict(frequency_penalty=float("-inf")), "frequency_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(n="2"), "n"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(seed=1.0), "seed"),
+        (dict(max_tokens="16"), "max_tokens"),
+        (dict(min_tokens=None), "min_tokens"),
+        (dict(logprobs=1.0), "logprobs"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(skip_special_tokens=1), "skip_special_tokens"),
+        (dict(spaces_between_special_tokens=None), "spaces_between_special_tokens"),
+        (dict(include_stop_str_in_output="no"), "include_stop_str_in_output"),
+    ],
+)
+def test_wrong_types_and_non_finite_name_the_field(kwargs, field):
+    with pytest.raises(ValueError) as e:  # a type error is both a TypeError and a ValueError
+        SamplingParams(**kwargs)
+    assert str(e.value).startswith(f"{field} must"), str(e.value)
+    if field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                 "stop_token_ids") and not isinstance(next(iter(kwargs.values())), float):
+        assert isinstance(e.value, TypeError)  # a wrong type is also a TypeError

@@ -220,28 +220,38 @@ class AsyncEngineClient:
         return self._proc.pid
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompts: list[list[int]],
-                       params: SamplingParams) -> AsyncIterator[ChoiceDelta]:
+    async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                       max_in_engine: int | None = None) -> AsyncIterator[ChoiceDelta]:
         """Deltas of every choice (prompt p, sample j -> index p * n + j) until all have finished.
 
-        Leaving early (the client went away, an error) aborts the unfinished choices in the engine.
+        Fair share: at most `max_in_engine` choices of this call are in the engine at once (None: no limit);
+        the next is sent when one finishes. One request with a large `n` (or many prompts) thus holds at
+        most that many request slots and adds at most that many prompts to a prefill, however many choices
+        it asks for, and other clients' requests still find slots and keep their decode steps short. The
+        scheduler needs no notion of groups for this. Leaving early (the client went away, an error) aborts
+        the unfinished choices in the engine; the ones not sent yet are simply dropped.
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         queue: asyncio.Queue = asyncio.Queue()
-        remaining: dict[int, str] = {}
-        now = time.monotonic()
+        unsent = [(p * params.n + j, ids, j) for p, ids in enumerate(prompts) for j in range(params.n)]
+        unsent.reverse()  # popped from the end: in index order
+        window = len(unsent) if max_in_engine is None else max(1, max_in_engine)
+        in_engine: dict[int, str] = {}
+
+        def send_next() -> None:
+            index, ids, j = unsent.pop()
+            rid = f"{request_id}-{index}"
+            sp = child_params(params, j) if params.n > 1 else params
+            self._children[rid] = _Child(queue, index, RequestTiming(time.monotonic(), len(ids)))
+            self._processor.add(rid, ids, sp)
+            in_engine[index] = rid
+            self._send((ipc.ADD, rid, ids, ipc.params_to_dict(sp)))
+
         try:
-            for p, ids in enumerate(prompts):
-                for j in range(params.n):
-                    index = p * params.n + j
-                    rid = f"{request_id}-{index}"
-                    sp = child_params(params, j) if params.n > 1 else params
-                    self._children[rid] = _Child(queue, index, RequestTiming(now, len(ids)))
-                    self._processor.add(rid, ids, sp)
-                    remaining[index] = rid
-                    self._send((ipc.ADD, rid, ids, ipc.params_to_dict(sp)))
-            while remaining:
+            while unsent and len(in_engine) < window:
+                send_next()
+            while in_engine:
                 # what piled up while the consumer was busy goes out as one delta per choice, so a slow
                 # stream sends fewer, larger chunks instead of falling further behind
                 items = [await queue.get()]
@@ -251,11 +261,13 @@ class AsyncEngineClient:
                     if isinstance(item, BaseException):
                         raise item
                     if item.finish_reason is not None:
-                        remaining.pop(item.index, None)
+                        in_engine.pop(item.index, None)
+                        if unsent:
+                            send_next()
                     yield item
         finally:
-            if remaining:
-                rids = list(remaining.values())
+            if in_engine:
+                rids = list(in_engine.values())
                 for rid in rids:
                     self._children.pop(rid, None)
                     self._processor.remove(rid)

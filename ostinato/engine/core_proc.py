@@ -76,7 +76,7 @@ def _ready_message(core: EngineCore) -> dict[str, Any]:
     return {
         "type": ipc.READY, "pid": os.getpid(), "vocab_size": r.vocab_size, "max_model_len": core.max_model_len,
         "max_total_tokens": r.max_total_tokens, "page_size": r.allocator.page_size,
-        "max_running_requests": core.args.max_running_requests, "device": str(r.device),
+        "max_running_requests": r.max_running_requests, "device": str(r.device),
         "dtype": str(r.dtype).removeprefix("torch."),
     }
 
@@ -97,6 +97,7 @@ class EngineLoop:
         self.last_stats: dict[str, int | float] | None = None
 
     def run(self) -> None:
+        self._send_stats()  # a fresh server reports its real KV and slot totals before the first request
         while True:
             if not self.core.has_unfinished() and not self.inp.poll(1000):
                 if os.getppid() != self.parent:
@@ -105,11 +106,14 @@ class EngineLoop:
                 continue
             if not self._drain():
                 return
-            outputs = self.core.step()
-            stats = self.stats()
-            if outputs or stats != self.last_stats:
-                self.out.send(ipc.pack((ipc.OUTPUTS, ipc.encode_outputs(outputs), stats)), zmq.NOBLOCK)
-                self.last_stats = stats
+            self._send_stats(self.core.step())
+
+    def _send_stats(self, outputs: list | None = None) -> None:
+        """Send the step's outputs with the counts, if there are outputs or the counts changed."""
+        stats = self.stats()
+        if outputs or stats != self.last_stats:
+            self.out.send(ipc.pack((ipc.OUTPUTS, ipc.encode_outputs(outputs or []), stats)), zmq.NOBLOCK)
+            self.last_stats = stats
 
     def _drain(self) -> bool:
         """Apply every message waiting; False on shutdown."""

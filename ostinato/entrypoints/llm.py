@@ -9,6 +9,7 @@ from tqdm import tqdm
 from ostinato.config import EngineArgs
 from ostinato.engine.engine_core import EngineCore
 from ostinato.engine.output_processor import OutputProcessor
+from ostinato.entrypoints.chat_utils import check_conversation
 from ostinato.loader import load_model_source
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
@@ -39,8 +40,13 @@ class LLM:
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
-            else list(sampling_params)
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, list | tuple) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = list(sampling_params)
+        else:
+            raise ValueError("sampling_params: expected a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(sampling_params).__name__}; e.g. SamplingParams(temperature=0)")
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         # Validate everything before queuing anything, so a bad prompt leaves the engine unchanged.
@@ -59,7 +65,12 @@ class LLM:
     ) -> list[RequestOutput]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no tokenizer chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if isinstance(messages, list | tuple) and messages and all(isinstance(c, list | tuple) for c in messages):
+            conversations = list(messages)  # a batch of conversations
+        else:
+            conversations = [messages]
+        for i, conv in enumerate(conversations):
+            check_conversation(conv, "messages" if len(conversations) == 1 else f"messages[{i}]")
         prompts = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,

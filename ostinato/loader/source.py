@@ -89,6 +89,14 @@ def _resolve_path(model: str) -> str:
     )
 
 
+def check_model_exists(model: str) -> None:
+    """Raise _resolve_path's ValueError for a local path that does not exist, without loading or downloading
+    anything (a hub id is left to the loader)."""
+    if not os.path.exists(os.path.expanduser(model)) and not (
+            _HUB_ID.fullmatch(model) and not model.endswith((".gguf", ".json"))):
+        _resolve_path(model)
+
+
 def _find_gguf(path: str) -> str | None:
     """The .gguf file to load: the path itself, or the single .gguf in a dir without config.json."""
     if os.path.isfile(path):

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ostinato.config import EngineArgs
 from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineStartError
+from ostinato.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES, check_serve_args
 from ostinato.entrypoints.openai.errors import OpenAIError, engine_dead, error_body, from_validation_error
 from ostinato.entrypoints.openai.metrics import ServerMetrics
 from ostinato.entrypoints.openai.protocol import BatchRequest, ChatCompletionRequest, CompletionRequest
@@ -41,17 +42,18 @@ ENGINE_DEATH_GRACE_S = 3.0  # after the engine dies, keep answering 503 this lon
 
 # ---------------------------------------------------------------------------- the app
 class ApiKeyMiddleware:
-    """401 in OpenAI's format unless the bearer token matches (the API paths only; /health and /metrics stay open)."""
+    """401 in OpenAI's format unless the bearer token matches (the API paths only; /health and /metrics stay
+    open). The scheme is case-insensitive (RFC 7235): `bearer KEY` works too."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and (path.startswith("/v1") or path == "/completions"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
                 body = error_body("Invalid or missing API key (expected `Authorization: Bearer <key>`)",
                                   "invalid_request_error", None, "invalid_api_key")
                 await JSONResponse(body, status_code=401)(scope, receive, send)
@@ -62,8 +64,34 @@ class ApiKeyMiddleware:
 M = TypeVar("M", bound=BaseModel)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    raw = await request.body()
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body exceeds the server's limit of {limit} bytes "
+                            "(--max-request-body-bytes)", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 415 unless JSON and with 413 past `limit` bytes: at once from Content-Length,
+    else (chunked uploads) as soon as the bytes streamed in pass the limit; nothing is parsed before."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None:
+        media = content_type.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise OpenAIError(415, f"Content-Type must be application/json, got {content_type!r}",
+                              code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes, model: type[M]) -> M:
+    """JSON -> the request model; OpenAIError 400 naming the field. Runs on the serving worker thread."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -137,9 +165,14 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
+def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="Ostinato", version="0.1.0")
     client = serving.client
+
+    async def parse_body(request: Request, model: type[M]) -> M:
+        raw = await read_body(request, max_body_bytes)
+        return await serving.run_blocking(parse_json, raw, model)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -212,7 +245,12 @@ def run_server(ns: argparse.Namespace) -> int:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"model: given twice ({ns.model_tag!r} and --model {ns.model!r})")
         ns.model = ns.model_tag
+    check_serve_args(ns)
     args = EngineArgs.from_cli_args(ns)
+    if args.load_format != "dummy" and args.model is not None:
+        from ostinato.loader import check_model_exists
+
+        check_model_exists(args.model)  # a wrong path fails here, once, before the engine process starts
     try:
         return _run_loop(_serve(ns, args))
     except EngineStartError as e:
@@ -267,8 +305,8 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
                 info.pid, names[0], info.device, info.dtype, info.max_model_len, info.max_total_tokens,
                 ", ".join(names))
     try:
-        serving = OpenAIServing(client, names)
-        app = build_app(serving, metrics, ns.api_key)
+        serving = OpenAIServing(client, names, ns.max_n, ns.max_choices_in_engine)
+        app = build_app(serving, metrics, ns.api_key, ns.max_request_body_bytes)
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                                 access_log=not ns.disable_uvicorn_access_log,
                                 timeout_graceful_shutdown=ns.graceful_shutdown_timeout, lifespan="off")
@@ -282,6 +320,7 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
         if client.dead is not None:
             on_dead(client.dead)
         await server.serve()
+        serving.close()
     finally:
         await client.shutdown()
         client.kill()

@@ -4,6 +4,9 @@ import argparse
 
 from ostinato.config import EngineArgs
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
+DEFAULT_MAX_N = 128  # OpenAI's own bound on n
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="model to serve (same as --model)")
@@ -17,4 +20,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no log line per HTTP request (formatting it costs ~100 us of the HTTP process each)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413 before they are parsed (default 32 MiB: a 1M-token prompt "
+                        "as token ids, or a long context as text, fits many times over)")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="most choices (n) one request may ask for")
+    p.add_argument("--max-choices-in-engine", type=int, default=None,
+                   help="most choices (n x prompts) of one /v1 request in the engine at once, the rest follow as "
+                        "those finish, so one request cannot take every slot (default: max_running_requests / 4)")
     EngineArgs.add_cli_args(p)
+
+
+def check_serve_args(ns: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag (before anything starts)."""
+    for name in ("max_request_body_bytes", "max_n", "max_choices_in_engine"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")

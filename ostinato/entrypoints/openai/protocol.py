@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from ostinato.entrypoints.chat_utils import CHAT_ROLES
 from ostinato.entrypoints.openai.errors import OpenAIError
 from ostinato.sampling_params import SamplingParams
 
@@ -43,11 +44,29 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    # accepted by vLLM, refused here until structured output and beam search exist (never silently dropped)
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    best_of: int | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias: not supported by this server", param="logit_bias",
                               code="unsupported_value")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                _unsupported(name, "structured output is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            _unsupported("response_format", "only {'type': 'text'} is supported (no structured output yet)")
+        if self.use_beam_search:
+            _unsupported("use_beam_search", "beam search is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            _unsupported("best_of", f"only best_of == n ({self.n}) is supported, got {self.best_of}")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams' checks)."""
@@ -76,6 +95,10 @@ class SamplingFields(OpenAIModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _unsupported(name: str, why: str) -> None:
+    raise OpenAIError(400, f"{name}: {why}", param=name, code="unsupported_value")
+
+
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -86,11 +109,10 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix)):
             if bad:
                 raise OpenAIError(400, f"{name}: not supported by this server", param=name, code="unsupported_value")
 
@@ -123,17 +145,21 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise OpenAIError(400, "tools: not supported by this server", param="tools", code="unsupported_value")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise OpenAIError(400, "response_format: only {'type': 'text'} is supported", param="response_format",
-                              code="unsupported_value")
         if not self.messages:
             raise OpenAIError(400, "messages: must not be empty", param="messages", code="invalid_value")
+        for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise OpenAIError(400, f"messages[{i}].role: unknown role {m.role!r} (allowed: "
+                                       f"{', '.join(CHAT_ROLES)})", param=f"messages[{i}].role", code="invalid_value")
+
+    def num_chars(self) -> int:
+        """Characters of the messages' strings (what the chat template gets from the client)."""
+        return sum(len(v) for m in self.messages for v in m.for_template().values() if isinstance(v, str))
 
     @property
     def num_logprobs(self) -> int | None:

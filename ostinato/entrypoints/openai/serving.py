@@ -5,12 +5,15 @@ Non-streaming calls return the response dict; streaming calls return an async it
 before anything is sent to the engine, so a bad request leaves no trace there.
 """
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ostinato.engine.async_client import AsyncEngineClient, ChoiceDelta, EngineDeadError, RequestRejected
 from ostinato.engine.limits import validate_request
@@ -26,6 +29,7 @@ from ostinato.runner.sampler import TokenLogprobs
 from ostinato.sampling_params import SamplingParams
 
 Response = dict[str, Any] | AsyncIterator[str]
+T = TypeVar("T")
 
 
 @dataclass
@@ -73,12 +77,47 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def max_chars_per_token(tokenizer: Any) -> int:
+    """An upper bound on the characters one token stands for: its longest vocabulary entry (a byte-level BPE
+    entry has one character per byte, a SentencePiece one its own characters), at least 16. A text longer
+    than max_model_len times this needs more tokens than the context holds. (Only a normalizer that drops
+    characters, e.g. one collapsing runs of spaces, could make such a text fit; it is refused all the same.)"""
+    longest = 0
+    with contextlib.suppress(Exception):
+        longest = max(map(len, tokenizer.get_vocab()), default=0)
+    return max(16, longest)
+
+
 class OpenAIServing:
-    def __init__(self, client: AsyncEngineClient, served_model_names: list[str]) -> None:
+    """Requests -> engine calls. Everything slow that depends on a request's size (JSON parsing, chat
+    templating, tokenization) runs on one worker thread (`run_blocking`), never on the event loop, so /health
+    and other clients' streams go on meanwhile; one thread, because the fast tokenizers are not safe to
+    call from several threads at once, and the cheap character-count check bounds what one request costs."""
+
+    def __init__(self, client: AsyncEngineClient, served_model_names: list[str], max_n: int = 128,
+                 max_choices_in_engine: int | None = None) -> None:
         self.client = client
         self.tokenizer = client.tokenizer
         self.model_names = served_model_names
         self.limits = client.info.limits
+        self.max_n = max_n
+        self.max_choices_in_engine = max_choices_in_engine or max(1, client.info.max_running_requests // 4)
+        self.max_prompt_chars = self.limits.max_model_len * (
+            max_chars_per_token(self.tokenizer) if self.tokenizer is not None else 16)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ostinato-tokenize")
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before templating or tokenizing, a text too long to fit the context in any tokenization."""
+        if num_chars > self.max_prompt_chars:
+            raise OpenAIError(400, f"{param}: {num_chars} characters cannot fit in the context length "
+                                   f"max_model_len={self.limits.max_model_len} (at most {self.max_prompt_chars} "
+                                   "characters)", param=param, code="context_length_exceeded")
 
     # ------------------------------------------------------------------ checks shared by the endpoints
     def check_model(self, model: str | None) -> str:
@@ -95,6 +134,9 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
                         logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+        if req.n > self.max_n:
+            raise OpenAIError(400, f"n: at most {self.max_n} choices per request (--max-n), got {req.n}", param="n",
+                              code="invalid_value")
         if max_tokens is None:  # as much as the context leaves (the prompt check below reports a full one)
             max_tokens = max(1, self.limits.max_model_len - max(len(p) for p in prompts))
         try:
@@ -109,18 +151,22 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise OpenAIError(400, f"{param}: this model has no tokenizer; send token ids", param=param,
                               code="invalid_value")
+        self.check_chars(len(text), param)
         return self.tokenizer.encode(text)
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest) -> Response:
         model = self.check_model(req.model)
         req.check_supported()
-        prompts = self._completion_prompts(req.prompt)
+        for p in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
+            if isinstance(p, str):
+                self.check_chars(len(p), "prompt")
+        prompts = await self.run_blocking(self._completion_prompts, req.prompt)
         rename = {"prompt_token_ids": "prompt"}
         params = self.sampling_params(req, prompts, req.max_tokens, req.logprobs, rename)
         self.check_alive()
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = self.client.generate(rid, prompts, params)
+        gen = self.client.generate(rid, prompts, params, self.max_choices_in_engine)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         n_prompt = sum(len(p) for p in prompts)
         if req.stream:
@@ -193,7 +239,8 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest) -> Response:
         model = self.check_model(req.model)
         req.check_supported()
-        prompt = self._chat_prompt(req)
+        self.check_chars(req.num_chars(), "messages")
+        prompt = await self.run_blocking(self._chat_prompt, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
         if req.max_completion_tokens is not None:
@@ -201,7 +248,7 @@ class OpenAIServing:
         params = self.sampling_params(req, [prompt], max_tokens, req.num_logprobs, rename)
         self.check_alive()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = self.client.generate(rid, [prompt], params)
+        gen = self.client.generate(rid, [prompt], params, self.max_choices_in_engine)
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
             return self._sse(gen, self._stream_chat(gen, head, len(prompt), params.n, req.logprobs, req.include_usage))
@@ -263,13 +310,16 @@ class OpenAIServing:
         req.check_supported()
         if not req.prompts:
             raise OpenAIError(400, "prompts: must not be empty", param="prompts", code="invalid_value")
-        prompts = [self.encode_text(p, "prompts") for p in req.prompts]
+        for p in req.prompts:
+            self.check_chars(len(p), "prompts")
+        prompts = await self.run_blocking(lambda: [self.encode_text(p, "prompts") for p in req.prompts])
         if any(not p for p in prompts):
             raise OpenAIError(400, "prompts: a prompt is empty", param="prompts", code="invalid_value")
         params = self.sampling_params(req, prompts, req.max_tokens, None, {"prompt": "prompts"})
         if params.n != 1:
             raise OpenAIError(400, "n: must be 1 on /completions", param="n", code="invalid_value")
         self.check_alive()
+        # Tokn's bulk endpoint: all prompts go to the engine at once (n is 1; no fair-share window)
         choices = await self._collect(self.client.generate(f"batch-{uuid.uuid4().hex}", prompts, params), {})
         return {str(i): c.text for i, c in sorted(choices.items())}
 

@@ -1,0 +1,31 @@
+"""Checks of chat messages shared by the offline `LLM.chat` and the server (no heavy imports)."""
+
+from typing import Any
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def check_role(role: object, where: str) -> None:
+    if role not in CHAT_ROLES:
+        raise ValueError(f"{where}.role: unknown role {role!r} (allowed: {', '.join(CHAT_ROLES)})")
+
+
+def check_conversation(messages: Any, where: str = "messages") -> None:
+    """Raise ValueError naming the message and field unless `messages` is a non-empty list of
+    {"role", "content"} dicts with a known role and string content."""
+    if not isinstance(messages, list | tuple):
+        raise ValueError(f"{where}: expected a list of {{'role': ..., 'content': ...}} dicts, "
+                         f"got {type(messages).__name__}")
+    if not messages:
+        raise ValueError(f"{where}: must not be empty")
+    for i, m in enumerate(messages):
+        at = f"{where}[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{at}: expected a {{'role': ..., 'content': ...}} dict, got {type(m).__name__}")
+        if "role" not in m:
+            raise ValueError(f"{at}.role: missing")
+        check_role(m["role"], at)
+        if "content" not in m:
+            raise ValueError(f"{at}.content: missing")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"{at}.content: expected a string, got {type(m['content']).__name__}")
