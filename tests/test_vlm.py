@@ -1,0 +1,88 @@
+"""Qwen2.5-VL / Qwen3-VL: tiny random-weight checkpoints, token for token against transformers."""
+
+import pytest
+import torch
+
+from tests.vlm_models import image, make_qwen2_5_vl, make_qwen3_vl
+
+pytest.importorskip("PIL")
+
+MAKERS = {"qwen2.5-vl": make_qwen2_5_vl, "qwen3-vl": make_qwen3_vl}
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+# (prompt, images): 1-3 images of different sizes and aspect ratios
+CASES = [
+    (f"<|im_start|>user\n{PH} describe the image<|im_end|>\n<|im_start|>assistant\n", [(200, 120)]),
+    (f"<|im_start|>user\ncompare {PH} and {PH} please<|im_end|>\n<|im_start|>assistant\n", [(60, 150), (90, 90)]),
+    (f"<|im_start|>user\n{PH} {PH} {PH} what is in this<|im_end|>\n<|im_start|>assistant\n",
+     [(120, 40), (64, 64), (150, 100)]),
+]
+
+
+@pytest.fixture(scope="session", params=list(MAKERS))
+def vlm_dir(request, tmp_path_factory) -> str:
+    return MAKERS[request.param](str(tmp_path_factory.mktemp(request.param)))
+
+
+@pytest.fixture(scope="session")
+def hf_model(vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+
+
+def _images(sizes, seed):
+    return [image(w, h, seed * 10 + i) for i, (w, h) in enumerate(sizes)]
+
+
+def test_vision_embeddings_match_transformers(vlm_dir, hf_model):
+    from ostinato.loader.safetensors_weights import iter_safetensors_weights
+    from ostinato.models.registry import model_class
+    from ostinato.multimodal.processor import ImageInputProcessor
+
+    cfg = hf_model.config
+    model = model_class(cfg)(cfg, 1024)
+    model.load_weights(iter_safetensors_weights(vlm_dir))
+    imgs = _images([(200, 120), (60, 150), (90, 90)], 7)
+    out = ImageInputProcessor(vlm_dir, cfg).image_processor(images=imgs, return_tensors="pt")
+    grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
+    with torch.no_grad():
+        ref = hf_model.model.get_image_features(out["pixel_values"], out["image_grid_thw"], return_dict=True)
+        mine, deepstack = model.encode_images(out["pixel_values"], grids)
+    diff = (torch.cat(ref.pooler_output) - mine).abs().max().item()
+    print(f"max |vision embeds - transformers| = {diff:.3g}")
+    assert diff < 1e-5
+    if deepstack is not None:
+        for ref_ds, ds in zip(ref.deepstack_features, deepstack, strict=True):
+            ref_ds = torch.cat(ref_ds) if isinstance(ref_ds, list | tuple) else ref_ds
+            assert (ref_ds - ds).abs().max().item() < 1e-5
+
+
+def _hf_generate(hf_model, llm, prompt, imgs, max_new):
+    """transformers' greedy generate on the ids Ostinato built (its processor) and the same pixels."""
+    ids, mm = llm.mm_processor.process(llm.tokenizer.encode(prompt), imgs)
+    input_ids = torch.tensor([ids])
+    grid = torch.tensor(mm.image_grid_thw)
+    with torch.no_grad():
+        out = hf_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                pixel_values=mm.pixel_values, image_grid_thw=grid,
+                                mm_token_type_ids=(input_ids == hf_model.config.image_token_id).int(),
+                                max_new_tokens=max_new, do_sample=False)
+    return out[0, len(ids):].tolist(), ids
+
+
+def test_greedy_equals_transformers_with_chunked_prefill(vlm_dir, hf_model):
+    from ostinato import LLM, SamplingParams
+
+    # chunks of 16 tokens cut through the image tokens; three requests with 1-3 images go in together
+    llm = LLM(vlm_dir, dtype="float32", device="cpu", chunked_prefill_size=16, max_total_tokens=2048, page_size=4)
+    max_new = 6
+    prompts = [{"prompt": p, "multi_modal_data": {"image": _images(sizes, i)}} for i, (p, sizes) in enumerate(CASES)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0), use_tqdm=False)
+    for (p, sizes), out, i in zip(CASES, outs, range(len(CASES)), strict=True):
+        ref, ids = _hf_generate(hf_model, llm, p, _images(sizes, i), max_new)
+        assert out.prompt_token_ids == ids
+        assert sum(t == hf_model.config.image_token_id for t in ids) > 16  # the chunks do split the images
+        assert list(out.outputs[0].token_ids) == ref, f"case {i}"
+    stats = llm.engine.runner.encoder_stats
+    assert stats.images == 6 and stats.calls <= 3  # each image encoded once, across chunks
+    assert stats.cached_tokens == 0  # the cache entries are dropped once the prefills are done
