@@ -86,3 +86,80 @@ def test_greedy_equals_transformers_with_chunked_prefill(vlm_dir, hf_model):
     stats = llm.engine.runner.encoder_stats
     assert stats.images == 6 and stats.calls <= 3  # each image encoded once, across chunks
     assert stats.cached_tokens == 0  # the cache entries are dropped once the prefills are done
+
+
+@pytest.fixture(scope="module")
+def q25_llm(tmp_path_factory):
+    from ostinato import LLM
+
+    path = make_qwen2_5_vl(str(tmp_path_factory.mktemp("q25-offline")))
+    return LLM(path, dtype="float32", device="cpu", chunked_prefill_size=32, max_total_tokens=512, page_size=4,
+               max_model_len=64, limit_mm_per_prompt=2, allowed_local_media_path=str(tmp_path_factory.getbasetemp()))
+
+
+def _png(img) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_chat_content_parts_equal_generate(q25_llm, tmp_path):
+    """LLM.chat with OpenAI image_url parts (a data: URL and a file:// URL) gives what generate gives for the same
+    prompt and images."""
+    import base64
+
+    from ostinato import SamplingParams
+
+    a, b = image(100, 60, 1), image(50, 120, 2)
+    (tmp_path / "b.png").write_bytes(_png(b))
+    url_a = "data:image/png;base64," + base64.b64encode(_png(a)).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url_a}},
+                                             {"type": "text", "text": " compare "},
+                                             {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/b.png"}}]}]
+    sp = SamplingParams(max_tokens=5, temperature=0.0)
+    chat = q25_llm.chat(messages, sp, use_tqdm=False)[0]
+    prompt = f"<|im_start|>user\n{PH} compare {PH}<|im_end|>\n<|im_start|>assistant\n"
+    gen = q25_llm.generate({"prompt": prompt, "multi_modal_data": {"image": [a, b]}}, sp, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == gen.prompt_token_ids
+    assert chat.outputs[0].token_ids == gen.outputs[0].token_ids and len(gen.outputs[0].token_ids) > 0
+
+
+@pytest.mark.parametrize("images, field", [
+    ([b"not an image"], "image[0]: the image could not be decoded"),
+    (["ftp://example.com/a.png"], "image[0]: URL scheme 'ftp' is not allowed"),
+    (["file:///etc/passwd"], "outside the allowed local media path"),
+    (["data:image/png;base64,@@@"], "not valid base64"),
+    ([image(30, 30, 0)] * 3, "3 images, over the limit of 2"),
+    ([image(1400, 1400, 0)] * 2, "max_model_len=64"),  # too many image tokens for the context
+])
+def test_bad_image_input_raises_and_leaks_nothing(q25_llm, images, field):
+    from ostinato import SamplingParams
+
+    prompt = f"<|im_start|>user\n{PH * len(images)} hello<|im_end|>\n"
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        q25_llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, SamplingParams(max_tokens=2),
+                         use_tqdm=False)
+    engine = q25_llm.engine
+    assert not engine.has_unfinished() and not engine.requests
+    engine.runner.kv_manager.check_all_free()
+
+
+def test_pixel_cap_and_text_only_model(tmp_path):
+    import json
+
+    from ostinato import LLM, SamplingParams
+    from ostinato.multimodal.processor import MediaLimits, load_image
+
+    with pytest.raises(ValueError, match="over the limit of 100 pixels"):
+        load_image(image(20, 20, 0), MediaLimits(max_image_pixels=100))
+    cfg = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=64, hidden_size=32,
+               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+               max_position_embeddings=128)
+    (tmp_path / "text.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path / "text.json"), load_format="dummy", device="cpu", dtype="float32", max_total_tokens=256)
+    with pytest.raises(ValueError, match="multi_modal_data: .* takes no images"):
+        llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": image(30, 30, 0)}},
+                     SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
