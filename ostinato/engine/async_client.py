@@ -221,7 +221,7 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompts: list[list[int]],
-                       params: SamplingParams) -> AsyncIterator[ChoiceDelta]:
+                       params: SamplingParams, mm_wire: dict | None = None) -> AsyncIterator[ChoiceDelta]:
         """Deltas of every choice (prompt p, sample j -> index p * n + j) until all have finished.
 
         Leaving early (the client went away, an error) aborts the unfinished choices in the engine.
@@ -240,7 +240,7 @@ class AsyncEngineClient:
                     self._children[rid] = _Child(queue, index, RequestTiming(now, len(ids)))
                     self._processor.add(rid, ids, sp)
                     remaining[index] = rid
-                    self._send((ipc.ADD, rid, ids, ipc.params_to_dict(sp)))
+                    self._send((ipc.ADD, rid, ids, ipc.params_to_dict(sp), *([mm_wire] if mm_wire else [])))
             while remaining:
                 # what piled up while the consumer was busy goes out as one delta per choice, so a slow
                 # stream sends fewer, larger chunks instead of falling further behind

@@ -19,3 +19,18 @@ class MultiModalInputs:
     @property
     def num_image_tokens(self) -> int:
         return int(self.image_rows.numel())
+
+
+def mm_to_wire(mm: MultiModalInputs) -> dict:
+    """Plain data (bytes, lists) for the front end -> engine-core message."""
+    px = mm.pixel_values.float().contiguous()
+    return {"pixels": px.numpy().tobytes(), "shape": list(px.shape), "grids": [list(g) for g in mm.image_grid_thw],
+            "rows": mm.image_rows.tolist(), "positions": mm.mrope_positions.numpy().tobytes(),
+            "delta": mm.rope_delta}
+
+
+def mm_from_wire(d: dict) -> MultiModalInputs:
+    pixels = torch.frombuffer(bytearray(d["pixels"]), dtype=torch.float32).view(*d["shape"])
+    positions = torch.frombuffer(bytearray(d["positions"]), dtype=torch.int64).view(3, -1)
+    return MultiModalInputs(pixels, [tuple(g) for g in d["grids"]], torch.tensor(d["rows"], dtype=torch.int64),
+                            positions, int(d["delta"]))
