@@ -163,3 +163,20 @@ def test_pixel_cap_and_text_only_model(tmp_path):
         llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": image(30, 30, 0)}},
                      SamplingParams(max_tokens=1), use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_greedy_equals_transformers_with_decode_graphs(vlm_dir, hf_model):
+    """On the GPU (Triton attention, decode CUDA graphs, fp32): same tokens as transformers on the CPU."""
+    from ostinato import LLM, SamplingParams
+
+    llm = LLM(vlm_dir, dtype="float32", device="cuda", chunked_prefill_size=16, max_total_tokens=4096,
+              page_size=4, max_model_len=1024)
+    assert llm.engine.runner.graph_runner is not None
+    max_new = 8
+    prompts = [{"prompt": p, "multi_modal_data": {"image": _images(sizes, i)}} for i, (p, sizes) in enumerate(CASES)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0), use_tqdm=False)
+    for (p, sizes), out, i in zip(CASES, outs, range(len(CASES)), strict=True):
+        ref, ids = _hf_generate(hf_model, llm, p, _images(sizes, i), max_new)
+        assert out.prompt_token_ids == ids
+        assert list(out.outputs[0].token_ids) == ref, f"case {i}"
