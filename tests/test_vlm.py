@@ -192,9 +192,12 @@ def test_retraction_recomputes_image_requests_exactly(vlm_dir):
     prompts = [{"prompt": p, "multi_modal_data": {"image": _images(sizes, i)}} for i, (p, sizes) in enumerate(CASES)]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
-    for kv in (2048, 160):
-        llm = LLM(vlm_dir, dtype="float32", device="cpu", chunked_prefill_size=16, max_total_tokens=kv, page_size=4,
-                  max_model_len=150)
+    for kv, chunk in ((2048, 256), (160, 16)):
+        llm = LLM(vlm_dir, dtype="float32", device="cpu", chunked_prefill_size=chunk, max_total_tokens=kv,
+                  page_size=4, max_model_len=150)
         outs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        if kv == 2048:  # the three prompts in one extend: their six images in one encoder batch
+            stats = llm.engine.runner.encoder_stats
+            assert (stats.calls, stats.images, stats.cached_tokens) == (1, 6, 0)
     assert llm.engine.scheduler.num_retractions > 0
     assert outs[160] == outs[2048]

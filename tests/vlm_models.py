@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from ostinato.multimodal.processor import qwen2_vl_image_processor_class
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
             "<|video_pad|>"]
 WORDS = ("user assistant system describe the image picture what is in this and that compare two three left right "
@@ -43,7 +45,6 @@ def _ids(vocab: dict) -> dict:
 
 def make_qwen2_5_vl(path: str, vocab_size: int = 128) -> str:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok, vocab = _tokenizer()
     config = Qwen2_5_VLConfig(
@@ -57,13 +58,13 @@ def make_qwen2_5_vl(path: str, vocab_size: int = 128) -> str:
                            fullatt_block_indexes=[1], in_channels=3),
         tie_word_embeddings=False, eos_token_id=vocab["<|im_end|>"], bos_token_id=0, **_ids(vocab))
     _save(path, config, Qwen2_5_VLForConditionalGeneration, tok,
-          Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 40, patch_size=14, merge_size=2))
+          qwen2_vl_image_processor_class()(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 40, patch_size=14,
+                                             merge_size=2))
     return path
 
 
 def make_qwen3_vl(path: str, vocab_size: int = 128) -> str:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok, vocab = _tokenizer()
     config = Qwen3VLConfig(
@@ -77,7 +78,8 @@ def make_qwen3_vl(path: str, vocab_size: int = 128) -> str:
                            deepstack_visual_indexes=[0, 1], in_channels=3),
         tie_word_embeddings=False, eos_token_id=vocab["<|im_end|>"], bos_token_id=0, **_ids(vocab))
     _save(path, config, Qwen3VLForConditionalGeneration, tok,
-          Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 40, patch_size=16, merge_size=2))
+          qwen2_vl_image_processor_class()(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 40, patch_size=16,
+                                             merge_size=2))
     return path
 
 

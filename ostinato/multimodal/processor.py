@@ -97,6 +97,19 @@ def _fetch(url: str, limits: MediaLimits, field: str) -> bytes:
                      f"{', file' if limits.allowed_local_media_path else ''})")
 
 
+def qwen2_vl_image_processor_class() -> type:
+    """transformers' Qwen2-VL image processor that needs no torchvision (its Pillow backend where the installed
+    transformers splits backends, the class itself before that)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor
+
+
 class ImageInputProcessor:
     """Turns (prompt token ids with one placeholder per image, images) into expanded token ids and the
     request's MultiModalInputs, through the model's own transformers image processor."""
@@ -107,11 +120,10 @@ class ImageInputProcessor:
         if os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
             self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         else:  # dummy weights from a preset: the model's processor class at its defaults, sized to the tower
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
             v = config.vision_config
-            self.image_processor = Qwen2VLImageProcessorPil(patch_size=v.patch_size, merge_size=v.spatial_merge_size,
-                                                            temporal_patch_size=v.temporal_patch_size)
+            self.image_processor = qwen2_vl_image_processor_class()(
+                patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
+                min_pixels=3136, max_pixels=12845056)  # the released Qwen2.5-VL processor's bounds
         self.config = config
         self.limits = limits or MediaLimits()
         self.image_token_id = config.image_token_id
@@ -124,6 +136,9 @@ class ImageInputProcessor:
         slots = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
         if len(slots) != len(images):
             raise ValueError(f"prompt: {len(slots)} image placeholders for {len(images)} images")
+        if slots and slots[-1] == len(prompt_token_ids) - 1:
+            # the last prompt token may be computed by a decode step, which has no image inputs
+            raise ValueError("prompt: must not end with an image placeholder (close it with <|vision_end|>)")
         decoded = [load_image(img, self.limits, f"image[{i}]") for i, img in enumerate(images)]
         out = self.image_processor(images=decoded, return_tensors="pt")
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
