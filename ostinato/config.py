@@ -40,6 +40,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
     trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
+    limit_mm_per_prompt: int = _arg(4, "vision models: most images in one prompt")
+    allowed_local_media_path: str | None = _arg(None, "vision models: file:// image URLs are read only under this dir")
 
     def __post_init__(self) -> None:
         checks = [
@@ -61,6 +63,7 @@ class EngineArgs:
             ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2"),
              "one of auto, fp8_e4m3, fp8_e5m2"),
             ("attention_backend", self.attention_backend in ("auto", "triton", "torch"), "one of auto, triton, torch"),
+            ("limit_mm_per_prompt", self.limit_mm_per_prompt >= 0, ">= 0"),
         ]
         for name, ok, limit in checks:
             if not ok:

@@ -2,6 +2,7 @@
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class ForwardBatch:
     # from ModelRunner.prepare: int64 [bs], the NextTokenBuffer row each request's sampled token is stored to
     # (its request slot, or the sink when this pass samples nothing for it)
     sample_slots: torch.Tensor | None = None
+    mm: Any = None  # EXTEND of a vision model with image requests: models.qwen_vl.MMForward
 
     @property
     def num_tokens(self) -> int:

@@ -221,7 +221,7 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                       max_in_engine: int | None = None) -> AsyncIterator[ChoiceDelta]:
+                       max_in_engine: int | None = None, mm_wire: dict | None = None) -> AsyncIterator[ChoiceDelta]:
         """Deltas of every choice (prompt p, sample j -> index p * n + j) until all have finished.
 
         Fair share: at most `max_in_engine` choices of this call are in the engine at once (None: no limit);
@@ -246,7 +246,7 @@ class AsyncEngineClient:
             self._children[rid] = _Child(queue, index, RequestTiming(time.monotonic(), len(ids)))
             self._processor.add(rid, ids, sp)
             in_engine[index] = rid
-            self._send((ipc.ADD, rid, ids, ipc.params_to_dict(sp)))
+            self._send((ipc.ADD, rid, ids, ipc.params_to_dict(sp), *([mm_wire] if mm_wire else [])))
 
         try:
             while unsent and len(in_engine) < window:

@@ -18,6 +18,7 @@ import zmq
 from ostinato.config import EngineArgs
 from ostinato.engine import ipc
 from ostinato.engine.engine_core import EngineCore
+from ostinato.multimodal.inputs import mm_from_wire
 
 logger = logging.getLogger("ostinato.engine")
 
@@ -124,9 +125,10 @@ class EngineLoop:
                 return True
             kind = msg[0]
             if kind == ipc.ADD:
-                _, rid, prompt_ids, params = msg
+                _, rid, prompt_ids, params, *mm = msg  # mm: the images of a vision request (multimodal.inputs)
                 try:
-                    self.core.add_request(rid, prompt_ids, ipc.params_from_dict(params))
+                    self.core.add_request(rid, prompt_ids, ipc.params_from_dict(params),
+                                          mm=mm_from_wire(mm[0]) if mm else None)
                 except (ValueError, TypeError) as e:
                     self.out.send(ipc.pack((ipc.REJECTED, rid, str(e))), zmq.NOBLOCK)
             elif kind == ipc.ABORT:

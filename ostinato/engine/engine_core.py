@@ -82,12 +82,15 @@ class EngineCore:
         """Raise ValueError naming the field and the limit; changes nothing."""
         validate_request(prompt_token_ids, params, self.limits)
 
-    def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams, mm=None) -> None:
+        """`mm`: the request's MultiModalInputs (images), for a vision model."""
         if rid in self.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
         self.validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids)
+        if mm is not None and not self.runner.is_multimodal:
+            raise ValueError(f"multi_modal_data: {type(self.runner.model).__name__} takes no images")
+        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids, mm=mm)
         self.requests[rid] = req
         self.scheduler.add(req)
 

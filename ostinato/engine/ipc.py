@@ -1,6 +1,7 @@
 """Messages between the HTTP front end and the engine-core process: msgpack over ZMQ, plain data only.
 
-front end -> engine: ("add", rid, prompt_token_ids, sampling_params_dict) | ("abort", [rid, ...]) | ("shutdown",)
+front end -> engine: ("add", rid, prompt_token_ids, sampling_params_dict[, mm_inputs_dict]) | ("abort", [rid, ...])
+    | ("shutdown",)
 engine -> front end: {"type": "ready", ...limits and pool sizes} | {"type": "startup_error", "message"} once;
 then ("outputs", [output_row, ...], stats_dict) per step | ("rejected", rid, message) | ("dead", message)
 """

@@ -2,6 +2,7 @@
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ostinato.sampling_params import SamplingParams
 
@@ -31,6 +32,12 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_retractions: int = 0
     num_pending: int = 0  # trailing PENDING_TOKENs in output_token_ids (launched steps not yet resolved)
+    mm: Any = None  # multimodal.inputs.MultiModalInputs of a request with images
+
+    @property
+    def rope_delta(self) -> int:
+        """M-RoPE: a token past the prompt sits at position index + rope_delta (0 without images)."""
+        return 0 if self.mm is None else self.mm.rope_delta
 
     @property
     def seq_len(self) -> int:

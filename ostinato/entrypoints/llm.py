@@ -11,6 +11,7 @@ from ostinato.engine.engine_core import EngineCore
 from ostinato.engine.output_processor import OutputProcessor
 from ostinato.entrypoints.chat_utils import check_conversation
 from ostinato.loader import load_model_source
+from ostinato.multimodal.processor import chat_images, make_image_input_processor
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
 
@@ -25,6 +26,8 @@ class LLM:
         self.source = load_model_source(self.args.model, self.args.load_format, self.args.trust_remote_code)
         self.tokenizer = None if self.args.skip_tokenizer_init else self.source.tokenizer
         self.engine = EngineCore(self.args, self.source)
+        self.mm_processor = make_image_input_processor(self.source, self.args.limit_mm_per_prompt,
+                                                       self.args.allowed_local_media_path)
         self._counter = 0
 
     def get_tokenizer(self):
@@ -51,7 +54,7 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         # Validate everything before queuing anything, so a bad prompt leaves the engine unchanged.
         encoded = [self._encode(p) for p in prompts]
-        for (_, ids), sp in zip(encoded, params, strict=True):
+        for (_, ids, _), sp in zip(encoded, params, strict=True):
             self.engine.validate(ids, sp)
         return self._run(encoded, params, use_tqdm)
 
@@ -73,33 +76,48 @@ class LLM:
             check_conversation(conv, "messages" if len(conversations) == 1 else f"messages[{i}]")
         prompts = []
         for conv in conversations:
+            conv, images = chat_images(conv)
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       **(chat_template_kwargs or {}))
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompts.append({"prompt": text, "prompt_token_ids": ids, **({"multi_modal_data": {"image": images}}
+                                                                         if images else {})})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ------------------------------------------------------------------
-    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
+        """(text, token ids, MultiModalInputs or None); a prompt's images are expanded to their tokens here."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            data = prompt["multi_modal_data"]
+            if self.mm_processor is None:
+                raise ValueError(f"multi_modal_data: {self.source.hf_config.architectures} takes no images")
+            if not isinstance(data, dict) or set(data) - {"image"}:
+                raise ValueError("multi_modal_data: only {'image': image or [images]} is supported")
+            images = data["image"] if isinstance(data["image"], list | tuple) else [data["image"]]
+            text, ids, _ = self._encode({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+            ids, mm = self.mm_processor.process(ids, list(images))
+            return text, ids, mm
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            return self._encode(prompt["prompt"])
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
             if not prompt:
                 raise ValueError("prompt: must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt), None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple):
                 raise ValueError("prompt_token_ids: must be a list of ints")
-            return prompt.get("prompt"), list(ids)
+            return prompt.get("prompt"), list(ids), None
         raise ValueError(f"prompt: expected a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+    def _run(self, encoded: list[tuple[str | None, list[int], Any]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer)
         results: dict[str, RequestOutput] = {}
         child_index: dict[str, tuple[str, int]] = {}
-        for (text, ids), sp in zip(encoded, params, strict=True):
+        for (text, ids, mm), sp in zip(encoded, params, strict=True):
             rid = str(self._counter)
             self._counter += 1
             results[rid] = RequestOutput(rid, text, ids, [None] * sp.n)
@@ -108,7 +126,8 @@ class LLM:
                 child_sp = sp if sp.n == 1 else _child_params(sp, j)
                 child_index[child] = (rid, j)
                 processor.add(child, ids, child_sp)
-                self.engine.add_request(child, ids, child_sp)
+                child_mm = mm if sp.n == 1 or mm is None else dataclasses.replace(mm)  # own encoder cache
+                self.engine.add_request(child, ids, child_sp, mm=child_mm)
         bar = tqdm(total=len(child_index), desc="Generating", disable=not use_tqdm, leave=False)
         try:
             while self.engine.has_unfinished():

@@ -23,6 +23,7 @@ from ostinato.mem.req_to_token_pool import ReqToTokenPool
 from ostinato.mem.token_allocator import TokenToKVPoolAllocator
 from ostinato.models.llama import head_dim_of
 from ostinato.models.registry import model_class
+from ostinato.runner.mm_batch import EncoderStats, build_mm_forward
 from ostinato.runner.next_tokens import NextTokenBuffer
 from ostinato.runner.sampler import SampledTensors, SamplingTensors, sample_tensors
 
@@ -50,7 +51,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, args: EngineArgs, source: ModelSource) -> None:
         self.args = args
-        self.config = config = source.hf_config
+        self.config = config = source.hf_config.get_text_config()  # a VLM's decoder config
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.vocab_size = config.vocab_size
@@ -64,12 +65,12 @@ class ModelRunner:
         want_len = args.max_model_len or model_max
 
         t0 = time.perf_counter()
-        cls = model_class(config)
+        cls = model_class(source.hf_config)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = cls(config, max_positions=want_len)
+                self.model = cls(source.hf_config, max_positions=want_len)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.to(self.device)  # tables built on the CPU (rotary cos/sin) follow the parameters
@@ -91,9 +92,11 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         self._argmax: torch.Tensor | None = None  # argmax of the last forward's logits, when a graph computed it
         self.extend_graph_runner: ExtendGraphRunner | None = None
+        self.encoder_stats = EncoderStats()
+        self.is_multimodal = getattr(self.model, "is_multimodal", False)
         if cuda and not args.disable_cuda_graph:
             self.graph_runner = DecodeGraphRunner(self)
-            if self.extend_graph_max_tokens:
+            if self.extend_graph_max_tokens and not self.is_multimodal:  # image extends run eager
                 self.extend_graph_runner = ExtendGraphRunner(self, self.extend_graph_max_tokens)
 
     @property
@@ -203,7 +206,8 @@ class ModelRunner:
         if sched.mode is ForwardMode.DECODE:
             # the input is each request's last token: PENDING_TOKEN while the step sampling it is in flight
             ids = [r.token_at(s) for r, s in zip(reqs, sched.prefix_lens, strict=True)]
-            ints = self._to_device([ids, sched.prefix_lens, req_rows, seq_lens, list(range(len(reqs)))])
+            pos = [s + r.rope_delta for r, s in zip(reqs, sched.prefix_lens, strict=True)]  # M-RoPE: text-like
+            ints = self._to_device([ids, pos, req_rows, seq_lens, list(range(len(reqs)))])
             return ForwardBatch(ForwardMode.DECODE, len(reqs), ints[0], ints[1], ints[2], ints[3], out_cache_loc,
                                 ints[4], seq_lens, decode_ints=ints[:4], sample_slots=ints[2])
         # an extend reads prompt (or recomputed) tokens only: the engine resolves pending ones before scheduling
@@ -223,6 +227,8 @@ class ModelRunner:
             logits_indices=per_req[2], seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(sched.prefix_lens), extend_seq_lens_cpu=list(sched.extend_lens),
             sample_slots=per_req[3],
+            mm=build_mm_forward(self.model, reqs, sched.prefix_lens, sched.extend_lens, dev, self.encoder_stats)
+            if self.is_multimodal else None,
         )
 
     @torch.inference_mode()
@@ -239,7 +245,7 @@ class ModelRunner:
             self.next_tokens.resolve_(batch.input_ids, batch.req_pool_indices)
         with forward_context(self.backend, batch, self.model.attention_specs):
             self.backend.init_forward_metadata(batch)
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.model(batch.input_ids, batch.positions, **({"mm": batch.mm} if batch.mm is not None else {}))
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()

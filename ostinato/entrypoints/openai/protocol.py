@@ -122,15 +122,29 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class ImageURL(OpenAIModel):
+    url: str
+    detail: str | None = None
+
+
+class ImageURLPart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the chat template
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImageURLPart) for p in self.content)
 
     def for_template(self) -> dict[str, Any]:
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            d["content"] = "".join(p.text for p in self.content)
+            d["content"] = "".join(p.text for p in self.content if isinstance(p, TextPart))
         elif self.content is None:
             d["content"] = ""
         return d

@@ -25,6 +25,8 @@ from ostinato.entrypoints.openai.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from ostinato.multimodal.inputs import mm_to_wire
+from ostinato.multimodal.processor import chat_images, make_image_input_processor
 from ostinato.runner.sampler import TokenLogprobs
 from ostinato.sampling_params import SamplingParams
 
@@ -100,6 +102,7 @@ class OpenAIServing:
         self.tokenizer = client.tokenizer
         self.model_names = served_model_names
         self.limits = client.info.limits
+        self._mm_processor = None  # vision models: made at the first request with images
         self.max_n = max_n
         self.max_choices_in_engine = max_choices_in_engine or max(1, client.info.max_running_requests // 4)
         self.max_prompt_chars = self.limits.max_model_len * (
@@ -240,7 +243,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         req.check_supported()
         self.check_chars(req.num_chars(), "messages")
-        prompt = await self.run_blocking(self._chat_prompt, req)
+        prompt, mm_wire = await self._chat_inputs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
         if req.max_completion_tokens is not None:
@@ -248,7 +251,7 @@ class OpenAIServing:
         params = self.sampling_params(req, [prompt], max_tokens, req.num_logprobs, rename)
         self.check_alive()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = self.client.generate(rid, [prompt], params, self.max_choices_in_engine)
+        gen = self.client.generate(rid, [prompt], params, self.max_choices_in_engine, mm_wire)
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
             return self._sse(gen, self._stream_chat(gen, head, len(prompt), params.n, req.logprobs, req.include_usage))
@@ -260,13 +263,41 @@ class OpenAIServing:
             for i, c in sorted(choices.items())
         ], "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices.values()))}
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], dict | None]:
+        """Prompt ids, and for messages with image_url parts the images as the engine takes them (fetched,
+        decoded and processed in a worker thread: a URL may take up to its timeout)."""
+        if not any(m.has_images for m in req.messages):
+            return await self.run_blocking(self._chat_prompt, req), None
+        processor = self._image_processor()
+        messages, images = chat_images([m.model_dump(exclude_none=True) for m in req.messages])
+        ids = await self.run_blocking(self._chat_prompt, req, messages)
+        try:
+            ids, mm = await asyncio.to_thread(processor.process, ids, images)
+        except ValueError as e:
+            raise OpenAIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
+        return ids, mm_to_wire(mm)
+
+    def _image_processor(self):
+        if self._mm_processor is None:
+            from ostinato.loader import load_model_source
+
+            args = self.client.args
+            source = load_model_source(args.model, args.load_format, args.trust_remote_code)
+            self._mm_processor = make_image_input_processor(source, args.limit_mm_per_prompt,
+                                                            args.allowed_local_media_path) or False
+        if self._mm_processor is False:
+            raise OpenAIError(400, "messages: image_url parts sent to a model that takes no images",
+                              param="messages", code="invalid_value")
+        return self._mm_processor
+
+    def _chat_prompt(self, req: ChatCompletionRequest, messages: list[dict] | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise OpenAIError(400, "messages: this model has no chat template; use /v1/completions",
                               param="messages", code="invalid_value")
         try:
-            text = tok.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
+            messages = messages if messages is not None else [m.for_template() for m in req.messages]
+            text = tok.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
                                            **(req.chat_template_kwargs or {}))
         except Exception as e:
