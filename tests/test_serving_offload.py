@@ -34,7 +34,7 @@ class SlowTokenizer:
 
 
 def fake_client() -> types.SimpleNamespace:
-    async def generate(rid, prompts, params, max_in_engine=None):
+    async def generate(rid, prompts, params, max_in_engine=None, mm_wire=None):
         for i in range(len(prompts) * params.n):
             yield ChoiceDelta(i, "ok", [7], [], "length")
 
