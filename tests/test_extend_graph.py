@@ -9,6 +9,8 @@ if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton kernels (or their CPU interpreter) need triton")
 import torch  # noqa: E402
 from test_decode_graph import TINY as DECODE_TINY  # noqa: E402
 from test_decode_graph import generate_eager_then_graphed, release  # noqa: E402
