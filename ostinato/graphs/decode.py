@@ -9,17 +9,14 @@ reuse the memory of larger ones in the process-wide pool.
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
 from ostinato.graphs.graph import Graph, capture_graphs
-from ostinato.runner.sampler import chunked_argmax, padded_vocab
-
-if TYPE_CHECKING:
-    from ostinato.runner.model_runner import ModelRunner
+from ostinato.graphs.protocol import GraphHost
+from ostinato.layers.sampling_ops import chunked_argmax, padded_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +46,7 @@ def capture_batch_sizes(cuda_graph_bs: list[int] | None, cuda_graph_max_bs: int,
 
 
 class DecodeGraphRunner:
-    def __init__(self, runner: "ModelRunner") -> None:
+    def __init__(self, runner: GraphHost) -> None:
         self.runner = runner
         args = runner.args
         self.device = runner.device
