@@ -126,10 +126,10 @@ def test_stand_in_replays_from_static_buffers(tiny_llm):
     release(runner, reqs)
 
 
-def generate_eager_then_graphed(llm, attach, max_tokens):
-    """Greedy tokens of six random prompts, eagerly, then with the graph runner `attach(runner)` returns
+def generate_eager_then_graphed(llm, attach, max_tokens, lens=(5, 33, 18, 60, 2, 41)):
+    """Greedy tokens of random prompts of `lens` tokens, eagerly, then with the graph runner `attach(runner)` returns
     (after setting it on the runner); also the batches that runner replayed. Leaves no KV behind."""
-    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,)).tolist()} for n in (5, 33, 18, 60, 2, 41)]
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,)).tolist()} for n in lens]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     graphs = attach(llm.engine.runner)

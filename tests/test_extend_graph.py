@@ -9,6 +9,8 @@ if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton kernels (or their CPU interpreter) need triton")
 import torch  # noqa: E402
 from test_decode_graph import TINY as DECODE_TINY  # noqa: E402
 from test_decode_graph import generate_eager_then_graphed, release  # noqa: E402
@@ -107,9 +109,10 @@ def test_replay_reads_static_buffers(tiny_llm):
 
 def test_generate_through_extend_graphs_equals_eager(tiny_llm):
     def attach(runner):
-        runner.extend_graph_runner = ExtendGraphRunner(runner, max_tokens=256)
+        runner.extend_graph_runner = ExtendGraphRunner(runner, max_tokens=64)
         return runner.extend_graph_runner
 
-    eager, graphed, replayed = generate_eager_then_graphed(tiny_llm, attach, max_tokens=6)
+    # short prompts: in Triton's interpreter every captured size and replay costs time in proportion to it
+    eager, graphed, replayed = generate_eager_then_graphed(tiny_llm, attach, max_tokens=6, lens=(5, 11, 3, 17, 2, 9))
     assert graphed == eager
-    assert [b.num_tokens for b in replayed] == [159]  # the one extend (all six prompts) went through the graph
+    assert [b.num_tokens for b in replayed] == [47]  # the one extend (all six prompts) went through the graph

@@ -14,6 +14,8 @@ if shutil.which("nvidia-smi") is None:  # must be set before the kernels are dec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton kernels (or their CPU interpreter) need triton")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 

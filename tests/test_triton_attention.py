@@ -14,6 +14,8 @@ if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton kernels (or their CPU interpreter) need triton")
 import torch  # noqa: E402
 
 from ostinato.attention.base import AttentionSpec  # noqa: E402

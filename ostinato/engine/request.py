@@ -4,11 +4,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from ostinato.runner.next_tokens import PENDING_TOKEN
 from ostinato.sampling_params import SamplingParams
-
-# An output token whose step is still on the GPU (overlap scheduling): it holds the token's place, so lengths,
-# positions and sampling step counters are right before the value reaches the host.
-PENDING_TOKEN = -1
 
 
 class RequestStatus(enum.Enum):

@@ -8,23 +8,13 @@ from prompt + output so far; no request is lost.
 """
 
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.engine.request import Request, RequestStatus
 from ostinato.mem.kv_manager import KVManager
-
-
-@dataclass
-class ScheduledBatch:
-    mode: ForwardMode
-    reqs: list[Request]
-    prefix_lens: list[int]  # KV already cached per request
-    extend_lens: list[int]  # tokens computed this pass per request
-    out_cache_loc: torch.Tensor  # slots for the new tokens, in batch order
-    sample_mask: list[bool]  # whether the pass reaches the request's last token (so it samples the next)
+from ostinato.runner.scheduled_batch import ScheduledBatch
 
 
 class Scheduler:

@@ -9,17 +9,16 @@ reuse the memory of larger ones in the process-wide pool.
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
+import time
 
 import torch
 
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
+from ostinato.graphs.compile import recompile_limit_for
 from ostinato.graphs.graph import Graph, capture_graphs
-from ostinato.runner.sampler import chunked_argmax, padded_vocab
-
-if TYPE_CHECKING:
-    from ostinato.runner.model_runner import ModelRunner
+from ostinato.graphs.protocol import GraphHost
+from ostinato.layers.sampling_ops import chunked_argmax, padded_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ def capture_batch_sizes(cuda_graph_bs: list[int] | None, cuda_graph_max_bs: int,
 
 
 class DecodeGraphRunner:
-    def __init__(self, runner: "ModelRunner") -> None:
+    def __init__(self, runner: GraphHost) -> None:
         self.runner = runner
         args = runner.args
         self.device = runner.device
@@ -80,6 +79,7 @@ class DecodeGraphRunner:
 
         self.graphs: dict[int, Graph] = {}
         self.capture_seconds = 0.0
+        self.compile_seconds = 0.0
         self.graph_memory_bytes = 0
         self.capture()
 
@@ -110,15 +110,26 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        compiled = [bs for bs in self.batch_sizes if bs <= self.compile_max_bs]
+
         def make_step(bs: int):
             self._fill_padding(0, bs)
             self.runner.backend.init_forward_metadata_capture(bs, self.req_pool_indices[:bs], self.seq_lens[:bs])
-            return self._step_fn(bs)
+            step = self._step_fn(bs)
+            if bs in compiled:  # compile now, outside the capture stream, and time it
+                start = time.perf_counter()
+                step()
+                self.compile_seconds += time.perf_counter() - start
+            return step
 
-        self.graphs, self.capture_seconds, self.graph_memory_bytes = capture_graphs(
-            self.device, list(reversed(self.batch_sizes)), make_step, "Capturing decode graphs",
-            keep_gc=self.runner.args.enable_cudagraph_gc)
-        logger.info("captured decode graphs for batch sizes %s in %.1f s, graph memory %.2f GiB",
+        with recompile_limit_for(len(compiled)):
+            self.graphs, self.capture_seconds, self.graph_memory_bytes = capture_graphs(
+                self.device, list(reversed(self.batch_sizes)), make_step, "Capturing decode graphs",
+                keep_gc=self.runner.args.enable_cudagraph_gc)
+        if compiled:
+            logger.info("torch.compile of the decode step for %d batch sizes (%s) took %.1f s", len(compiled),
+                        compiled, self.compile_seconds)
+        logger.info("captured decode graphs for batch sizes %s in %.1f s (compile included), graph memory %.2f GiB",
                     self.batch_sizes, self.capture_seconds, self.graph_memory_bytes / 2**30)
 
     # ------------------------------------------------------------------ replay

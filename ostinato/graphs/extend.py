@@ -14,7 +14,6 @@ whose unused entries exit at once, so no launch depends on the batch's shape.
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,9 +21,7 @@ from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
 from ostinato.graphs.decode import PAD_SLOT, SEQ_LEN_FILL_VALUE
 from ostinato.graphs.graph import Graph, capture_graphs
-
-if TYPE_CHECKING:
-    from ostinato.runner.model_runner import ModelRunner
+from ostinato.graphs.protocol import GraphHost
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +36,7 @@ def extend_token_sizes(max_tokens: int) -> list[int]:
 
 
 class ExtendGraphRunner:
-    def __init__(self, runner: "ModelRunner", max_tokens: int) -> None:
+    def __init__(self, runner: GraphHost, max_tokens: int) -> None:
         self.runner = runner
         self.device = runner.device
         self.token_sizes = extend_token_sizes(max_tokens)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ostinato.engine.request import Request
 from ostinato.models.qwen_vl import MMForward
 
 
@@ -20,9 +19,9 @@ class EncoderStats:
 
 
 @torch.inference_mode()
-def build_mm_forward(model, reqs: list[Request], prefix_lens: list[int], extend_lens: list[int],
+def build_mm_forward(model, reqs: list, prefix_lens: list[int], extend_lens: list[int],
                      device: torch.device, stats: EncoderStats) -> MMForward | None:
-    """None when no request of the batch has images."""
+    """None when no request of the batch has images. `reqs`: the engine's Requests (their `mm` inputs)."""
     if all(r.mm is None for r in reqs):
         return None
     # 1. encode, in one batch, the images of requests whose chunk reaches image tokens and that hold no cache entry
@@ -73,7 +72,7 @@ def build_mm_forward(model, reqs: list[Request], prefix_lens: list[int], extend_
     )
 
 
-def _image_span(r: Request, start: int, end: int) -> tuple[int, int]:
+def _image_span(r, start: int, end: int) -> tuple[int, int]:
     """Indices [lo, hi) into the request's image rows that fall in prompt positions [start, end)."""
     rows = r.mm.image_rows
     return int(torch.searchsorted(rows, start)), int(torch.searchsorted(rows, end))

@@ -12,8 +12,6 @@ from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
-from ostinato.engine.request import PENDING_TOKEN
-from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.loader import ModelSource, dummy_init_
@@ -24,8 +22,9 @@ from ostinato.mem.token_allocator import TokenToKVPoolAllocator
 from ostinato.models.llama import head_dim_of
 from ostinato.models.registry import model_class
 from ostinato.runner.mm_batch import EncoderStats, build_mm_forward
-from ostinato.runner.next_tokens import NextTokenBuffer
+from ostinato.runner.next_tokens import PENDING_TOKEN, NextTokenBuffer
 from ostinato.runner.sampler import SampledTensors, SamplingTensors, sample_tensors
+from ostinato.runner.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,9 @@ always comes after the store of the step that sampled the token.
 
 import torch
 
-from ostinato.engine.request import PENDING_TOKEN
+# An output token whose step is still on the GPU (overlap scheduling): it holds the token's place, so lengths,
+# positions and sampling step counters are right before the value reaches the host.
+PENDING_TOKEN = -1
 
 
 class NextTokenBuffer:

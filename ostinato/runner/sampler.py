@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ostinato.layers.sampling_ops import ARGMAX_CHUNK, chunked_argmax, padded_vocab  # noqa: F401 (re-exported)
 from ostinato.sampling_params import GREEDY_EPS, SamplingParams
 
-ARGMAX_CHUNK = 1024
 _M32 = 0xFFFFFFFF
 _MUL = 0x045D9F3B  # odd and < 2**31: (x < 2**32) * _MUL < 2**63, so int64 never overflows
 _MIN_SEED, _SPAN_SEED = -(2**63), 2**64
@@ -31,22 +31,6 @@ def _mix32(x: Tensor) -> Tensor:
     x = ((x >> 16) ^ x) * _MUL & _M32
     x = ((x >> 16) ^ x) * _MUL & _M32
     return (x >> 16) ^ x
-
-
-def padded_vocab(vocab_size: int) -> int:
-    """The vocabulary rounded up to whole ARGMAX_CHUNKs (the width of a logits buffer for chunked_argmax)."""
-    return -(-vocab_size // ARGMAX_CHUNK) * ARGMAX_CHUNK
-
-
-def chunked_argmax(x: Tensor) -> Tensor:
-    """argmax over the last dim of a contiguous x [B, padded_vocab(V)] whose padding columns are -inf:
-    the first index of the maximum, as torch.argmax gives. Three short kernels (max within chunks, argmax
-    over chunk maxima, gather) instead of one reduction per row, which for a single 128k-entry row runs
-    in one thread block (~28 us on an H100, against ~1 us of memory traffic)."""
-    b, width = x.shape
-    vals, idx = x.view(b, width // ARGMAX_CHUNK, ARGMAX_CHUNK).max(dim=-1)
-    chunk = vals.argmax(dim=-1, keepdim=True)
-    return (chunk * ARGMAX_CHUNK + idx.gather(1, chunk))[:, 0]
 
 
 def hash_uniform(seeds: Tensor, steps: Tensor, token_ids: Tensor) -> Tensor:

@@ -1,0 +1,26 @@
+"""What a graph runner needs from the model runner. The model runner (runner/, a layer up) builds the graph
+runners and satisfies this structurally, so graphs/ never imports runner/."""
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from ostinato.attention.base import AttentionBackend
+from ostinato.config import EngineArgs
+
+
+class TokenResolver(Protocol):
+    def resolve_(self, input_ids: torch.Tensor, req_slots: torch.Tensor) -> None:
+        """Replace in-flight (pending) input ids in place by their request slot's last sampled token."""
+
+
+class GraphHost(Protocol):
+    args: EngineArgs
+    device: torch.device
+    model: Any  # a models/ CausalLM: forward(ids, positions), compute_logits(hidden, out=), attention_specs
+    compiled_forward: Callable[..., torch.Tensor]  # model.forward, or its torch.compile
+    backend: AttentionBackend
+    next_tokens: TokenResolver
+    vocab_size: int
+    max_running_requests: int
