@@ -30,6 +30,8 @@ class ForwardBatch:
     # from ModelRunner.prepare: int64 [bs], the NextTokenBuffer row each request's sampled token is stored to
     # (its request slot, or the sink when this pass samples nothing for it)
     sample_slots: torch.Tensor | None = None
+    # hybrid models: int64 [bs], the MambaPool slot of each request (the sink slot for padded graph rows)
+    mamba_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
