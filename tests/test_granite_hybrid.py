@@ -14,6 +14,15 @@ from ostinato.mem.mamba_pool import HybridReqToTokenPool, MambaPool
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 160
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: intra-op threads only add overhead (and stall badly on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 NEW_TOKENS = 20
 
 
