@@ -90,7 +90,7 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     return weight * h.view(*y.shape).to(dtype)
 
 
-def _heads(t: torch.Tensor, groups: int, heads: int, state_size: int) -> torch.Tensor:
+def _heads(t: torch.Tensor, heads: int, groups: int, state_size: int) -> torch.Tensor:
     """B or C [T, G*N] -> [T, H, N], each group shared by H/G consecutive heads."""
     return t.view(t.shape[0], groups, state_size).repeat_interleave(heads // groups, dim=1)
 
@@ -118,12 +118,13 @@ def mamba_mixer_torch(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state:
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
         x = x.reshape(x.shape[0], num_heads, head_dim)
         y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), A,
-                                _heads(Bm, groups, num_heads, state_size), _heads(Cm, groups, num_heads, state_size),
+                                _heads(Bm, num_heads, groups, state_size), _heads(Cm, num_heads, groups, state_size),
                                 ssm_state[slots])
         ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
         y = y + D.float()[:, None] * x.float()
     else:
         ys, start = [], 0
+        heads = (num_heads, groups, state_size)
         for i, n in enumerate(extend_lens):
             s = slots[i : i + 1]  # a 1-element index tensor: no device->host read of the slot
             conv_out, new_conv = causal_conv_extend(xbc[start : start + n], conv_state[s][0], conv_weight, conv_bias)
@@ -131,8 +132,7 @@ def mamba_mixer_torch(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state:
             x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
             x = x.reshape(n, num_heads, head_dim)
             y, new_state = ssd_scan(x, discretize_dt(dt[start : start + n], dt_bias, dt_min, dt_max), A,
-                                    _heads(Bm, groups, num_heads, state_size), _heads(Cm, groups, num_heads, state_size),
-                                    ssm_state[s][0], chunk)
+                                    _heads(Bm, *heads), _heads(Cm, *heads), ssm_state[s][0], chunk)
             ssm_state.index_copy_(0, s, new_state[None].to(ssm_state.dtype))
             ys.append(y + D.float()[:, None] * x.float())
             start += n

@@ -23,7 +23,6 @@ from ostinato.layers.mamba2 import mamba_mixer
 from ostinato.layers.norm import RMSNorm
 from ostinato.mem.mamba_pool import MambaPool
 
-
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")  # the legacy and the current transformers name
 
 
@@ -149,7 +148,7 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         self.layers = nn.ModuleList(GraniteHybridLayer(config, a, i) for a, i in zip(is_attn, ids, strict=True))
         self.num_kv_layers = n_attn  # the KV pool holds these only
         self.num_mamba_layers = n_mamba
-        self.attention_specs = {l.self_attn.layer_id: l.self_attn.attn_spec for l in self.layers if l.self_attn}
+        self.attention_specs = {ly.self_attn.layer_id: ly.self_attn.attn_spec for ly in self.layers if ly.self_attn}
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.logits_scaling = float(config.logits_scaling)
