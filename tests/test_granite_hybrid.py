@@ -212,3 +212,35 @@ def test_poisoned_reused_mamba_slot_gives_the_same_tokens(tiny_llm):
     pool.ssm.normal_(0, 100)
     again = tiny_llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
     assert again == fresh
+
+
+def test_decode_graphs_read_mamba_slots_from_static_buffers(tiny_dir):
+    """Through the CPU graph stand-in (replay re-runs the captured step over the static buffers): tokens equal
+    eager ones, batches pad to captured sizes with padded rows on the sink slot, whose garbage changes nothing."""
+    from ostinato import LLM, SamplingParams
+    from ostinato.graphs.decode import DecodeGraphRunner
+
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_total_tokens=2048, page_size=4, max_running_requests=8,
+              cuda_graph_bs=[1, 2, 4, 8], skip_tokenizer_init=True)
+    ps = [{"prompt_token_ids": p} for p in prompts(6, seed=4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    runner = llm.engine.runner
+    graphs = runner.graph_runner = DecodeGraphRunner(runner)
+    pool = runner.mamba_pool
+    replayed = []
+    replay = graphs.replay
+
+    def poisoned_replay(batch):
+        replayed.append(batch.batch_size)
+        # the sink slot, which only padded rows touch, holds (finite) garbage. Not NaN: padded rows' K/V go to
+        # the KV sink slot, which the torch backend reads (masked, weight 0) for real rows, and 0 * NaN is NaN
+        pool.conv[:, 0].normal_(0, 10)
+        pool.ssm[:, 0].normal_(0, 10)
+        return replay(batch)
+
+    graphs.replay = poisoned_replay
+    graphed = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    assert graphed == eager
+    assert replayed and max(replayed) == 6 and graphs.padded_size(6) == 8
+    llm.engine.check_memory_leak()
