@@ -9,9 +9,12 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
   (capturable; padded rows of a graph point at the sink slot).
 Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
 
-Everything here is the plain-torch path (CPU, and the reference for the Triton kernels); the SSM math is in
-float32 whatever the model dtype, as transformers' `torch_forward` does it.
+The conv and the gated norm run in torch on both devices; the SSM recurrence runs in torch on the CPU (the
+chunked scan here is the reference) and in the Triton kernel of `triton_ops/ssm_scan.py` on CUDA. The SSM
+math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -102,41 +105,60 @@ def _batch():
     return current_batch()
 
 
-def mamba_mixer_torch(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                      conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor,
-                      A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, num_heads: int, head_dim: int,
-                      groups: int, state_size: int, chunk: int, eps: float, dt_min: float, dt_max: float,
-                      slots: torch.Tensor, extend_lens: list[int] | None) -> torch.Tensor:
-    """The mixer over a batch: `extend_lens` per request for an extend, None for a decode (one token each)."""
+def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                        conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor,
+                        A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, num_heads: int, head_dim: int,
+                        groups: int, state_size: int, chunk: int, eps: float, dt_min: float, dt_max: float,
+                        slots: torch.Tensor, extend_lens: list[int] | None, use_triton: bool = False) -> torch.Tensor:
+    """The mixer over a batch: `extend_lens` per request for an extend, None for a decode (one token each).
+    `use_triton`: the SSM recurrence runs in the Triton kernel (`triton_ops/ssm_scan.py`), the rest in torch."""
     inter = num_heads * head_dim
     z, xbc, dt = zxbcdt.split([inter, conv_state.shape[1], num_heads], dim=-1)
     A = -torch.exp(A_log.float())
     gn = groups * state_size
+    heads = (num_heads, groups, state_size)
     if extend_lens is None:
         conv_out, new_conv = causal_conv_step(xbc, conv_state[slots], conv_weight, conv_bias)
         conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
-        x = x.reshape(x.shape[0], num_heads, head_dim)
-        y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), A,
-                                _heads(Bm, num_heads, groups, state_size), _heads(Cm, num_heads, groups, state_size),
-                                ssm_state[slots])
-        ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
-        y = y + D.float()[:, None] * x.float()
+        if use_triton:
+            from ostinato.layers.triton_ops.ssm_scan import ssm_scan  # lazily: see triton_ops' docstring
+
+            y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
+                         groups)
+        else:
+            x = x.reshape(x.shape[0], num_heads, head_dim)
+            y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), A, _heads(Bm, *heads),
+                                    _heads(Cm, *heads), ssm_state[slots])
+            ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
+            y = y + D.float()[:, None] * x.float()
     else:
-        ys, start = [], 0
-        heads = (num_heads, groups, state_size)
+        ys, convs, start = [], [], 0
         for i, n in enumerate(extend_lens):
             s = slots[i : i + 1]  # a 1-element index tensor: no device->host read of the slot
             conv_out, new_conv = causal_conv_extend(xbc[start : start + n], conv_state[s][0], conv_weight, conv_bias)
             conv_state.index_copy_(0, s, new_conv[None].to(conv_state.dtype))
+            start += n
+            if use_triton:
+                convs.append(conv_out)
+                continue
             x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
             x = x.reshape(n, num_heads, head_dim)
-            y, new_state = ssd_scan(x, discretize_dt(dt[start : start + n], dt_bias, dt_min, dt_max), A,
+            y, new_state = ssd_scan(x, discretize_dt(dt[start - n : start], dt_bias, dt_min, dt_max), A,
                                     _heads(Bm, *heads), _heads(Cm, *heads), ssm_state[s][0], chunk)
             ssm_state.index_copy_(0, s, new_state[None].to(ssm_state.dtype))
             ys.append(y + D.float()[:, None] * x.float())
-            start += n
-        y = torch.cat(ys)
+        if use_triton:  # one launch for every request of the batch
+            from ostinato.layers.triton_ops.ssm_scan import ssm_scan
+
+            conv_out = torch.cat(convs)
+            x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
+            cu = torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int32)
+            cu = cu.pin_memory().to(zxbcdt.device, non_blocking=True) if zxbcdt.is_cuda else cu.to(zxbcdt.device)
+            y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
+                         groups, cu)
+        else:
+            y = torch.cat(ys)
     return gated_rms_norm(y.reshape(y.shape[0], inter), z, norm_weight, groups, eps, zxbcdt.dtype)
 
 
@@ -153,9 +175,9 @@ def mamba_mixer(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch
     if batch.mamba_slots is None:
         raise RuntimeError("ostinato::mamba_mixer needs ForwardBatch.mamba_slots (set by ModelRunner.forward)")
     extend_lens = None if batch.mode is ForwardMode.DECODE else batch.extend_seq_lens_cpu
-    return mamba_mixer_torch(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
-                             num_heads, head_dim, groups, state_size, chunk, eps, dt_min, dt_max,
-                             batch.mamba_slots, extend_lens)
+    return mamba_mixer_forward(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+                               num_heads, head_dim, groups, state_size, chunk, eps, dt_min, dt_max,
+                               batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda)
 
 
 @mamba_mixer.register_fake
