@@ -74,6 +74,27 @@ def test_causal_conv_split_anywhere_equals_one_pass():
         torch.testing.assert_close(torch.cat([a, *outs]), ref)
 
 
+def test_varlen_conv_equals_per_request_conv():
+    from ostinato.layers.mamba2 import causal_conv_varlen, extend_conv_indices
+
+    g = torch.Generator().manual_seed(1)
+    D, K, lens = 6, 4, [1, 7, 2, 3]
+    x, w, b = torch.randn(sum(lens), D, generator=g), torch.randn(D, K, generator=g), torch.randn(D, generator=g)
+    state = torch.randn(6, D, K - 1, generator=g)
+    slots = torch.tensor([5, 2, 0, 3])
+    ref_state = state.clone()
+    refs, start = [], 0
+    for s, n in zip(slots.tolist(), lens, strict=True):
+        out, ref_state[s] = causal_conv_extend(x[start : start + n], state[s], w, b)
+        refs.append(out)
+        start += n
+    taps, new_rows, cu = extend_conv_indices(lens, K)
+    assert cu.tolist() == [0, 1, 8, 10, 13]
+    out = causal_conv_varlen(x, state, slots, taps, new_rows, w, b)
+    torch.testing.assert_close(out, torch.cat(refs))
+    torch.testing.assert_close(state, ref_state)
+
+
 def test_mamba_pool_zero_fills_on_alloc_and_frees_with_the_request_row():
     pool = MambaPool(3, num_layers=2, conv_dim=5, conv_kernel=4, num_heads=2, head_dim=3, state_size=4,
                      conv_dtype=torch.float32, ssm_dtype=torch.float32, device="cpu")

@@ -14,8 +14,6 @@ chunked scan here is the reference) and in the Triton kernel of `triton_ops/ssm_
 math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +29,40 @@ def causal_conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torc
     full = torch.cat([conv_state.to(weight.dtype), xbc.t().to(weight.dtype)], dim=-1)  # [D, K-1+n]
     out = F.conv1d(full[None], weight[:, None, :], bias, groups=full.shape[0])[0]  # [D, n]
     return F.silu(out).t(), full[:, full.shape[1] - conv_state.shape[1]:]
+
+
+def extend_conv_indices(extend_lens: list[int], kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host int64 indices for `causal_conv_varlen` over requests of `extend_lens` tokens: rows of
+    cat([stored inputs of every request (R * (K-1) rows), the batch's new inputs (T rows)]).
+    Returns (taps [T, K]: the K inputs each token's conv reads, new_state [R, K-1]: each request's last K-1
+    inputs, cu_seqlens [R+1])."""
+    R, k1 = len(extend_lens), kernel - 1
+    lens = torch.tensor(extend_lens, dtype=torch.int64)
+    cu = torch.zeros(R + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    req = torch.repeat_interleave(torch.arange(R), lens)  # [T]: request of each token
+    pos = torch.arange(int(cu[-1])) - cu[req]  # [T]: position within its request
+
+    def rows(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # input at position p (< 0: stored) of request r
+        return torch.where(p >= 0, R * k1 + cu[r] + p, r * k1 + k1 + p)
+
+    taps = torch.arange(-k1, 1)
+    return rows(req[:, None], pos[:, None] + taps), rows(torch.arange(R)[:, None], lens[:, None] + taps[:-1]), cu
+
+
+def causal_conv_varlen(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, taps: torch.Tensor,
+                       new_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The causal conv of a whole extend batch at once: xbc [T, D] (requests back to back), the stored inputs
+    conv_state [slots, D, K-1] at `slots` [R]; indices from `extend_conv_indices` (on xbc's device). Returns
+    silu(conv) [T, D] and writes each request's last K-1 inputs back to its slot."""
+    R = slots.shape[0]
+    stored = conv_state[slots].to(weight.dtype).transpose(1, 2).reshape(R * (weight.shape[1] - 1), -1)
+    rows = torch.cat([stored, xbc.to(weight.dtype)])
+    out = (rows[taps] * weight.t()).sum(1)  # [T, K, D] windows times the taps
+    if bias is not None:
+        out = out + bias
+    conv_state.index_copy_(0, slots, rows[new_state].transpose(1, 2).to(conv_state.dtype))
+    return F.silu(out)
 
 
 def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -99,6 +131,24 @@ def _heads(t: torch.Tensor, heads: int, groups: int, state_size: int) -> torch.T
 
 
 # ---------------------------------------------------------------------------- the op
+_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _extend_indices(extend_lens: list[int], kernel: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them)."""
+    key = (tuple(extend_lens), kernel, device)
+    if key not in _index_cache:
+        _index_cache.clear()  # one batch at a time
+        taps, new_rows, cu = extend_conv_indices(extend_lens, kernel)
+        if device.type == "cuda":
+            host = [t.pin_memory() for t in (taps, new_rows, cu.to(torch.int32))]
+            _index_cache[key] = tuple(t.to(device, non_blocking=True) for t in host)
+        else:
+            _index_cache[key] = (taps, new_rows, cu.to(torch.int32))
+    return _index_cache[key]
+
+
 def _batch():
     from ostinato.attention.op import current_batch  # lazily: attention sits beside layers
 
@@ -133,31 +183,25 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
             ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
             y = y + D.float()[:, None] * x.float()
     else:
-        ys, convs, start = [], [], 0
-        for i, n in enumerate(extend_lens):
-            s = slots[i : i + 1]  # a 1-element index tensor: no device->host read of the slot
-            conv_out, new_conv = causal_conv_extend(xbc[start : start + n], conv_state[s][0], conv_weight, conv_bias)
-            conv_state.index_copy_(0, s, new_conv[None].to(conv_state.dtype))
-            start += n
-            if use_triton:
-                convs.append(conv_out)
-                continue
-            x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
-            x = x.reshape(n, num_heads, head_dim)
-            y, new_state = ssd_scan(x, discretize_dt(dt[start - n : start], dt_bias, dt_min, dt_max), A,
-                                    _heads(Bm, *heads), _heads(Cm, *heads), ssm_state[s][0], chunk)
-            ssm_state.index_copy_(0, s, new_state[None].to(ssm_state.dtype))
-            ys.append(y + D.float()[:, None] * x.float())
+        taps, new_rows, cu = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
+        conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
+        x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
         if use_triton:  # one launch for every request of the batch
-            from ostinato.layers.triton_ops.ssm_scan import ssm_scan
+            from ostinato.layers.triton_ops.ssm_scan import ssm_scan  # lazily: see triton_ops' docstring
 
-            conv_out = torch.cat(convs)
-            x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
-            cu = torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int32)
-            cu = cu.pin_memory().to(zxbcdt.device, non_blocking=True) if zxbcdt.is_cuda else cu.to(zxbcdt.device)
             y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
                          groups, cu)
-        else:
+        else:  # the reference: the chunked scan, request by request
+            ys, start = [], 0
+            for i, n in enumerate(extend_lens):
+                s = slots[i : i + 1]  # a 1-element index tensor: no device->host read of the slot
+                xi = x[start : start + n].reshape(n, num_heads, head_dim)
+                y, new_state = ssd_scan(xi, discretize_dt(dt[start : start + n], dt_bias, dt_min, dt_max), A,
+                                        _heads(Bm[start : start + n], *heads), _heads(Cm[start : start + n], *heads),
+                                        ssm_state[s][0], chunk)
+                ssm_state.index_copy_(0, s, new_state[None].to(ssm_state.dtype))
+                ys.append(y + D.float()[:, None] * xi.float())
+                start += n
             y = torch.cat(ys)
     return gated_rms_norm(y.reshape(y.shape[0], inter), z, norm_weight, groups, eps, zxbcdt.dtype)
 
