@@ -265,3 +265,22 @@ def test_decode_graphs_read_mamba_slots_from_static_buffers(tiny_dir):
     assert graphed == eager
     assert replayed and max(replayed) == 6 and graphs.padded_size(6) == 8
     llm.engine.check_memory_leak()
+
+
+def test_abort_mid_decode_frees_the_mamba_slot(tiny_llm):
+    from ostinato import SamplingParams
+
+    engine = tiny_llm.engine
+    pool = engine.runner.mamba_pool
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for i, p in enumerate(prompts(3, seed=5)):
+        engine.add_request(f"abort-{i}", p, sp)
+    for _ in range(4):
+        engine.step()
+    assert pool.available_size() == pool.size - 3, "each running request holds a Mamba slot"
+    engine.abort("abort-1")
+    assert pool.available_size() == pool.size - 2
+    while engine.has_unfinished():
+        engine.step()
+    assert pool.available_size() == pool.size
+    engine.check_memory_leak()
