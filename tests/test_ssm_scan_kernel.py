@@ -128,3 +128,24 @@ def test_mixer_with_kernel_equals_torch_mixer(extend_lens):
     torch.testing.assert_close(c1, c0)
     torch.testing.assert_close(s1, s0, atol=1e-4, rtol=1e-4)
     assert not torch.equal(s0[slots], ssm0[slots]) and torch.equal(s0[[0, 2]], ssm0[[0, 2]])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_step_kernel_matches_torch(bias):
+    from ostinato.layers.mamba2 import causal_conv_step
+    from ostinato.layers.triton_ops.conv_step import conv_step
+
+    g = torch.Generator().manual_seed(int(bias))
+    b, D, K = 3, 300, 4  # D past one block
+    xz = torch.randn(b, D + 7, generator=g).to(DEVICE)  # a row-strided view, as the split gives
+    x = xz[:, 2 : 2 + D]
+    w = torch.randn(D, K, generator=g).to(DEVICE)
+    bb = torch.randn(D, generator=g).to(DEVICE) if bias else None
+    state = torch.randn(5, D, K - 1, generator=g).to(DEVICE)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    ref_out, ref_new = causal_conv_step(x, state[slots], w, bb)
+    untouched = state[[1, 3]].clone()
+    out = conv_step(x, state, slots, w, bb)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[slots], ref_new)
+    assert torch.equal(state[[1, 3]], untouched)

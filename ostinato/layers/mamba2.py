@@ -9,8 +9,9 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
   (capturable; padded rows of a graph point at the sink slot).
 Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
 
-The conv and the gated norm run in torch on both devices; the SSM recurrence runs in torch on the CPU (the
-chunked scan here is the reference) and in the Triton kernel of `triton_ops/ssm_scan.py` on CUDA. The SSM
+On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA the SSM recurrence
+(prefill and decode) and the decode conv step run in Triton kernels (`triton_ops/ssm_scan.py`,
+`triton_ops/conv_step.py`); the extend conv and the gated norm stay torch. The SSM
 math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
 
@@ -161,27 +162,28 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                         groups: int, state_size: int, chunk: int, eps: float, dt_min: float, dt_max: float,
                         slots: torch.Tensor, extend_lens: list[int] | None, use_triton: bool = False) -> torch.Tensor:
     """The mixer over a batch: `extend_lens` per request for an extend, None for a decode (one token each).
-    `use_triton`: the SSM recurrence runs in the Triton kernel (`triton_ops/ssm_scan.py`), the rest in torch."""
+    `use_triton`: the SSM recurrence (`triton_ops/ssm_scan.py`) and the decode conv step (`triton_ops/conv_step.py`)
+    run in Triton kernels, the rest in torch."""
     inter = num_heads * head_dim
     z, xbc, dt = zxbcdt.split([inter, conv_state.shape[1], num_heads], dim=-1)
     A = -torch.exp(A_log.float())
     gn = groups * state_size
     heads = (num_heads, groups, state_size)
-    if extend_lens is None:
+    if extend_lens is None and use_triton:
+        from ostinato.layers.triton_ops.conv_step import conv_step  # lazily: see triton_ops' docstring
+        from ostinato.layers.triton_ops.ssm_scan import ssm_scan
+
+        x, Bm, Cm = conv_step(xbc, conv_state, slots, conv_weight, conv_bias).split([inter, gn, gn], dim=-1)
+        y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim, groups)
+    elif extend_lens is None:
         conv_out, new_conv = causal_conv_step(xbc, conv_state[slots], conv_weight, conv_bias)
         conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
-        if use_triton:
-            from ostinato.layers.triton_ops.ssm_scan import ssm_scan  # lazily: see triton_ops' docstring
-
-            y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
-                         groups)
-        else:
-            x = x.reshape(x.shape[0], num_heads, head_dim)
-            y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), A, _heads(Bm, *heads),
-                                    _heads(Cm, *heads), ssm_state[slots])
-            ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
-            y = y + D.float()[:, None] * x.float()
+        x = x.reshape(x.shape[0], num_heads, head_dim)
+        y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), A, _heads(Bm, *heads),
+                                _heads(Cm, *heads), ssm_state[slots])
+        ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
+        y = y + D.float()[:, None] * x.float()
     else:
         taps, new_rows, cu = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
         conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)

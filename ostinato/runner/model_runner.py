@@ -128,6 +128,7 @@ class ModelRunner:
             self.mamba_pool = make_mamba_pool(self.model, cfg, self.max_running_requests, self.dtype, self.device,
                                               args.mem_fraction_static)
             self.max_running_requests = self.mamba_pool.size
+        self.supports_prefix_cache = self.mamba_pool is None  # the radix cache must check this (hybrid: off)
         self.kv_layers = getattr(self.model, "num_kv_layers", cfg.num_hidden_layers)
         per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, self.kv_layers, kv_dtype)
         tokens = args.max_total_tokens or self._tokens_from_memory(per_token, head_dim, kv_dtype)
