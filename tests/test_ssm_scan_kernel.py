@@ -149,3 +149,48 @@ def test_conv_step_kernel_matches_torch(bias):
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state[slots], ref_new)
     assert torch.equal(state[[1, 3]], untouched)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_gated_rms_norm_kernel_matches_torch(groups):
+    from ostinato.layers.mamba2 import gated_rms_norm as gated_rms_norm_torch
+    from ostinato.layers.triton_ops.gated_rms_norm import gated_rms_norm
+
+    g = torch.Generator().manual_seed(groups)
+    T, inter = 5, 48 * groups  # a group of 48: not a power of two
+    y = torch.randn(T, inter, generator=g).to(DEVICE)
+    z = torch.randn(T, inter + 9, generator=g).to(DEVICE)[:, 3 : 3 + inter]
+    w = torch.randn(inter, generator=g).to(DEVICE)
+    ref = gated_rms_norm_torch(y, z, w, groups, 1e-5, torch.float32)
+    torch.testing.assert_close(gated_rms_norm(y, z, w, groups, 1e-5, torch.float32), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("extend_lens", [None, [700, 3, 260]])
+def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens):
+    """The whole mixer, Triton kernels against the torch path, bf16 activations, granite-4.0-h-1b shapes."""
+    from ostinato.layers.mamba2 import mamba_mixer_forward
+
+    H, P, G, N, K, dt = 48, 64, 1, 128, 4, torch.bfloat16
+    conv_dim = H * P + 2 * G * N
+    T = 32 if extend_lens is None else sum(extend_lens)
+    g = torch.Generator().manual_seed(T)
+    zxbcdt = torch.randn(T, H * P + conv_dim + H, generator=g).to(DEVICE, dt)
+    conv_w = (torch.randn(conv_dim, K, generator=g) * 0.5).to(DEVICE, dt)
+    conv_b = torch.randn(conv_dim, generator=g).to(DEVICE, dt)
+    dt_bias, A_log = torch.randn(H, generator=g).to(DEVICE, dt), torch.rand(H, generator=g).to(DEVICE, dt)
+    D, norm_w = torch.randn(H, generator=g).to(DEVICE, dt), (1 + 0.1 * torch.randn(H * P, generator=g)).to(DEVICE, dt)
+    conv0 = torch.randn(40, conv_dim, K - 1, generator=g).to(DEVICE, dt)
+    ssm0 = (0.1 * torch.randn(40, H, P, N, generator=g)).to(DEVICE)
+    n_req = T if extend_lens is None else len(extend_lens)
+    slots = torch.randperm(39, generator=torch.Generator().manual_seed(1))[:n_req].add(1).to(DEVICE)
+    outs = []
+    for use_triton in (False, True):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        y = mamba_mixer_forward(zxbcdt, conv, ssm, conv_w, conv_b, dt_bias, A_log, D, norm_w, H, P, G, N, 256, 1e-5,
+                                0.0, float("inf"), slots, extend_lens, use_triton=use_triton)
+        outs.append((y.float(), conv, ssm))
+    (y0, c0, s0), (y1, c1, s1) = outs
+    torch.testing.assert_close(y1, y0, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(c1, c0)
+    torch.testing.assert_close(s1, s0, atol=2e-2, rtol=2e-2)

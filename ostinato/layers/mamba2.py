@@ -10,8 +10,8 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
 Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
 
 On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA the SSM recurrence
-(prefill and decode) and the decode conv step run in Triton kernels (`triton_ops/ssm_scan.py`,
-`triton_ops/conv_step.py`); the extend conv and the gated norm stay torch. The SSM
+(prefill and decode), the decode conv step and the gated norm run in Triton kernels (`triton_ops/ssm_scan.py`,
+`conv_step.py`, `gated_rms_norm.py`); the extend conv (one gather) stays torch. The SSM
 math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
 
@@ -162,8 +162,7 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                         groups: int, state_size: int, chunk: int, eps: float, dt_min: float, dt_max: float,
                         slots: torch.Tensor, extend_lens: list[int] | None, use_triton: bool = False) -> torch.Tensor:
     """The mixer over a batch: `extend_lens` per request for an extend, None for a decode (one token each).
-    `use_triton`: the SSM recurrence (`triton_ops/ssm_scan.py`) and the decode conv step (`triton_ops/conv_step.py`)
-    run in Triton kernels, the rest in torch."""
+    `use_triton`: the SSM recurrence, the decode conv step and the gated norm run in Triton kernels."""
     inter = num_heads * head_dim
     z, xbc, dt = zxbcdt.split([inter, conv_state.shape[1], num_heads], dim=-1)
     A = -torch.exp(A_log.float())
@@ -205,6 +204,10 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                 ys.append(y + D.float()[:, None] * xi.float())
                 start += n
             y = torch.cat(ys)
+    if use_triton:
+        from ostinato.layers.triton_ops import gated_rms_norm as triton_norm
+
+        return triton_norm.gated_rms_norm(y, z, norm_weight, groups, eps, zxbcdt.dtype)
     return gated_rms_norm(y.reshape(y.shape[0], inter), z, norm_weight, groups, eps, zxbcdt.dtype)
 
 
