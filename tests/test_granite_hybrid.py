@@ -284,3 +284,18 @@ def test_abort_mid_decode_frees_the_mamba_slot(tiny_llm):
         engine.step()
     assert pool.available_size() == pool.size
     engine.check_memory_leak()
+
+
+@pytest.mark.parametrize("name,attn,params", [("granite-4.0-h-350m", [10, 13, 17, 27], 340e6),
+                                              ("granite-4.0-h-1b", [5, 15, 25, 35], 1.46e9)])
+def test_presets_build_with_the_transformers_config(name, attn, params):
+    from ostinato.loader.dummy import preset_path
+    from ostinato.models.granite_hybrid import GraniteMoeHybridForCausalLM
+
+    cfg = transformers.AutoConfig.from_pretrained(preset_path(name))
+    assert isinstance(cfg, transformers.GraniteMoeHybridConfig)
+    with torch.device("meta"):
+        model = GraniteMoeHybridForCausalLM(cfg, 4096)
+    assert [i for i, ly in enumerate(model.layers) if ly.self_attn is not None] == attn
+    assert model.num_kv_layers == 4 and model.num_mamba_layers == cfg.num_hidden_layers - 4
+    assert abs(sum(p.numel() for p in model.parameters()) - params) / params < 0.01
