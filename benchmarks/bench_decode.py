@@ -5,9 +5,11 @@ model (replay or eager), sample greedily and copy the tokens to the host. Modes 
 as the engine does by default (a step's tokens are waited for once the next step is launched);
 "graph-sync" waits for each step's tokens before the next (--disable-overlap-schedule). `forward_ms` is
 the GPU time of the model call alone (CUDA events). The floor is the bytes a step must read (all weights once + the
-batch's KV) over the measured device copy bandwidth.
+batch's KV) over the measured device copy bandwidth; for hybrid models (granite-4.0-h-*) plus each request's Mamba
+state, read and written once (only the attention layers have KV).
 
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
+python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128
 """
 
 import argparse
@@ -108,14 +110,20 @@ def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[di
             buf.normal_()
     cfg = runner.config
     kv_per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim_of(cfg),
-                                                    cfg.num_hidden_layers, runner.kv_cache.dtype)
+                                                    runner.kv_layers, runner.kv_cache.dtype)
+    state_per_req = 0  # hybrid models: each request's Mamba state is read and written once per step
+    if runner.mamba_pool is not None:
+        state_per_req = 2 * runner.mamba_pool.bytes() // (runner.mamba_pool.size + 1)
     gr = runner.graph_runner
     print(f"{name}: weights {runner.weight_bytes / 1e9:.2f} GB, capture {gr.capture_seconds:.1f} s "
           f"for {gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
     for bs, ctx in CASES:
         sched, reqs = decode_batch(runner, bs, ctx)
-        floor_ms = (runner.weight_bytes + bs * (ctx + 1) * kv_per_token) / bw * 1e3
+        floor_ms = (runner.weight_bytes + bs * (ctx + 1) * kv_per_token + bs * state_per_req) / bw * 1e3
+        if runner.mamba_pool is not None:  # states are zero-filled at alloc: time on random ones
+            runner.mamba_pool.conv.normal_(0, 0.1)
+            runner.mamba_pool.ssm.normal_(0, 0.1)
         for mode in ("eager", "graph", "graph-sync"):
             iters = args.eager_iters if mode == "eager" else args.iters
             step_ms, fwd_ms = time_steps(runner, sched, mode != "eager", iters, overlap=mode != "graph-sync")

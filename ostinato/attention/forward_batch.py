@@ -32,6 +32,8 @@ class ForwardBatch:
     # (its request slot, or the sink when this pass samples nothing for it)
     sample_slots: torch.Tensor | None = None
     mm: Any = None  # EXTEND of a vision model with image requests: models.qwen_vl.MMForward
+    # hybrid models: int64 [bs], the MambaPool slot of each request (the sink slot for padded graph rows)
+    mamba_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

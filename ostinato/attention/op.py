@@ -35,6 +35,13 @@ def forward_context(backend: AttentionBackend, batch: ForwardBatch, layers: dict
         _ctx.backend, _ctx.batch, _ctx.layers = None, None, {}
 
 
+def current_batch() -> ForwardBatch:
+    """The batch of the forward pass in progress (for other stateful ops, e.g. the Mamba mixer)."""
+    if _ctx.batch is None:
+        raise RuntimeError("no forward pass in progress: call inside forward_context()")
+    return _ctx.batch
+
+
 @torch.library.custom_op("ostinato::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     if _ctx.backend is None or _ctx.batch is None:

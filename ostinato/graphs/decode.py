@@ -69,6 +69,8 @@ class DecodeGraphRunner:
         self.pad_column = torch.tensor([0, 0, 0, SEQ_LEN_FILL_VALUE], dtype=torch.int64, device=dev)[:, None]
         self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        # hybrid models: each row's Mamba state slot; padded rows use the pool's sink slot
+        self.mamba_slots = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev) if runner.mamba_pool else None
         # Static outputs, written by every replay: float32 logits in a vocabulary padded to whole argmax
         # chunks (the padding columns stay -inf), and their argmax for greedy rows.
         self.vocab_size = runner.vocab_size
@@ -89,6 +91,7 @@ class DecodeGraphRunner:
             mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
             out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.logits_indices[:bs], seq_lens_cpu=[],
+            mamba_slots=None if self.mamba_slots is None else self.mamba_slots[:bs],
         )
 
     def _step_fn(self, bs: int):
@@ -145,6 +148,8 @@ class DecodeGraphRunner:
         if stop > start:
             self.ints[:, start:stop] = self.pad_column
             self.out_cache_loc[start:stop].fill_(PAD_SLOT)
+            if self.mamba_slots is not None:
+                self.mamba_slots[start:stop].fill_(PAD_SLOT)  # the MambaPool's sink slot is 0 too
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] for a decode batch, a view of the static output (valid until the next replay);
@@ -154,6 +159,8 @@ class DecodeGraphRunner:
         assert batch.decode_ints is not None, "decode batches come from ModelRunner.prepare"
         self.ints[:, :bs] = batch.decode_ints
         self.out_cache_loc[:bs] = batch.out_cache_loc
+        if self.mamba_slots is not None:
+            self.mamba_slots[:bs] = batch.mamba_slots
         self._fill_padding(bs, padded)
         self.runner.backend.init_forward_metadata_replay(padded, self.req_pool_indices[:padded],
                                                          self.seq_lens[:padded])

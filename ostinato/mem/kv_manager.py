@@ -73,5 +73,8 @@ class KVManager:
                 f"KV leak: {a.num_pages - 1 - a.available_pages()} pages and "
                 f"{r.size - r.available_size()} request slots held with no live request"
             )
+        check_states = getattr(r, "check_all_free", None)  # hybrid models: the Mamba slots too
+        if check_states is not None:
+            check_states()
         if len(torch.unique(a.free_pages)) != a.available_pages():
             raise RuntimeError("KV pool corrupt: a page is on the free list twice")

@@ -3,6 +3,7 @@
 from torch import nn
 from transformers import PretrainedConfig
 
+from ostinato.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from ostinato.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from ostinato.models.qwen_vl import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
@@ -12,6 +13,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
 }
 
 _BY_MODEL_TYPE = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}

@@ -17,10 +17,12 @@ from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.mem.kv_manager import KVManager
+from ostinato.mem.mamba_pool import SINK_SLOT, HybridReqToTokenPool
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
 from ostinato.mem.token_allocator import TokenToKVPoolAllocator
 from ostinato.models.llama import head_dim_of
 from ostinato.models.registry import model_class
+from ostinato.runner.hybrid import is_hybrid, make_mamba_pool
 from ostinato.runner.mm_batch import EncoderStats, build_mm_forward
 from ostinato.runner.next_tokens import PENDING_TOKEN, NextTokenBuffer
 from ostinato.runner.sampler import SampledTensors, SamplingTensors, sample_tensors
@@ -101,7 +103,7 @@ class ModelRunner:
     @property
     def extend_graph_max_tokens(self) -> int:
         """Largest captured extend, in tokens (0: none); never past one prefill chunk."""
-        if not self.backend.supports_extend_graphs:
+        if not self.backend.supports_extend_graphs or self.mamba_pool is not None:  # hybrid: eager extends
             return 0
         return min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
 
@@ -121,19 +123,31 @@ class ModelRunner:
         cfg, args = self.config, self.args
         head_dim = head_dim_of(cfg)
         kv_dtype = _KV_DTYPES.get(args.kv_cache_dtype, self.dtype)
-        per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers,
-                                                     kv_dtype)
+        # hybrid models: the Mamba states are allocated first (they are per request), and only the
+        # attention layers get KV. Prefix caching must stay off for them: a cached prefix has no state snapshot.
+        self.mamba_pool = None
+        if is_hybrid(self.model):
+            self.mamba_pool = make_mamba_pool(self.model, cfg, self.max_running_requests, self.dtype, self.device,
+                                              args.mem_fraction_static)
+            self.max_running_requests = self.mamba_pool.size
+        self.supports_prefix_cache = self.mamba_pool is None  # the radix cache must check this (hybrid: off)
+        self.kv_layers = getattr(self.model, "num_kv_layers", cfg.num_hidden_layers)
+        per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, self.kv_layers, kv_dtype)
         tokens = args.max_total_tokens or self._tokens_from_memory(per_token, head_dim, kv_dtype)
         page = args.page_size
         num_pages = -(-tokens // page) + 1  # +1: page 0 is the reserved sink
         self.allocator = TokenToKVPoolAllocator(num_pages * page, page, self.device)
         self.kv_cache = MHATokenToKVPool(num_pages * page, kv_dtype, cfg.num_key_value_heads, head_dim,
-                                         cfg.num_hidden_layers, self.device)
+                                         self.kv_layers, self.device)
         self.max_total_tokens = self.allocator.size
         self.max_model_len = min(want_len, self.max_total_tokens)
         if self.max_model_len < want_len:
             logger.warning("max_model_len capped at %d by the KV pool size", self.max_model_len)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.max_model_len + page, self.device)
+        if self.mamba_pool is not None:
+            self.req_to_token_pool = HybridReqToTokenPool(self.max_running_requests, self.max_model_len + page,
+                                                          self.device, self.mamba_pool)
+        else:
+            self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.max_model_len + page, self.device)
         self.kv_manager = KVManager(self.req_to_token_pool, self.allocator)
         logger.info("KV pool: %d tokens, %.2f GiB (%s)", self.max_total_tokens, self.kv_cache.bytes() / 2**30,
                     str(kv_dtype).removeprefix("torch."))
@@ -164,7 +178,7 @@ class ModelRunner:
         cfg, n = self.config, self.chunked_prefill_size
         req_pool = ReqToTokenPool(1, n + 1, self.device)
         allocator = TokenToKVPoolAllocator(n + 2, 1, self.device)
-        kv_cache = MHATokenToKVPool(n + 2, kv_dtype, cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers,
+        kv_cache = MHATokenToKVPool(n + 2, kv_dtype, cfg.num_key_value_heads, head_dim, self.kv_layers,
                                     self.device)
         kv = KVManager(req_pool, allocator)
         slot = req_pool.alloc()
@@ -174,7 +188,8 @@ class ModelRunner:
         batch = ForwardBatch(ForwardMode.EXTEND, 1, ids, torch.arange(n, device=self.device),
                              torch.tensor([slot], device=self.device), torch.tensor([n], dtype=torch.int32,
                                                                                      device=self.device),
-                             loc, torch.tensor([n - 1], device=self.device), [n], [0], [n])
+                             loc, torch.tensor([n - 1], device=self.device), [n], [0], [n],
+                             mamba_slots=torch.full((1,), SINK_SLOT, device=self.device))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -234,6 +249,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] (float32) at each request's last token."""
         self._argmax = None
+        if self.mamba_pool is not None and batch.mamba_slots is None:
+            batch.mamba_slots = self.req_to_token_pool.mamba_slots(batch.req_pool_indices)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)  # the graph resolves pending input ids itself
             self._argmax = self.graph_runner.argmax[: batch.batch_size]

@@ -1,0 +1,235 @@
+"""The Mamba2 mixer between in_proj and out_proj, as one custom op `ostinato::mamba_mixer`.
+
+The op takes the in_proj output zxbcdt [T, I + conv_dim + H] (gate z, conv input xBC, dt) and returns
+the gated RMSNorm of the SSM output [T, I]. It reads and updates the layer's conv and SSM state of each
+request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
+- EXTEND (a prefill chunk): the causal conv continues from the stored last `kernel - 1` inputs, and the
+  chunked SSD scan starts from the stored state, so a prompt cut into chunks gives what one pass gives;
+- DECODE: one conv-state shift and one state update per request, batched, no data-dependent shape
+  (capturable; padded rows of a graph point at the sink slot).
+Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
+
+On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA the SSM recurrence
+(prefill and decode), the decode conv step and the gated norm run in Triton kernels (`triton_ops/ssm_scan.py`,
+`conv_step.py`, `gated_rms_norm.py`); the extend conv (one gather) stays torch. The SSM
+math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
+"""
+
+import torch
+import torch.nn.functional as F
+
+MAMBA_OP_NAME = "ostinato::mamba_mixer"
+MAMBA_SPLIT_OPS = [MAMBA_OP_NAME]  # for the piecewise-graph splitter: ops whose state lives outside the graph
+
+
+# ---------------------------------------------------------------------------- torch reference pieces
+def causal_conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's tokens xbc [n, D] after its stored inputs conv_state [D, K-1]: silu(conv) [n, D] and the
+    new conv state [D, K-1] (the last K-1 inputs, old ones included when n < K-1)."""
+    full = torch.cat([conv_state.to(weight.dtype), xbc.t().to(weight.dtype)], dim=-1)  # [D, K-1+n]
+    out = F.conv1d(full[None], weight[:, None, :], bias, groups=full.shape[0])[0]  # [D, n]
+    return F.silu(out).t(), full[:, full.shape[1] - conv_state.shape[1]:]
+
+
+def extend_conv_indices(extend_lens: list[int], kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host int64 indices for `causal_conv_varlen` over requests of `extend_lens` tokens: rows of
+    cat([stored inputs of every request (R * (K-1) rows), the batch's new inputs (T rows)]).
+    Returns (taps [T, K]: the K inputs each token's conv reads, new_state [R, K-1]: each request's last K-1
+    inputs, cu_seqlens [R+1])."""
+    R, k1 = len(extend_lens), kernel - 1
+    lens = torch.tensor(extend_lens, dtype=torch.int64)
+    cu = torch.zeros(R + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    req = torch.repeat_interleave(torch.arange(R), lens)  # [T]: request of each token
+    pos = torch.arange(int(cu[-1])) - cu[req]  # [T]: position within its request
+
+    def rows(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # input at position p (< 0: stored) of request r
+        return torch.where(p >= 0, R * k1 + cu[r] + p, r * k1 + k1 + p)
+
+    taps = torch.arange(-k1, 1)
+    return rows(req[:, None], pos[:, None] + taps), rows(torch.arange(R)[:, None], lens[:, None] + taps[:-1]), cu
+
+
+def causal_conv_varlen(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, taps: torch.Tensor,
+                       new_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The causal conv of a whole extend batch at once: xbc [T, D] (requests back to back), the stored inputs
+    conv_state [slots, D, K-1] at `slots` [R]; indices from `extend_conv_indices` (on xbc's device). Returns
+    silu(conv) [T, D] and writes each request's last K-1 inputs back to its slot."""
+    R = slots.shape[0]
+    stored = conv_state[slots].to(weight.dtype).transpose(1, 2).reshape(R * (weight.shape[1] - 1), -1)
+    rows = torch.cat([stored, xbc.to(weight.dtype)])
+    out = (rows[taps] * weight.t()).sum(1)  # [T, K, D] windows times the taps
+    if bias is not None:
+        out = out + bias
+    conv_state.index_copy_(0, slots, rows[new_state].transpose(1, 2).to(conv_state.dtype))
+    return F.silu(out)
+
+
+def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: x [B, D], conv_state [B, D, K-1] -> (silu(conv) [B, D], new state [B, D, K-1])."""
+    window = torch.cat([conv_state.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [B, D, K]
+    out = (window * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    return F.silu(out), window[:, :, 1:]
+
+
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
+    return F.softplus(dt.float() + dt_bias.float()).clamp(dt_min, dt_max)
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD scan of one request, float32. x [n, H, P], dt [n, H] (discretized), A [H] (negative),
+    B/C [n, H, N] (per head), state [H, P, N] at the start. Returns y [n, H, P] (without the D skip) and the
+    state after the last token. Within a chunk the scan is a masked quadratic form; across chunks the state
+    is carried sequentially."""
+    n = x.shape[0]
+    pad = (-n) % chunk
+    x, dt, B, C = (F.pad(t.float(), (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x, dt, B, C))
+    c = x.shape[0] // chunk
+    x, dt, B, C = (t.reshape(c, chunk, *t.shape[1:]) for t in (x, dt, B, C))
+    a = torch.cumsum(dt * A.float(), dim=1)  # [c, L, H]: log-decay from the chunk start through each token
+    xdt = x * dt[..., None]  # [c, L, H, P]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    seg = (a[:, :, None, :] - a[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+    scores = torch.einsum("clhn,cshn->clsh", C, B) * torch.exp(seg)  # [c, l, s, H]
+    y = torch.einsum("clsh,cshp->clhp", scores, xdt)
+    to_end = torch.exp(a[:, -1:, :] - a)  # decay from each token to its chunk's end
+    chunk_states = torch.einsum("clhn,clhp->chpn", B * to_end[..., None], xdt)  # [c, H, P, N], from zero
+    state = state.float()
+    starts = []
+    for i in range(c):
+        starts.append(state)
+        state = torch.exp(a[i, -1])[:, None, None] * state + chunk_states[i]
+    y = y + torch.einsum("clhn,chpn->clhp", C, torch.stack(starts)) * torch.exp(a)[..., None]
+    return y.reshape(c * chunk, *y.shape[2:])[:n], state
+
+
+def ssm_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row, float32: x [b, H, P], dt [b, H], B/C [b, H, N], state [b, H, P, N] ->
+    (y [b, H, P] without the D skip, new state)."""
+    dA = torch.exp(dt * A.float())[:, :, None, None]
+    state = state.float() * dA + (dt[..., None] * x.float())[..., None] * B.float()[:, :, None, :]
+    return torch.einsum("bhpn,bhn->bhp", state, C.float()), state
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm(y * silu(z)) over each of `groups` groups of channels (transformers' RMSNormGated)."""
+    h = y.float() * F.silu(z.float())
+    h = h.view(*h.shape[:-1], groups, -1)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.view(*y.shape).to(dtype)
+
+
+def _heads(t: torch.Tensor, heads: int, groups: int, state_size: int) -> torch.Tensor:
+    """B or C [T, G*N] -> [T, H, N], each group shared by H/G consecutive heads."""
+    return t.view(t.shape[0], groups, state_size).repeat_interleave(heads // groups, dim=1)
+
+
+# ---------------------------------------------------------------------------- the op
+_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _extend_indices(extend_lens: list[int], kernel: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them)."""
+    key = (tuple(extend_lens), kernel, device)
+    if key not in _index_cache:
+        _index_cache.clear()  # one batch at a time
+        taps, new_rows, cu = extend_conv_indices(extend_lens, kernel)
+        if device.type == "cuda":
+            host = [t.pin_memory() for t in (taps, new_rows, cu.to(torch.int32))]
+            _index_cache[key] = tuple(t.to(device, non_blocking=True) for t in host)
+        else:
+            _index_cache[key] = (taps, new_rows, cu.to(torch.int32))
+    return _index_cache[key]
+
+
+def _batch():
+    from ostinato.attention.op import current_batch  # lazily: attention sits beside layers
+
+    return current_batch()
+
+
+def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                        conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor,
+                        A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, num_heads: int, head_dim: int,
+                        groups: int, state_size: int, chunk: int, eps: float, dt_min: float, dt_max: float,
+                        slots: torch.Tensor, extend_lens: list[int] | None, use_triton: bool = False) -> torch.Tensor:
+    """The mixer over a batch: `extend_lens` per request for an extend, None for a decode (one token each).
+    `use_triton`: the SSM recurrence, the decode conv step and the gated norm run in Triton kernels."""
+    inter = num_heads * head_dim
+    z, xbc, dt = zxbcdt.split([inter, conv_state.shape[1], num_heads], dim=-1)
+    A = -torch.exp(A_log.float())
+    gn = groups * state_size
+    heads = (num_heads, groups, state_size)
+    if extend_lens is None and use_triton:
+        from ostinato.layers.triton_ops.conv_step import conv_step  # lazily: see triton_ops' docstring
+        from ostinato.layers.triton_ops.ssm_scan import ssm_scan
+
+        x, Bm, Cm = conv_step(xbc, conv_state, slots, conv_weight, conv_bias).split([inter, gn, gn], dim=-1)
+        y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim, groups)
+    elif extend_lens is None:
+        conv_out, new_conv = causal_conv_step(xbc, conv_state[slots], conv_weight, conv_bias)
+        conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
+        x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
+        x = x.reshape(x.shape[0], num_heads, head_dim)
+        y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), A, _heads(Bm, *heads),
+                                _heads(Cm, *heads), ssm_state[slots])
+        ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
+        y = y + D.float()[:, None] * x.float()
+    else:
+        taps, new_rows, cu = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
+        conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
+        x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
+        if use_triton:  # one launch for every request of the batch
+            from ostinato.layers.triton_ops.ssm_scan import ssm_scan  # lazily: see triton_ops' docstring
+
+            y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
+                         groups, cu)
+        else:  # the reference: the chunked scan, request by request
+            ys, start = [], 0
+            for i, n in enumerate(extend_lens):
+                s = slots[i : i + 1]  # a 1-element index tensor: no device->host read of the slot
+                xi = x[start : start + n].reshape(n, num_heads, head_dim)
+                y, new_state = ssd_scan(xi, discretize_dt(dt[start : start + n], dt_bias, dt_min, dt_max), A,
+                                        _heads(Bm[start : start + n], *heads), _heads(Cm[start : start + n], *heads),
+                                        ssm_state[s][0], chunk)
+                ssm_state.index_copy_(0, s, new_state[None].to(ssm_state.dtype))
+                ys.append(y + D.float()[:, None] * xi.float())
+                start += n
+            y = torch.cat(ys)
+    if use_triton:
+        from ostinato.layers.triton_ops import gated_rms_norm as triton_norm
+
+        return triton_norm.gated_rms_norm(y, z, norm_weight, groups, eps, zxbcdt.dtype)
+    return gated_rms_norm(y.reshape(y.shape[0], inter), z, norm_weight, groups, eps, zxbcdt.dtype)
+
+
+@torch.library.custom_op(MAMBA_OP_NAME, mutates_args=("conv_state", "ssm_state"))
+def mamba_mixer(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_weight: torch.Tensor,
+                conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
+                norm_weight: torch.Tensor, num_heads: int, head_dim: int, groups: int, state_size: int, chunk: int,
+                eps: float, dt_min: float, dt_max: float) -> torch.Tensor:
+    """zxbcdt [T, I + conv_dim + H] -> [T, I]; conv_state [slots, conv_dim, K-1] and ssm_state
+    [slots, H, P, N] are this layer's views of the MambaPool, updated at the batch's Mamba slots."""
+    from ostinato.attention.forward_batch import ForwardMode
+
+    batch = _batch()
+    if batch.mamba_slots is None:
+        raise RuntimeError("ostinato::mamba_mixer needs ForwardBatch.mamba_slots (set by ModelRunner.forward)")
+    extend_lens = None if batch.mode is ForwardMode.DECODE else batch.extend_seq_lens_cpu
+    return mamba_mixer_forward(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+                               num_heads, head_dim, groups, state_size, chunk, eps, dt_min, dt_max,
+                               batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda)
+
+
+@mamba_mixer.register_fake
+def _(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, num_heads, head_dim,
+      groups, state_size, chunk, eps, dt_min, dt_max):
+    return zxbcdt.new_empty(zxbcdt.shape[0], num_heads * head_dim)

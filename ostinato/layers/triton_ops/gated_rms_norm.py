@@ -1,0 +1,34 @@
+"""RMSNorm(y * silu(z)) per group of channels in one Triton kernel (the Mamba2 mixer's output norm).
+The twin is `gated_rms_norm` in `layers/mamba2.py` (transformers' RMSNormGated numerics: float32 math,
+rounded to the model dtype before the weight)."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, stride_out, eps,
+                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * GROUP + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < GROUP
+    y = tl.load(y_ptr + t * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
+    h = y * (z / (1.0 + tl.exp(-z)))
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / GROUP + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    out = w * h.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_out + offs, out, mask=mask)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """y [T, I] (float32), z [T, I] (row-strided view fine) -> [T, I] in `dtype`."""
+    T, inter = y.shape
+    assert y.stride(-1) == 1 and z.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == dtype
+    out = torch.empty(T, inter, dtype=dtype, device=y.device)
+    group = inter // groups
+    _gated_rms_norm_kernel[(T, groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), float(eps),
+                                        GROUP=group, BLOCK=triton.next_power_of_2(group))
+    return out

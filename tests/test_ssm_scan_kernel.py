@@ -1,0 +1,196 @@
+"""The Triton SSM scan/step kernel against the torch twin (`ssd_scan` / `ssm_step`). Without a GPU it runs in
+Triton's interpreter at tiny shapes; with one, also at granite-4.0-h-1b's shapes in bf16 activations."""
+
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:  # must be set before the kernel is decorated
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ostinato.layers.mamba2 import _heads, discretize_dt, ssd_scan, ssm_step  # noqa: E402
+
+pytest.importorskip("triton")
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def make(T, H, P, G, N, slots, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    conv_out = torch.randn(T, H * P + 2 * G * N, generator=g).to(DEVICE, dtype)  # x, B, C as row-strided views
+    dt = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    A_log = torch.log(torch.rand(H, generator=g) * 4 + 0.5).to(DEVICE)
+    D = (1 + 0.2 * torch.randn(H, generator=g)).to(DEVICE)
+    dt_bias = (torch.randn(H, generator=g) * 0.5 - 1).to(DEVICE)
+    state = torch.randn(slots, H, P, N, generator=g).to(DEVICE)
+    return conv_out, dt, A_log, D, dt_bias, state
+
+
+def reference(conv_out, dt, A_log, D, dt_bias, state0, H, P, G, N, lens, chunk=8):
+    inter, gn = H * P, G * N
+    x, B, C = conv_out.float().split([inter, gn, gn], dim=-1)
+    A = -torch.exp(A_log.float())
+    ys, states, start = [], [], 0
+    for i, n in enumerate(lens):
+        sl = slice(start, start + n)
+        xi = x[sl].reshape(n, H, P)
+        y, s = ssd_scan(xi, discretize_dt(dt[sl], dt_bias, 0.0, float("inf")), A, _heads(B[sl], H, G, N),
+                        _heads(C[sl], H, G, N), state0[i], chunk)
+        ys.append((y + D[:, None] * xi).reshape(n, inter))
+        states.append(s)
+        start += n
+    return torch.cat(ys), torch.stack(states)
+
+
+def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu):
+    from ostinato.layers.triton_ops.ssm_scan import ssm_scan
+
+    inter, gn = H * P, G * N
+    return ssm_scan(conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :], state, slots,
+                    A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
+
+
+@pytest.mark.parametrize("lens", [[5], [3, 9, 1]])
+def test_scan_kernel_matches_torch(lens):
+    H, P, G, N = 4, 8, 2, 8
+    T = sum(lens)
+    conv_out, dt, A_log, D, dt_bias, state = make(T, H, P, G, N, 6, torch.float32, seed=T)
+    slots = torch.tensor([4, 1, 5][: len(lens)], device=DEVICE)
+    ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    untouched = state[[0, 2, 3]].clone()
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu)
+    torch.testing.assert_close(y, ref_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state[slots], ref_s, atol=1e-4, rtol=1e-4)
+    assert torch.equal(state[[0, 2, 3]], untouched), "only the batch's slots are written"
+
+
+def test_step_kernel_matches_torch_step():
+    H, P, G, N, bs = 4, 8, 2, 8, 3
+    conv_out, dt, A_log, D, dt_bias, state = make(bs, H, P, G, N, 5, torch.float32, seed=1)
+    slots = torch.tensor([2, 4, 1], device=DEVICE)
+    x, B, C = conv_out.split([H * P, G * N, G * N], dim=-1)
+    xh = x.reshape(bs, H, P)
+    y_ref, s_ref = ssm_step(xh, discretize_dt(dt, dt_bias, 0.0, float("inf")), -torch.exp(A_log),
+                            _heads(B, H, G, N), _heads(C, H, G, N), state[slots])
+    y_ref = (y_ref + D[:, None] * xh).reshape(bs, -1)
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, None)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[slots], s_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("lens", [[1], [300, 17, 1024], [8] * 32])
+def test_kernel_at_granite_1b_shapes_bf16(lens):
+    H, P, G, N = 48, 64, 1, 128
+    T = sum(lens)
+    conv_out, dt, A_log, D, dt_bias, state = make(T, H, P, G, N, 40, torch.bfloat16, seed=T)
+    state.mul_(0.1)
+    slots = torch.randperm(39, generator=torch.Generator().manual_seed(0))[: len(lens)].add(1).to(DEVICE)
+    ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens, chunk=256)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu)
+    # inputs are bf16, the math float32 in both: differences come from the summation order only
+    torch.testing.assert_close(y, ref_y, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(state[slots], ref_s, atol=2e-2, rtol=2e-2)
+    if len(lens) == 32:  # decode form, one token per request
+        y1 = run_kernel(conv_out[:32], dt[:32], A_log, D, dt_bias, state, slots, H, P, G, N, None)
+        assert torch.isfinite(y1).all()
+
+
+@pytest.mark.parametrize("extend_lens", [None, [5, 1, 12]])
+def test_mixer_with_kernel_equals_torch_mixer(extend_lens):
+    """The whole mixer (conv, SSM, gated norm, state writes at the slots) with and without the kernel."""
+    from ostinato.layers.mamba2 import mamba_mixer_forward
+
+    H, P, G, N, K = 4, 8, 2, 8, 4
+    conv_dim = H * P + 2 * G * N
+    T = 3 if extend_lens is None else sum(extend_lens)
+    g = torch.Generator().manual_seed(T)
+    zxbcdt = torch.randn(T, H * P + conv_dim + H, generator=g).to(DEVICE)
+    conv_w = torch.randn(conv_dim, K, generator=g).to(DEVICE) * 0.5
+    conv_b = torch.randn(conv_dim, generator=g).to(DEVICE)
+    dt_bias, A_log = torch.randn(H, generator=g).to(DEVICE), torch.rand(H, generator=g).to(DEVICE)
+    D, norm_w = torch.randn(H, generator=g).to(DEVICE), torch.randn(H * P, generator=g).to(DEVICE)
+    conv0 = torch.randn(5, conv_dim, K - 1, generator=g).to(DEVICE)
+    ssm0 = torch.randn(5, H, P, N, generator=g).to(DEVICE)
+    slots = torch.tensor([3, 1, 4], device=DEVICE)
+    outs = []
+    for use_triton in (False, True):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        y = mamba_mixer_forward(zxbcdt, conv, ssm, conv_w, conv_b, dt_bias, A_log, D, norm_w, H, P, G, N, 8, 1e-5,
+                                0.0, float("inf"), slots, extend_lens, use_triton=use_triton)
+        outs.append((y, conv, ssm))
+    (y0, c0, s0), (y1, c1, s1) = outs
+    torch.testing.assert_close(y1, y0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(c1, c0)
+    torch.testing.assert_close(s1, s0, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(s0[slots], ssm0[slots]) and torch.equal(s0[[0, 2]], ssm0[[0, 2]])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_step_kernel_matches_torch(bias):
+    from ostinato.layers.mamba2 import causal_conv_step
+    from ostinato.layers.triton_ops.conv_step import conv_step
+
+    g = torch.Generator().manual_seed(int(bias))
+    b, D, K = 3, 300, 4  # D past one block
+    xz = torch.randn(b, D + 7, generator=g).to(DEVICE)  # a row-strided view, as the split gives
+    x = xz[:, 2 : 2 + D]
+    w = torch.randn(D, K, generator=g).to(DEVICE)
+    bb = torch.randn(D, generator=g).to(DEVICE) if bias else None
+    state = torch.randn(5, D, K - 1, generator=g).to(DEVICE)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    ref_out, ref_new = causal_conv_step(x, state[slots], w, bb)
+    untouched = state[[1, 3]].clone()
+    out = conv_step(x, state, slots, w, bb)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[slots], ref_new)
+    assert torch.equal(state[[1, 3]], untouched)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_gated_rms_norm_kernel_matches_torch(groups):
+    from ostinato.layers.mamba2 import gated_rms_norm as gated_rms_norm_torch
+    from ostinato.layers.triton_ops.gated_rms_norm import gated_rms_norm
+
+    g = torch.Generator().manual_seed(groups)
+    T, inter = 5, 48 * groups  # a group of 48: not a power of two
+    y = torch.randn(T, inter, generator=g).to(DEVICE)
+    z = torch.randn(T, inter + 9, generator=g).to(DEVICE)[:, 3 : 3 + inter]
+    w = torch.randn(inter, generator=g).to(DEVICE)
+    ref = gated_rms_norm_torch(y, z, w, groups, 1e-5, torch.float32)
+    torch.testing.assert_close(gated_rms_norm(y, z, w, groups, 1e-5, torch.float32), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("extend_lens", [None, [700, 3, 260]])
+def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens):
+    """The whole mixer, Triton kernels against the torch path, bf16 activations, granite-4.0-h-1b shapes."""
+    from ostinato.layers.mamba2 import mamba_mixer_forward
+
+    H, P, G, N, K, dt = 48, 64, 1, 128, 4, torch.bfloat16
+    conv_dim = H * P + 2 * G * N
+    T = 32 if extend_lens is None else sum(extend_lens)
+    g = torch.Generator().manual_seed(T)
+    zxbcdt = torch.randn(T, H * P + conv_dim + H, generator=g).to(DEVICE, dt)
+    conv_w = (torch.randn(conv_dim, K, generator=g) * 0.5).to(DEVICE, dt)
+    conv_b = torch.randn(conv_dim, generator=g).to(DEVICE, dt)
+    dt_bias, A_log = torch.randn(H, generator=g).to(DEVICE, dt), torch.rand(H, generator=g).to(DEVICE, dt)
+    D, norm_w = torch.randn(H, generator=g).to(DEVICE, dt), (1 + 0.1 * torch.randn(H * P, generator=g)).to(DEVICE, dt)
+    conv0 = torch.randn(40, conv_dim, K - 1, generator=g).to(DEVICE, dt)
+    ssm0 = (0.1 * torch.randn(40, H, P, N, generator=g)).to(DEVICE)
+    n_req = T if extend_lens is None else len(extend_lens)
+    slots = torch.randperm(39, generator=torch.Generator().manual_seed(1))[:n_req].add(1).to(DEVICE)
+    outs = []
+    for use_triton in (False, True):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        y = mamba_mixer_forward(zxbcdt, conv, ssm, conv_w, conv_b, dt_bias, A_log, D, norm_w, H, P, G, N, 256, 1e-5,
+                                0.0, float("inf"), slots, extend_lens, use_triton=use_triton)
+        outs.append((y.float(), conv, ssm))
+    (y0, c0, s0), (y1, c1, s1) = outs
+    torch.testing.assert_close(y1, y0, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(c1, c0)
+    torch.testing.assert_close(s1, s0, atol=2e-2, rtol=2e-2)
