@@ -12,7 +12,8 @@ def check_role(role: object, where: str) -> None:
 
 def check_conversation(messages: Any, where: str = "messages") -> None:
     """Raise ValueError naming the message and field unless `messages` is a non-empty list of
-    {"role", "content"} dicts with a known role and string content."""
+    {"role", "content"} dicts with a known role, and content a string or a list of OpenAI content parts
+    (dicts with a "type", e.g. {"type": "text", "text": ...} or {"type": "image_url", "image_url": {...}})."""
     if not isinstance(messages, list | tuple):
         raise ValueError(f"{where}: expected a list of {{'role': ..., 'content': ...}} dicts, "
                          f"got {type(messages).__name__}")
@@ -27,5 +28,11 @@ def check_conversation(messages: Any, where: str = "messages") -> None:
         check_role(m["role"], at)
         if "content" not in m:
             raise ValueError(f"{at}.content: missing")
-        if not isinstance(m["content"], str):
-            raise ValueError(f"{at}.content: expected a string, got {type(m['content']).__name__}")
+        content = m["content"]
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise ValueError(f"{at}.content[{j}]: expected a content part dict with a 'type'")
+        elif not isinstance(content, str):
+            raise ValueError(f"{at}.content: expected a string or a list of content parts, "
+                             f"got {type(content).__name__}")
