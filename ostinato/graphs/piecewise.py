@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import logging
 import time
+import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,14 +70,20 @@ class _RunState:
 _state = _RunState()
 
 
+def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over `t`'s memory (same pointer, offset, sizes, strides) whose storage has no deleter: it does
+    not keep the memory allocated. Valid only while something else does (here: the graph pool's captures)."""
+    storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,
+                                                            t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
 def weak_ref(t: torch.Tensor) -> torch.Tensor:
-    """A tensor aliasing `t`'s memory without owning it (CUDA); `t` itself elsewhere."""
+    """A non-owning alias of a CUDA tensor; `t` itself elsewhere (the CPU stand-in holds outputs strongly)."""
     if t.device.type != "cuda":
         return t
     try:
-        storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,
-                                                                t.untyped_storage().nbytes())
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+        return non_owning_alias(t)
     except (AttributeError, RuntimeError, TypeError):  # no such constructor in this torch: hold it strongly
         return t
 
@@ -101,8 +108,8 @@ def _copy_into(dst, src) -> None:
 class SizeEntry:
     num_tokens: int
     graph: Graph
-    args: list  # the static arguments the graph reads
-    output: object = None
+    static: dict[int, torch.Tensor]  # the static buffers the graph reads its split-op-produced arguments from
+    output: object = None  # weak on CUDA except for the last piece (see the module docstring)
 
 
 @dataclass
@@ -130,9 +137,9 @@ class PieceRuntime:
         if phase == "capture" and entry is None:
             return self._capture(_state.num_tokens, list(args))
         assert entry is not None, f"{self.name}: no graph captured at {_state.num_tokens} tokens"
-        for i in self.volatile:
-            if args[i] is not entry.args[i]:
-                entry.args[i].copy_(args[i])
+        for i, static in entry.static.items():
+            if args[i] is not static:
+                static.copy_(args[i])
         entry.graph.replay()
         return entry.output
 
@@ -151,7 +158,9 @@ class PieceRuntime:
             static = self._static_arg(i, args[i], num_tokens)
             static.copy_(args[i])
             args[i] = static
-        entry = SizeEntry(num_tokens, Graph(self.device), args)
+        # only the static buffers are kept: the other arguments are parameters, the runner's inputs, or earlier
+        # pieces' outputs, which must stay weak (on CUDA the graph itself keeps nothing of `run`)
+        entry = SizeEntry(num_tokens, Graph(self.device), {i: args[i] for i in self.volatile})
 
         def run() -> None:
             out = self.runnable(*args)
@@ -161,10 +170,11 @@ class PieceRuntime:
                 _copy_into(entry.output, out)
 
         entry.graph.capture(run, _state.stream)
-        if not self.is_last:
-            entry.output = _map_tensors(entry.output, weak_ref)
+        out = entry.output
+        if not self.is_last:  # the forward being captured still holds `out` strongly until its last use
+            entry.output = _map_tensors(out, weak_ref)
         self.entries[num_tokens] = entry
-        return entry.output
+        return out
 
 
 class PiecewiseGraphRunner:
@@ -188,7 +198,11 @@ class PiecewiseGraphRunner:
         def piecewise_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model(input_ids, positions)
 
-        self.forward_fn = torch.compile(piecewise_forward, backend=self.backend, fullgraph=True)
+        # a code object of its own: dynamo caches compiled code per code object, so this runner's entries
+        # neither collide with another runner's nor count towards their recompile limit
+        fn = types.FunctionType(piecewise_forward.__code__.replace(), piecewise_forward.__globals__,
+                                closure=piecewise_forward.__closure__)
+        self.forward_fn = torch.compile(fn, backend=self.backend, fullgraph=True)
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
         self.capture()
