@@ -73,7 +73,7 @@ def startup(model: str, compiler: str) -> dict:
     t = time.perf_counter()
     g = PiecewiseGraphRunner(llm.engine.runner, 2048, compiler=compiler)
     return {"model": model, "compiler": compiler, "seconds": time.perf_counter() - t, "pieces": g.num_pieces,
-            "sizes": g.sizes, "compile_s": g.backend.compile_seconds, "capture_s": g.capture_seconds,
+            "sizes": g.sizes, "compile_s": g.compile_seconds, "capture_s": g.capture_seconds,
             "graph_gib": g.graph_memory_bytes / 2**30}
 
 
@@ -94,14 +94,16 @@ def measure_startup(model: str, compiler: str) -> list[dict]:
 
 def bench_model(model: str, tokens: list[int], iters: int) -> list[dict]:
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_total_tokens=16384, chunked_prefill_size=2048,
-              extend_cuda_graph_max_tokens=2048, max_running_requests=16)
+              extend_cuda_graph_max_tokens=2048, max_running_requests=16, cuda_graph_bs=[1])
     runner = llm.engine.runner
     pieces = {}
     for compiler in ("eager", "inductor"):
         t = time.perf_counter()
         pieces[compiler] = PiecewiseGraphRunner(runner, 2048, compiler=compiler)
-        print(f"{model}: piecewise-{compiler} ready in {time.perf_counter() - t:.1f} s "
-              f"({pieces[compiler].num_pieces} pieces)")
+        g = pieces[compiler]
+        print(f"{model}: piecewise-{compiler} ready in {time.perf_counter() - t:.1f} s ({g.num_pieces} pieces, "
+              f"compile {g.compile_seconds:.1f} s, capture {g.capture_seconds:.1f} s, "
+              f"{g.graph_memory_bytes / 2**30:.2f} GiB)")
     rng = torch.Generator().manual_seed(0)
     full = runner.extend_graph_runner
     rows = []

@@ -9,16 +9,13 @@ import torch._dynamo
 from ostinato import LLM, SamplingParams
 from ostinato.attention.forward_batch import ForwardMode
 
-PROMPTS = [[{"role": "user", "content": f"Count to {i} slowly and explain why."}] for i in range(10)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-SMALL = dict(dtype="float32", device="cpu", max_total_tokens=640, chunked_prefill_size=48, page_size=4,
-             max_running_requests=16)
+PROMPTS = [[{"role": "user", "content": f"Count to {i} slowly and explain."}] for i in range(13)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
-def record_mixed_steps(llm):
+def record_mixed_steps(runner):
     """Count extend steps that carry both a prefill chunk and decode tokens of requests in flight."""
-    runner, seen = llm.engine.runner, {"mixed": 0}
-    step = runner.step
+    seen, step = {"mixed": 0}, runner.step
 
     def wrapped(sched):
         if sched.mode is ForwardMode.EXTEND and any(n > 1 for n in sched.extend_lens) and \
@@ -27,19 +24,23 @@ def record_mixed_steps(llm):
         return step(sched)
 
     runner.step = wrapped
-    return seen
+    return seen, step
 
 
-def test_mixed_equals_unmixed_with_retraction():
-    plain = LLM(**SMALL)
-    want = [o.outputs[0].token_ids for o in plain.chat(PROMPTS, GREEDY, use_tqdm=False)]
-    assert plain.engine.scheduler.num_retractions > 0
-    del plain
-    mixed = LLM(**SMALL, enable_mixed_chunk=True)
-    seen = record_mixed_steps(mixed)
-    got = [o.outputs[0].token_ids for o in mixed.chat(PROMPTS, GREEDY, use_tqdm=False)]
+def test_mixed_equals_unmixed_with_retraction(llm):
+    """The session's SmolLM2 engine (1024 KV tokens, 48-token chunks): unmixed, then mixed on the same engine."""
+    scheduler, runner = llm.engine.scheduler, llm.engine.runner
+    want = [o.outputs[0].token_ids for o in llm.chat(PROMPTS, GREEDY, use_tqdm=False)]
+    before = scheduler.num_retractions
+    seen, step = record_mixed_steps(runner)
+    scheduler.enable_mixed_chunk = True
+    try:
+        got = [o.outputs[0].token_ids for o in llm.chat(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        scheduler.enable_mixed_chunk = False
+        runner.step = step
     assert seen["mixed"] > 0  # decode tokens of in-flight requests (overlap scheduling) did ride along
-    assert mixed.engine.scheduler.num_retractions > 0
+    assert scheduler.num_retractions > before
     assert got == want
 
 

@@ -111,12 +111,16 @@ def test_past_the_range_runs_eagerly(tiny_llm, graphs):
     sched, reqs = extend_batch(runner, [list(range(100)), list(range(3))], [0, 0])
     batch = runner.prepare(sched)
     assert not graphs.can_run(batch)
+    eager = runner.forward(batch)
     runner.piecewise_graph_runner = graphs
     try:
-        assert runner.forward(batch).shape == (2, TINY["vocab_size"])  # eager: no graph has 103 tokens
+        assert runner.extend_path(batch) == "eager"  # no graph has 103 tokens
+        torch.testing.assert_close(runner.forward(batch), eager, rtol=0, atol=0)
+        small, small_reqs = extend_batch(runner, [list(range(50))], [0])
+        assert runner.extend_path(runner.prepare(small)) == "piecewise"
     finally:
         runner.piecewise_graph_runner = None
-    release(runner, reqs)
+    release(runner, reqs + small_reqs)
 
 
 def test_weak_ref():
