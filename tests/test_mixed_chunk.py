@@ -9,8 +9,8 @@ import torch._dynamo
 from ostinato import LLM, SamplingParams
 from ostinato.attention.forward_batch import ForwardMode
 
-PROMPTS = [[{"role": "user", "content": f"Count to {i} slowly and explain."}] for i in range(13)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+PROMPTS = [[{"role": "user", "content": f"Count to {i} slowly."}] for i in range(6)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def record_mixed_steps(runner):
@@ -27,8 +27,10 @@ def record_mixed_steps(runner):
     return seen, step
 
 
-def test_mixed_equals_unmixed_with_retraction(llm):
-    """The session's SmolLM2 engine (1024 KV tokens, 48-token chunks): unmixed, then mixed on the same engine."""
+def test_mixed_equals_unmixed_with_retraction():
+    """SmolLM2 fp32 with a KV pool too small for the six requests at once: unmixed, then mixed."""
+    llm = LLM(dtype="float32", device="cpu", max_total_tokens=224, chunked_prefill_size=48, page_size=4,
+              max_running_requests=8)
     scheduler, runner = llm.engine.scheduler, llm.engine.runner
     want = [o.outputs[0].token_ids for o in llm.chat(PROMPTS, GREEDY, use_tqdm=False)]
     before = scheduler.num_retractions
