@@ -42,6 +42,14 @@ class EngineArgs:
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
     limit_mm_per_prompt: int = _arg(4, "vision models: most images in one prompt")
     allowed_local_media_path: str | None = _arg(None, "vision models: file:// image URLs are read only under this dir")
+    enable_piecewise_cuda_graph: bool = _arg(False, "replay extend and mixed steps from piecewise CUDA graphs "
+                                             "(torch.compile split at attention; CPU: the graph stand-in)")
+    piecewise_cuda_graph_tokens: list[int] | None = _arg(None, "token counts to capture piecewise (default: 4..256 "
+                                                         "by powers of two, then every 256)")
+    piecewise_cuda_graph_max_tokens: int = _arg(2048, "largest piecewise-captured step, in tokens")
+    piecewise_cuda_graph_compiler: str = _arg("eager", "eager | inductor: how pieces between attention calls "
+                                              "are compiled")
+    enable_mixed_chunk: bool = _arg(False, "run the decoding requests' tokens in the same step as a prefill chunk")
 
     def __post_init__(self) -> None:
         checks = [
@@ -64,6 +72,12 @@ class EngineArgs:
              "one of auto, fp8_e4m3, fp8_e5m2"),
             ("attention_backend", self.attention_backend in ("auto", "triton", "torch"), "one of auto, triton, torch"),
             ("limit_mm_per_prompt", self.limit_mm_per_prompt >= 0, ">= 0"),
+            ("piecewise_cuda_graph_max_tokens", self.piecewise_cuda_graph_max_tokens >= 1, ">= 1"),
+            ("piecewise_cuda_graph_tokens", self.piecewise_cuda_graph_tokens is None
+             or (bool(self.piecewise_cuda_graph_tokens) and min(self.piecewise_cuda_graph_tokens) >= 1),
+             "a non-empty list of token counts >= 1"),
+            ("piecewise_cuda_graph_compiler", self.piecewise_cuda_graph_compiler in ("eager", "inductor"),
+             "one of eager, inductor"),
         ]
         for name, ok, limit in checks:
             if not ok:

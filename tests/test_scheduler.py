@@ -13,11 +13,12 @@ from ostinato.mem.token_allocator import TokenToKVPoolAllocator
 from ostinato.sampling_params import SamplingParams
 
 
-@pytest.mark.parametrize("page", [1, 4])
-def test_random_workload_respects_limits_and_finishes_everything(page):
+@pytest.mark.parametrize("page,mixed", [(1, False), (4, False), (4, True)])
+def test_random_workload_respects_limits_and_finishes_everything(page, mixed):
     rng = random.Random(page)
     kv = KVManager(ReqToTokenPool(6, 512, "cpu"), TokenToKVPoolAllocator(300 + page, page, "cpu"))
-    sched = Scheduler(kv, max_running_requests=6, chunked_prefill_size=40)
+    sched = Scheduler(kv, max_running_requests=6, chunked_prefill_size=40, enable_mixed_chunk=mixed)
+    mixed_steps = 0
     reqs = []
     for i in range(20):
         req = Request(str(i), [rng.randrange(100) for _ in range(rng.randint(1, 90))],
@@ -33,6 +34,9 @@ def test_random_workload_respects_limits_and_finishes_everything(page):
         assert len(sched.running) <= 6
         if batch.mode is ForwardMode.EXTEND:
             assert sum(batch.extend_lens) <= 40
+            mixed_steps += any(r.kv_len == r.seq_len and n == 1 and p == r.seq_len - 1 > 0 for r, n, p in
+                               zip(batch.reqs, batch.extend_lens, batch.prefix_lens, strict=True)) \
+                and any(n > 1 for n in batch.extend_lens)
         else:
             assert batch.extend_lens == [1] * len(batch.reqs)
         assert len(batch.out_cache_loc) == sum(batch.extend_lens)
@@ -44,5 +48,6 @@ def test_random_workload_respects_limits_and_finishes_everything(page):
                 if req.finish_reason:
                     sched.finish(req, req.finish_reason)
     assert sched.num_retractions > 0, "the pool was sized to force retraction"
+    assert (mixed_steps > 0) == mixed  # decode tokens rode along with prefill chunks only when mixing
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens for r in reqs)
     kv.check_all_free()

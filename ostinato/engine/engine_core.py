@@ -44,7 +44,7 @@ class EngineCore:
         self.args = args
         self.runner = ModelRunner(args, source)
         self.scheduler = Scheduler(self.runner.kv_manager, self.runner.max_running_requests,
-                                   self.runner.chunked_prefill_size)
+                                   self.runner.chunked_prefill_size, args.enable_mixed_chunk)
         self.eos_token_ids = eos_token_ids(source)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)

@@ -18,8 +18,10 @@ from ostinato.runner.scheduled_batch import ScheduledBatch
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int) -> None:
+    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int,
+                 enable_mixed_chunk: bool = False) -> None:
         self.kv = kv
+        self.enable_mixed_chunk = enable_mixed_chunk
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Request] = deque()
@@ -46,6 +48,10 @@ class Scheduler:
         # a request cut by the last chunk continues first, then new ones in arrival order
         partial = [r for r in self.running if self._pending(r) > 1]
         decoding = len(self.running) - len(partial)
+        # mixed chunk: the decoding requests ride along as 1-token extends, inside the token budget
+        mixed = [r for r in self.running if self._pending(r) == 1 and r.can_sample_more] \
+            if self.enable_mixed_chunk else []
+        budget -= len(mixed)
         for req in partial + list(self.waiting):
             if budget <= 0:
                 break
@@ -73,6 +79,13 @@ class Scheduler:
             budget -= n
         if not reqs:
             return None
+        for req in mixed:  # those that do not fit decode in a later step (which may retract)
+            if self.kv.pages_needed(req.kv_len, req.kv_len + 1) > self.kv.allocator.available_pages():
+                continue
+            reqs.append(req)
+            prefix.append(req.kv_len)
+            lens.append(1)
+            locs.append(self.kv.extend(req.req_pool_idx, req.kv_len, req.kv_len + 1))
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
         return ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, torch.cat(locs),

@@ -8,6 +8,7 @@ import torch
 
 from ostinato.attention.base import AttentionBackend
 from ostinato.config import EngineArgs
+from ostinato.mem.req_to_token_pool import ReqToTokenPool
 
 
 class TokenResolver(Protocol):
@@ -24,3 +25,4 @@ class GraphHost(Protocol):
     next_tokens: TokenResolver
     vocab_size: int
     max_running_requests: int
+    req_to_token_pool: ReqToTokenPool

@@ -14,6 +14,7 @@ from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
+from ostinato.graphs.piecewise import PiecewiseGraphRunner
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.mem.kv_manager import KVManager
@@ -31,6 +32,10 @@ from ostinato.runner.scheduled_batch import ScheduledBatch
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_TOKENS = 16384
+# Extend steps of at most this many tokens replay the full extend graph when the piecewise graphs could run
+# them too; larger ones take the piecewise graphs. To be set from benchmarks/bench_extend.py (the token
+# count where piecewise overtakes the full graph); 0 until measured: piecewise wherever it is enabled.
+FULL_EXTEND_GRAPH_MAX_TOKENS = 0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -99,6 +104,18 @@ class ModelRunner:
             self.graph_runner = DecodeGraphRunner(self)
             if self.extend_graph_max_tokens and not self.is_multimodal:  # image extends run eager
                 self.extend_graph_runner = ExtendGraphRunner(self, self.extend_graph_max_tokens)
+        self.piecewise_graph_runner: PiecewiseGraphRunner | None = None
+        if args.enable_piecewise_cuda_graph and (self.is_multimodal or self.mamba_pool is not None):
+            logger.warning("piecewise CUDA graphs are not wired for vision or hybrid models yet; extends run as before")
+        elif args.enable_piecewise_cuda_graph:  # on the CPU too: the Graph stand-in re-runs each piece
+            self.piecewise_graph_runner = PiecewiseGraphRunner(
+                self, self.piecewise_graph_max_tokens, args.piecewise_cuda_graph_tokens,
+                args.piecewise_cuda_graph_compiler)
+
+    @property
+    def piecewise_graph_max_tokens(self) -> int:
+        """Largest piecewise-captured step, in tokens; never past one prefill chunk."""
+        return min(self.args.piecewise_cuda_graph_max_tokens, self.chunked_prefill_size)
 
     @property
     def extend_graph_max_tokens(self) -> int:
@@ -162,6 +179,8 @@ class ModelRunner:
         if not self.args.disable_cuda_graph:  # extend graphs keep the activations of their largest size
             extend_tokens = min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
             graph_reserve += activations * extend_tokens // self.chunked_prefill_size
+        if self.args.enable_piecewise_cuda_graph:  # the pieces' outputs and static inputs at the largest size
+            graph_reserve += 2 * activations * self.piecewise_graph_max_tokens // self.chunked_prefill_size
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.args.mem_fraction_static - (total - free) - activations - graph_reserve
         logger.info("memory: %.2f GiB used after weights, %.2f GiB peak prefill activations, %.2f GiB for graphs, "
@@ -224,8 +243,10 @@ class ModelRunner:
             ints = self._to_device([ids, pos, req_rows, seq_lens, list(range(len(reqs)))])
             return ForwardBatch(ForwardMode.DECODE, len(reqs), ints[0], ints[1], ints[2], ints[3], out_cache_loc,
                                 ints[4], seq_lens, decode_ints=ints[:4], sample_slots=ints[2])
-        # an extend reads prompt (or recomputed) tokens only: the engine resolves pending ones before scheduling
-        assert all(r.num_pending == 0 for r in reqs), "extend of a request with tokens in flight"
+        # an extend reads prompt (or recomputed) tokens, except a decoding request in a mixed step (one token):
+        # its input may be PENDING_TOKEN, resolved on the device below
+        assert all(r.num_pending == 0 or n == 1 for r, n in zip(reqs, sched.extend_lens, strict=True)), \
+            "extend of a request with tokens in flight"
         ids, pos = [], []
         for req, start, n in zip(reqs, sched.prefix_lens, sched.extend_lens, strict=True):
             ids.extend(req.all_token_ids[start : start + n])
@@ -235,6 +256,9 @@ class ModelRunner:
         slots = [r if emits else sink for r, emits in zip(req_rows, sched.sample_mask, strict=True)]
         tokens = self._to_device([ids, pos])
         per_req = self._to_device([req_rows, seq_lens, ends, slots])
+        if any(r.num_pending for r in reqs):  # mixed step under overlap scheduling
+            token_rows = [row for row, n in zip(req_rows, sched.extend_lens, strict=True) for _ in range(n)]
+            self.next_tokens.resolve_(tokens[0], self._to_device([token_rows])[0])
         return ForwardBatch(
             mode=sched.mode, batch_size=len(reqs), input_ids=tokens[0], positions=tokens[1],
             req_pool_indices=per_req[0], seq_lens=per_req[1], out_cache_loc=out_cache_loc,
@@ -255,14 +279,25 @@ class ModelRunner:
             logits = self.graph_runner.replay(batch)  # the graph resolves pending input ids itself
             self._argmax = self.graph_runner.argmax[: batch.batch_size]
             return logits
-        if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch):
+        path = self.extend_path(batch)
+        if path == "extend_graph":
             return self.extend_graph_runner.replay(batch)
+        if path == "piecewise":
+            return self.piecewise_graph_runner.replay(batch)
         if batch.mode is ForwardMode.DECODE:
             self.next_tokens.resolve_(batch.input_ids, batch.req_pool_indices)
         with forward_context(self.backend, batch, self.model.attention_specs):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions, **({"mm": batch.mm} if batch.mm is not None else {}))
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def extend_path(self, batch: ForwardBatch) -> str:
+        """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager"."""
+        full = self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch)
+        piecewise = self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(batch)
+        if full and (not piecewise or batch.num_tokens <= FULL_EXTEND_GRAPH_MAX_TOKENS):
+            return "extend_graph"
+        return "piecewise" if piecewise else "eager"
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sched: ScheduledBatch, batch: ForwardBatch) -> SampledTensors:

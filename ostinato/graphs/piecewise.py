@@ -1,0 +1,302 @@
+"""Piecewise CUDA graphs for extend (prefill) and mixed steps (seed 003).
+
+The model forward is traced once by `torch.compile(fullgraph=True)` with the token dimension dynamic and
+split at the split ops (attention; see graphs/compile_backend.py). Each piece between two split ops is
+captured once per token count in `sizes` into the process's shared graph pool, largest first; the split
+ops run eagerly between the pieces on the real batch's metadata, so any attention backend and any batch
+layout (prefixes, many requests, decode tokens mixed with a prefill chunk) runs through the same graphs.
+
+A batch of T tokens is padded to the next captured size P. Padded tokens are id 0 at position 0 writing
+their K/V to the sink slot (slot 0) and belong to no request: attention only computes the real tokens'
+rows, the pieces are row-wise, and the rows past T are never read (the logits are gathered at each
+request's last real token).
+
+Per piece and size a `SizeEntry` holds the captured graph, the static arguments it reads, and its output.
+Arguments a split op produced (the attention output: a fresh tensor every run) are copied into a static
+buffer before each replay; the other arguments (parameters, the runner's static input buffers, earlier
+pieces' outputs) have fixed addresses already.
+
+Weak outputs (CUDA only): a piece's output lives in the graph pool. Holding it would keep that block
+reserved forever; holding only a non-owning alias (a tensor over the same pointer built from a storage
+without deleter) lets the allocator hand the block to later captures once the forward that captured it has
+no more use for it, exactly as it would in eager mode. Replays then run in the same order as the capture,
+so each block is written before it is read. The last piece's output (the hidden states the logits are
+read from after the forward) is kept strongly. The CPU stand-in keeps every output strongly: its "replay"
+re-runs the piece and copies the fresh result into the held output.
+"""
+
+import bisect
+import dataclasses
+import gc
+import logging
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.attention.op import forward_context
+from ostinato.graphs.compile_backend import PiecewiseBackend, use_compile_cache
+from ostinato.graphs.decode import PAD_SLOT
+from ostinato.graphs.graph import Graph
+from ostinato.graphs.protocol import GraphHost
+
+logger = logging.getLogger(__name__)
+
+
+def piecewise_token_sizes(max_tokens: int, sizes: list[int] | None = None) -> list[int]:
+    """Ascending token counts to capture: given, or 4, 8, ..., 256 by powers of two then every 256, up to
+    and including `max_tokens`."""
+    if sizes:
+        return sorted({s for s in sizes if 1 <= s <= max_tokens}) or [max_tokens]
+    picked = {n for n in (4, 8, 16, 32, 64, 128, 256) if n < max_tokens} | set(range(512, max_tokens, 256))
+    return sorted(picked | {max_tokens})
+
+
+@dataclass
+class _RunState:
+    """What the piece runtimes do on the current forward: None (no piecewise run: call the piece),
+    "warmup" (call the piece), "capture" (capture at `num_tokens`) or "replay"."""
+
+    phase: str | None = None
+    num_tokens: int = 0
+    stream: "torch.cuda.Stream | None" = None
+
+
+_state = _RunState()
+
+
+def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over `t`'s memory (same pointer, offset, sizes, strides) whose storage has no deleter: it does
+    not keep the memory allocated. Valid only while something else does (here: the graph pool's captures)."""
+    storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,
+                                                            t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+def weak_ref(t: torch.Tensor) -> torch.Tensor:
+    """A non-owning alias of a CUDA tensor; `t` itself elsewhere (the CPU stand-in holds outputs strongly)."""
+    if t.device.type != "cuda":
+        return t
+    try:
+        return non_owning_alias(t)
+    except (AttributeError, RuntimeError, TypeError):  # no such constructor in this torch: hold it strongly
+        return t
+
+
+def _map_tensors(out, fn):
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_map_tensors(o, fn) for o in out)
+    return out
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src, strict=True):
+            _copy_into(d, s)
+
+
+@dataclass
+class SizeEntry:
+    num_tokens: int
+    graph: Graph
+    static: dict[int, torch.Tensor]  # the static buffers the graph reads its split-op-produced arguments from
+    output: object = None  # weak on CUDA except for the last piece (see the module docstring)
+
+
+@dataclass
+class PieceRuntime:
+    """One compiled piece, captured and replayed per token count (the seed's ConcreteSizeEntry)."""
+
+    name: str
+    index: int
+    num_pieces: int
+    runnable: object
+    volatile: list[int]  # argument positions produced by split ops, copied into static buffers
+    device: torch.device
+    entries: dict[int, SizeEntry] = field(default_factory=dict)
+    static_bufs: dict[int, torch.Tensor] = field(default_factory=dict)  # per volatile arg, at the largest size
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_pieces - 1
+
+    def __call__(self, *args):
+        phase = _state.phase
+        if phase is None or phase == "warmup":
+            return self.runnable(*args)
+        entry = self.entries.get(_state.num_tokens)
+        if phase == "capture" and entry is None:
+            return self._capture(_state.num_tokens, list(args))
+        assert entry is not None, f"{self.name}: no graph captured at {_state.num_tokens} tokens"
+        for i, static in entry.static.items():
+            if args[i] is not static:
+                static.copy_(args[i])
+        entry.graph.replay()
+        return entry.output
+
+    def _static_arg(self, i: int, arg: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        buf = self.static_bufs.get(i)
+        if (buf is not None and arg.dim() >= 1 and arg.shape[0] == num_tokens and buf.shape[0] >= num_tokens
+                and buf.shape[1:] == arg.shape[1:] and buf.dtype == arg.dtype):
+            return buf[:num_tokens]
+        buf = torch.empty_like(arg, memory_format=torch.contiguous_format)
+        if i not in self.static_bufs:
+            self.static_bufs[i] = buf  # sizes are captured largest first: smaller ones slice this one
+        return buf
+
+    def _capture(self, num_tokens: int, args: list):
+        for i in self.volatile:
+            static = self._static_arg(i, args[i], num_tokens)
+            static.copy_(args[i])
+            args[i] = static
+        # only the static buffers are kept: the other arguments are parameters, the runner's inputs, or earlier
+        # pieces' outputs, which must stay weak (on CUDA the graph itself keeps nothing of `run`)
+        entry = SizeEntry(num_tokens, Graph(self.device), {i: args[i] for i in self.volatile})
+
+        def run() -> None:
+            out = self.runnable(*args)
+            if entry.output is None:
+                entry.output = out
+            else:  # CPU stand-in replay: a fresh result, into the tensors handed out at capture
+                _copy_into(entry.output, out)
+
+        entry.graph.capture(run, _state.stream)
+        out = entry.output
+        if not self.is_last:  # the forward being captured still holds `out` strongly until its last use
+            entry.output = _map_tensors(out, weak_ref)
+        self.entries[num_tokens] = entry
+        return out
+
+
+class PiecewiseGraphRunner:
+    def __init__(self, runner: GraphHost, max_tokens: int, sizes: list[int] | None = None,
+                 compiler: str = "eager") -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.sizes = piecewise_token_sizes(max_tokens, sizes)
+        self.max_tokens = self.sizes[-1]
+        self.compiler = compiler
+        n, dev = self.max_tokens, self.device
+        self.tokens = torch.zeros(3, n, dtype=torch.int64, device=dev)  # input ids, positions, KV slots
+        self.input_ids, self.positions, self.out_cache_loc = self.tokens
+        self.token_pad = torch.tensor([0, 0, PAD_SLOT], dtype=torch.int64, device=dev)[:, None]
+        self.pieces: list[PieceRuntime] = []
+        if compiler == "inductor":
+            use_compile_cache()
+        self.backend = PiecewiseBackend(compiler, self._make_runtime)
+        model = runner.model
+
+        def piecewise_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model(input_ids, positions)
+
+        # a code object of its own: dynamo caches compiled code per code object, so this runner's entries
+        # neither collide with another runner's nor count towards their recompile limit
+        fn = types.FunctionType(piecewise_forward.__code__.replace(), piecewise_forward.__globals__,
+                                closure=piecewise_forward.__closure__)
+        self.forward_fn = torch.compile(fn, backend=self.backend, fullgraph=True)
+        self.compile_seconds = 0.0  # the first forward: dynamo trace, split, compile of every piece
+        self.capture_seconds = 0.0  # the rest: warm-ups and captures at every size
+        self.graph_memory_bytes = 0
+        self.capture()
+
+    def _make_runtime(self, name: str, index: int, num_pieces: int, runnable, volatile: list[int]) -> PieceRuntime:
+        piece = PieceRuntime(name, index, num_pieces, runnable, volatile, self.device)
+        self.pieces.append(piece)
+        return piece
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.backend.splits[0].piece_names) if self.backend.splits else 0
+
+    def _static_batch(self, batch: ForwardBatch, padded: int) -> ForwardBatch:
+        return dataclasses.replace(batch, input_ids=self.input_ids[:padded], positions=self.positions[:padded],
+                                   out_cache_loc=self.out_cache_loc[:padded], decode_ints=None)
+
+    def _dummy_batch(self, num_tokens: int) -> ForwardBatch:
+        """Capture input: padding tokens in requests of at most a request row's width, all on row 0."""
+        width = self.runner.req_to_token_pool.req_to_token.shape[1] - 1
+        lens = [min(width, num_tokens - s) for s in range(0, num_tokens, width)]
+        bs, dev = len(lens), self.device
+        seq = torch.tensor(lens, dtype=torch.int64, device=dev)
+        return ForwardBatch(ForwardMode.EXTEND, bs, self.input_ids[:num_tokens], self.positions[:num_tokens],
+                            torch.zeros(bs, dtype=torch.int64, device=dev), seq, self.out_cache_loc[:num_tokens],
+                            torch.cumsum(seq, 0) - 1, lens, [0] * bs, lens)
+
+    def _run(self, batch: ForwardBatch, phase: str | None, num_tokens: int) -> torch.Tensor:
+        backend = self.runner.backend
+        _state.phase, _state.num_tokens = phase, num_tokens
+        try:
+            with forward_context(backend, batch, self.runner.model.attention_specs):
+                backend.init_forward_metadata(batch)
+                return self.forward_fn(batch.input_ids, batch.positions)
+        finally:
+            _state.phase, _state.num_tokens = None, 0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        cuda = self.device.type == "cuda"
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        keep_gc = self.runner.args.enable_cudagraph_gc
+        gc_was_enabled = gc.isenabled()
+        if not keep_gc:
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+        _state.stream = torch.cuda.Stream(self.device) if cuda else None
+        try:
+            self.tokens[:] = self.token_pad
+            for size in reversed(self.sizes):
+                batch = self._dummy_batch(size)
+                torch._dynamo.mark_dynamic(batch.input_ids, 0)
+                torch._dynamo.mark_dynamic(batch.positions, 0)
+                for _ in range(2 if cuda else 1):  # compiles (first size), autotunes, lazy inits
+                    t = time.perf_counter()
+                    self._run(batch, "warmup", size)
+                    if not self.compile_seconds:  # the first run: trace, split, compile every piece
+                        self.compile_seconds = time.perf_counter() - t
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                self._run(batch, "capture", size)
+        finally:
+            _state.stream = None
+            if not keep_gc:
+                gc.unfreeze()
+                if gc_was_enabled:
+                    gc.enable()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        self.capture_seconds = time.perf_counter() - start - self.compile_seconds
+        logger.info("piecewise graphs (%s pieces): %d pieces at %s tokens; compile %.1f s, capture %.1f s, "
+                    "graph memory %.2f GiB", self.compiler, self.num_pieces, self.sizes, self.compile_seconds,
+                    self.capture_seconds, self.graph_memory_bytes / 2**30)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Extend steps (mixed ones included: decode tokens are 1-token extends) within the captured range."""
+        return batch.mode is ForwardMode.EXTEND and batch.num_tokens <= self.max_tokens
+
+    def padded_size(self, num_tokens: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] of the batch's tokens, a view of the last piece's static output."""
+        t = batch.num_tokens
+        padded = self.padded_size(t)
+        self.input_ids[:t] = batch.input_ids
+        self.positions[:t] = batch.positions
+        self.out_cache_loc[:t] = batch.out_cache_loc
+        self.tokens[:, t:padded] = self.token_pad
+        return self._run(self._static_batch(batch, padded), "replay", padded)[:t]
+
+    @torch.inference_mode()
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [bs, vocab] (float32) at each request's last token."""
+        hidden = self.forward_hidden(batch)
+        return self.runner.model.compute_logits(hidden[batch.logits_indices])

@@ -1,0 +1,134 @@
+"""Piecewise graphs on the CPU: the torch.compile split, and replays through the Graph stand-in (which re-runs
+each captured piece over the same static buffers) against eager forwards of the same batches."""
+
+import json
+
+import pytest
+import torch
+import torch._dynamo
+
+from ostinato import LLM, SamplingParams
+from ostinato.attention.forward_batch import ForwardMode
+from ostinato.engine.request import Request
+from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.graphs.decode import PAD_SLOT
+from ostinato.graphs.piecewise import PiecewiseGraphRunner, non_owning_alias, piecewise_token_sizes, weak_ref
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pw") / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    torch._dynamo.reset()
+    return LLM(str(path), load_format="dummy", device="cpu", dtype="float32", attention_backend="torch",
+               max_total_tokens=4096, page_size=4, max_running_requests=8)
+
+
+@pytest.fixture(scope="module")
+def graphs(tiny_llm):
+    return PiecewiseGraphRunner(tiny_llm.engine.runner, max_tokens=96, sizes=[8, 24, 64, 96], compiler="eager")
+
+
+def extend_batch(runner, prompts, prefix_lens):
+    """Requests whose first prefix_lens[i] tokens are cached (by an earlier eager extend), and a scheduled
+    extend of the rest."""
+    kv, reqs = runner.kv_manager, []
+    for i, (seq, p) in enumerate(zip(prompts, prefix_lens, strict=True)):
+        r = Request(str(i), seq, SamplingParams(), seed=0)
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        reqs.append(r)
+        if p:
+            loc = kv.extend(r.req_pool_idx, 0, p)
+            runner.forward(runner.prepare(ScheduledBatch(ForwardMode.EXTEND, [r], [0], [p], loc, [True])))
+            r.kv_len = p
+    lens = [len(s) - p for s, p in zip(prompts, prefix_lens, strict=True)]
+    locs = [kv.extend(r.req_pool_idx, p, p + n) for r, p, n in zip(reqs, prefix_lens, lens, strict=True)]
+    for r, n in zip(reqs, lens, strict=True):
+        r.kv_len += n
+    return ScheduledBatch(ForwardMode.EXTEND, reqs, list(prefix_lens), lens, torch.cat(locs), [True] * len(reqs)), reqs
+
+
+def release(runner, reqs):
+    for r in reqs:
+        runner.kv_manager.release(r.req_pool_idx, r.kv_len)
+    runner.kv_manager.check_all_free()
+
+
+def poison(graphs, gen):
+    """Garbage in every static buffer: whatever a replay does not write must not matter."""
+    with torch.inference_mode():
+        graphs.tokens.copy_(torch.randint(1, 200, graphs.tokens.shape, generator=gen))
+        for piece in graphs.pieces:
+            for buf in piece.static_bufs.values():
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 1e3)
+
+
+def test_sizes():
+    assert piecewise_token_sizes(100) == [4, 8, 16, 32, 64, 100]
+    assert piecewise_token_sizes(1024) == [4, 8, 16, 32, 64, 128, 256, 512, 768, 1024]
+    assert piecewise_token_sizes(64, [64, 3, 500]) == [3, 64]
+
+
+def test_split_gives_one_piece_more_than_attention_calls(graphs):
+    split = graphs.backend.splits[0]
+    assert split.num_split_calls == TINY["num_hidden_layers"]
+    assert graphs.num_pieces == TINY["num_hidden_layers"] + 1
+    # each piece after the first reads one attention output, copied into a static buffer before replays
+    assert [len(split.volatile_args[n]) for n in split.piece_names] == [0, 1, 1, 1]
+    assert all(sorted(p.entries) == [8, 24, 64, 96] for p in graphs.pieces)
+
+
+@pytest.mark.parametrize("lens,prefix_lens", [([9, 30, 20], [0, 0, 0]), ([13, 1, 40, 7], [5, 0, 17, 3]),
+                                              ([61, 1, 1, 1, 1], [0, 30, 12, 7, 44])])
+def test_replay_equals_eager(tiny_llm, graphs, lens, prefix_lens):
+    runner = tiny_llm.engine.runner
+    gen = torch.Generator().manual_seed(sum(lens) + len(prefix_lens))
+    prompts = [torch.randint(0, 256, (p + n,), generator=gen).tolist() for p, n in zip(prefix_lens, lens,
+                                                                                        strict=True)]
+    sched, reqs = extend_batch(runner, prompts, prefix_lens)
+    batch = runner.prepare(sched)
+    assert graphs.can_run(batch) and graphs.padded_size(batch.num_tokens) > batch.num_tokens  # it pads
+    eager = runner.forward(batch).clone()
+    kv_eager = [b.clone() for b in runner.kv_cache.get_kv_buffer(2)]
+    runner.kv_cache.get_kv_buffer(2)[0][batch.out_cache_loc] = float("nan")  # the replay must rewrite it
+    for _ in range(2):  # a second replay over the same buffers, poisoned again
+        poison(graphs, gen)
+        logits = graphs.replay(batch)
+        torch.testing.assert_close(logits, eager, rtol=0, atol=0)
+    kv = runner.kv_cache.get_kv_buffer(2)
+    for a, b in zip(kv, kv_eager, strict=True):
+        torch.testing.assert_close(a[1:], b[1:], rtol=0, atol=0)  # padded tokens wrote only the sink slot 0
+    assert (graphs.out_cache_loc[batch.num_tokens: graphs.padded_size(batch.num_tokens)] == PAD_SLOT).all()
+    release(runner, reqs)
+
+
+def test_past_the_range_runs_eagerly(tiny_llm, graphs):
+    runner = tiny_llm.engine.runner
+    sched, reqs = extend_batch(runner, [list(range(100)), list(range(3))], [0, 0])
+    batch = runner.prepare(sched)
+    assert not graphs.can_run(batch)
+    eager = runner.forward(batch)
+    runner.piecewise_graph_runner = graphs
+    try:
+        assert runner.extend_path(batch) == "eager"  # no graph has 103 tokens
+        torch.testing.assert_close(runner.forward(batch), eager, rtol=0, atol=0)
+        small, small_reqs = extend_batch(runner, [list(range(50))], [0])
+        assert runner.extend_path(runner.prepare(small)) == "piecewise"
+    finally:
+        runner.piecewise_graph_runner = None
+    release(runner, reqs + small_reqs)
+
+
+def test_weak_ref():
+    t = torch.randn(3)
+    assert weak_ref(t) is t  # the CPU stand-in holds piece outputs strongly
+    base = torch.randn(5, 8)
+    view = base[1:, 2:6]
+    alias = non_owning_alias(view)  # what a CUDA piece output becomes
+    assert alias.data_ptr() == view.data_ptr() and alias.stride() == view.stride()
+    base.add_(1)
+    assert torch.equal(alias, view)  # sees every later write to the memory
