@@ -40,6 +40,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
     trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
+    disable_radix_cache: bool = _arg(False, "turn off prefix caching (the radix tree over the KV pool)")
+    schedule_policy: str = _arg("lpm", "order of waiting requests: lpm (longest cached prefix first) | fcfs")
 
     def __post_init__(self) -> None:
         checks = [
@@ -61,6 +63,7 @@ class EngineArgs:
             ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2"),
              "one of auto, fp8_e4m3, fp8_e5m2"),
             ("attention_backend", self.attention_backend in ("auto", "triton", "torch"), "one of auto, triton, torch"),
+            ("schedule_policy", self.schedule_policy in ("lpm", "fcfs"), "one of lpm, fcfs"),
         ]
         for name, ok, limit in checks:
             if not ok:

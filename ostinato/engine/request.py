@@ -2,6 +2,7 @@
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ostinato.sampling_params import SamplingParams
 
@@ -31,6 +32,10 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_retractions: int = 0
     num_pending: int = 0  # trailing PENDING_TOKENs in output_token_ids (launched steps not yet resolved)
+    # prefix cache: tokens [0, cached_len) of the row are slots of the radix tree, locked through last_node
+    cached_len: int = 0
+    last_node: Any = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
 
     @property
     def seq_len(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.attention.forward_batch import ForwardMode
+from ostinato.engine.prefix_cache import PrefixCache
 from ostinato.engine.request import Request, RequestStatus
 from ostinato.mem.kv_manager import KVManager
 
@@ -28,8 +29,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int) -> None:
+    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int,
+                 cache: PrefixCache | None = None, policy: str = "fcfs") -> None:
         self.kv = kv
+        # prefix cache (radix tree); by default off here, on in the engine (EngineArgs.disable_radix_cache)
+        self.cache = cache if cache is not None else PrefixCache(kv, enabled=False)
+        self.policy = policy  # "lpm": longest cached prefix first among waiting requests; "fcfs"
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Request] = deque()
@@ -55,25 +60,36 @@ class Scheduler:
         reqs, prefix, lens, locs = [], [], [], []
         # a request cut by the last chunk continues first, then new ones in arrival order
         partial = [r for r in self.running if self._pending(r) > 1]
+        for req in partial:  # their last chunks' K/V were computed by earlier steps: share them from now on
+            self.cache.cache_unfinished(req)
         decoding = len(self.running) - len(partial)
-        for req in partial + list(self.waiting):
+        for req in partial + self._waiting_order():
             if budget <= 0:
                 break
             admitted = req.status is RequestStatus.RUNNING
-            if not admitted and len(self.running) >= self.max_running_requests:
-                break
-            n = min(self._pending(req), budget)
-            # keep one page per decoding request free so the next decode step does not retract at once
-            reserve = decoding if not admitted else 0
-            if self.kv.pages_needed(req.kv_len, req.kv_len + n) + reserve > self.kv.allocator.available_pages():
-                break
             if not admitted:
+                if len(self.running) >= self.max_running_requests:
+                    break
                 slot = self.kv.req_pool.alloc()
                 if slot is None:
                     break
-                req.req_pool_idx, req.status = slot, RequestStatus.RUNNING
+                req.req_pool_idx = slot
+                self.cache.admit(req)  # kv_len = the cached prefix, locked
+            n = min(self._pending(req), budget)
+            # keep one page per decoding request free so the next decode step does not retract at once
+            reserve = decoding if not admitted else 0
+            pages = self.kv.pages_needed(req.kv_len, req.kv_len + n)
+            if pages + reserve > self.cache.available_pages():
+                if not admitted:  # undo: unlock the prefix, give the row back
+                    self.cache.release(req)
+                    req.req_pool_idx, req.kv_len = None, 0
+                break
+            if not admitted:
+                req.status = RequestStatus.RUNNING
                 self.waiting.remove(req)
                 self.running.append(req)
+                self.cache.admitted(req)
+            self.cache.ensure_pages(pages)
             loc = self.kv.extend(req.req_pool_idx, req.kv_len, req.kv_len + n)
             assert loc is not None  # pages were checked above
             reqs.append(req)
@@ -98,7 +114,8 @@ class Scheduler:
             return None
         while True:
             need = sum(self.kv.pages_needed(r.kv_len, r.kv_len + 1) for r in decoding)
-            if need <= self.kv.allocator.available_pages():
+            if need <= self.cache.available_pages():
+                self.cache.ensure_pages(need)
                 break
             victim = self.running[-1]
             self.retract(victim)
@@ -132,5 +149,12 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.release(req.req_pool_idx, req.kv_len)
+        self.cache.release(req)  # its computed prefix stays in the prefix cache, unlocked
         req.req_pool_idx = None
+
+    def _waiting_order(self) -> list[Request]:
+        """Arrival order, or with the "lpm" policy the longest cached prefix first (stable; as SGLang, plain
+        arrival order when the queue is long, since every waiting request is matched against the tree)."""
+        if self.policy != "lpm" or not self.cache.enabled or not 1 < len(self.waiting) <= 128:
+            return list(self.waiting)
+        return sorted(self.waiting, key=lambda r: -self.cache.match_len(r))
