@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, holding a request slot (prefilling or decoding)
         self.num_retractions = 0
+        self._extended: list[Request] = []  # the last extend batch: its K/V joins the prefix cache next step
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -48,6 +49,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        # what the last extend computed is shareable now (a later step reads it after it is written)
+        for req in self._extended:
+            if req.status is RequestStatus.RUNNING:
+                self.cache.cache_unfinished(req)
+        self._extended = []
         return self._schedule_extend() or self._schedule_decode()
 
     # ---------------------------------------------------------------- extend
@@ -60,8 +66,6 @@ class Scheduler:
         reqs, prefix, lens, locs = [], [], [], []
         # a request cut by the last chunk continues first, then new ones in arrival order
         partial = [r for r in self.running if self._pending(r) > 1]
-        for req in partial:  # their last chunks' K/V were computed by earlier steps: share them from now on
-            self.cache.cache_unfinished(req)
         decoding = len(self.running) - len(partial)
         for req in partial + self._waiting_order():
             if budget <= 0:
@@ -101,6 +105,8 @@ class Scheduler:
             return None
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
+        if self.cache.enabled:
+            self._extended = reqs
         return ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, torch.cat(locs),
                               [r.kv_len == r.seq_len for r in reqs])
 

@@ -55,8 +55,10 @@ class RadixCache:
     def _common_len(self, a: Sequence[int], b: Sequence[int]) -> int:
         """Length of the common prefix of a and b, in whole pages."""
         n = min(len(a), len(b))
+        if a[:n] == b[:n]:  # the common case, compared in C
+            return self.aligned(n)
         i = 0
-        while i < n and a[i] == b[i]:
+        while a[i] == b[i]:
             i += 1
         return self.aligned(i)
 
@@ -72,7 +74,7 @@ class RadixCache:
     # ------------------------------------------------------------------ match / insert
     def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
         """Slots of the longest cached prefix of `key` (whole pages), and the node where it ends."""
-        key = key[: self.aligned(len(key))]
+        key = list(key[: self.aligned(len(key))])
         now = next(self._clock)
         node, values, i = self.root, [], 0
         while i < len(key):
