@@ -161,6 +161,7 @@ class Scheduler:
     def _waiting_order(self) -> list[Request]:
         """Arrival order, or with the "lpm" policy the longest cached prefix first (stable; as SGLang, plain
         arrival order when the queue is long, since every waiting request is matched against the tree)."""
-        if self.policy != "lpm" or not self.cache.enabled or not 1 < len(self.waiting) <= 128:
+        if (self.policy != "lpm" or not self.cache.enabled or not 1 < len(self.waiting) <= 128
+                or len(self.running) >= self.max_running_requests):  # (none can be admitted: no need to sort)
             return list(self.waiting)
         return sorted(self.waiting, key=lambda r: -self.cache.match_len(r))
