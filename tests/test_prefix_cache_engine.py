@@ -17,7 +17,7 @@ SYSTEMS = [
 QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Name a fruit.", "How do birds fly?",
              "What is two plus two?", "Tell me a joke.", "What is rain?", "Who wrote Hamlet?",
              "What is a cat?", "Describe the moon.", "What is music?"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @contextlib.contextmanager
@@ -54,6 +54,12 @@ def workload(llm) -> tuple[dict, int]:
             out[f"chat-{i}-{turn}"] = r.outputs[0].token_ids
             hits += r.num_cached_tokens or 0
             chats[i] = chats[i] + r.outputs[0].token_ids + tok.encode(f" User: tell me more about turn {turn}.")
+    # pressure: distinct prompts whose outputs outgrow the 1024-token pool after admission (retraction),
+    # while the tree holds the earlier stages' tokens (eviction)
+    distinct = [{"prompt_token_ids": tok.encode(f"Request {i}. " + " ".join(QUESTIONS[i:] + QUESTIONS[:i]) * 2)}
+                for i in range(10)]
+    for i, r in enumerate(llm.generate(distinct, GREEDY, use_tqdm=False)):
+        out[f"distinct-{i}"] = r.outputs[0].token_ids
     engine = llm.engine
     long_system = tok.encode(" ".join(SYSTEMS) * 2)
     for i in range(6):
