@@ -50,6 +50,8 @@ class EngineArgs:
     piecewise_cuda_graph_compiler: str = _arg("eager", "eager | inductor: how pieces between attention calls "
                                               "are compiled")
     enable_mixed_chunk: bool = _arg(False, "run the decoding requests' tokens in the same step as a prefill chunk")
+    disable_radix_cache: bool = _arg(False, "turn off prefix caching (the radix tree over the KV pool)")
+    schedule_policy: str = _arg("lpm", "order of waiting requests: lpm (longest cached prefix first) | fcfs")
 
     def __post_init__(self) -> None:
         checks = [
@@ -78,6 +80,7 @@ class EngineArgs:
              "a non-empty list of token counts >= 1"),
             ("piecewise_cuda_graph_compiler", self.piecewise_cuda_graph_compiler in ("eager", "inductor"),
              "one of eager, inductor"),
+            ("schedule_policy", self.schedule_policy in ("lpm", "fcfs"), "one of lpm, fcfs"),
         ]
         for name, ok, limit in checks:
             if not ok:

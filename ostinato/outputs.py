@@ -31,3 +31,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (the first sample's, n > 1)

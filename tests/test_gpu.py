@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(scope="module", params=["llama-3.2-1b", "qwen3-0.6b"])
 def gpu_llm(request):
+    # no prefix cache: these tests repeat prompts and compare runs that must form identical batches
     llm = LLM(request.param, load_format="dummy", max_total_tokens=200_000, max_running_requests=64,
-              cuda_graph_bs=[1, 2, 4, 8, 16, 32, 48, 64])
+              cuda_graph_bs=[1, 2, 4, 8, 16, 32, 48, 64], disable_radix_cache=True)
     yield llm
     del llm
     torch.cuda.empty_cache()

@@ -214,6 +214,30 @@ def test_client_errors_map_to_openai_exceptions(server, client):
         bad.models.list()
 
 
+def test_repeated_prompt_reports_cached_tokens(server, client):
+    kw = dict(model=MODEL, prompt="A long shared preamble about the history of the Roman Empire and its roads. " * 3,
+              temperature=0, max_tokens=4)
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    n = second.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < n - 1
+    assert n - 1 - 16 < second.usage.prompt_tokens_details.cached_tokens <= n - 1  # all but the last (page-aligned)
+    assert second.choices[0].text == first.choices[0].text
+    usage = None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        usage = chunk.usage or usage
+    assert usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens_details.cached_tokens
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": kw["prompt"]}],
+                                       temperature=0, max_tokens=2)
+    r2 = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": kw["prompt"]}],
+                                        temperature=0, max_tokens=2)
+    assert r2.usage.prompt_tokens_details.cached_tokens > r.usage.prompt_tokens_details.cached_tokens
+    m = httpx.get(server.url + "/metrics").text
+    assert 0 < metric(m, "ostinato:prefix_cache_hits_total") < metric(m, "ostinato:prefix_cache_queries_total")
+    assert 0 < metric(m, "ostinato:prefix_cache_hit_rate") < 1
+    assert metric(m, "ostinato:prefix_cache_evictable_tokens") > 0
+
+
 def test_still_serves_after_bad_inputs(server, client):
     text, r = chat_text(client, "What is the capital of France?", temperature=0, max_tokens=16)
     assert "Paris" in text

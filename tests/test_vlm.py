@@ -126,6 +126,26 @@ def test_chat_content_parts_equal_generate(q25_llm, tmp_path):
     assert chat.outputs[0].token_ids == gen.outputs[0].token_ids and len(gen.outputs[0].token_ids) > 0
 
 
+def test_prefix_cache_keys_images_by_content(q25_llm):
+    """Same text, different images: nothing past the first image placeholder is shared; the same image again
+    is. Outputs equal an engine without the cache."""
+    from ostinato import LLM, SamplingParams
+
+    a, b = image(80, 60, 3), image(80, 60, 4)  # same size: same placeholder tokens, different pixels
+    prompt = f"<|im_start|>user\n{PH} what is it<|im_end|>\n<|im_start|>assistant\n"
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    reqs = [{"prompt": prompt, "multi_modal_data": {"image": img}} for img in (a, b, a)]
+    cached = [q25_llm.generate(r, sp, use_tqdm=False)[0] for r in reqs]
+    first_image_row = cached[0].prompt_token_ids.index(q25_llm.source.hf_config.image_token_id)
+    n_image = cached[0].prompt_token_ids.count(q25_llm.source.hf_config.image_token_id)
+    assert cached[1].num_cached_tokens <= first_image_row  # image b shares only the text before the image
+    assert cached[2].num_cached_tokens >= first_image_row + n_image  # image a again: its image tokens hit
+    plain = LLM(q25_llm.source.path, dtype="float32", device="cpu", max_total_tokens=512, page_size=4,
+                max_model_len=64, disable_radix_cache=True)
+    for r, out in zip(reqs, cached, strict=True):
+        assert plain.generate(r, sp, use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("images, field", [
     ([b"not an image"], "image[0]: the image could not be decoded"),
     (["ftp://example.com/a.png"], "image[0]: URL scheme 'ftp' is not allowed"),

@@ -76,6 +76,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
 @dataclass
@@ -115,7 +116,7 @@ def coalesce_deltas(items: list[ChoiceDelta | BaseException]) -> list[ChoiceDelt
             out[-1] = dataclasses.replace(
                 last, text=last.text + item.text, token_ids=last.token_ids + item.token_ids,
                 logprobs=last.logprobs + item.logprobs, finish_reason=item.finish_reason,
-                stop_reason=item.stop_reason)
+                stop_reason=item.stop_reason, num_cached_tokens=item.num_cached_tokens)
         else:
             out.append(item)
     return out
@@ -323,7 +324,8 @@ class AsyncEngineClient:
                 t.first_token = now
             t.num_tokens = len(st.token_ids)
             child.queue.put_nowait(ChoiceDelta(child.index, st.delta_text, st.delta_token_ids, st.delta_logprobs,
-                                               st.finish_reason, st.stop_reason, t.num_prompt_tokens))
+                                               st.finish_reason, st.stop_reason, t.num_prompt_tokens,
+                                               st.num_cached_tokens))
             if st.finish_reason is not None:
                 del self._children[st.rid]
                 t.finished, t.finish_reason = now, st.finish_reason

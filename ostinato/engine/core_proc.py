@@ -143,9 +143,12 @@ class EngineLoop:
         sched, alloc, slots = core.scheduler, core.runner.allocator, core.runner.req_to_token_pool
         return {
             "running": len(sched.running), "waiting": len(sched.waiting),
-            "kv_free_pages": alloc.available_pages(), "kv_total_pages": alloc.num_pages - 1,
+            # free counts what the prefix cache holds unused (it is evicted on demand)
+            "kv_free_pages": sched.cache.available_pages(), "kv_total_pages": alloc.num_pages - 1,
             "req_slots_free": slots.available_size(), "req_slots_total": slots.size,
             "num_retractions": sched.num_retractions,
+            "prefix_cache_queries": sched.cache.query_tokens, "prefix_cache_hits": sched.cache.hit_tokens,
+            "prefix_cache_evictable_tokens": sched.cache.evictable_tokens(),
             **{f"{mode}_steps": n for mode, n in core.step_counts.items()},
             **{f"{mode}_tokens": n for mode, n in core.step_tokens.items()},
             **{f"{mode}_seconds": t for mode, t in core.step_seconds.items()},

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.config import EngineArgs
 from ostinato.engine.limits import EngineLimits, validate_request
+from ostinato.engine.prefix_cache import PrefixCache
 from ostinato.engine.request import Request, RequestStatus
 from ostinato.engine.scheduler import ScheduledBatch, Scheduler
 from ostinato.loader import ModelSource
@@ -26,6 +27,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
 
 
 def eos_token_ids(source: ModelSource) -> frozenset[int]:
@@ -43,8 +45,13 @@ class EngineCore:
     def __init__(self, args: EngineArgs, source: ModelSource) -> None:
         self.args = args
         self.runner = ModelRunner(args, source)
+        use_cache = not args.disable_radix_cache and self.runner.supports_prefix_cache
+        if not args.disable_radix_cache and not use_cache:
+            logger.info("prefix caching is off for this model: a hybrid model's cached prefix has no Mamba state")
+        cache = PrefixCache(self.runner.kv_manager, enabled=use_cache)
         self.scheduler = Scheduler(self.runner.kv_manager, self.runner.max_running_requests,
-                                   self.runner.chunked_prefill_size, args.enable_mixed_chunk)
+                                   self.runner.chunked_prefill_size, cache, args.schedule_policy,
+                                   args.enable_mixed_chunk)
         self.eos_token_ids = eos_token_ids(source)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
@@ -99,7 +106,7 @@ class EngineCore:
         if req is None or req.is_finished:
             return
         self.scheduler.finish(req, "abort")
-        self._aborted.append(EngineCoreOutput(rid, [], "abort"))
+        self._aborted.append(EngineCoreOutput(rid, [], "abort", num_cached_tokens=req.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -146,7 +153,8 @@ class EngineCore:
             if not emits or req.is_finished:  # finished (stopped, aborted) after this step was launched
                 continue
             req.resolve_pending(token)
-            out = EngineCoreOutput(req.rid, [token], logprobs=None if lp is None else [lp])
+            out = EngineCoreOutput(req.rid, [token], logprobs=None if lp is None else [lp],
+                                   num_cached_tokens=req.num_cached_tokens)
             if req.finish_reason is not None:
                 self.scheduler.finish(req, req.finish_reason)
                 self.requests.pop(req.rid, None)
@@ -156,4 +164,4 @@ class EngineCore:
 
     def check_memory_leak(self) -> None:
         assert not any(r.status is RequestStatus.RUNNING for r in self.requests.values())
-        self.runner.kv_manager.check_all_free()
+        self.scheduler.cache.check_all_free()

@@ -35,8 +35,9 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
 
 
 def encode_outputs(outputs: list[EngineCoreOutput]) -> list[list[Any]]:
-    return [[o.rid, o.new_token_ids, o.finish_reason, o.stop_reason, o.logprobs] for o in outputs]
+    return [[o.rid, o.new_token_ids, o.finish_reason, o.stop_reason, o.logprobs, o.num_cached_tokens]
+            for o in outputs]
 
 
 def decode_outputs(rows: list[list[Any]]) -> list[EngineCoreOutput]:
-    return [EngineCoreOutput(rid, ids, finish, stop, lps) for rid, ids, finish, stop, lps in rows]
+    return [EngineCoreOutput(rid, ids, finish, stop, lps, cached) for rid, ids, finish, stop, lps, cached in rows]

@@ -24,6 +24,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
+    num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
     # what the latest `process` call added
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -89,6 +90,8 @@ class OutputProcessor:
                 state.delta_text, state.delta_token_ids, state.delta_logprobs = "", [], []
                 updated[out.rid] = state
             state.token_ids.extend(out.new_token_ids)
+            if out.num_cached_tokens is not None:
+                state.num_cached_tokens = out.num_cached_tokens
             state.delta_token_ids.extend(out.new_token_ids)
             if state.logprobs is not None and out.logprobs:
                 state.logprobs.extend(out.logprobs)

@@ -35,6 +35,10 @@ class Request:
     def rope_delta(self) -> int:
         """M-RoPE: a token past the prompt sits at position index + rope_delta (0 without images)."""
         return 0 if self.mm is None else self.mm.rope_delta
+    # prefix cache: tokens [0, cached_len) of the row are slots of the radix tree, locked through last_node
+    cached_len: int = 0
+    last_node: Any = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
 
     @property
     def seq_len(self) -> int:

@@ -12,6 +12,7 @@ from collections import deque
 import torch
 
 from ostinato.attention.forward_batch import ForwardMode
+from ostinato.engine.prefix_cache import PrefixCache
 from ostinato.engine.request import Request, RequestStatus
 from ostinato.mem.kv_manager import KVManager
 from ostinato.runner.scheduled_batch import ScheduledBatch
@@ -19,14 +20,18 @@ from ostinato.runner.scheduled_batch import ScheduledBatch
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int,
-                 enable_mixed_chunk: bool = False) -> None:
+                 cache: PrefixCache | None = None, policy: str = "fcfs", enable_mixed_chunk: bool = False) -> None:
         self.kv = kv
+        # prefix cache (radix tree); by default off here, on in the engine (EngineArgs.disable_radix_cache)
+        self.cache = cache if cache is not None else PrefixCache(kv, enabled=False)
+        self.policy = policy  # "lpm": longest cached prefix first among waiting requests; "fcfs"
         self.enable_mixed_chunk = enable_mixed_chunk
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, holding a request slot (prefilling or decoding)
         self.num_retractions = 0
+        self._extended: list[Request] = []  # the last extend batch: its K/V joins the prefix cache next step
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -35,6 +40,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        # what the last extend computed is shareable now (a later step reads it after it is written)
+        for req in self._extended:
+            if req.status is RequestStatus.RUNNING:
+                self.cache.cache_unfinished(req)
+        self._extended = []
         return self._schedule_extend() or self._schedule_decode()
 
     # ---------------------------------------------------------------- extend
@@ -52,24 +62,33 @@ class Scheduler:
         mixed = [r for r in self.running if self._pending(r) == 1 and r.can_sample_more] \
             if self.enable_mixed_chunk else []
         budget -= len(mixed)
-        for req in partial + list(self.waiting):
+        for req in partial + self._waiting_order():
             if budget <= 0:
                 break
             admitted = req.status is RequestStatus.RUNNING
-            if not admitted and len(self.running) >= self.max_running_requests:
-                break
-            n = min(self._pending(req), budget)
-            # keep one page per decoding request free so the next decode step does not retract at once
-            reserve = decoding if not admitted else 0
-            if self.kv.pages_needed(req.kv_len, req.kv_len + n) + reserve > self.kv.allocator.available_pages():
-                break
             if not admitted:
+                if len(self.running) >= self.max_running_requests:
+                    break
                 slot = self.kv.req_pool.alloc()
                 if slot is None:
                     break
-                req.req_pool_idx, req.status = slot, RequestStatus.RUNNING
+                req.req_pool_idx = slot
+                self.cache.admit(req)  # kv_len = the cached prefix, locked
+            n = min(self._pending(req), budget)
+            # keep one page per decoding request free so the next decode step does not retract at once
+            reserve = decoding if not admitted else 0
+            pages = self.kv.pages_needed(req.kv_len, req.kv_len + n)
+            if pages + reserve > self.cache.available_pages():
+                if not admitted:  # undo: unlock the prefix, give the row back
+                    self.cache.release(req)
+                    req.req_pool_idx, req.kv_len = None, 0
+                break
+            if not admitted:
+                req.status = RequestStatus.RUNNING
                 self.waiting.remove(req)
                 self.running.append(req)
+                self.cache.admitted(req)
+            self.cache.ensure_pages(pages)
             loc = self.kv.extend(req.req_pool_idx, req.kv_len, req.kv_len + n)
             assert loc is not None  # pages were checked above
             reqs.append(req)
@@ -80,14 +99,18 @@ class Scheduler:
         if not reqs:
             return None
         for req in mixed:  # those that do not fit decode in a later step (which may retract)
-            if self.kv.pages_needed(req.kv_len, req.kv_len + 1) > self.kv.allocator.available_pages():
+            pages = self.kv.pages_needed(req.kv_len, req.kv_len + 1)
+            if pages > self.cache.available_pages():
                 continue
+            self.cache.ensure_pages(pages)
             reqs.append(req)
             prefix.append(req.kv_len)
             lens.append(1)
             locs.append(self.kv.extend(req.req_pool_idx, req.kv_len, req.kv_len + 1))
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
+        if self.cache.enabled:
+            self._extended = reqs
         return ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, torch.cat(locs),
                               [r.kv_len == r.seq_len for r in reqs])
 
@@ -101,7 +124,8 @@ class Scheduler:
             return None
         while True:
             need = sum(self.kv.pages_needed(r.kv_len, r.kv_len + 1) for r in decoding)
-            if need <= self.kv.allocator.available_pages():
+            if need <= self.cache.available_pages():
+                self.cache.ensure_pages(need)
                 break
             victim = self.running[-1]
             self.retract(victim)
@@ -135,5 +159,13 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.release(req.req_pool_idx, req.kv_len)
+        self.cache.release(req)  # its computed prefix stays in the prefix cache, unlocked
         req.req_pool_idx = None
+
+    def _waiting_order(self) -> list[Request]:
+        """Arrival order, or with the "lpm" policy the longest cached prefix first (stable; as SGLang, plain
+        arrival order when the queue is long, since every waiting request is matched against the tree)."""
+        if (self.policy != "lpm" or not self.cache.enabled or not 1 < len(self.waiting) <= 128
+                or len(self.running) >= self.max_running_requests):  # (none can be admitted: no need to sort)
+            return list(self.waiting)
+        return sorted(self.waiting, key=lambda r: -self.cache.match_len(r))

@@ -139,6 +139,8 @@ class LLM:
                         continue
                     parent, j = child_index[state.rid]
                     results[parent].outputs[j] = state.completion(j)
+                    if j == 0:
+                        results[parent].num_cached_tokens = state.num_cached_tokens
                     bar.update(1)
             processor.process(self.engine.step())  # flush abort acknowledgements
         except BaseException:

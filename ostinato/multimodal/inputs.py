@@ -1,5 +1,6 @@
 """A request's image inputs, from the front end to the engine core, and its encoder-cache entry."""
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,22 @@ class MultiModalInputs:
     @property
     def num_image_tokens(self) -> int:
         return int(self.image_rows.numel())
+
+    def placeholder_keys(self) -> list[int]:
+        """Per image placeholder token (in `image_rows` order), an id that stands for its image's content in
+        the prefix cache: negative (never a vocabulary id) and derived from a hash of the image's pixels and
+        grid, so two different images never share KV and the same image shared by two prompts does."""
+        if getattr(self, "_keys", None) is None:
+            patches = [t * h * w for t, h, w in self.image_grid_thw]
+            tokens_per_patch = self.num_image_tokens / max(1, sum(patches))  # 1 / merge**2
+            keys, start = [], 0
+            for grid, n in zip(self.image_grid_thw, patches, strict=True):
+                px = self.pixel_values[start : start + n].float().contiguous().numpy().tobytes()
+                digest = hashlib.blake2b(px + repr(grid).encode(), digest_size=8).digest()
+                keys += [-1 - int.from_bytes(digest, "little") % 2**62] * round(n * tokens_per_patch)
+                start += n
+            self._keys = keys
+        return self._keys
 
 
 def mm_to_wire(mm: MultiModalInputs) -> dict:

@@ -24,6 +24,14 @@ class ServerMetrics:
         self.kv_total = gauge("kv_cache_total_pages", "Usable KV-cache pages")
         self.slots_free = gauge("req_slots_free", "Free request slots of the engine")
         self.retractions = gauge("num_retractions", "Requests retracted (KV freed, recomputed later) so far")
+        self.prefix_queries = Counter("ostinato:prefix_cache_queries", "Prompt tokens of admitted requests",
+                                      labels, registry=r).labels(model_name)
+        self.prefix_hits = Counter("ostinato:prefix_cache_hits", "Of those, tokens found in the prefix cache",
+                                   labels, registry=r).labels(model_name)
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start (0..1)")
+        self.prefix_evictable = gauge("prefix_cache_evictable_tokens",
+                                      "Tokens held by the prefix cache and not in use (freed on demand)")
+        self._prefix_counts = (0, 0)
         self.prompt_tokens = Counter("ostinato:prompt_tokens", "Prompt tokens of finished requests", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("ostinato:generation_tokens", "Generated tokens of finished requests",
@@ -60,6 +68,13 @@ class ServerMetrics:
         self.kv_usage.set(1.0 - stats["kv_free_pages"] / total)
         self.slots_free.set(stats["req_slots_free"])
         self.retractions.set(stats["num_retractions"])
+        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+        if queries > self._prefix_counts[0]:
+            self.prefix_queries.inc(queries - self._prefix_counts[0])
+            self.prefix_hits.inc(hits - self._prefix_counts[1])
+            self._prefix_counts = (queries, hits)
+            self.prefix_hit_rate.set(hits / queries)
+        self.prefix_evictable.set(stats.get("prefix_cache_evictable_tokens", 0))
         for key, counter in self._engine_counters.items():
             delta = stats[key] - self._engine_counts.get(key, 0)
             if delta > 0:

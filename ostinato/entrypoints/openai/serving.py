@@ -40,6 +40,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    num_cached_tokens: int = 0
 
 
 _json = json.JSONEncoder(ensure_ascii=False).encode
@@ -70,13 +71,20 @@ class ChunkFormat:
         return (f'{self.prefix}{{"index": {index}, "delta": {{"content": {_json(text)}}}, "logprobs": null, '
                 f'"finish_reason": {_json(finish_reason)}}}]}}\n\n')
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
-        return f"{self.prefix}], \"usage\": {_json(usage(prompt_tokens, completion_tokens))}}}\n\n"
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
+        return f"{self.prefix}], \"usage\": {_json(usage(prompt_tokens, completion_tokens, cached_tokens))}}}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_tokens(cached: dict[int, int], n: int) -> int:
+    """Prompt tokens served from the prefix cache, by choice index: each prompt counted once (its first
+    sample's), as the prompt tokens are."""
+    return sum(c for i, c in cached.items() if i % n == 0)
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
@@ -174,13 +182,14 @@ class OpenAIServing:
         n_prompt = sum(len(p) for p in prompts)
         if req.stream:
             return self._sse(gen, self._stream_completions(gen, head, n_prompt, req.logprobs is not None,
-                                                           req.include_usage))
+                                                           req.include_usage, params.n))
         choices = await self._collect(gen, rename)
         return {**head, "choices": [
             {"index": i, "text": c.text, "finish_reason": c.finish_reason,
              "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0) if req.logprobs is not None else None}
             for i, c in sorted(choices.items())
-        ], "usage": usage(n_prompt, sum(len(c.token_ids) for c in choices.values()))}
+        ], "usage": usage(n_prompt, sum(len(c.token_ids) for c in choices.values()),
+                          cached_tokens({i: c.num_cached_tokens for i, c in choices.items()}, params.n))}
 
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -208,12 +217,14 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def _stream_completions(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int,
-                                  logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+                                  logprobs: bool, include_usage: bool, n: int = 1) -> AsyncIterator[str]:
         fmt = ChunkFormat(head)
         n_out = 0
         offsets: dict[int, int] = {}
+        cached: dict[int, int] = {}
         async for d in gen:
             n_out += len(d.token_ids)
+            cached[d.index] = d.num_cached_tokens
             if not d.token_ids and not d.text and d.finish_reason is None:
                 continue
             if not logprobs:
@@ -223,7 +234,7 @@ class OpenAIServing:
             offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
             yield fmt.choice({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
         if include_usage:
-            yield fmt.usage(n_prompt, n_out)
+            yield fmt.usage(n_prompt, n_out, cached_tokens(cached, n))
 
     def _completion_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         tokens = decode_tokens(self.tokenizer, token_ids)
@@ -261,7 +272,8 @@ class OpenAIServing:
             {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
              "logprobs": {"content": self._chat_logprobs(c.token_ids, c.logprobs)} if req.logprobs else None}
             for i, c in sorted(choices.items())
-        ], "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices.values()))}
+        ], "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices.values()),
+                          cached_tokens({i: c.num_cached_tokens for i, c in choices.items()}, params.n))}
 
     async def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], dict | None]:
         """Prompt ids, and for messages with image_url parts the images as the engine takes them (fetched,
@@ -309,11 +321,13 @@ class OpenAIServing:
                            logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
         fmt = ChunkFormat(head)
         n_out = 0
+        cached: dict[int, int] = {}
         for i in range(n):
             yield fmt.choice({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None})
         async for d in gen:
             n_out += len(d.token_ids)
+            cached[d.index] = d.num_cached_tokens
             if not d.token_ids and not d.text and d.finish_reason is None:
                 continue
             if not logprobs and (d.text or d.finish_reason is None):
@@ -323,7 +337,7 @@ class OpenAIServing:
             lp = {"content": self._chat_logprobs(d.token_ids, d.logprobs)} if logprobs else None
             yield fmt.choice({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
         if include_usage:
-            yield fmt.usage(n_prompt, n_out)
+            yield fmt.usage(n_prompt, n_out, cached_tokens(cached, n))
 
     def _chat_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs]) -> list[dict[str, Any]]:
         def entry(text: str, lp: float) -> dict[str, Any]:
@@ -364,6 +378,7 @@ class OpenAIServing:
                 c.token_ids += d.token_ids
                 c.logprobs += d.logprobs
                 c.finish_reason = d.finish_reason
+                c.num_cached_tokens = d.num_cached_tokens
         except EngineDeadError as e:
             raise engine_dead(str(e)) from None
         except RequestRejected as e:
