@@ -40,6 +40,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
     trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
+    kv_store_two_stream: bool = _arg(False, "write K/V with indexed copies, V on a second stream inside captured "
+                                     "graphs (seed 001), instead of the fused Triton store kernel")
 
     def __post_init__(self) -> None:
         checks = [

@@ -16,6 +16,7 @@ from ostinato.engine.request import PENDING_TOKEN
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
+from ostinato.graphs.graph import release_graph_pool
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.loader.kv_scales import KVScaleFilter
 from ostinato.mem.kv_cache import MHATokenToKVPool
@@ -92,6 +93,9 @@ class ModelRunner:
         self._init_memory(want_len)
         self.backend = self._make_backend(self.req_to_token_pool, self.kv_cache)
         self.next_tokens = NextTokenBuffer(self.req_to_token_pool.size, self.device)
+        if cuda and args.kv_store_two_stream:  # indexed K/V writes, V on its own stream under capture
+            self.backend.kv_store = "indexed"
+            self.kv_cache.alt_stream = torch.cuda.Stream(self.device)
         self.graph_runner: DecodeGraphRunner | None = None
         self._argmax: torch.Tensor | None = None  # argmax of the last forward's logits, when a graph computed it
         self.extend_graph_runner: ExtendGraphRunner | None = None
@@ -119,6 +123,19 @@ class ModelRunner:
             return TritonAttentionBackend(req_pool, kv_cache, num_heads,
                                           page_size=self.args.page_size if page_size is None else page_size)
         return TorchAttentionBackend(req_pool, kv_cache)
+
+    def shutdown(self) -> None:
+        """Drop every device buffer this runner holds (graphs and their pool, KV pool, workspaces, the model)
+        and every reference between its parts, so nothing waits for a cyclic collection. Idempotent; the
+        runner is unusable afterwards."""
+        for graphs in (getattr(self, "graph_runner", None), getattr(self, "extend_graph_runner", None)):
+            if graphs is not None:
+                graphs.graphs.clear()
+                graphs.__dict__.clear()
+        device = getattr(self, "device", None)
+        self.__dict__.clear()
+        if device is not None:
+            release_graph_pool(device)
 
     # ------------------------------------------------------------------ memory
     def _init_memory(self, want_len: int) -> None:
