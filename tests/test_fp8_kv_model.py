@@ -16,13 +16,30 @@ def engine(**kw) -> LLM:
     return LLM(dtype="float32", device="cpu", max_total_tokens=4096, max_running_requests=16, **kw)
 
 
+# The teacher text each chat prompt is continued with (a 64-token window, at a different offset per prompt):
+# teacher forcing needs a fixed continuation, not the model's own (which would cost 64 decode steps).
+TEXT = (
+    "Sure! Here is a clear answer. First, it helps to think about the question step by step, because most "
+    "everyday things have a simple explanation once you look at the parts. The sun gives light and heat, water "
+    "moves between the sea, the air and the land, and plants use sunlight to make food from air and water. "
+    "People learned these facts by watching carefully, asking questions and testing ideas. If you want to learn "
+    "more, read a good book, try a small experiment at home, and talk with friends about what you find. Most of "
+    "all, stay curious: every answer leads to a new question, and that is what makes learning fun."
+)
+
+
 @pytest.fixture(scope="module")
 def teacher():
-    """The page-1 fp32-cache engine and its greedy continuations of the 16 chat prompts."""
+    """The page-1 fp32-cache engine and the 16 chat prompts, each with a 64-token teacher continuation."""
     llm = engine()
-    outs = llm.chat([[{"role": "user", "content": p}] for p in CHAT_PROMPTS],
-                    SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
-    return llm, [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+    tok = llm.get_tokenizer()
+    text = tok.encode(TEXT, add_special_tokens=False)
+    assert len(text) >= NEW + 4 * 15
+    seqs = []
+    for i, p in enumerate(CHAT_PROMPTS):
+        prompt = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        seqs.append((tok.encode(prompt, add_special_tokens=False), text[4 * i : 4 * i + NEW]))
+    return llm, seqs
 
 
 @torch.inference_mode()
@@ -56,9 +73,9 @@ def teacher_forced_logits(llm: LLM, seqs: list[tuple[list[int], list[int]]]) -> 
 def test_fp8_kv_agrees_with_fp32_kv(teacher):
     llm, seqs = teacher
     ref = teacher_forced_logits(llm, seqs)
-    fp8 = engine(kv_cache_dtype="fp8_e4m3")
-    assert fp8.engine.runner.kv_cache.k_buffer[0].dtype == torch.uint8
-    got = teacher_forced_logits(fp8, seqs)
+    with engine(kv_cache_dtype="fp8_e4m3") as fp8:
+        assert fp8.engine.runner.kv_cache.k_buffer[0].dtype == torch.uint8
+        got = teacher_forced_logits(fp8, seqs)
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
     diff = (ref - got).abs().max().item()
     print(f"\nfp8_e4m3 KV vs fp32 KV, teacher-forced top-1 over {ref.shape[0]} tokens: {agree:.2%} agree, "
@@ -68,9 +85,11 @@ def test_fp8_kv_agrees_with_fp32_kv(teacher):
 
 
 def test_page_size_16_gives_page_size_1_tokens(teacher):
-    _, seqs = teacher
-    paged = engine(page_size=16)
-    outs = paged.generate([{"prompt_token_ids": p} for p, _ in seqs[:8]],
-                          SamplingParams(temperature=0.0, max_tokens=NEW // 2, ignore_eos=True), use_tqdm=False)
-    for (_, want), o in zip(seqs, outs, strict=False):
-        assert o.outputs[0].token_ids == list(want[: NEW // 2])
+    llm, seqs = teacher
+    prompts = [{"prompt_token_ids": p} for p, _ in seqs[:4]]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    with engine(page_size=16) as paged:
+        assert paged.engine.runner.allocator.page_size == 16
+        got = [o.outputs[0].token_ids for o in paged.generate(prompts, sp, use_tqdm=False)]
+    assert got == want

@@ -69,7 +69,8 @@ class EngineCore:
             "max_model_len %d; max_running_requests %d; chunked_prefill_size %d",
             source.path, type(r.model).__name__, str(r.dtype).removeprefix("torch."), r.device,
             r.weight_bytes / 2**30, r.load_seconds, r.max_total_tokens, r.kv_cache.bytes() / 2**30,
-            str(r.kv_cache.dtype).removeprefix("torch."), args.page_size, r.max_model_len, r.max_running_requests, r.chunked_prefill_size,
+            str(r.kv_cache.dtype).removeprefix("torch."), args.page_size, r.max_model_len, r.max_running_requests,
+            r.chunked_prefill_size,
         )
 
     def shutdown(self) -> None:

@@ -40,7 +40,10 @@ class LLM:
         self.shutdown()
 
     def __del__(self) -> None:
-        self.shutdown()
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - at interpreter exit torch may already be torn down
+            pass
 
     def get_tokenizer(self):
         return self.tokenizer
