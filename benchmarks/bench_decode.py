@@ -10,6 +10,8 @@ state, read and written once (only the attention layers have KV).
 
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128
+python benchmarks/bench_decode.py --models llama-3.2-1b --cases 1:128 32:4096 128:4096 256:1024 --modes graph \
+    --kv-cache-dtype auto fp8_e4m3 --page-size 1 16     # bf16 vs fp8 KV, page 1 vs 16, in one run
 """
 
 import argparse
@@ -97,17 +99,23 @@ def profile_steps(runner: ModelRunner, sched: ScheduledBatch, iters: int = 20) -
     print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70))
 
 
-def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[dict], dict]:
-    need = max(bs * (ctx + 1) for bs, ctx in CASES) + 1024
+def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
+                page_size: int = 1) -> tuple[list[dict], dict]:
+    need = max(bs * (ctx + page_size) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
-                       enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs)
+                       enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs,
+                       kv_cache_dtype=kv_dtype, page_size=page_size)
     runner = ModelRunner(eargs, load_model_source(name, "dummy"))
     gc.collect()
     gc.freeze()  # as EngineCore does after start-up: no collection walks the model's objects mid-timing
-    for layer in range(runner.kv_cache.layer_num):  # never time on zeros
-        for buf in runner.kv_cache.get_kv_buffer(layer):
-            buf.normal_()
+    cache = runner.kv_cache
+    for layer in range(cache.layer_num):  # never time on zeros
+        for buf in cache.get_kv_buffer(layer):
+            if cache.is_fp8:  # random fp8 values (no NaN bytes), one layer-sized bf16 temporary
+                buf.copy_(torch.empty(buf.shape, dtype=torch.bfloat16, device=buf.device).normal_())
+            else:
+                buf.normal_()
     cfg = runner.config
     kv_per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim_of(cfg),
                                                     runner.kv_layers, runner.kv_cache.dtype)
@@ -115,8 +123,9 @@ def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[di
     if runner.mamba_pool is not None:
         state_per_req = 2 * runner.mamba_pool.bytes() // (runner.mamba_pool.size + 1)
     gr = runner.graph_runner
-    print(f"{name}: weights {runner.weight_bytes / 1e9:.2f} GB, capture {gr.capture_seconds:.1f} s "
-          f"for {gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
+    print(f"{name} (kv {kv_dtype}, page {page_size}): weights {runner.weight_bytes / 1e9:.2f} GB, KV "
+          f"{kv_per_token} B/token, capture {gr.capture_seconds:.1f} s for {gr.batch_sizes}, graph memory "
+          f"{gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
     for bs, ctx in CASES:
         sched, reqs = decode_batch(runner, bs, ctx)
@@ -124,21 +133,39 @@ def bench_model(name: str, args: argparse.Namespace, bw: float) -> tuple[list[di
         if runner.mamba_pool is not None:  # states are zero-filled at alloc: time on random ones
             runner.mamba_pool.conv.normal_(0, 0.1)
             runner.mamba_pool.ssm.normal_(0, 0.1)
-        for mode in ("eager", "graph", "graph-sync"):
+        for mode in args.modes:
             iters = args.eager_iters if mode == "eager" else args.iters
             step_ms, fwd_ms = time_steps(runner, sched, mode != "eager", iters, overlap=mode != "graph-sync")
             rows.append({"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
-                         "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile})
-            print(f"{name:<14}{bs:>5}{ctx:>7}{mode:>7}{step_ms:>10.3f}{fwd_ms:>10.3f}{floor_ms:>9.3f}", flush=True)
+                         "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile,
+                         "kv_cache_dtype": kv_dtype, "page_size": page_size})
+            print(f"{name:<14}{kv_dtype:>9}{page_size:>5}{bs:>5}{ctx:>7}{mode:>11}{step_ms:>10.3f}{fwd_ms:>10.3f}"
+                  f"{floor_ms:>9.3f}", flush=True)
         if f"{bs}:{ctx}" in (args.profile or []):
             profile_steps(runner, sched)
         for r in reqs:
             runner.kv_manager.release(r.req_pool_idx, r.kv_len)
     meta = {"capture_seconds": gr.capture_seconds, "graph_memory_GiB": gr.graph_memory_bytes / 2**30,
             "batch_sizes": gr.batch_sizes}
+    runner.shutdown()
     del runner
+    gc.unfreeze()
+    gc.collect()
     torch.cuda.empty_cache()
     return rows, meta
+
+
+def print_comparison(rows: list[dict]) -> None:
+    """Per (model, bs, context, mode): each kv dtype / page size against the first one run (auto, page 1)."""
+    base: dict[tuple, float] = {}
+    for r in rows:
+        key = (r["model"], r["bs"], r["context"], r["mode"])
+        if key not in base:
+            base[key] = r["ms_per_step"]
+            continue
+        print(f"{r['model']:<14}bs {r['bs']:>4} ctx {r['context']:>5} {r['mode']:<10} kv {r['kv_cache_dtype']:<9} "
+              f"page {r['page_size']:>3}: {r['ms_per_step']:.3f} ms, {base[key] / r['ms_per_step']:.3f}x of the first "
+              "configuration")
 
 
 def main() -> None:
@@ -150,6 +177,10 @@ def main() -> None:
     ap.add_argument("--compile-max-bs", type=int, default=32)
     ap.add_argument("--cases", nargs="+", default=None, help="bs:context pairs, e.g. 1:128 32:128")
     ap.add_argument("--profile", nargs="*", default=None, help="bs:context pairs to profile in graph mode")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="e.g. auto fp8_e4m3: one pass each")
+    ap.add_argument("--page-size", nargs="+", type=int, default=[1], help="e.g. 1 16: one pass each")
+    ap.add_argument("--modes", nargs="+", default=["eager", "graph", "graph-sync"],
+                    choices=["eager", "graph", "graph-sync"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cases:
@@ -157,12 +188,16 @@ def main() -> None:
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'model':<14}{'bs':>5}{'ctx':>7}{'mode':>7}{'ms/step':>10}{'fwd ms':>10}{'floor':>9}")
+    print(f"{'model':<14}{'kv':>9}{'page':>5}{'bs':>5}{'ctx':>7}{'mode':>11}{'ms/step':>10}{'fwd ms':>10}"
+          f"{'floor':>9}")
     rows, meta = [], {}
     for name in args.models:
-        r, m = bench_model(name, args, bw)
-        rows += r
-        meta[name] = m
+        for kv in args.kv_cache_dtype:
+            for page in args.page_size:
+                r, m = bench_model(name, args, bw, kv, page)
+                rows += r
+                meta[f"{name}/{kv}/page{page}"] = m
+    print_comparison(rows)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,
               "capture": meta, "rows": rows}

@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128])
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--max-total-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 | fp8_e5m2")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                     help="one run per temperature (nano-vllm's own bench samples at 0.6)")
@@ -71,7 +72,8 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-              max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
+              max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
+              kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.runner
     device = runner.device
     prompts, outs = make_prompts(args, runner.vocab_size)

@@ -52,6 +52,8 @@ class EngineArgs:
     enable_mixed_chunk: bool = _arg(False, "run the decoding requests' tokens in the same step as a prefill chunk")
     disable_radix_cache: bool = _arg(False, "turn off prefix caching (the radix tree over the KV pool)")
     schedule_policy: str = _arg("lpm", "order of waiting requests: lpm (longest cached prefix first) | fcfs")
+    kv_store_two_stream: bool = _arg(False, "write K/V with indexed copies, V on a second stream inside captured "
+                                     "graphs (seed 001), instead of the fused Triton store kernel")
 
     def __post_init__(self) -> None:
         checks = [

@@ -51,7 +51,7 @@ def make_env(page: int, heads: int, kv_heads: int, dim: int, *, dtype=torch.floa
     # hand pages out in a random order, so a request's slots are scattered over the pool
     alloc.free_pages = alloc.free_pages[torch.randperm(len(alloc.free_pages), generator=gen, device=device)]
     cache = MHATokenToKVPool(slots, cache_dtype or dtype, kv_heads, dim, 1, device)
-    tri = TritonAttentionBackend(req_pool, cache, num_heads=heads)
+    tri = TritonAttentionBackend(req_pool, cache, num_heads=heads, page_size=page)
     if small_blocks:  # the interpreter's shapes: several blocks and splits per request
         tri.decode_block_n = tri.extend_block_m = tri.extend_block_n = 16
         tri.min_tokens_per_split = 16

@@ -31,9 +31,10 @@ class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         self.init_forward_metadata_capture(bs, req_pool_indices, seq_lens)
 
-    def _gather(self, layer: AttentionSpec, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k_buf, v_buf = self.kv_cache.get_kv_buffer(layer.layer_id)
-        return k_buf[slots], v_buf[slots]
+    def _gather(self, layer: AttentionSpec, slots: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at `slots` in `dtype` (an fp8 cache is dequantized on the fly: no full-precision copy of it)."""
+        return self.kv_cache.read_kv(layer.layer_id, slots, dtype)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -41,12 +42,12 @@ class TorchAttentionBackend(AttentionBackend):
         for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu,
                                             strict=True)):
             total = prefix + n
-            k, v = self._gather(layer, self.kv_slots[i, :total])  # [total, Hkv, D]
+            k, v = self._gather(layer, self.kv_slots[i, :total], q.dtype)  # [total, Hkv, D]
             qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
             # query j sits at position prefix + j and sees keys 0..prefix + j
             mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
             o = F.scaled_dot_product_attention(
-                qi, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), attn_mask=mask,
+                qi, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                 scale=layer.scaling, enable_gqa=True,
             )
             out[start : start + n] = o.transpose(0, 1)
@@ -59,10 +60,10 @@ class TorchAttentionBackend(AttentionBackend):
             valid = self.graph_arange[None, :] < self.graph_seq_lens[:, None]
         else:
             slots, valid = self.kv_slots, self.kv_valid
-        k, v = self._gather(layer, slots)  # [bs, L, Hkv, D]
+        k, v = self._gather(layer, slots, q.dtype)  # [bs, L, Hkv, D]
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [bs, H, 1, D]
-            k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=valid[:, None, None, :], scale=layer.scaling, enable_gqa=True,
         )
         return o[:, :, 0, :]

@@ -27,9 +27,17 @@ class TritonAttentionBackend(AttentionBackend):
     extend_block_m = 64
     extend_block_n = 64
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, num_heads: int) -> None:
+    # How new K/V reach the cache: "fused" (one Triton kernel for K and V, quantizing fp8), or through the
+    # cache's own indexed writes (`set_kv_buffer`: K then V on one stream; on two streams under capture when
+    # the cache has an alt_stream). benchmarks/bench_kv_store.py measures the three inside a decode graph.
+    kv_store = "fused"
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, num_heads: int,
+                 page_size: int = 1) -> None:
         super().__init__(req_to_token_pool, kv_cache)
         self.num_heads = num_heads
+        self.page_size = page_size  # the pool's page size: the kernels then read one table entry per page
+        self.kv_fp8 = kv_cache.dtype if kv_cache.is_fp8 else None
         self.device = req_to_token_pool.req_to_token.device
         self.graph_mode = False
         self.graph_max_bs = 0
@@ -143,19 +151,27 @@ class TritonAttentionBackend(AttentionBackend):
         return o.reshape(-1, layer.num_heads * layer.head_dim)
 
     def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.kv_cache.store_dtype != self.kv_cache.dtype:  # fp8 stored as uint8: the cache casts
-            self.kv_cache.set_kv_buffer(layer_id, loc, k, v)
+        cache = self.kv_cache
+        if self.kv_store != "fused":
+            cache.set_kv_buffer(layer_id, loc, k, v)
             return
-        k_buf, v_buf = self.kv_cache.get_kv_buffer(layer_id)
-        store_kv(k_buf, v_buf, loc, k, v)
+        k_buf, v_buf = cache.get_store_buffer(layer_id)
+        store_kv(k_buf, v_buf, loc, k, v, self.kv_fp8, cache.k_scale(layer_id), cache.v_scale(layer_id))
+
+    def _kv_args(self, layer_id: int) -> dict:
+        """The cache as the kernels read it: stored bytes, page size, fp8 dtype and scales."""
+        cache = self.kv_cache
+        k_buf, v_buf = cache.get_store_buffer(layer_id)
+        return dict(k_buf=k_buf, v_buf=v_buf, page_size=self.page_size, kv_fp8=self.kv_fp8,
+                    k_scale=cache.k_scale(layer_id), v_scale=cache.v_scale(layer_id))
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        k_buf, v_buf = self.kv_cache.get_kv_buffer(layer.layer_id)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         extend_attention(
-            q, k_buf, v_buf, out, self.req_to_token_pool.req_to_token, self.req_pool_indices, self.q_start,
-            self.prefix_lens, self.extend_lens, self.block_req, self.block_m0, layer.scaling,
-            block_m=self.extend_block_m, block_n=self.extend_block_n,
+            q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=self.req_pool_indices,
+            q_start=self.q_start, prefix_lens=self.prefix_lens, extend_lens=self.extend_lens,
+            block_req=self.block_req, block_m0=self.block_m0, scale=layer.scaling,
+            block_m=self.extend_block_m, block_n=self.extend_block_n, **self._kv_args(layer.layer_id),
         )
         return out
 
@@ -177,11 +193,11 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_splits, req_pool_indices, seq_lens = self.num_kv_splits, self.req_pool_indices, self.seq_lens
             mid_o = torch.empty(bs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
-        k_buf, v_buf = self.kv_cache.get_kv_buffer(layer.layer_id)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode_attention(
-            q, k_buf, v_buf, out, self.req_to_token_pool.req_to_token, req_pool_indices, seq_lens,
-            num_kv_splits, mid_o, mid_lse, layer.scaling, block_n=self.decode_block_n,
+            q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
+            block_n=self.decode_block_n, **self._kv_args(layer.layer_id),
         )
         return out
 

@@ -6,6 +6,8 @@ import random
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.config import EngineArgs
 from ostinato.engine.limits import EngineLimits, validate_request
@@ -70,12 +72,27 @@ class EngineCore:
         gc.freeze()
         r = self.runner
         logger.info(
-            "model %s (%s, %s) on %s: weights %.2f GiB loaded in %.1f s; KV pool %d tokens (%.2f GiB, page %d); "
+            "model %s (%s, %s) on %s: weights %.2f GiB loaded in %.1f s; KV pool %d tokens (%.2f GiB, %s, page %d); "
             "max_model_len %d; max_running_requests %d; chunked_prefill_size %d",
             source.path, type(r.model).__name__, str(r.dtype).removeprefix("torch."), r.device,
             r.weight_bytes / 2**30, r.load_seconds, r.max_total_tokens, r.kv_cache.bytes() / 2**30,
-            args.page_size, r.max_model_len, r.max_running_requests, r.chunked_prefill_size,
+            str(r.kv_cache.dtype).removeprefix("torch."), args.page_size, r.max_model_len, r.max_running_requests,
+            r.chunked_prefill_size,
         )
+
+    def shutdown(self) -> None:
+        """Free the engine's device memory now: the runner drops its graphs, pools and model, and what
+        start-up froze out of the collector's reach (gc.freeze) is handed back to it and collected."""
+        if getattr(self, "runner", None) is None:
+            return
+        self.runner.shutdown()
+        self.runner = self.scheduler = None
+        self.requests.clear()
+        self._in_flight = None
+        gc.unfreeze()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     @property
     def max_model_len(self) -> int:

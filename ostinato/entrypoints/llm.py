@@ -30,6 +30,25 @@ class LLM:
                                                        self.args.allowed_local_media_path)
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Free the engine's memory (GPU: KV pool, graphs and their pool, workspaces, weights). Called on
+        leaving a `with LLM(...) as llm:` block and when the LLM is dropped; the LLM is unusable afterwards."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - at interpreter exit torch may already be torn down
+            pass
+
     def get_tokenizer(self):
         return self.tokenizer
 

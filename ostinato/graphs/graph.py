@@ -26,6 +26,13 @@ def shared_graph_pool(device: torch.device) -> object | None:
     return _pools[index]
 
 
+def release_graph_pool(device: torch.device) -> None:
+    """Forget the device's shared pool, so its memory goes back once the graphs captured into it are gone
+    (each graph keeps the pool's memory alive while it lives); the next capture starts a fresh pool."""
+    if device.type == "cuda":
+        _pools.pop(device.index if device.index is not None else torch.cuda.current_device(), None)
+
+
 class Graph:
     def __init__(self, device: torch.device) -> None:
         self.device = device

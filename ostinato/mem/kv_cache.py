@@ -7,11 +7,18 @@ import torch
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def fp8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
 class KVCache(abc.ABC):
     """Per-layer key/value storage indexed by token slot.
 
     fp8 caches are stored as uint8 because index_put is not implemented for the fp8 dtypes; `dtype`
-    is what attention sees, `store_dtype` what the buffers hold.
+    is what attention sees, `store_dtype` what the buffers hold. An fp8 cache holds x / scale (saturated
+    to the fp8 range) and is read as stored * scale, with one K scale and one V scale per layer (from the
+    checkpoint, else 1.0). The scales live on the device (`k_scale(layer)` / `v_scale(layer)`: 1-element
+    float32 views, each 16-byte aligned), so kernels read them inside a captured graph with no host sync.
     """
 
     def __init__(self, size: int, dtype: torch.dtype, layer_num: int, device: torch.device | str) -> None:
@@ -20,6 +27,26 @@ class KVCache(abc.ABC):
         self.store_dtype = torch.uint8 if dtype in FP8_DTYPES else dtype
         self.layer_num = layer_num
         self.device = device
+        self.is_fp8 = dtype in FP8_DTYPES
+        # [layer, {k, v}, pad to 16 bytes]: one kernel specialization for every layer's scale pointer
+        self.scales = torch.ones(layer_num, 2, 2, dtype=torch.float32, device=device)
+        self.scales_host: list[tuple[float, float]] = [(1.0, 1.0)] * layer_num
+
+    def set_scales(self, scales: dict[int, tuple[float, float]]) -> None:
+        """Per-layer (k_scale, v_scale); layers not given keep 1.0. Set before any K/V is stored."""
+        for layer, (ks, vs) in scales.items():
+            if not (0 <= layer < self.layer_num):
+                raise ValueError(f"kv scales: layer {layer} out of range (the model has {self.layer_num})")
+            if not (ks > 0 and vs > 0):
+                raise ValueError(f"kv scales of layer {layer} must be > 0, got k {ks}, v {vs}")
+            self.scales_host[layer] = (float(ks), float(vs))
+        self.scales.copy_(torch.tensor([[[k, 0.0], [v, 0.0]] for k, v in self.scales_host]))
+
+    def k_scale(self, layer_id: int) -> torch.Tensor:
+        return self.scales[layer_id, 0, :1]
+
+    def v_scale(self, layer_id: int) -> torch.Tensor:
+        return self.scales[layer_id, 1, :1]
 
     @abc.abstractmethod
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -46,6 +73,7 @@ class MHATokenToKVPool(KVCache):
         super().__init__(size, dtype, layer_num, device)
         self.head_num = head_num
         self.head_dim = head_dim
+        self.alt_stream: torch.cuda.Stream | None = None  # see set_kv_buffer
         shape = (size, head_num, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=device) for _ in range(layer_num)]
         self.v_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=device) for _ in range(layer_num)]
@@ -54,16 +82,45 @@ class MHATokenToKVPool(KVCache):
         return t.view(self.dtype) if self.store_dtype != self.dtype else t
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers in `dtype` (an fp8 view of the stored bytes, not dequantized)."""
         return self._view(self.k_buffer[layer_id]), self._view(self.v_buffer[layer_id])
 
+    def get_store_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers as stored (uint8 for fp8): what the Triton kernels read and write."""
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x / scale, saturated to the fp8 range and rounded to nearest even, as the stored bytes."""
+        m = fp8_max(self.dtype)
+        return (x.float() / scale).clamp_(-m, m).to(self.dtype).view(self.store_dtype)
+
+    def read_kv(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` in `dtype`, dequantized (the torch backend's gather)."""
+        k_buf, v_buf = self.get_kv_buffer(layer_id)
+        k, v = k_buf[slots], v_buf[slots]
+        if not self.is_fp8:
+            return k.to(dtype), v.to(dtype)
+        return ((k.to(torch.float32) * self.k_scale(layer_id)).to(dtype),
+                (v.to(torch.float32) * self.v_scale(layer_id)).to(dtype))
+
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.store_dtype != self.dtype:
-            k = k.to(self.dtype).view(self.store_dtype)
-            v = v.to(self.dtype).view(self.store_dtype)
-        else:
-            k, v = k.to(self.dtype), v.to(self.dtype)
-        self.k_buffer[layer_id][loc] = k
-        self.v_buffer[layer_id][loc] = v
+        """Indexed writes of K and V (quantized for fp8). While a CUDA graph is captured and `alt_stream` is
+        set, V is written on that stream beside K and joined back before returning (seed 001), so the
+        graph holds the two writes as parallel branches."""
+        alt = self.alt_stream
+        if alt is not None and torch.cuda.is_current_stream_capturing():
+            cur = torch.cuda.current_stream()
+            alt.wait_stream(cur)
+            self._write(self.k_buffer[layer_id], loc, k, self.k_scale(layer_id))
+            with torch.cuda.stream(alt):
+                self._write(self.v_buffer[layer_id], loc, v, self.v_scale(layer_id))
+            cur.wait_stream(alt)
+            return
+        self._write(self.k_buffer[layer_id], loc, k, self.k_scale(layer_id))
+        self._write(self.v_buffer[layer_id], loc, v, self.v_scale(layer_id))
+
+    def _write(self, buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> None:
+        buf[loc] = self.quantize(x, scale) if self.is_fp8 else x.to(self.dtype)
 
     def bytes(self) -> int:
         per = self.k_buffer[0].numel() * self.k_buffer[0].element_size()

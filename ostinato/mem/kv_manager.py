@@ -1,5 +1,7 @@
 """Per-request KV bookkeeping on top of the three pool layers."""
 
+import itertools
+
 import torch
 
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
@@ -52,9 +54,14 @@ class KVManager:
         if p == 1:
             loc = new_pages
         else:  # continue the last page (the previous token's slot + 1), or start one of the new pages
+            # no boolean-mask indexing: it reads the mask's count back to the host, a sync that would stall
+            # overlap scheduling every step; a gather and a where do not
             loc = table[rows, (lens - 1).clamp(min=0)].to(torch.int64) + 1
-            fresh = torch.tensor(opens_page).to(table.device, non_blocking=True)
-            loc[fresh] = new_pages * p
+            if new_pages.numel():
+                pick = list(itertools.accumulate(opens_page))  # row i takes new page pick[i] - 1 if it opens one
+                picks = torch.tensor([max(j - 1, 0) for j in pick]).to(table.device, non_blocking=True)
+                fresh = torch.tensor(opens_page).to(table.device, non_blocking=True)
+                loc = torch.where(fresh, new_pages[picks] * p, loc)
         table[rows, lens] = loc.to(torch.int32)
         return loc
 

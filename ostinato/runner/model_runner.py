@@ -14,8 +14,10 @@ from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
+from ostinato.graphs.graph import release_graph_pool
 from ostinato.graphs.piecewise import PiecewiseGraphRunner
 from ostinato.loader import ModelSource, dummy_init_
+from ostinato.loader.kv_scales import KVScaleFilter
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.mem.kv_manager import KVManager
 from ostinato.mem.mamba_pool import SINK_SLOT, HybridReqToTokenPool
@@ -80,10 +82,13 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.to(self.device)  # tables built on the CPU (rotary cos/sin) follow the parameters
+        self.kv_scales: dict[int, tuple[float, float]] = {}  # fp8 KV scales from the checkpoint, by layer
         if source.load_format == "dummy":
             dummy_init_(self.model, seed=args.seed)
         else:
-            self.model.load_weights(source.iter_weights())
+            weights = KVScaleFilter(source.iter_weights())
+            self.model.load_weights(weights)
+            self.kv_scales = weights.layer_scales()
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.load_seconds = time.perf_counter() - t0
@@ -95,6 +100,9 @@ class ModelRunner:
         self._init_memory(want_len)
         self.backend = self._make_backend(self.req_to_token_pool, self.kv_cache)
         self.next_tokens = NextTokenBuffer(self.req_to_token_pool.size, self.device)
+        if cuda and args.kv_store_two_stream:  # indexed K/V writes, V on its own stream under capture
+            self.backend.kv_store = "indexed"
+            self.kv_cache.alt_stream = torch.cuda.Stream(self.device)
         self.graph_runner: DecodeGraphRunner | None = None
         self._argmax: torch.Tensor | None = None  # argmax of the last forward's logits, when a graph computed it
         self.extend_graph_runner: ExtendGraphRunner | None = None
@@ -124,7 +132,8 @@ class ModelRunner:
             return 0
         return min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
 
-    def _make_backend(self, req_pool: ReqToTokenPool, kv_cache: MHATokenToKVPool) -> AttentionBackend:
+    def _make_backend(self, req_pool: ReqToTokenPool, kv_cache: MHATokenToKVPool,
+                      page_size: int | None = None) -> AttentionBackend:
         name = self.args.attention_backend
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
@@ -132,8 +141,22 @@ class ModelRunner:
             from ostinato.attention.triton_backend import TritonAttentionBackend
 
             num_heads = max(spec.num_heads for spec in self.model.attention_specs.values())
-            return TritonAttentionBackend(req_pool, kv_cache, num_heads)
+            return TritonAttentionBackend(req_pool, kv_cache, num_heads,
+                                          page_size=self.args.page_size if page_size is None else page_size)
         return TorchAttentionBackend(req_pool, kv_cache)
+
+    def shutdown(self) -> None:
+        """Drop every device buffer this runner holds (graphs and their pool, KV pool, workspaces, the model)
+        and every reference between its parts, so nothing waits for a cyclic collection. Idempotent; the
+        runner is unusable afterwards."""
+        for graphs in (getattr(self, "graph_runner", None), getattr(self, "extend_graph_runner", None)):
+            if graphs is not None:
+                graphs.graphs.clear()
+                graphs.__dict__.clear()
+        device = getattr(self, "device", None)
+        self.__dict__.clear()
+        if device is not None:
+            release_graph_pool(device)
 
     # ------------------------------------------------------------------ memory
     def _init_memory(self, want_len: int) -> None:
@@ -156,6 +179,13 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(num_pages * page, page, self.device)
         self.kv_cache = MHATokenToKVPool(num_pages * page, kv_dtype, cfg.num_key_value_heads, head_dim,
                                          self.kv_layers, self.device)
+        if self.kv_cache.is_fp8:
+            self.kv_cache.set_scales(self.kv_scales)
+            if not self.kv_scales:
+                logger.warning("kv_cache_dtype=%s but the checkpoint has no KV scales: using 1.0 (values past the "
+                               "fp8 range saturate)", args.kv_cache_dtype)
+        elif self.kv_scales:
+            logger.info("the checkpoint's KV scales are unused: kv_cache_dtype is %s", args.kv_cache_dtype)
         self.max_total_tokens = self.allocator.size
         self.max_model_len = min(want_len, self.max_total_tokens)
         if self.max_model_len < want_len:
@@ -166,8 +196,10 @@ class ModelRunner:
         else:
             self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.max_model_len + page, self.device)
         self.kv_manager = KVManager(self.req_to_token_pool, self.allocator)
-        logger.info("KV pool: %d tokens, %.2f GiB (%s)", self.max_total_tokens, self.kv_cache.bytes() / 2**30,
-                    str(kv_dtype).removeprefix("torch."))
+        logger.info("KV pool: %d tokens, %.2f GiB, %s (%d bytes per token%s)", self.max_total_tokens,
+                    self.kv_cache.bytes() / 2**30, str(kv_dtype).removeprefix("torch."), per_token,
+                    f", scales for {len(self.kv_scales)} layers from the checkpoint" if self.kv_cache.is_fp8
+                    and self.kv_scales else "")
 
     def _tokens_from_memory(self, per_token: int, head_dim: int, kv_dtype: torch.dtype) -> int:
         """KV tokens that fit in mem_fraction_static of the GPU once weights, the activations of the largest
@@ -202,7 +234,7 @@ class ModelRunner:
         kv = KVManager(req_pool, allocator)
         slot = req_pool.alloc()
         loc = kv.extend(slot, 0, n)
-        backend = self._make_backend(req_pool, kv_cache)
+        backend = self._make_backend(req_pool, kv_cache, page_size=1)
         ids = torch.randint(0, self.vocab_size, (n,), device=self.device)
         batch = ForwardBatch(ForwardMode.EXTEND, 1, ids, torch.arange(n, device=self.device),
                              torch.tensor([slot], device=self.device), torch.tensor([n], dtype=torch.int32,

@@ -13,17 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block
+from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block, fp8_code, page_arg
 
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse,
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, K_scale, V_scale,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -31,6 +32,10 @@ def _decode_stage1_kernel(
     num_splits = tl.load(Num_kv_splits + b)
     if split >= num_splits:
         return
+    v_scale = 1.0
+    if KV_FP8:  # dequantize by folding the layer's scales into the scores and the output
+        qk_scale = qk_scale * tl.load(K_scale)
+        v_scale = tl.load(V_scale)
     seq_len = tl.load(Seq_lens + b)
     req = tl.load(Req_pool_indices + b).to(tl.int64)
     # splits are whole blocks long; the last ones may be empty (they then write lse = -inf)
@@ -53,11 +58,11 @@ def _decode_stage1_kernel(
         acc, m_i, l_i = attend_kv_block(
             q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, Req_to_token + req * stride_r2t, kv_head,
             stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
-            BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION,
+            BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
         )
 
     nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out,
              mask=h_mask[:, None] & d_mask[None, :])
@@ -97,9 +102,14 @@ def decode_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, scale: float,
-    block_n: int = 64,
+    block_n: int = 64, page_size: int = 1, kv_fp8: torch.dtype | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
+
+    `page_size`: the pool's page size (slots of a page are contiguous), read a page per table entry.
+    `kv_fp8`: the fp8 dtype of a cache stored as uint8 in k_buf/v_buf, dequantized by `k_scale` / `v_scale`
+    (float32 device tensors, the first element read).
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
@@ -114,14 +124,18 @@ def decode_attention(
         return
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    fp8 = fp8_code(kv_fp8, k_buf)
+    k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
+    v_scale = mid_lse if v_scale is None else v_scale
     _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale, v_scale,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PRECISION=precision, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
+        num_warps=4, num_stages=2,
     )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o, mid_lse, num_kv_splits, out,

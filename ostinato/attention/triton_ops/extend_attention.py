@@ -14,22 +14,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block
+from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block, fp8_code, page_arg
 
 
 @triton.jit
 def _extend_kernel(
     Q, Out, K_buf, V_buf, Req_to_token, Req_pool_indices, Q_start, Prefix_lens, Extend_lens, Block_req, Block_m0,
+    K_scale, V_scale,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     block = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.load(Block_req + block)
     if b < 0:
         return
+    v_scale = 1.0
+    if KV_FP8:  # dequantize by folding the layer's scales into the scores and the output
+        qk_scale = qk_scale * tl.load(K_scale)
+        v_scale = tl.load(V_scale)
     m0 = tl.load(Block_m0 + block)
     extend_len = tl.load(Extend_lens + b)
     prefix = tl.load(Prefix_lens + b)
@@ -55,10 +61,10 @@ def _extend_kernel(
         acc, m_i, l_i = attend_kv_block(
             q, acc, m_i, l_i, n0, kv_end, q_pos, K_buf, V_buf, Req_to_token + req * stride_r2t, kv_head,
             stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
-            BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION,
+            BLOCK_N=BLOCK_N, CAUSAL=True, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
         )
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
 
@@ -85,11 +91,13 @@ def extend_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, q_start: torch.Tensor,
     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, block_req: torch.Tensor, block_m0: torch.Tensor,
-    scale: float, block_m: int = 64, block_n: int = 64,
+    scale: float, block_m: int = 64, block_n: int = 64, page_size: int = 1, kv_fp8: torch.dtype | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """q/out [T, H, D] (requests' new tokens back to back); k_buf/v_buf [slots, Hkv, D];
     q_start/prefix_lens/extend_lens int32 [bs]; block_req/block_m0 int32 [num_blocks] from
-    `extend_block_table(extend_lens, block_m)` (the launch grid's first dimension)."""
+    `extend_block_table(extend_lens, block_m)` (the launch grid's first dimension).
+    `page_size`, `kv_fp8`, `k_scale`, `v_scale`: as for `decode_attention`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_blocks = block_req.shape[0]
     group = num_heads // k_buf.shape[1]
@@ -97,12 +105,15 @@ def extend_attention(
     assert req_to_token.stride(1) == 1
     if num_blocks == 0:
         return
+    fp8 = fp8_code(kv_fp8, k_buf)
+    k_scale = q_start if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
+    v_scale = q_start if v_scale is None else v_scale
     _extend_kernel[(num_blocks, num_heads)](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, q_start, prefix_lens, extend_lens, block_req, block_m0,
-        scale * LOG2E,
+        k_scale, v_scale, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        PAGE=page_arg(page_size, block_n), KV_FP8=fp8, num_warps=4, num_stages=2,
     )

@@ -1,10 +1,64 @@
 """The step both attention kernels repeat: one block of keys read through `req_to_token`, folded into a
-running (online) softmax. Inlined by Triton into each caller."""
+running (online) softmax. Inlined by Triton into each caller.
 
+fp8 caches (KV_FP8 1: e4m3, 2: e5m2) arrive as uint8 and are bitcast here: the dot reads the 1-byte values
+(exact in bf16/fp32), and the caller folds the per-layer scales in once, k_scale into the score scale and
+v_scale into the output, rather than per element.
+"""
+
+import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634  # scores live in the log2 domain: callers scale q.k by softmax scale * LOG2E
+
+
+def fp8_code(kv_fp8: torch.dtype | None, k_buf: torch.Tensor) -> int:
+    """The kernels' KV_FP8 constant: 0 for a cache read as it is, 1 / 2 for e4m3 / e5m2 stored as uint8."""
+    if kv_fp8 is None:
+        return 0
+    assert k_buf.dtype == torch.uint8, f"an fp8 cache is passed as its uint8 storage, got {k_buf.dtype}"
+    return {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}[kv_fp8]
+
+
+def page_arg(page_size: int, block_n: int) -> int:
+    """The kernels' PAGE constant: the page size when a block holds whole pages or lies in one, else 1 (a
+    table read per token, always right)."""
+    if page_size > 1 and (block_n % page_size == 0 or page_size % block_n == 0):
+        return page_size
+    return 1
+
+
+@triton.jit
+def kv_from_store(x, KV_FP8: tl.constexpr):
+    """Stored cache values -> numbers (before the layer's scale): fp8 caches are stored as uint8."""
+    if KV_FP8 == 1:
+        return x.to(tl.float8e4nv, bitcast=True)
+    elif KV_FP8 == 2:
+        return x.to(tl.float8e5, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
+def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """KV slots of tokens n0 .. n0 + BLOCK_N of a request (0 past kv_end). n0 is a multiple of BLOCK_N.
+
+    PAGE > 1 (pages of PAGE slots, each page's slots contiguous and page-aligned): one table read per page,
+    the page's first slot, then consecutive slots; PAGE 1: one read per token."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_end
+    if PAGE == 1:
+        slots = tl.load(req_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+    elif PAGE >= BLOCK_N:  # the block lies in one page (PAGE is a multiple of BLOCK_N)
+        first = tl.load(req_row + n0).to(tl.int64)
+        slots = tl.where(n_mask, first + (offs_n - n0), 0)
+    else:  # BLOCK_N // PAGE whole pages
+        offs_p = n0 + tl.arange(0, BLOCK_N // PAGE) * PAGE
+        first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0).to(tl.int64)
+        slots = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], [BLOCK_N])
+        slots = tl.where(n_mask, slots, 0)
+    return slots, offs_n, n_mask
 
 
 @triton.jit
@@ -13,16 +67,17 @@ def attend_kv_block(
     K_buf, V_buf, req_row,  # req_row: pointer to the request's row of req_to_token
     kv_head, stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr = 1, KV_FP8: tl.constexpr = 0,
 ):
     """Keys n0 .. n0 + BLOCK_N (those < kv_end; with CAUSAL, also <= each row's q_pos) into (acc, m_i, l_i).
 
-    Every row must see at least one key by its first block, so m_new stays finite from then on.
+    Every row must see at least one key by its first block, so m_new stays finite from then on. With an fp8
+    cache, qk_scale must include k_scale and acc comes out in units of v_scale.
     """
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < kv_end
-    slots = tl.load(req_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE)
     k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
-                mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+                mask=d_mask[:, None] & n_mask[None, :], other=0)  # [BLOCK_D, BLOCK_N]
+    k = kv_from_store(k, KV_FP8)
     s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [rows, BLOCK_N]
     visible = n_mask[None, :]
     if CAUSAL:
@@ -33,6 +88,7 @@ def attend_kv_block(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+                mask=n_mask[:, None] & d_mask[None, :], other=0)  # [BLOCK_N, BLOCK_D]
+    v = kv_from_store(v, KV_FP8)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return acc, m_new, l_i

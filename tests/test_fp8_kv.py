@@ -1,0 +1,159 @@
+"""fp8 KV cache (stored as uint8, per-layer scales) and paged kernels: the store round-trips within fp8
+precision, the Triton kernels (the interpreter on a CPU) read the 1-byte cache as the torch backend does,
+page sizes 1 / 4 / 16 / 32 agree, checkpoint scale names are picked up."""
+
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from test_triton_attention import check, make_batch, make_env, new_requests, qkv, randn, run_triton  # noqa: E402
+
+from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
+from ostinato.attention.triton_ops import store_kv  # noqa: E402
+from ostinato.loader.kv_scales import KVScaleFilter  # noqa: E402
+from ostinato.mem.kv_cache import MHATokenToKVPool  # noqa: E402
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# relative spacing of fp8 numbers: 3 mantissa bits (e4m3), 2 (e5m2); round to nearest: half of it
+REL = {torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_store_round_trips_within_fp8_precision(dtype):
+    gen = torch.Generator().manual_seed(1)
+    pool = MHATokenToKVPool(64, dtype, head_num=2, head_dim=16, layer_num=2, device="cpu")
+    pool.set_scales({1: (0.05, 3.0)})
+    assert pool.store_dtype == torch.uint8 and pool.k_buffer[1].dtype == torch.uint8
+    k = torch.randn(20, 2, 16, generator=gen) * 4
+    v = torch.randn(20, 2, 16, generator=gen) * 400
+    v[0, 0, 0] = 1e7  # past max * v_scale: saturates, never inf / nan
+    k[1, 0, :8] = torch.tensor([124.0, 100.0, 127.9, -0.0, 1e-4, -3e-3, 2**-10, 460.0]) * 0.05  # carries, ties
+    loc = torch.randperm(63, generator=gen)[:20] + 1
+    pool.set_kv_buffer(1, loc, k, v)
+    kr, vr = pool.read_kv(1, loc, torch.float32)
+    tiny = 0.05 * 2.0**-9 if dtype == torch.float8_e4m3fn else 0.05 * 2.0**-16  # subnormal step x scale
+    assert torch.all((kr - k).abs() <= REL[dtype] * k.abs() + tiny)
+    assert vr[0, 0, 0] == torch.finfo(dtype).max * 3.0
+    top = torch.finfo(dtype).max * 3.0  # v beyond max * v_scale saturates
+    vv, vrr = v.flatten()[1:].clamp(-top, top), vr.flatten()[1:]
+    assert torch.all((vrr - vv).abs() <= REL[dtype] * vv.abs() + 3.0 * 2.0**-9)
+    # the fused Triton store writes the same bytes as the torch reference
+    kb, vb = torch.zeros_like(pool.k_buffer[1]), torch.zeros_like(pool.v_buffer[1])
+    store_kv(kb, vb, loc, k, v, dtype, pool.k_scale(1), pool.v_scale(1))
+    assert torch.equal(kb, pool.k_buffer[1]) and torch.equal(vb, pool.v_buffer[1])
+
+
+def fp8_env(page: int, dtype: torch.dtype, seed: int):
+    env = make_env(page, 4, 2, 16, seed=seed, cache_dtype=dtype)
+    env.cache.set_scales({0: (0.5, 2.5)})
+    return env
+
+
+@pytest.mark.parametrize(("page", "dtype"), [(1, torch.float8_e4m3fn), (16, torch.float8_e4m3fn),
+                                           (4, torch.float8_e5m2)])
+def test_triton_kernels_on_fp8_cache_match_torch(page, dtype):
+    """Triton store + decode + extend on a 1-byte cache with scales != 1 against the torch backend reading
+    the same bytes (it dequantizes on the fly)."""
+    env = fp8_env(page, dtype, seed=page)
+    prefix, new = [0, 37], [21, 1]
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.EXTEND, rows, prefix, new)
+    q, k, v = qkv(env, sum(new))
+    out = run_triton(env, batch, q, k, v)
+    assert torch.equal(env.cache.k_buffer[0][batch.out_cache_loc], env.cache.quantize(k, env.cache.k_scale(0)))
+    check(env, batch, out, q, atol=1e-4)
+    lens = [p + n for p, n in zip(prefix, new, strict=True)]
+    batch = make_batch(env, ForwardMode.DECODE, rows, lens, [1] * 2)
+    q, k, v = qkv(env, 2)
+    check(env, batch, run_triton(env, batch, q, k, v), q, atol=1e-4)
+
+
+@pytest.mark.parametrize("page", [4, 16, 32])
+def test_paged_kernels_equal_page_one(page):
+    """The same K/V and queries through pools of page `page` and of page 1: the same outputs (the kernels
+    read one table entry per page, then consecutive slots)."""
+    outs = []
+    for p in (1, page):
+        env = make_env(p, 4, 2, 16, seed=11)
+        env.gen.manual_seed(5)
+        rows = new_requests(env, [70, 3, 33])
+        batch = make_batch(env, ForwardMode.DECODE, rows, [70, 3, 33], [1, 1, 1])
+        q, k, v = qkv(env, 3)
+        outs.append(run_triton(env, batch, q, k, v))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+def test_checkpoint_kv_scale_names():
+    t = torch.tensor
+    weights = [
+        ("model.layers.0.self_attn.k_scale", t(0.5)), ("model.layers.0.self_attn.v_scale", t([0.25])),
+        ("model.layers.1.self_attn.kv_scale", t(2.0)),
+        ("model.layers.2.self_attn.k_proj.output_scale", t(3.0)), ("model.layers.2.self_attn.attn.v_scale", t(4.0)),
+        ("model.layers.3.self_attn.q_scale", t(9.0)), ("model.layers.0.self_attn.k_proj.weight", t([1.0])),
+    ]
+    f = KVScaleFilter(weights)
+    assert [n for n, _ in f] == ["model.layers.0.self_attn.k_proj.weight"]
+    assert f.layer_scales() == {0: (0.5, 0.25), 1: (2.0, 2.0), 2: (3.0, 4.0)}
+    pool = MHATokenToKVPool(8, torch.float8_e4m3fn, 1, 4, 4, "cpu")
+    pool.set_scales(f.layer_scales())
+    assert pool.k_scale(2).item() == 3.0 and pool.v_scale(2).item() == 4.0 and pool.k_scale(3).item() == 1.0
+    with pytest.raises(ValueError, match="layer 0"):
+        pool.set_scales({0: (0.0, 1.0)})
+
+
+def test_fp8_capacity_doubles():
+    args = (8, 64, 16)
+    assert MHATokenToKVPool.bytes_per_token(*args, torch.bfloat16) == \
+        2 * MHATokenToKVPool.bytes_per_token(*args, torch.float8_e4m3fn)
+    _ = randn  # (re-exported helper, unused here)
+
+
+# ---------------------------------------------------------------- CUDA at model shapes
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("dtype", FP8)
+def test_cuda_fp8_kernels_with_scales(page, dtype):
+    from test_triton_attention import cuda_env, decode_step
+
+    env = cuda_env(page, "llama-3.2-1b", seed=3, slots=16 * 4096, max_reqs=8, cache_dtype=dtype)
+    env.cache.set_scales({0: (0.3, 1.7)})
+    prefix, new = [0, 700, 3000], [300, 129, 1]
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.EXTEND, rows, prefix, new)
+    q, k, v = qkv(env, sum(new))
+    check(env, batch, run_triton(env, batch, q, k, v), q, atol=2e-2)
+    lens = [p + n for p, n in zip(prefix, new, strict=True)]
+    batch, (q, k, v) = decode_step(env, rows, lens)
+    check(env, batch, run_triton(env, batch, q, k, v), q, atol=2e-2)
+
+
+@cuda
+def test_cuda_engine_fp8_and_pages_give_graph_equal_tokens():
+    """Dummy Llama-3.2-1B, greedy: fp8 KV through the decode and extend graphs gives the eager engine's tokens,
+    and page_size 16 gives page_size 1's."""
+    import gc
+
+    from ostinato import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 128000, (int(n),), generator=gen).tolist()}
+               for n in torch.randint(5, 300, (12,), generator=gen)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for name, kw in {"fp8-graph": {}, "fp8-eager": {"disable_cuda_graph": True},
+                     "fp8-page16": {"page_size": 16}, "bf16": {"kv_cache_dtype": "auto"},
+                     "bf16-page16": {"kv_cache_dtype": "auto", "page_size": 16}}.items():
+        args = {"kv_cache_dtype": "fp8_e4m3", "max_total_tokens": 65536, "cuda_graph_max_bs": 16} | kw
+        with LLM("llama-3.2-1b", load_format="dummy", **args) as llm:
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        gc.collect()
+    assert tokens["fp8-graph"] == tokens["fp8-eager"]
+    assert tokens["fp8-page16"] == tokens["fp8-graph"]
+    assert tokens["bf16-page16"] == tokens["bf16"]

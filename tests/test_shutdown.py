@@ -1,0 +1,70 @@
+"""Engines give their memory back: after LLM.shutdown(), at the end of a `with` block, and when the last
+reference is dropped, the model and the KV pool are collected (weakrefs die); on a GPU, free memory
+returns to where it was."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from ostinato import LLM, SamplingParams
+
+
+def small_llm(**kw) -> LLM:
+    return LLM(dtype="float32", device="cpu", max_total_tokens=256, max_model_len=128, **kw)
+
+
+def refs(llm: LLM) -> list[weakref.ref]:
+    r = llm.engine.runner
+    return [weakref.ref(r.model), weakref.ref(r.kv_cache), weakref.ref(r.kv_cache.k_buffer[0]), weakref.ref(r)]
+
+
+def run_one(llm: LLM) -> None:
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("how", ["shutdown", "with", "del"])
+def test_engine_objects_die(how):
+    if how == "with":
+        with small_llm() as llm:
+            run_one(llm)
+            alive = refs(llm)
+    else:
+        llm = small_llm()
+        run_one(llm)
+        alive = refs(llm)
+        if how == "shutdown":
+            llm.shutdown()
+            llm.shutdown()  # idempotent
+        del llm
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_memory_returns_after_engines():
+    """Build, use and drop engines (graphs, fp8 and bf16 KV) in a loop: free memory comes back within 256 MiB,
+    and each new engine sizes its KV pool from what is really free."""
+    torch.cuda.empty_cache()
+    free0 = torch.cuda.mem_get_info()[0]
+    tokens = []
+    for i, kv in enumerate(["auto", "fp8_e4m3", "auto", "fp8_e4m3"]):
+        llm = LLM("llama-3.2-1b", load_format="dummy", kv_cache_dtype=kv, cuda_graph_max_bs=8,
+                  extend_cuda_graph_max_tokens=256)
+        run_one(llm)
+        tokens.append(llm.engine.runner.max_total_tokens)
+        if i % 2:
+            del llm
+        else:
+            llm.shutdown()
+            del llm
+        gc.collect()
+        free = torch.cuda.mem_get_info()[0]
+        print(f"engine {i} ({kv}): KV {tokens[-1]} tokens; free memory back to {(free0 - free) / 2**20:.0f} MiB "
+              "below the start")
+        assert free0 - free < 256 * 2**20, (i, free0 - free)
+    assert tokens[1] >= 1.9 * tokens[0]  # fp8 KV: twice the tokens
+    assert abs(tokens[2] - tokens[0]) <= 0.02 * tokens[0]  # the third engine saw what the first saw
