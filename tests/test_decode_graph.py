@@ -22,7 +22,7 @@ def tiny_llm(tmp_path):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(TINY))
     return LLM(str(path), load_format="dummy", device="cpu", max_total_tokens=2048, page_size=4,
-               max_running_requests=8, cuda_graph_bs=[1, 2, 4, 8])
+               max_running_requests=8, cuda_graph_bs=[1, 2, 4, 8], disable_radix_cache=True)
 
 
 def decode_batch(runner, seqs):

@@ -42,9 +42,11 @@ def test_store_round_trips_within_fp8_precision(dtype):
     vv, vrr = v.flatten()[1:].clamp(-top, top), vr.flatten()[1:]
     assert torch.all((vrr - vv).abs() <= REL[dtype] * vv.abs() + 3.0 * 2.0**-9)
     # the fused Triton store writes the same bytes as the torch reference
-    kb, vb = torch.zeros_like(pool.k_buffer[1]), torch.zeros_like(pool.v_buffer[1])
-    store_kv(kb, vb, loc, k, v, dtype, pool.k_scale(1), pool.v_scale(1))
-    assert torch.equal(kb, pool.k_buffer[1]) and torch.equal(vb, pool.v_buffer[1])
+    # (on CUDA when there is one: Triton runs CPU tensors only in its interpreter)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kb, vb = torch.zeros_like(pool.k_buffer[1], device=dev), torch.zeros_like(pool.v_buffer[1], device=dev)
+    store_kv(kb, vb, loc.to(dev), k.to(dev), v.to(dev), dtype, pool.k_scale(1).to(dev), pool.v_scale(1).to(dev))
+    assert torch.equal(kb.cpu(), pool.k_buffer[1]) and torch.equal(vb.cpu(), pool.v_buffer[1])
 
 
 def fp8_env(page: int, dtype: torch.dtype, seed: int):

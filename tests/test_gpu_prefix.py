@@ -1,7 +1,9 @@
-"""Prefix caching on the GPU (dummy Llama-3.2-1B, bf16, decode and extend graphs on): a cached prefix is just
-more context, so greedy outputs with the cache agree with those without it. bf16 makes exact equality depend
-on batch shapes (the cached run computes fewer tokens per step), so agreement is measured: a wrong slot or a
-stale page would make it collapse. Skipped without CUDA."""
+"""Prefix caching on the GPU (dummy Llama-3.2-1B in fp32, decode and extend graphs on): a cached prefix is just
+more context, so greedy outputs with the cache agree with those without it. Random weights give near-flat
+logits, where even fp32 rounding differences between batch shapes (the cached run computes fewer tokens per
+step) can flip an argmax late in a sequence, so agreement is measured: a wrong slot or a stale page would make
+it collapse. (In bf16 the same run agreed on every first token but on 519 of 1152 tokens.) Skipped without
+CUDA."""
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_prefix_cache_agrees_with_no_cache_on_gpu():
-    llm = LLM("llama-3.2-1b", load_format="dummy", max_total_tokens=20_000, max_running_requests=64,
+    llm = LLM("llama-3.2-1b", load_format="dummy", dtype="float32", max_total_tokens=20_000, max_running_requests=64,
               page_size=16, chunked_prefill_size=1024)
     sched = llm.engine.scheduler
     gen = torch.Generator().manual_seed(5)
@@ -35,7 +37,7 @@ def test_prefix_cache_agrees_with_no_cache_on_gpu():
             ids = [o.outputs[0].token_ids for o in outs]
             first = sum(a[0] == b[0] for a, b in zip(ids, ref, strict=True)) / len(ref)
             tokens = sum(x == y for a, b in zip(ids, ref, strict=True) for x, y in zip(a, b, strict=True))
-            assert first >= 0.8 and tokens >= 0.5 * 24 * len(ref), (first, tokens)
+            assert first >= 0.95 and tokens >= 0.8 * 24 * len(ref), (first, tokens)
         llm.engine.check_memory_leak()
     finally:
         del llm

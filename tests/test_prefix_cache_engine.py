@@ -95,8 +95,9 @@ def test_outputs_with_prefix_cache_equal_outputs_without(llm):
 def test_full_prompt_hit_recomputes_the_last_token(llm):
     """A prompt cached whole still computes its last token (logits need it); num_cached_tokens reports it."""
     ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog again and again.")
-    first = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
-    second = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    with cache_mode(llm, enabled=True):
+        first = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+        second = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
     page = llm.engine.runner.kv_manager.page_size
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert second.num_cached_tokens == (len(ids) - 1) // page * page > 0

