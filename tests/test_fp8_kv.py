@@ -34,19 +34,32 @@ def test_store_round_trips_within_fp8_precision(dtype):
     k[1, 0, :8] = torch.tensor([124.0, 100.0, 127.9, -0.0, 1e-4, -3e-3, 2**-10, 460.0]) * 0.05  # carries, ties
     loc = torch.randperm(63, generator=gen)[:20] + 1
     pool.set_kv_buffer(1, loc, k, v)
-    kr, vr = pool.read_kv(1, loc, torch.float32)
     tiny = 0.05 * 2.0**-9 if dtype == torch.float8_e4m3fn else 0.05 * 2.0**-16  # subnormal step x scale
-    assert torch.all((kr - k).abs() <= REL[dtype] * k.abs() + tiny)
-    assert vr[0, 0, 0] == torch.finfo(dtype).max * 3.0
     top = torch.finfo(dtype).max * 3.0  # v beyond max * v_scale saturates
-    vv, vrr = v.flatten()[1:].clamp(-top, top), vr.flatten()[1:]
-    assert torch.all((vrr - vv).abs() <= REL[dtype] * vv.abs() + 3.0 * 2.0**-9)
-    # the fused Triton store writes the same bytes as the torch reference
-    # (on CUDA when there is one: Triton runs CPU tensors only in its interpreter)
+
+    def check_round_trip() -> None:
+        kr, vr = pool.read_kv(1, loc, torch.float32)
+        assert torch.all((kr - k).abs() <= REL[dtype] * k.abs() + tiny)
+        assert vr[0, 0, 0] == top
+        vv, vrr = v.flatten()[1:].clamp(-top, top), vr.flatten()[1:]
+        assert torch.all((vrr - vv).abs() <= REL[dtype] * vv.abs() + 3.0 * 2.0**-9)
+
+    check_round_trip()  # the torch reference (pool.set_kv_buffer)
+    ref_k, ref_v = pool.k_buffer[1].clone(), pool.v_buffer[1].clone()
+    # the fused Triton store (on CUDA when there is one: Triton runs CPU tensors only in its interpreter)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     kb, vb = torch.zeros_like(pool.k_buffer[1], device=dev), torch.zeros_like(pool.v_buffer[1], device=dev)
     store_kv(kb, vb, loc.to(dev), k.to(dev), v.to(dev), dtype, pool.k_scale(1).to(dev), pool.v_scale(1).to(dev))
-    assert torch.equal(kb.cpu(), pool.k_buffer[1]) and torch.equal(vb.cpu(), pool.v_buffer[1])
+    pool.k_buffer[1].copy_(kb.cpu())
+    pool.v_buffer[1].copy_(vb.cpu())
+    check_round_trip()
+    if dev == "cpu":  # the interpreter rounds as torch does: the same bytes
+        assert torch.equal(kb, ref_k) and torch.equal(vb, ref_v)
+    else:  # the GPU's conversion may break a tie the other way: a byte apart, rarely
+        for got, ref in ((kb.cpu(), ref_k), (vb.cpu(), ref_v)):
+            differ = got != ref
+            assert differ.float().mean() < 0.01
+            assert not differ.any() or (got.int() - ref.int())[differ].abs().max() <= 1
 
 
 def fp8_env(page: int, dtype: torch.dtype, seed: int):
