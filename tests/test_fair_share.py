@@ -11,6 +11,7 @@ pytest.importorskip("msgpack")
 from ostinato.config import EngineArgs  # noqa: E402
 from ostinato.engine import ipc  # noqa: E402
 from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineInfo  # noqa: E402
+from ostinato.engine.engine_core import EngineCoreOutput  # noqa: E402
 from ostinato.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -27,7 +28,7 @@ class FakeEngineClient(AsyncEngineClient):
 
     def finish(self, rid: str, token: int) -> None:
         self.in_engine.discard(rid)
-        self._on_outputs([[rid, [token], "length", None, None]], {})
+        self._on_outputs(ipc.encode_outputs([EngineCoreOutput(rid, [token], "length")]), {})
 
 
 def make_client() -> FakeEngineClient:

@@ -55,9 +55,9 @@ def test_store_round_trips_within_fp8_precision(dtype):
     check_round_trip()
     if dev == "cpu":  # the interpreter rounds as torch does: the same bytes
         assert torch.equal(kb, ref_k) and torch.equal(vb, ref_v)
-    else:  # the GPU's conversion may break a tie the other way: a byte apart, rarely
+    else:  # the GPU's conversion may break a tie the other way (a byte apart) or give -0.0 as +0.0, rarely
         for got, ref in ((kb.cpu(), ref_k), (vb.cpu(), ref_v)):
-            differ = got != ref
+            differ = (got != ref) & ~((got & 0x7F == 0) & (ref & 0x7F == 0))
             assert differ.float().mean() < 0.01
             assert not differ.any() or (got.int() - ref.int())[differ].abs().max() <= 1
 

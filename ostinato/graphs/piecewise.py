@@ -39,7 +39,7 @@ from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
 from ostinato.graphs.compile_backend import PiecewiseBackend, use_compile_cache
 from ostinato.graphs.decode import PAD_SLOT
-from ostinato.graphs.graph import Graph
+from ostinato.graphs.graph import Graph, capture_stream
 from ostinato.graphs.protocol import GraphHost
 
 logger = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ class PiecewiseGraphRunner:
             gc.collect()
             gc.freeze()
             gc.disable()
-        _state.stream = torch.cuda.Stream(self.device) if cuda else None
+        _state.stream = capture_stream(self.device) if cuda else None
         try:
             self.tokens[:] = self.token_pad
             for size in reversed(self.sizes):

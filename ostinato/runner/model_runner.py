@@ -34,10 +34,6 @@ from ostinato.runner.scheduled_batch import ScheduledBatch
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_TOKENS = 16384
-# Extend steps of at most this many tokens replay the full extend graph when the piecewise graphs could run
-# them too; larger ones take the piecewise graphs. To be set from benchmarks/bench_extend.py (the token
-# count where piecewise overtakes the full graph); 0 until measured: piecewise wherever it is enabled.
-FULL_EXTEND_GRAPH_MAX_TOKENS = 0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -324,12 +320,17 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def extend_path(self, batch: ForwardBatch) -> str:
-        """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager"."""
-        full = self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch)
-        piecewise = self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(batch)
-        if full and (not piecewise or batch.num_tokens <= FULL_EXTEND_GRAPH_MAX_TOKENS):
+        """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager".
+
+        The full extend graph wherever it can run: on an H200 it beat the piecewise graphs at every size from 1
+        to 2048 tokens (benchmarks/bench_extend.py: 1.2-8.3 ms against 3.1-8.8 for Llama-3.2-1B), whose eager
+        attention between 17 pieces costs ~3 ms of host time per step. Piecewise takes what the full graph
+        cannot: more requests than it captured (mixed steps with many decoding rows), other attention backends."""
+        if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch):
             return "extend_graph"
-        return "piecewise" if piecewise else "eager"
+        if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(batch):
+            return "piecewise"
+        return "eager"
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sched: ScheduledBatch, batch: ForwardBatch) -> SampledTensors:
