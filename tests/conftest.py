@@ -1,7 +1,14 @@
 import os
+import shutil
 
-import pytest
-import torch
+# Without a GPU, Triton kernels run in its CPU interpreter. The choice must be made before anything imports
+# triton or torch._dynamo (which reads triton's settings): set per test module, it came too late for modules
+# collected after one that imports dynamo, and nested @triton.jit calls then failed in the interpreter.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -59,3 +66,4 @@ def _no_leak_after_engine_tests(request):
         engine = request.getfixturevalue("llm").engine
         assert not engine.has_unfinished(), "a request is still queued or running"
         engine.check_memory_leak()
+
