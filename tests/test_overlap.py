@@ -66,7 +66,7 @@ def test_tokens_arrive_one_step_later(llm):
 def sync_llm():
     """The session `llm` (conftest) with overlap scheduling off."""
     return LLM(dtype="float32", device="cpu", max_total_tokens=1024, chunked_prefill_size=48, page_size=4,
-               max_running_requests=16, disable_overlap_schedule=True)
+               max_running_requests=16, disable_overlap_schedule=True, disable_radix_cache=True)
 
 
 def test_overlap_equals_waiting_for_every_step(llm, sync_llm):

@@ -25,7 +25,8 @@ def cache_mode(llm, enabled: bool):
     """The shared engine with a fresh prefix cache on or off (its own cache restored, emptied, after)."""
     sched = llm.engine.scheduler
     own = sched.cache
-    own.tree.evict(1 << 30)  # start from an empty tree: every page free
+    if own.tree is not None:
+        own.tree.evict(1 << 30)  # start from an empty tree: every page free
     sched.cache = PrefixCache(sched.kv, enabled=enabled)
     try:
         yield sched.cache
