@@ -12,14 +12,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton kernels (or their CPU interpreter) need triton")
 import torch  # noqa: E402
+from batch_helpers import extend_batch  # noqa: E402
 from test_decode_graph import TINY as DECODE_TINY  # noqa: E402
 from test_decode_graph import generate_eager_then_graphed, release  # noqa: E402
 
-from ostinato import LLM, SamplingParams  # noqa: E402
-from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
+from ostinato import LLM  # noqa: E402
 from ostinato.attention.triton_ops.extend_attention import extend_block_table, max_extend_blocks  # noqa: E402
-from ostinato.engine.request import Request  # noqa: E402
-from ostinato.engine.scheduler import ScheduledBatch  # noqa: E402
 from ostinato.graphs.decode import PAD_SLOT  # noqa: E402
 from ostinato.graphs.extend import ExtendGraphRunner, extend_token_sizes  # noqa: E402
 
@@ -36,25 +34,6 @@ def tiny_llm(tmp_path):
               disable_radix_cache=True)  # the graphed rerun must compute the same extends as the eager run
     assert llm.engine.runner.extend_graph_runner is None  # every forward is eager unless a test attaches one
     return llm
-
-
-def extend_batch(runner, prompts, prefix_lens):
-    """Requests whose first prefix_lens[i] tokens are already cached (from an earlier eager extend), and a
-    scheduled extend of the rest."""
-    kv, reqs = runner.kv_manager, []
-    for i, (seq, p) in enumerate(zip(prompts, prefix_lens, strict=True)):
-        r = Request(str(i), seq, SamplingParams(), seed=0)
-        r.req_pool_idx = runner.req_to_token_pool.alloc()
-        reqs.append(r)
-        if p:
-            loc = kv.extend(r.req_pool_idx, 0, p)
-            runner.forward(runner.prepare(ScheduledBatch(ForwardMode.EXTEND, [r], [0], [p], loc, [True])))
-            r.kv_len = p
-    lens = [len(s) - p for s, p in zip(prompts, prefix_lens, strict=True)]
-    locs = [kv.extend(r.req_pool_idx, p, p + n) for r, p, n in zip(reqs, prefix_lens, lens, strict=True)]
-    for r, n in zip(reqs, lens, strict=True):
-        r.kv_len += n
-    return ScheduledBatch(ForwardMode.EXTEND, reqs, list(prefix_lens), lens, torch.cat(locs), [True] * len(reqs)), reqs
 
 
 def test_sizes_and_block_table():

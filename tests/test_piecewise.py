@@ -6,11 +6,9 @@ import json
 import pytest
 import torch
 import torch._dynamo
+from batch_helpers import extend_batch
 
-from ostinato import LLM, SamplingParams
-from ostinato.attention.forward_batch import ForwardMode
-from ostinato.engine.request import Request
-from ostinato.engine.scheduler import ScheduledBatch
+from ostinato import LLM
 from ostinato.graphs.decode import PAD_SLOT
 from ostinato.graphs.piecewise import PiecewiseGraphRunner, non_owning_alias, piecewise_token_sizes, weak_ref
 
@@ -31,25 +29,6 @@ def tiny_llm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def graphs(tiny_llm):
     return PiecewiseGraphRunner(tiny_llm.engine.runner, max_tokens=96, sizes=[8, 24, 64, 96], compiler="eager")
-
-
-def extend_batch(runner, prompts, prefix_lens):
-    """Requests whose first prefix_lens[i] tokens are cached (by an earlier eager extend), and a scheduled
-    extend of the rest."""
-    kv, reqs = runner.kv_manager, []
-    for i, (seq, p) in enumerate(zip(prompts, prefix_lens, strict=True)):
-        r = Request(str(i), seq, SamplingParams(), seed=0)
-        r.req_pool_idx = runner.req_to_token_pool.alloc()
-        reqs.append(r)
-        if p:
-            loc = kv.extend(r.req_pool_idx, 0, p)
-            runner.forward(runner.prepare(ScheduledBatch(ForwardMode.EXTEND, [r], [0], [p], loc, [True])))
-            r.kv_len = p
-    lens = [len(s) - p for s, p in zip(prompts, prefix_lens, strict=True)]
-    locs = [kv.extend(r.req_pool_idx, p, p + n) for r, p, n in zip(reqs, prefix_lens, lens, strict=True)]
-    for r, n in zip(reqs, lens, strict=True):
-        r.kv_len += n
-    return ScheduledBatch(ForwardMode.EXTEND, reqs, list(prefix_lens), lens, torch.cat(locs), [True] * len(reqs)), reqs
 
 
 def release(runner, reqs):
