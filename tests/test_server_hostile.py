@@ -205,7 +205,7 @@ def test_stream_stays_smooth_under_hostile_requests(server):
     assert max(running) <= WINDOW + 1, running
     assert len(texts) >= 10 and gaps, texts
     # The issue asks for gaps under 0.5 s. On the 2-core CPU machine, with the engine, the server and this
-    # process sharing the cores while 70 MB of hostile uploads go through, the worst gap was 0.51-0.59 s and
+    # process sharing the cores while 70 MB of hostile uploads go through, the worst gap was 0.51-0.79 s and
     # /health up to 0.605 s in repeated runs (baseline gaps ~0.1 s); before the fixes a 50 MB body froze both
     # for 32-40 s. Timing bounds are not asserted tightly in CI (they flaked): 5 s still fails on a freeze.
     print(f"worst inter-chunk gap {max(gaps):.3f} s, worst /health {max(answer_s):.3f} s")
