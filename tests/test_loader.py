@@ -6,7 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from ostinato.loader import ModelSource, default_model_path, dummy_init_, list_presets, load_model_source
-from ostinato.loader.gguf_weights import gguf_to_hf_name
+from ostinato.loader.gguf_cache import converted_dir, find_converted, write_converted
+from ostinato.loader.gguf_weights import gguf_to_hf_name, iter_gguf_weights
 from ostinato.loader.source import _find_gguf
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -41,8 +42,14 @@ def test_default_model_config_and_tokenizer(gguf_source: ModelSource) -> None:
     assert "<|im_start|>assistant" in text
 
 
-def test_gguf_weights_match_transformers(gguf_source: ModelSource, hf_gguf_state_dict: dict) -> None:
-    ours = dict(gguf_source.iter_weights())
+@pytest.mark.parametrize("path", ["converted", "direct"])
+def test_gguf_weights_match_transformers(gguf_source: ModelSource, hf_gguf_state_dict: dict, path: str) -> None:
+    # "converted": what loads read (the cached copy, loader/gguf_cache.py); "direct": parsed from the file
+    if path == "converted":
+        assert gguf_source.converted_dir is not None  # the default cache is on
+        ours = dict(gguf_source.iter_weights())
+    else:
+        ours = dict(iter_gguf_weights(gguf_source.path))
     ref = hf_gguf_state_dict
     assert set(ours) <= set(ref)
     assert set(ref) - set(ours) <= {"lm_head.weight"}  # tied, not stored in the GGUF
@@ -53,6 +60,46 @@ def test_gguf_weights_match_transformers(gguf_source: ModelSource, hf_gguf_state
         max_diff = max(max_diff, (t - ref[name]).abs().max().item())
     print(f"gguf vs transformers: {len(ours)} tensors, max abs diff {max_diff:.3g}")
     assert max_diff <= 1e-6
+
+
+def test_converted_tokenizer_equals_the_gguf_one(gguf_source: ModelSource) -> None:
+    from transformers import AutoTokenizer
+
+    gguf_dir, name = os.path.split(gguf_source.path)
+    direct_tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=name)
+    # the config round trip is save_pretrained/from_pretrained; hf_gguf_state_dict's model checks its shapes
+    tok = gguf_source.tokenizer
+    for text in ["Hello world! <|im_start|>user\nhi<|im_end|>", "  déjà vu 日本語 \t\n 123456 ", "x**2 == 4\n"]:
+        assert tok.encode(text) == direct_tok.encode(text), text
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        direct_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.all_special_tokens) == \
+        (direct_tok.eos_token_id, direct_tok.bos_token_id, direct_tok.all_special_tokens)
+
+
+def test_gguf_cache_is_keyed_on_the_file_and_survives_an_unwritable_dir(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OSTINATO_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(os.urandom(64))
+    config = LlamaConfig(**TINY)
+    gen = torch.Generator().manual_seed(0)
+    weights = {"model.norm.weight": torch.randn(64, generator=gen),
+               "lm_head.weight": torch.randn(128, 64, generator=gen)}
+    assert find_converted(str(gguf)) is None
+    out = write_converted(str(gguf), config, None, lambda: iter(weights.items()))
+    assert out == find_converted(str(gguf)) == converted_dir(str(gguf))
+    source = ModelSource(str(gguf), config, None, "gguf", out)
+    loaded = dict(source.iter_weights())
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    os.utime(gguf, ns=(1, 1))  # the file changed: its old copy is not used
+    assert find_converted(str(gguf)) is None
+    monkeypatch.setenv("OSTINATO_GGUF_CACHE", "0")
+    assert write_converted(str(gguf), config, None, lambda: iter(weights.items())) is None
+    monkeypatch.delenv("OSTINATO_GGUF_CACHE")
+    (tmp_path / "ro").write_text("a file where the cache dir should be")
+    monkeypatch.setenv("OSTINATO_CACHE_DIR", str(tmp_path / "ro"))
+    assert write_converted(str(gguf), config, None, lambda: iter(weights.items())) is None
 
 
 def test_gguf_names() -> None:

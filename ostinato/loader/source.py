@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from ostinato.loader.dummy import list_presets, preset_path
+from ostinato.loader.gguf_cache import find_converted, write_converted
 from ostinato.loader.safetensors_weights import iter_safetensors_weights
 
 logger = logging.getLogger(__name__)
@@ -28,11 +29,14 @@ class ModelSource:
     hf_config: PretrainedConfig = field(repr=False)
     tokenizer: PreTrainedTokenizerBase | None = field(repr=False)
     load_format: str  # "safetensors" | "gguf" | "dummy"
+    converted_dir: str | None = None  # a GGUF file's converted copy (loader/gguf_cache.py), read instead of it
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, CPU tensor) pairs; stored dtype for safetensors, float32 for GGUF."""
         if self.load_format == "safetensors":
             return iter_safetensors_weights(self.path)
+        if self.load_format == "gguf" and self.converted_dir is not None:
+            return iter_safetensors_weights(self.converted_dir)
         if self.load_format == "gguf":
             from ostinato.loader.gguf_weights import iter_gguf_weights  # gguf is only needed for GGUF files
 
@@ -121,6 +125,11 @@ def _dir_tokenizer(model_dir: str, trust_remote_code: bool) -> PreTrainedTokeniz
 
 
 def _gguf_source(gguf_path: str, load_format: str) -> ModelSource:
+    """Config, tokenizer and weights of a GGUF file: from its converted copy when there is one, else parsed
+    from the file (and converted for next time when the weights are wanted)."""
+    if (converted := find_converted(gguf_path)) is not None:
+        config = AutoConfig.from_pretrained(converted)
+        return ModelSource(gguf_path, config, _dir_tokenizer(converted, False), load_format, converted)
     gguf_dir, name = os.path.split(gguf_path)
     config = AutoConfig.from_pretrained(gguf_dir, gguf_file=name)
     try:
@@ -128,7 +137,12 @@ def _gguf_source(gguf_path: str, load_format: str) -> ModelSource:
     except Exception as e:
         logger.warning("no tokenizer loaded from %s: %s", gguf_path, e)
         tokenizer = None
-    return ModelSource(gguf_path, config, tokenizer, load_format)
+    converted = None
+    if load_format == "gguf":
+        from ostinato.loader.gguf_weights import iter_gguf_weights
+
+        converted = write_converted(gguf_path, config, tokenizer, lambda: iter_gguf_weights(gguf_path))
+    return ModelSource(gguf_path, config, tokenizer, load_format, converted)
 
 
 def _dir_source(model_dir: str, load_format: str, trust_remote_code: bool) -> ModelSource:
