@@ -51,6 +51,16 @@ def llm():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory, smollm_path) -> str:
+    """tests/tiny_llama.py: 2 layers, hidden 64, SmolLM2's tokenizer, random weights (a seeded init)."""
+    from tiny_llama import make_tiny_llama
+
+    from ostinato.loader import load_model_source
+
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), load_model_source(smollm_path).tokenizer)
+
+
+@pytest.fixture(scope="session")
 def hf_model(smollm_path):
     """transformers' SmolLM2, read from the GGUF file's converted copy (a second parse of the GGUF costs ~10 s on
     2 cores); tests/test_loader.py checks that copy against transformers' own GGUF loading."""

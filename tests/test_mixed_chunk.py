@@ -1,5 +1,6 @@
 """Mixed steps (--enable-mixed-chunk): decode tokens ride along with a prefill chunk. Greedy tokens must not
-change, with retraction happening, on SmolLM2 (fp32, CPU) and through the piecewise graphs."""
+change, with retraction happening, on a tiny Llama with SmolLM2's tokenizer (fp32, CPU) and through the
+piecewise graphs."""
 
 import json
 
@@ -27,10 +28,12 @@ def record_mixed_steps(runner):
     return seen, step
 
 
-def test_mixed_equals_unmixed_with_retraction():
-    """SmolLM2 fp32 with a KV pool too small for the six requests at once: unmixed, then mixed."""
-    llm = LLM(dtype="float32", device="cpu", max_total_tokens=224, chunked_prefill_size=48, page_size=4,
-              max_running_requests=8, disable_radix_cache=True)  # shared prefixes would avoid the retraction
+def test_mixed_equals_unmixed_with_retraction(tiny_llama_path):
+    """The tiny Llama (conftest) in fp32 with a KV pool too small for the six requests at once: unmixed, then
+    mixed."""
+    llm = LLM(tiny_llama_path, dtype="float32", device="cpu", max_total_tokens=224, chunked_prefill_size=48,
+              page_size=4, max_running_requests=8,
+              disable_radix_cache=True)  # shared prefixes would avoid the retraction
     scheduler, runner = llm.engine.scheduler, llm.engine.runner
     want = [o.outputs[0].token_ids for o in llm.chat(PROMPTS, GREEDY, use_tqdm=False)]
     before = scheduler.num_retractions

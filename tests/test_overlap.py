@@ -62,14 +62,23 @@ def test_tokens_arrive_one_step_later(llm):
     assert len(tokens) == 3
 
 
+def small_pool_llm(path: str, **overlap) -> LLM:
+    """The tiny Llama (conftest) in fp32 with a 640-token KV pool: 16 chats of 64-128 tokens each must retract."""
+    return LLM(path, dtype="float32", device="cpu", max_total_tokens=640, chunked_prefill_size=48, page_size=4,
+               max_running_requests=16, disable_radix_cache=True, **overlap)
+
+
 @pytest.fixture(scope="module")
-def sync_llm():
-    """The session `llm` (conftest) with overlap scheduling off."""
-    return LLM(dtype="float32", device="cpu", max_total_tokens=1024, chunked_prefill_size=48, page_size=4,
-               max_running_requests=16, disable_overlap_schedule=True, disable_radix_cache=True)
+def overlap_llm(tiny_llama_path):
+    return small_pool_llm(tiny_llama_path)
 
 
-def test_overlap_equals_waiting_for_every_step(llm, sync_llm):
+@pytest.fixture(scope="module")
+def sync_llm(tiny_llama_path):
+    return small_pool_llm(tiny_llama_path, disable_overlap_schedule=True)
+
+
+def test_overlap_equals_waiting_for_every_step(overlap_llm, sync_llm):
     convs = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     probe = sync_llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     params = []
@@ -86,9 +95,9 @@ def test_overlap_equals_waiting_for_every_step(llm, sync_llm):
                                          max_tokens=128, seed=100 + i, ignore_eos=True))
         else:  # a stop string (finished by the output processor, which aborts the request)
             text = out.outputs[0].text
-            params.append(SamplingParams(temperature=0.0, max_tokens=64, stop=[text[60:66]]))
+            params.append(SamplingParams(temperature=0.0, max_tokens=64, stop=[text[len(text) // 2:][:6]]))
     results = {}
-    for name, model in (("overlap", llm), ("sync", sync_llm)):
+    for name, model in (("overlap", overlap_llm), ("sync", sync_llm)):
         before = model.engine.scheduler.num_retractions
         results[name] = model.chat(convs, params, use_tqdm=False)
         assert model.engine.scheduler.num_retractions > before, "the KV pool was meant to force retraction"

@@ -1,12 +1,12 @@
-"""Prefix caching on SmolLM2 (fp32, CPU): greedy outputs with the cache equal those without it, through shared
-system prompts, multi-turn chats, eviction, retraction and aborts in the middle of shared prefixes; afterwards
-every KV slot is free or held, unlocked, by the tree."""
+"""Prefix caching on a tiny Llama with SmolLM2's tokenizer (fp32, CPU): greedy outputs with the cache equal
+those without it, through shared system prompts, multi-turn chats, eviction, retraction and aborts in the middle
+of shared prefixes; afterwards every KV slot is free or held, unlocked, by the tree."""
 
 import contextlib
 
 import pytest
 
-from ostinato import SamplingParams
+from ostinato import LLM, SamplingParams
 from ostinato.engine.prefix_cache import PrefixCache
 
 SYSTEMS = [
@@ -18,6 +18,13 @@ QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Name a f
              "What is two plus two?", "Tell me a joke.", "What is rain?", "Who wrote Hamlet?",
              "What is a cat?", "Describe the moon.", "What is music?"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_path):
+    """Overrides conftest's SmolLM2 `llm` with the tiny Llama at the same settings (its leak check applies)."""
+    return LLM(tiny_llama_path, dtype="float32", device="cpu", max_total_tokens=1024, chunked_prefill_size=48,
+               page_size=4, max_running_requests=16, disable_radix_cache=True)
 
 
 @contextlib.contextmanager
