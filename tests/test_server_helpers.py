@@ -1,4 +1,5 @@
-"""Start `ostinato serve` (SmolLM2, CPU) as a subprocess on a free loopback port; no tests here.
+"""Start `ostinato serve` (SmolLM2 unless a model path is the first extra argument, CPU) as a subprocess on a free
+loopback port; no tests here.
 
 Every test module that needs a server starts one and shares it; all traffic goes to 127.0.0.1.
 """
