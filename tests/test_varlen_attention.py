@@ -38,6 +38,8 @@ def qkv(n: int, heads: int, dim: int, dtype: torch.dtype, gen: torch.Generator):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n,heads,dim", [(37, 2, 16), (50, 2, 20), (5, 1, 8)])
 def test_matches_sdpa_per_segment(n, heads, dim, dtype):
+    if dtype == torch.float64 and DEVICE == "cuda":
+        pytest.skip("float64 runs in the interpreter only")
     gen = torch.Generator().manual_seed(n * dim)
     for trial in range(2):
         q, k, v = qkv(n, heads, dim, dtype, gen)
