@@ -20,7 +20,11 @@ graph is hit far more often. The batch is padded to the key with zero rows that 
 after the replay, and the outputs are copied out, since the next replay overwrites them.
 
 Padding: patch counts round up to a multiple of 64 below 2048 patches, then of 1/32 of the count's power of
-two (at most ~3% wasted work, where a batch is compute-bound); batches above `max_patches` run eagerly.
+two (at most ~3% wasted work, where a batch is compute-bound); batches above `max_patches` run eagerly. vLLM's
+token budgets (powers of two, images packed into the smallest that fits) bound the graph count harder, but pad
+by up to half (a quarter on average): below ~1k patches, where launches dominate, that is free, above it the
+wasted matmuls would make a replay slower than eager. Fine keys cost more captures; the byte cap bounds their
+memory and capture-on-second-sight keeps one-off sizes from paying for them.
 
 Bounded memory: each key is charged its static buffers plus what its capture added to the shared pool; past
 `max_bytes` the least recently used keys are evicted (memory a capture took stays in the pool and is reused
