@@ -23,7 +23,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_cu", "search_steps"])  # one compile for every batch shape
 def _varlen_kernel(
     Q, K, V, Out, Cu, num_tokens, num_cu, search_steps, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
