@@ -91,6 +91,8 @@ class VitGraphRunner:
         self.capture_on_sight = capture_on_sight
         self.keep_gc = keep_gc
         self.unit = tower.merge**2
+        if granularity is not None and granularity % self.unit:
+            raise ValueError(f"granularity must be a multiple of merge^2 = {self.unit}, got {granularity}")
         self.windowed = hasattr(tower, "window_index")
         self.head_dim = tower.cfg.hidden_size // tower.cfg.num_heads
         self.entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
