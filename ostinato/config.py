@@ -54,6 +54,12 @@ class EngineArgs:
     schedule_policy: str = _arg("lpm", "order of waiting requests: lpm (longest cached prefix first) | fcfs")
     kv_store_two_stream: bool = _arg(False, "write K/V with indexed copies, V on a second stream inside captured "
                                      "graphs (seed 001), instead of the fused Triton store kernel")
+    enable_vit_cuda_graph: bool = _arg(False, "vision models: replay the vision encoder's blocks and mergers from CUDA "
+                                       "graphs, one per padded patch count, captured on a size's second sight")
+    vit_cuda_graph_max_mb: int = _arg(4096, "memory cap of the vision-encoder graphs in MiB (least recently used "
+                                      "evicted past it; set aside when the KV pool is sized)")
+    vit_cuda_graph_max_patches: int = _arg(16384, "largest vision-encoder batch captured, in patches (larger ones "
+                                           "run eagerly)")
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +89,8 @@ class EngineArgs:
             ("piecewise_cuda_graph_compiler", self.piecewise_cuda_graph_compiler in ("eager", "inductor"),
              "one of eager, inductor"),
             ("schedule_policy", self.schedule_policy in ("lpm", "fcfs"), "one of lpm, fcfs"),
+            ("vit_cuda_graph_max_mb", self.vit_cuda_graph_max_mb >= 1, ">= 1"),
+            ("vit_cuda_graph_max_patches", self.vit_cuda_graph_max_patches >= 1, ">= 1"),
         ]
         for name, ok, limit in checks:
             if not ok:

@@ -7,6 +7,8 @@ per deepstack layer). Parameter names follow the HF checkpoints (`visual.*`), so
 Conv3d patch embedding, which is a Linear over the flattened patch here (the conv's stride equals its kernel).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,15 +18,41 @@ from transformers.activations import ACT2FN
 Grid = tuple[int, int, int]
 
 
-def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-    """Bidirectional attention within each segment [cu[i], cu[i+1]) of packed q, k, v [N, H, D] -> [N, H * D].
-    The torch reference: one SDPA call per segment (CPU and GPU)."""
+@dataclass
+class VisionBatch:
+    """What a tower's blocks and mergers read, made eagerly by `VisionTower.prepare` (a graph runner copies it
+    into its static buffers). cu_seqlens are host lists: each caller puts them where its kernels read them."""
+
+    x: torch.Tensor  # [N, hidden] patch embeddings (Qwen2.5-VL: in window order)
+    cos: torch.Tensor  # [N, head_dim] float32 rotary tables, rows as x
+    sin: torch.Tensor
+    cu_seqlens: list[int]  # full-attention segments (whole frames), in patches
+    cu_window_seqlens: list[int] | None  # Qwen2.5-VL: window segments
+    output_indices: torch.Tensor | None  # merged rows in image order: merged[output_indices] (undoes the windows)
+
+
+def vision_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The torch reference of `vision_attention`: one SDPA call per non-empty segment. It reads the segment
+    boundaries on the host, so on a GPU it syncs and cannot be captured; the CPU path and the test oracle."""
     out = torch.empty_like(q)
-    for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+    cu = cu_seqlens.tolist()
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
         if e > s:
             qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))
             out[s:e] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
     return out.flatten(1)
+
+
+def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention within each segment [cu[i], cu[i+1]) of packed q, k, v [N, H, D] -> [N, H * D].
+    `cu_seqlens`: int32 on q's device, cu[-1] = N, repeated entries allowed (empty segments). The one op every
+    vision block calls: on a GPU the Triton varlen kernel, whose launch depends on N only (a captured graph
+    replays any segmentation written into its cu_seqlens buffer); on the CPU the SDPA-per-segment reference."""
+    if q.is_cuda:
+        from ostinato.layers.triton_ops.varlen_attention import varlen_attention
+
+        return varlen_attention(q, k, v, cu_seqlens).flatten(1)
+    return vision_attention_ref(q, k, v, cu_seqlens)
 
 
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,7 +105,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         return self.proj(vision_attention(rotate_(q, cos, sin), rotate_(k, cos, sin), v, cu_seqlens))
 
@@ -102,6 +130,37 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(cfg, patch_bias)
         self.rotary_pos_emb = VisionRotary(cfg.hidden_size // cfg.num_heads,
                                            (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+
+    def prepare(self, pixels: torch.Tensor, grids: list[Grid]) -> VisionBatch:
+        raise NotImplementedError
+
+    def run_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                   cu_window_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The blocks and the merger(s): merged tokens [N / merge^2, out_hidden] in x's row order, and the deepstack
+        features [layers, same rows, out_hidden] or None. Shapes depend on N only: what a graph captures."""
+        raise NotImplementedError
+
+    @staticmethod
+    def finish(batch: VisionBatch, merged: torch.Tensor, deepstack: torch.Tensor | None,
+               copy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Merged rows back in image order; with `copy`, never views of the inputs (a graph's static outputs)."""
+        idx = batch.output_indices
+        if idx is not None:
+            return merged.index_select(0, idx), None if deepstack is None else deepstack.index_select(1, idx)
+        if copy:
+            return merged.clone(), None if deepstack is None else deepstack.clone()
+        return merged, deepstack
+
+    def run(self, b: VisionBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The eager pass over a prepared batch."""
+        dev = b.x.device
+        cu = torch.tensor(b.cu_seqlens, dtype=torch.int32, device=dev)
+        cu_window = None if b.cu_window_seqlens is None else torch.tensor(b.cu_window_seqlens, dtype=torch.int32,
+                                                                           device=dev)
+        return self.finish(b, *self.run_blocks(b.x, b.cos, b.sin, cu, cu_window))
+
+    def forward(self, pixels: torch.Tensor, grids: list[Grid]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.run(self.prepare(pixels, grids))
 
     @staticmethod
     def image_segments(grids: list[Grid]) -> list[int]:
@@ -136,7 +195,7 @@ class Qwen2_5_VisionBlock(nn.Module):
         self.mlp.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
         self.act = ACT2FN[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
         h = self.norm2(x)
         return x + self.mlp.down_proj(self.act(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
@@ -170,7 +229,7 @@ class Qwen2_5_VisionTower(VisionTower):
             base += t * gh * gw
         return torch.cat(order), cu
 
-    def forward(self, pixels: torch.Tensor, grids: list[Grid]) -> tuple[torch.Tensor, None]:
+    def prepare(self, pixels: torch.Tensor, grids: list[Grid]) -> VisionBatch:
         unit = self.merge**2
         x = self.patch_embed(pixels)
         order, cu_window = self.window_index(grids)
@@ -181,12 +240,17 @@ class Qwen2_5_VisionTower(VisionTower):
         def permute(y: torch.Tensor) -> torch.Tensor:  # merged-token units into window order
             return y.view(-1, unit, y.shape[-1])[order].flatten(0, 1)
 
-        x, cos, sin = permute(x), permute(cos), permute(sin)
-        cu_full = self.image_segments(grids)
+        return VisionBatch(permute(x), permute(cos), permute(sin), self.image_segments(grids), cu_window,
+                           torch.argsort(order))
+
+    def run_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                   cu_window_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        # the windows are whole merged units, so full-attention segments (whole images) are unions of windows
+        # and window order keeps every image contiguous: cu_seqlens holds in window order too
         for i, block in enumerate(self.blocks):
-            x = block(x, cu_full if i in self.fullatt else cu_window, cos, sin)
-        merged = self.merger.mlp(self.merger.ln_q(x).view(-1, unit * x.shape[-1]))
-        return merged[torch.argsort(order)], None
+            x = block(x, cu_seqlens if i in self.fullatt else cu_window_seqlens, cos, sin)
+        unit = self.merge**2
+        return self.merger.mlp(self.merger.ln_q(x).view(-1, unit * x.shape[-1])), None
 
 
 # ---------------------------------------------------------------------------------------------- Qwen3-VL
@@ -201,7 +265,7 @@ class Qwen3_VisionBlock(nn.Module):
         self.mlp.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
         self.act = ACT2FN[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
         return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
 
@@ -241,13 +305,16 @@ class Qwen3_VisionTower(VisionTower):
         blocks = resized.reshape(h // m, m, w // m, m, -1).transpose(1, 2).reshape(h * w, -1)
         return blocks.repeat(t, 1).to(self.pos_embed.weight.dtype)
 
-    def forward(self, pixels: torch.Tensor, grids: list[Grid]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, pixels: torch.Tensor, grids: list[Grid]) -> VisionBatch:
         x = self.patch_embed(pixels) + torch.cat([self.position_embedding(g) for g in grids])
         cos, sin = self.rotary_pos_emb(torch.cat([block_order_hw(g, self.merge) for g in grids]))
-        cu = self.image_segments(grids)
+        return VisionBatch(x, cos, sin, self.image_segments(grids), None, None)
+
+    def run_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                   cu_window_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cu, cos, sin)
+            x = block(x, cu_seqlens, cos, sin)
             if i in self.deepstack_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
         return self.merger(x), torch.stack(deepstack)

@@ -20,8 +20,9 @@ class EncoderStats:
 
 @torch.inference_mode()
 def build_mm_forward(model, reqs: list, prefix_lens: list[int], extend_lens: list[int],
-                     device: torch.device, stats: EncoderStats) -> MMForward | None:
-    """None when no request of the batch has images. `reqs`: the engine's Requests (their `mm` inputs)."""
+                     device: torch.device, stats: EncoderStats, encode=None) -> MMForward | None:
+    """None when no request of the batch has images. `reqs`: the engine's Requests (their `mm` inputs).
+    `encode(pixels, grids)`: the vision encoder to use (a graph runner's), `model.encode_images` by default."""
     if all(r.mm is None for r in reqs):
         return None
     # 1. encode, in one batch, the images of requests whose chunk reaches image tokens and that hold no cache entry
@@ -30,7 +31,7 @@ def build_mm_forward(model, reqs: list, prefix_lens: list[int], extend_lens: lis
     if todo:
         pixels = torch.cat([r.mm.pixel_values for r in todo]).to(device)
         grids = [g for r in todo for g in r.mm.image_grid_thw]
-        embeds, deepstack = model.encode_images(pixels, grids)
+        embeds, deepstack = (encode or model.encode_images)(pixels, grids)
         sizes = [r.mm.num_image_tokens for r in todo]
         for i, r in enumerate(todo):
             r.mm.embeds = embeds.split(sizes)[i]

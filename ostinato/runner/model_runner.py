@@ -16,6 +16,7 @@ from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.graphs.graph import release_graph_pool
 from ostinato.graphs.piecewise import PiecewiseGraphRunner
+from ostinato.graphs.vit import VitGraphRunner
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.loader.kv_scales import KVScaleFilter
 from ostinato.mem.kv_cache import MHATokenToKVPool
@@ -108,6 +109,10 @@ class ModelRunner:
             self.graph_runner = DecodeGraphRunner(self)
             if self.extend_graph_max_tokens and not self.is_multimodal:  # image extends run eager
                 self.extend_graph_runner = ExtendGraphRunner(self, self.extend_graph_max_tokens)
+        self.vit_graph_runner: VitGraphRunner | None = None  # vision-encoder graphs (CPU: the Graph stand-in)
+        if args.enable_vit_cuda_graph and self.is_multimodal:
+            self.vit_graph_runner = VitGraphRunner(self.model.visual, self.device, args.vit_cuda_graph_max_mb << 20,
+                                                   args.vit_cuda_graph_max_patches, keep_gc=args.enable_cudagraph_gc)
         self.piecewise_graph_runner: PiecewiseGraphRunner | None = None
         if args.enable_piecewise_cuda_graph and (self.is_multimodal or self.mamba_pool is not None):
             logger.warning("piecewise CUDA graphs are not wired for vision or hybrid models yet; extends run as before")
@@ -149,6 +154,8 @@ class ModelRunner:
             if graphs is not None:
                 graphs.graphs.clear()
                 graphs.__dict__.clear()
+        if getattr(self, "vit_graph_runner", None) is not None:
+            self.vit_graph_runner.entries.clear()
         device = getattr(self, "device", None)
         self.__dict__.clear()
         if device is not None:
@@ -209,6 +216,8 @@ class ModelRunner:
             graph_reserve += activations * extend_tokens // self.chunked_prefill_size
         if self.args.enable_piecewise_cuda_graph:  # the pieces' outputs and static inputs at the largest size
             graph_reserve += 2 * activations * self.piecewise_graph_max_tokens // self.chunked_prefill_size
+        if self.args.enable_vit_cuda_graph and getattr(self.model, "is_multimodal", False):
+            graph_reserve += self.args.vit_cuda_graph_max_mb << 20  # the vision graphs' cap
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.args.mem_fraction_static - (total - free) - activations - graph_reserve
         logger.info("memory: %.2f GiB used after weights, %.2f GiB peak prefill activations, %.2f GiB for graphs, "
@@ -293,7 +302,8 @@ class ModelRunner:
             logits_indices=per_req[2], seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(sched.prefix_lens), extend_seq_lens_cpu=list(sched.extend_lens),
             sample_slots=per_req[3],
-            mm=build_mm_forward(self.model, reqs, sched.prefix_lens, sched.extend_lens, dev, self.encoder_stats)
+            mm=build_mm_forward(self.model, reqs, sched.prefix_lens, sched.extend_lens, dev, self.encoder_stats,
+                                self.vit_graph_runner.encode if self.vit_graph_runner is not None else None)
             if self.is_multimodal else None,
         )
 
