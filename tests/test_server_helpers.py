@@ -52,14 +52,16 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, log_path: Path, extra_args: list[str] = ()) -> None:
+    def __init__(self, log_path: Path, extra_args: list[str] = (), threads: int | None = None) -> None:
+        """`threads`: the server's torch/OpenMP threads (default: torch's choice). One keeps a tiny model's
+        steps short on a small shared CPU, where a second OpenMP thread waits on a core other processes hold."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
         cmd = [sys.executable, "-m", "ostinato", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                *SERVER_ARGS, *extra_args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._wait_ready()
 

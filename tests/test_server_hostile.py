@@ -29,7 +29,8 @@ MIB = 2**20
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_path):
     s = Server(tmp_path_factory.mktemp("server-hostile") / "server.log",
-               [tiny_llama_path, "--api-key", API_KEY, "--max-n", str(MAX_N), "--max-choices-in-engine", str(WINDOW)])
+               [tiny_llama_path, "--api-key", API_KEY, "--max-n", str(MAX_N), "--max-choices-in-engine", str(WINDOW)],
+               threads=1)
     yield s
     assert s.stop() == 0, s.log()
     assert "Traceback" not in s.log()
@@ -210,17 +211,18 @@ def test_stream_stays_smooth_under_hostile_requests(server):
     # fair share: the n request never held more than WINDOW slots (+1: the victim)
     assert max(running) <= WINDOW + 1, running
     assert len(texts) >= 10 and gaps, texts
-    # The issue asks for gaps under 0.5 s. On the 2-core CPU machine, with the engine, the server and this
-    # process sharing the cores while 70 MB of hostile uploads go through, the worst gap was 0.51-0.79 s and
-    # /health up to 0.605 s in repeated runs (baseline gaps ~0.1 s); before the fixes a 50 MB body froze both
-    # for 32-40 s. Timing bounds are not asserted tightly in CI (they flaked): 5 s still fails on a freeze.
     gaps.sort()
     print(f"\nvictim: {len(gaps) + len(first_chunk_s)} chunks in {len(first_chunk_s)} streams; inter-chunk gap "
           f"p50 {gaps[len(gaps) // 2] * 1e3:.1f} ms, p99 {gaps[int(len(gaps) * 0.99)] * 1e3:.1f} ms, worst "
           f"{gaps[-1] * 1e3:.1f} ms; first chunk worst {max(first_chunk_s) * 1e3:.1f} ms; "
           f"/health worst {max(answer_s) * 1e3:.1f} ms")
-    assert max(answer_s) < 5.0, f"/health answered in up to {max(answer_s):.3f} s"
-    assert max(gaps) < 5.0, f"largest inter-chunk gap {max(gaps):.3f} s; gaps {sorted(gaps)[-5:]}"
+    # The victim streamed from before the hostile requests began until after they were answered (its loop ends
+    # only with a stream that finished after `done`), so its gaps span the whole attack. On 2 shared cores the
+    # worst gap measured 89-165 ms (p50 4-5 ms) with the tiny model and one engine thread; before the fixes a
+    # 50 MB body froze the stream and /health for 32-40 s. /health is timed from this process, whose GIL the
+    # upload threads share, hence its looser bound (0.3-0.65 s measured).
+    assert gaps[-1] < 0.5, f"largest inter-chunk gap {gaps[-1]:.3f} s; gaps {gaps[-5:]}"
+    assert max(answer_s) < 2.0, f"/health answered in up to {max(answer_s):.3f} s"
 
 
 def test_serve_with_a_missing_model_fails_before_starting_the_engine(tmp_path):

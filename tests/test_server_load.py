@@ -29,7 +29,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_path):
-    s = Server(tmp_path_factory.mktemp("server-load") / "server.log", [tiny_llama_path])
+    s = Server(tmp_path_factory.mktemp("server-load") / "server.log", [tiny_llama_path], threads=1)
     yield s
     assert s.stop() == 0, s.log()
 

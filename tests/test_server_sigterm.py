@@ -11,7 +11,7 @@ from test_server_helpers import Server, alive, children
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_path):
-    s = Server(tmp_path_factory.mktemp("server-sigterm") / "server.log", [tiny_llama_path])
+    s = Server(tmp_path_factory.mktemp("server-sigterm") / "server.log", [tiny_llama_path], threads=1)
     yield s
     s.stop(timeout=10)
 
