@@ -172,3 +172,39 @@ def test_cuda_engine_fp8_and_pages_give_graph_equal_tokens():
     assert tokens["fp8-graph"] == tokens["fp8-eager"]
     assert tokens["fp8-page16"] == tokens["fp8-graph"]
     assert tokens["bf16-page16"] == tokens["bf16"]
+
+
+def test_decode_fp16_dot_matches_the_reference():
+    """The decode kernel's fp16 dots on an fp8 cache against float64 attention over the same dequantized bytes,
+    with the default dots (in q's dtype) beside it: both within bf16-level error. Queries are bf16 on CUDA and
+    fp16 in Triton's CPU interpreter, whose bf16 dots are wrong (|out| ~ 2e8 on this input)."""
+    from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention
+
+    gen = torch.Generator().manual_seed(4)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    bs, heads, kv_heads, dim, ctx = 3, 4, 2, 16, 40
+    k8 = (torch.randn(bs * ctx + 1, kv_heads, dim, generator=gen) * 2).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(bs * ctx + 1, kv_heads, dim, generator=gen) * 2).to(torch.float8_e4m3fn)
+    q_dtype = torch.bfloat16 if dev == "cuda" else torch.float16
+    q = torch.randn(bs, heads, dim, generator=gen).to(q_dtype)
+    k_scale, v_scale = torch.tensor([0.5]), torch.tensor([0.25])
+    req_to_token = (torch.randperm(bs * ctx, generator=gen) + 1).view(bs, ctx).to(torch.int32)
+    seq_lens = torch.tensor([ctx, 17, 1], dtype=torch.int32)
+    ref = torch.empty(bs, heads, dim, dtype=torch.float64)
+    for b in range(bs):
+        slots = req_to_token[b, : seq_lens[b]].long()
+        kk = k8[slots].double().repeat_interleave(heads // kv_heads, 1) * k_scale.double()
+        vv = v8[slots].double().repeat_interleave(heads // kv_heads, 1) * v_scale.double()
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), kk) * dim**-0.5, -1)
+        ref[b] = torch.einsum("hn,nhd->hd", w, vv)
+    for fp16_dot in (False, True):
+        splits = torch.empty(bs, dtype=torch.int32, device=dev)
+        compute_num_kv_splits(seq_lens.to(dev), splits, 16, 2)
+        out = torch.empty(bs, heads, dim, dtype=q_dtype, device=dev)
+        decode_attention(q.to(dev), k8.view(torch.uint8).to(dev), v8.view(torch.uint8).to(dev), out,
+                         req_to_token.to(dev), torch.arange(bs, device=dev), seq_lens.to(dev), splits,
+                         torch.empty(bs, heads, 2, dim, device=dev), torch.empty(bs, heads, 2, device=dev),
+                         dim**-0.5, block_n=16, kv_fp8=torch.float8_e4m3fn, k_scale=k_scale.to(dev),
+                         v_scale=v_scale.to(dev), fp16_dot=fp16_dot)
+        err = (out.double().cpu() - ref).abs().max().item()
+        assert err < 2e-2 * ref.abs().max().item(), (fp16_dot, err)

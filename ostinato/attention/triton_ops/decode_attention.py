@@ -24,7 +24,7 @@ def _decode_stage1_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    PAGE: tl.constexpr, KV_FP8: tl.constexpr,
+    PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -50,6 +50,8 @@ def _decode_stage1_kernel(
     heads = kv_head * GROUP + offs_h
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if FP16_DOT:  # fp8 -> fp16 is one conversion instruction on Hopper; fp8 -> bf16 goes through fp32
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -104,12 +106,14 @@ def decode_attention(
     num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, scale: float,
     block_n: int = 64, page_size: int = 1, kv_fp8: torch.dtype | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
     `page_size`: the pool's page size (slots of a page are contiguous), read a page per table entry.
     `kv_fp8`: the fp8 dtype of a cache stored as uint8 in k_buf/v_buf, dequantized by `k_scale` / `v_scale`
-    (float32 device tensors, the first element read).
+    (float32 device tensors, the first element read). `fp16_dot`: with an fp8 cache, the dots take q and the
+    probabilities in fp16 (fp8 widens to fp16 exactly) instead of q's dtype.
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
@@ -135,7 +139,8 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
-        num_warps=4, num_stages=2,
+        FP16_DOT=bool(fp16_dot and fp8 and q.dtype != torch.float32),
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o, mid_lse, num_kv_splits, out,
