@@ -9,6 +9,7 @@ import torch._dynamo
 from batch_helpers import extend_batch
 
 from ostinato import LLM
+from ostinato.graphs.compile_backend import piece_signature
 from ostinato.graphs.decode import PAD_SLOT
 from ostinato.graphs.piecewise import PiecewiseGraphRunner, non_owning_alias, piecewise_token_sizes, weak_ref
 
@@ -58,6 +59,11 @@ def test_split_gives_one_piece_more_than_attention_calls(graphs):
     assert graphs.num_pieces == TINY["num_hidden_layers"] + 1
     # each piece after the first reads one attention output, copied into a static buffer before replays
     assert [len(split.volatile_args[n]) for n in split.piece_names] == [0, 1, 1, 1]
+    # the middle layers' pieces are one function of their arguments (weights included): compiled once, and
+    # the replays below check that sharing it gives each layer its own result
+    assert graphs.backend.num_compiled == 3
+    runnables = [p.runnable for p in graphs.pieces]
+    assert runnables[1] is runnables[2] and len({id(r) for r in runnables}) == 3
     assert all(sorted(p.entries) == [8, 24, 64, 96] for p in graphs.pieces)
 
 
@@ -111,3 +117,19 @@ def test_weak_ref():
     assert alias.data_ptr() == view.data_ptr() and alias.stride() == view.stride()
     base.add_(1)
     assert torch.equal(alias, view)  # sees every later write to the memory
+
+
+def test_piece_signature():
+    def f(x, w):
+        return torch.relu(x @ w) * 0.5
+
+    def g(a, weight_of_another_layer):  # the same function under other names
+        return torch.relu(a @ weight_of_another_layer) * 0.5
+
+    def h(x, w):  # another constant
+        return torch.relu(x @ w) * 0.25
+
+    sig = [piece_signature(torch.fx.symbolic_trace(fn)) for fn in (f, g, h)]
+    assert sig[0] == sig[1] != sig[2]
+    holds_weight = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))  # reads its own parameters: never shared
+    assert piece_signature(holds_weight) is None

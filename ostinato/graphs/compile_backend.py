@@ -116,6 +116,27 @@ def split_at_ops(gm: fx.GraphModule) -> SplitResult:
     return SplitResult(split, pieces, num_split, volatile)
 
 
+def piece_signature(piece: fx.GraphModule) -> str | None:
+    """A key equal for pieces that compute the same function of their arguments: the node list with targets,
+    constant arguments and each placeholder's dtype/shape, names left out (each layer's pieces name their
+    weights differently). None for a piece that reads module state (get_attr / call_module): never shared."""
+    index: dict[fx.Node, int] = {}
+    lines = []
+    for i, node in enumerate(piece.graph.nodes):
+        if node.op in ("get_attr", "call_module"):
+            return None
+        index[node] = i
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+        meta = ""
+        if node.op == "placeholder":
+            val = node.meta.get("example_value", node.meta.get("val"))
+            meta = f"{val.dtype}{tuple(val.shape)}" if isinstance(val, torch.Tensor) else type(val).__name__
+        # the target object itself (a function of another closure is another function), by identity
+        target = node.target if isinstance(node.target, str) else f"{node.target}@{id(node.target)}"
+        lines.append(f"{node.op} {'' if node.op == 'placeholder' else target} {args} {meta}")
+    return "\n".join(lines)
+
+
 def compile_piece(piece: fx.GraphModule, example_inputs: list, compiler: str) -> Callable:
     """The piece as traced (`eager`) or compiled by inductor over dynamic token counts (`inductor`)."""
     if compiler == "eager":
@@ -138,17 +159,32 @@ class PiecewiseBackend:
         self.make_runtime = make_runtime
         self.splits: list[SplitResult] = []  # one per dynamo compile (a recompile adds one)
         self.compile_seconds = 0.0
+        self.first_call_at: float | None = None  # perf_counter when dynamo first handed over a graph
+        # one compiled callable per distinct piece: a model's middle layers give identical pieces (the weights
+        # are arguments), compiled once instead of once per layer (inductor's cache would hit, but each
+        # layer would still pay a dynamo trace and an AOTAutograd pass at every start-up)
+        self.compiled: dict[str, Callable] = {}
+        self.num_compiled = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         start = time.perf_counter()
+        if self.first_call_at is None:
+            self.first_call_at = start
         result = split_at_ops(gm)
         n = len(result.piece_names)
         for index, name in enumerate(result.piece_names):
-            runnable = compile_piece(getattr(result.module, name), example_inputs, self.compiler)
+            piece = getattr(result.module, name)
+            key = piece_signature(piece)
+            runnable = self.compiled.get(key) if key is not None else None
+            if runnable is None:
+                runnable = compile_piece(piece, example_inputs, self.compiler)
+                self.num_compiled += 1
+                if key is not None:
+                    self.compiled[key] = runnable
             # replace the submodule by its runtime: fx calls `self.<name>(*args)`
             result.module.__dict__[name] = self.make_runtime(name, index, n, runnable, result.volatile_args[name])
         self.splits.append(result)
         self.compile_seconds += time.perf_counter() - start
-        logger.info("piecewise backend: %d pieces around %d split-op calls (%s)", n, result.num_split_calls,
-                    self.compiler)
+        logger.info("piecewise backend: %d pieces around %d split-op calls, %d compiled (%s)", n,
+                    result.num_split_calls, self.num_compiled, self.compiler)
         return result.module
