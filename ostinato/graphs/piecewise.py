@@ -191,8 +191,7 @@ class PiecewiseGraphRunner:
         self.input_ids, self.positions, self.out_cache_loc = self.tokens
         self.token_pad = torch.tensor([0, 0, PAD_SLOT], dtype=torch.int64, device=dev)[:, None]
         self.pieces: list[PieceRuntime] = []
-        if compiler == "inductor":
-            use_compile_cache()
+        self.cache_dir = use_compile_cache() if compiler == "inductor" else None
         self.backend = PiecewiseBackend(compiler, self._make_runtime)
         model = runner.model
 
@@ -285,9 +284,10 @@ class PiecewiseGraphRunner:
         self.capture_seconds = time.perf_counter() - start - self.trace_seconds - self.compile_seconds
         self.num_graphs = sum(len(p.entries) for p in self.pieces)
         logger.info("piecewise graphs (%s pieces): %d pieces (%d compiled) at %s tokens; dynamo trace %.1f s, "
-                    "compile %.1f s, capture %.1f s (%d graphs), graph memory %.2f GiB", self.compiler,
+                    "compile %.1f s, capture %.1f s (%d graphs), graph memory %.2f GiB%s", self.compiler,
                     self.num_pieces, self.backend.num_compiled, self.sizes, self.trace_seconds, self.compile_seconds,
-                    self.capture_seconds, self.num_graphs, self.graph_memory_bytes / 2**30)
+                    self.capture_seconds, self.num_graphs, self.graph_memory_bytes / 2**30,
+                    f"; compile cache {self.cache_dir}" if self.cache_dir else "")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Extend steps (mixed ones included: decode tokens are 1-token extends) within the captured range."""
