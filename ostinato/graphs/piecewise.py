@@ -204,8 +204,8 @@ class PiecewiseGraphRunner:
                                 closure=piecewise_forward.__closure__)
         self.forward_fn = torch.compile(fn, backend=self.backend, fullgraph=True)
         self.trace_seconds = 0.0  # the first forward until dynamo hands its graph over (the dynamo trace)
-        self.compile_seconds = 0.0  # the rest of the first forward: split, compile of every piece, first run
-        self.capture_seconds = 0.0  # the rest: warm-ups and captures at every size
+        self.compile_seconds = 0.0  # in our backend: the split and the compile of every distinct piece
+        self.capture_seconds = 0.0  # the rest: warm-ups (the first run included) and captures at every size
         self.num_graphs = 0
         self.graph_memory_bytes = 0
         self.capture()
@@ -256,6 +256,7 @@ class PiecewiseGraphRunner:
             gc.disable()
         _state.stream = capture_stream(self.device) if cuda else None
         _state.free_memory = True
+        first_run = True
         try:
             self.tokens[:] = self.token_pad
             for size in reversed(self.sizes):
@@ -265,9 +266,8 @@ class PiecewiseGraphRunner:
                 for _ in range(2 if cuda else 1):  # compiles (first size), autotunes, lazy inits
                     t = time.perf_counter()
                     self._run(batch, "warmup", size)
-                    if not self.compile_seconds:  # the first run: trace, split, compile every piece
-                        traced = self.backend.first_call_at or t
-                        self.trace_seconds, self.compile_seconds = traced - t, time.perf_counter() - traced
+                    if first_run:  # the dynamo trace, up to the call of our backend (split, compile)
+                        self.trace_seconds, first_run = (self.backend.first_call_at or t) - t, False
                 if cuda:
                     torch.cuda.synchronize(self.device)
                 self._run(batch, "capture", size)
@@ -281,6 +281,7 @@ class PiecewiseGraphRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the warm-ups' cached blocks (captures after the first no longer free them)
             self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        self.compile_seconds = self.backend.compile_seconds
         self.capture_seconds = time.perf_counter() - start - self.trace_seconds - self.compile_seconds
         self.num_graphs = sum(len(p.entries) for p in self.pieces)
         logger.info("piecewise graphs (%s pieces): %d pieces (%d compiled) at %s tokens; dynamo trace %.1f s, "
