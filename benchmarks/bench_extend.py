@@ -4,6 +4,7 @@ and inductor pieces), for one request and for 8 requests sharing the tokens; plu
 
 python benchmarks/bench_extend.py                      # Llama-3.2-1B and Qwen3-0.6B, dummy bf16 weights
 python benchmarks/bench_extend.py --models qwen3-0.6b --tokens 1 16 256 --skip-startup
+python benchmarks/bench_extend.py --models llama-3.2-1b --startup-only   # start-up split, cold and warm cache
 Writes benchmarks/results/extend-<device>.json and .png.
 """
 
@@ -73,7 +74,8 @@ def startup(model: str, compiler: str) -> dict:
     t = time.perf_counter()
     g = PiecewiseGraphRunner(llm.engine.runner, 2048, compiler=compiler)
     return {"model": model, "compiler": compiler, "seconds": time.perf_counter() - t, "pieces": g.num_pieces,
-            "sizes": g.sizes, "compile_s": g.compile_seconds, "capture_s": g.capture_seconds,
+            "compiled_pieces": g.backend.num_compiled, "sizes": g.sizes, "trace_s": g.trace_seconds,
+            "compile_s": g.compile_seconds, "capture_s": g.capture_seconds, "graphs": g.num_graphs,
             "graph_gib": g.graph_memory_bytes / 2**30}
 
 
@@ -87,8 +89,9 @@ def measure_startup(model: str, compiler: str) -> list[dict]:
                              capture_output=True, text=True).stdout
         row = eval(out.strip().splitlines()[-1])  # the child's last line: a dict literal
         rows.append({**row, "cache": run})
-        print(f"start-up {model} {compiler} {run}: {row['seconds']:.1f} s ({row['pieces']} pieces, compile "
-              f"{row['compile_s']:.1f} s, capture {row['capture_s']:.1f} s, {row['graph_gib']:.2f} GiB)")
+        print(f"start-up {model} {compiler} {run}: {row['seconds']:.1f} s ({row['pieces']} pieces, "
+              f"{row['compiled_pieces']} compiled; dynamo trace {row['trace_s']:.1f} s, compile {row['compile_s']:.1f} "
+              f"s, capture {row['capture_s']:.1f} s of {row['graphs']} graphs, {row['graph_gib']:.2f} GiB)")
     return rows
 
 
@@ -169,6 +172,7 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--startup-only", action="store_true", help="only the piecewise start-up, cold and warm")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
@@ -176,11 +180,12 @@ def main() -> None:
     report = {"device": device_tag(device), "torch": torch.__version__, "rows": [], "startup": []}
     if not args.skip_startup:
         report["startup"] += measure_startup(args.models[0], "inductor")
-    for model in args.models:
+    for model in args.models if not args.startup_only else []:
         report["rows"] += bench_model(model, args.tokens, args.iters)
     path = args.out or os.path.join(RESULTS, f"extend-{report['device']}.json")
     write_report(report, path)
-    print(f"wrote {plot(report, path)}")
+    if report["rows"]:
+        print(f"wrote {plot(report, path)}")
 
 
 if __name__ == "__main__":

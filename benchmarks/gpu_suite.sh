@@ -9,6 +9,9 @@
 #                                          the VLM encoder and TTFT, Granite-4.0-H decode and offline
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead (needs the .whl wheels carried)
+#   bash benchmarks/gpu_suite.sh piecewise piecewise GPU tests, start-up split (cold / warm cache), extend steps
+#   bash benchmarks/gpu_suite.sh mixed     ITL under prefill pressure (mixed chunk off / on), TTFT through
+#                                          `ostinato serve` with piecewise on / off (the server needs the wheels)
 # Writes logs and JSON under $OUT (or ./gpu-out).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
@@ -66,6 +69,20 @@ LLM('llama-3.2-1b', load_format='dummy')  # default sizes: logs capture time and
 serving)
   timeout 500 python benchmarks/bench_serving_overhead.py --model llama-3.2-1b --load-format dummy --dtype bfloat16 \
       --out "$OUT/serving-overhead.json" 2>&1 | quiet | tail -20 | tee "$OUT/serving-overhead.log"
+  ;;
+piecewise)
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_piecewise_gpu.py 2>&1 | quiet | tail -15 \
+      | tee "$OUT/piecewise-tests.log"
+  timeout 200 python benchmarks/bench_extend.py --models llama-3.2-1b --startup-only --out "$OUT/pw-startup.json" \
+      2>&1 | quiet | grep -E "start-up|wrote|Error" | tee "$OUT/pw-startup.log"
+  timeout 200 python benchmarks/bench_extend.py --models llama-3.2-1b --skip-startup --tokens 4 16 64 256 1024 2048 \
+      --out "$OUT/extend-pw.json" 2>&1 | quiet | tail -16 | tee "$OUT/extend-pw.log"
+  ;;
+mixed)
+  timeout 230 python benchmarks/bench_itl_prefill.py --model llama-3.2-1b --load-format dummy --dtype bfloat16 \
+      --out "$OUT/itl-prefill.json" 2>&1 | quiet | tail -8 | tee "$OUT/itl-prefill.log"
+  timeout 230 python benchmarks/bench_ttft_piecewise.py --model llama-3.2-1b --load-format dummy --dtype bfloat16 \
+      --out "$OUT/ttft-piecewise.json" 2>&1 | quiet | tail -24 | tee "$OUT/ttft-piecewise.log"
   ;;
 esac
 exit 0

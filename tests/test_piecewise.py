@@ -9,6 +9,7 @@ import torch._dynamo
 from batch_helpers import extend_batch
 
 from ostinato import LLM
+from ostinato.graphs.compile_backend import piece_signature
 from ostinato.graphs.decode import PAD_SLOT
 from ostinato.graphs.piecewise import PiecewiseGraphRunner, non_owning_alias, piecewise_token_sizes, weak_ref
 
@@ -58,6 +59,11 @@ def test_split_gives_one_piece_more_than_attention_calls(graphs):
     assert graphs.num_pieces == TINY["num_hidden_layers"] + 1
     # each piece after the first reads one attention output, copied into a static buffer before replays
     assert [len(split.volatile_args[n]) for n in split.piece_names] == [0, 1, 1, 1]
+    # the middle layers' pieces are one function of their arguments (weights included): compiled once, and
+    # the replays below check that sharing it gives each layer its own result
+    assert graphs.backend.num_compiled == 3
+    runnables = [p.runnable for p in graphs.pieces]
+    assert runnables[1] is runnables[2] and len({id(r) for r in runnables}) == 3
     assert all(sorted(p.entries) == [8, 24, 64, 96] for p in graphs.pieces)
 
 
@@ -111,3 +117,48 @@ def test_weak_ref():
     assert alias.data_ptr() == view.data_ptr() and alias.stride() == view.stride()
     base.add_(1)
     assert torch.equal(alias, view)  # sees every later write to the memory
+
+
+def test_piece_signature():
+    def f(x, w):
+        return torch.relu(x @ w) * 0.5
+
+    def g(a, weight_of_another_layer):  # the same function under other names
+        return torch.relu(a @ weight_of_another_layer) * 0.5
+
+    def h(x, w):  # another constant
+        return torch.relu(x @ w) * 0.25
+
+    sig = [piece_signature(torch.fx.symbolic_trace(fn)) for fn in (f, g, h)]
+    assert sig[0] == sig[1] != sig[2]
+    holds_weight = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))  # reads its own parameters: never shared
+    assert piece_signature(holds_weight) is None
+
+
+def test_inductor_path_compiles_each_distinct_piece_once(tiny_llm, monkeypatch):
+    """The inductor compiler gets each distinct piece once, with fake arguments whose token dimension is symbolic
+    (a nested torch.compile per piece had silently run the pieces eagerly). compile_fx is replaced by a recorder
+    that runs the graph it is given, so this stays fast; the GPU tests run inductor itself."""
+    import torch._inductor.compile_fx as inductor
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs):
+        seen.append([tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)])
+        return lambda *args: gm(*args)
+
+    monkeypatch.setattr(inductor, "compile_fx", fake_compile_fx)
+    runner = tiny_llm.engine.runner
+    torch._dynamo.reset()
+    graphs = PiecewiseGraphRunner(runner, max_tokens=32, sizes=[8, 32], compiler="inductor")
+    assert graphs.backend.num_compiled == len(seen) == 3
+    hidden = TINY["hidden_size"]
+    token_dims = [shape[0] for shapes in seen for shape in shapes if len(shape) == 2 and shape[1] == hidden]
+    assert any(isinstance(d, torch.SymInt) for d in token_dims)  # compiled for any token count, not one
+    gen = torch.Generator().manual_seed(7)
+    sched, reqs = extend_batch(runner, [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 17)], [0, 0])
+    batch = runner.prepare(sched)
+    eager = runner.forward(batch).clone()
+    poison(graphs, gen)
+    torch.testing.assert_close(graphs.replay(batch), eager, rtol=0, atol=0)
+    release(runner, reqs)

@@ -69,3 +69,13 @@ def test_mixed_greedy_tokens_equal_eager(pw_llm):
     # bf16: a near-tie may flip one greedy token and the rest of that sequence; most sequences must agree
     same = sum(g == w for g, w in zip(got, want, strict=True))
     assert same >= len(prompts) - 1, (got, want)
+
+
+def test_pieces_compiled_once_each(pw_llm):
+    """The middle layers share one compiled piece; with inductor, every piece is inductor's code, not the FX
+    graph (a nested torch.compile per piece had silently left them eager)."""
+    graphs = pw_llm.engine.runner.piecewise_graph_runner
+    assert graphs.backend.num_compiled == 3 and graphs.num_pieces == 29  # Qwen3-0.6B: 28 layers
+    if graphs.compiler == "inductor":
+        assert not any(isinstance(p.runnable, torch.fx.GraphModule) for p in graphs.pieces)
+    assert graphs.num_graphs == graphs.num_pieces * len(graphs.sizes)

@@ -60,9 +60,20 @@ def compile_cache_dir() -> str:
     return os.path.join(root, "torch_compile")
 
 
-def use_compile_cache() -> None:
-    """Point inductor at our persistent cache dir (unless the user set one) and keep its FX graph cache on."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+def use_compile_cache() -> str:
+    """Point inductor's caches (FX graphs, AOTAutograd, Triton kernels, autotuning) at our persistent dir unless
+    the user chose one, keep its FX graph cache on, and return the dir in use. Importing torch._dynamo sets
+    TORCHINDUCTOR_CACHE_DIR to torch's default (/tmp/torchinductor_<user>), so that value counts as unset
+    (a plain setdefault never took effect: warm and "cold" start-ups shared /tmp)."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = default_cache_dir()
+    except ImportError:  # an older layout: only an unset variable is ours to set
+        default = None
+    if current is None or current == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     try:
         import torch._inductor.config as inductor_config
@@ -70,6 +81,7 @@ def use_compile_cache() -> None:
         inductor_config.fx_graph_cache = True
     except (ImportError, AttributeError):  # an inductor without the option: its default applies
         pass
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 @dataclass
@@ -116,14 +128,64 @@ def split_at_ops(gm: fx.GraphModule) -> SplitResult:
     return SplitResult(split, pieces, num_split, volatile)
 
 
-def compile_piece(piece: fx.GraphModule, example_inputs: list, compiler: str) -> Callable:
-    """The piece as traced (`eager`) or compiled by inductor over dynamic token counts (`inductor`)."""
+def piece_signature(piece: fx.GraphModule) -> str | None:
+    """A key equal for pieces that compute the same function of their arguments: the node list with targets,
+    constant arguments and each placeholder's dtype/shape, names left out (each layer's pieces name their
+    weights differently). None for a piece that reads module state (get_attr / call_module): never shared."""
+    index: dict[fx.Node, int] = {}
+    lines = []
+    for i, node in enumerate(piece.graph.nodes):
+        if node.op in ("get_attr", "call_module"):
+            return None
+        index[node] = i
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+        meta = ""
+        if node.op == "placeholder":
+            val = node.meta.get("example_value", node.meta.get("val"))
+            meta = f"{val.dtype}{tuple(val.shape)}" if isinstance(val, torch.Tensor) else type(val).__name__
+        # the target object itself (a function of another closure is another function), by identity
+        target = node.target if isinstance(node.target, str) else f"{node.target}@{id(node.target)}"
+        lines.append(f"{node.op} {'' if node.op == 'placeholder' else target} {args} {meta}")
+    return "\n".join(lines)
+
+
+def _plain_copy(piece: fx.GraphModule) -> fx.GraphModule:
+    """A plain GraphModule over a copy of the piece's graph: inductor may rewrite what it compiles, and
+    split_module's modules may be lazy ones (torch 2.13) whose code is generated on first call."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(piece.graph, {}))
+    return fx.GraphModule(piece, graph)
+
+
+def compile_pieces(split: fx.GraphModule, gm: fx.GraphModule, example_inputs: list, names: list[str],
+                   compiler: str) -> dict[str, Callable]:
+    """The named pieces of `split` as traced (`eager`) or compiled by inductor (`inductor`), compiled here and now
+    over the example arguments each piece gets in a fake run of the split module on dynamo's fake inputs (the
+    token dimension symbolic, as dynamo traced it). A nested torch.compile of each piece does not work: called
+    from the code dynamo compiled, it never compiles (the pieces ran eagerly)."""
     if compiler == "eager":
-        return piece
-    if compiler == "inductor":
-        # one dynamic-shape compile per piece; identical layers hit inductor's FX graph cache
-        return torch.compile(piece, backend="inductor", fullgraph=True, dynamic=True)
-    raise ValueError(f"piecewise_cuda_graph_compiler must be one of {COMPILERS}, got {compiler!r}")
+        return {name: getattr(split, name) for name in names}
+    if compiler != "inductor":
+        raise ValueError(f"piecewise_cuda_graph_compiler must be one of {COMPILERS}, got {compiler!r}")
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import compile_fx
+
+    fake_mode = detect_fake_mode()  # dynamo's, of the compile in progress
+    metas = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    # tensors through the fake mode's memo (their shapes as dynamo made them); size inputs as dynamo's SymInts
+    fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else m for x, m in zip(example_inputs, metas,
+                                                                                               strict=True)]
+    wanted, out = set(names), {}
+
+    class _CompileAtFirstCall(fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            if target in wanted and target not in out:
+                out[target] = compile_fx(_plain_copy(getattr(split, target)), list(args))
+            return super().call_module(target, args, kwargs)
+
+    with fake_mode:
+        _CompileAtFirstCall(split).run(*fakes)
+    return out
 
 
 class PiecewiseBackend:
@@ -138,17 +200,35 @@ class PiecewiseBackend:
         self.make_runtime = make_runtime
         self.splits: list[SplitResult] = []  # one per dynamo compile (a recompile adds one)
         self.compile_seconds = 0.0
+        self.first_call_at: float | None = None  # perf_counter when dynamo first handed over a graph
+        # one compiled callable per distinct piece: a model's middle layers give identical pieces (the weights
+        # are arguments), compiled once instead of once per layer (inductor's cache would hit, but each
+        # layer would still pay a dynamo trace and an AOTAutograd pass at every start-up)
+        self.compiled: dict[str, Callable] = {}
+        self.num_compiled = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         start = time.perf_counter()
+        if self.first_call_at is None:
+            self.first_call_at = start
         result = split_at_ops(gm)
-        n = len(result.piece_names)
-        for index, name in enumerate(result.piece_names):
-            runnable = compile_piece(getattr(result.module, name), example_inputs, self.compiler)
+        names = result.piece_names
+        keys = {name: piece_signature(getattr(result.module, name)) for name in names}
+        first: dict[str, str] = {}  # signature -> the first piece that has it: the one compiled
+        owner = {name: name if keys[name] is None else first.setdefault(keys[name], name) for name in names}
+        todo = [name for name in names if owner[name] == name and keys[name] not in self.compiled]
+        compiled = compile_pieces(result.module, gm, example_inputs, todo, self.compiler)
+        self.num_compiled += len(compiled)
+        for index, name in enumerate(names):
+            key = keys[name]
+            runnable = self.compiled[key] if key in self.compiled else compiled[owner[name]]
+            if key is not None:
+                self.compiled[key] = runnable
             # replace the submodule by its runtime: fx calls `self.<name>(*args)`
-            result.module.__dict__[name] = self.make_runtime(name, index, n, runnable, result.volatile_args[name])
+            result.module.__dict__[name] = self.make_runtime(name, index, len(names), runnable,
+                                                             result.volatile_args[name])
         self.splits.append(result)
         self.compile_seconds += time.perf_counter() - start
-        logger.info("piecewise backend: %d pieces around %d split-op calls (%s)", n, result.num_split_calls,
-                    self.compiler)
+        logger.info("piecewise backend: %d pieces around %d split-op calls, %d compiled (%s)", len(names),
+                    result.num_split_calls, self.num_compiled, self.compiler)
         return result.module

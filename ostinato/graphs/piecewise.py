@@ -62,6 +62,9 @@ class _RunState:
     phase: str | None = None
     num_tokens: int = 0
     stream: "torch.cuda.Stream | None" = None
+    # only the first capture of a start-up empties the allocator's caches (as torch.cuda.graph does before each
+    # capture); the hundreds after it (pieces x sizes) skip that, and capture() empties them once at the end
+    free_memory: bool = True
 
 
 _state = _RunState()
@@ -166,7 +169,8 @@ class PieceRuntime:
             else:  # CPU stand-in replay: a fresh result, into the tensors handed out at capture
                 _copy_into(entry.output, out)
 
-        entry.graph.capture(run, _state.stream)
+        entry.graph.capture(run, _state.stream, free_memory=_state.free_memory)
+        _state.free_memory = False
         out = entry.output
         if not self.is_last:  # the forward being captured still holds `out` strongly until its last use
             entry.output = _map_tensors(out, weak_ref)
@@ -187,8 +191,7 @@ class PiecewiseGraphRunner:
         self.input_ids, self.positions, self.out_cache_loc = self.tokens
         self.token_pad = torch.tensor([0, 0, PAD_SLOT], dtype=torch.int64, device=dev)[:, None]
         self.pieces: list[PieceRuntime] = []
-        if compiler == "inductor":
-            use_compile_cache()
+        self.cache_dir = use_compile_cache() if compiler == "inductor" else None
         self.backend = PiecewiseBackend(compiler, self._make_runtime)
         model = runner.model
 
@@ -200,8 +203,10 @@ class PiecewiseGraphRunner:
         fn = types.FunctionType(piecewise_forward.__code__.replace(), piecewise_forward.__globals__,
                                 closure=piecewise_forward.__closure__)
         self.forward_fn = torch.compile(fn, backend=self.backend, fullgraph=True)
-        self.compile_seconds = 0.0  # the first forward: dynamo trace, split, compile of every piece
-        self.capture_seconds = 0.0  # the rest: warm-ups and captures at every size
+        self.trace_seconds = 0.0  # the first forward until dynamo hands its graph over (the dynamo trace)
+        self.compile_seconds = 0.0  # in our backend: the split and the compile of every distinct piece
+        self.capture_seconds = 0.0  # the rest: warm-ups (the first run included) and captures at every size
+        self.num_graphs = 0
         self.graph_memory_bytes = 0
         self.capture()
 
@@ -250,6 +255,8 @@ class PiecewiseGraphRunner:
             gc.freeze()
             gc.disable()
         _state.stream = capture_stream(self.device) if cuda else None
+        _state.free_memory = True
+        first_run = True
         try:
             self.tokens[:] = self.token_pad
             for size in reversed(self.sizes):
@@ -259,24 +266,29 @@ class PiecewiseGraphRunner:
                 for _ in range(2 if cuda else 1):  # compiles (first size), autotunes, lazy inits
                     t = time.perf_counter()
                     self._run(batch, "warmup", size)
-                    if not self.compile_seconds:  # the first run: trace, split, compile every piece
-                        self.compile_seconds = time.perf_counter() - t
+                    if first_run:  # the dynamo trace, up to the call of our backend (split, compile)
+                        self.trace_seconds, first_run = (self.backend.first_call_at or t) - t, False
                 if cuda:
                     torch.cuda.synchronize(self.device)
                 self._run(batch, "capture", size)
         finally:
-            _state.stream = None
+            _state.stream, _state.free_memory = None, True
             if not keep_gc:
                 gc.unfreeze()
                 if gc_was_enabled:
                     gc.enable()
         if cuda:
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the warm-ups' cached blocks (captures after the first no longer free them)
             self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        self.capture_seconds = time.perf_counter() - start - self.compile_seconds
-        logger.info("piecewise graphs (%s pieces): %d pieces at %s tokens; compile %.1f s, capture %.1f s, "
-                    "graph memory %.2f GiB", self.compiler, self.num_pieces, self.sizes, self.compile_seconds,
-                    self.capture_seconds, self.graph_memory_bytes / 2**30)
+        self.compile_seconds = self.backend.compile_seconds
+        self.capture_seconds = time.perf_counter() - start - self.trace_seconds - self.compile_seconds
+        self.num_graphs = sum(len(p.entries) for p in self.pieces)
+        logger.info("piecewise graphs (%s pieces): %d pieces (%d compiled) at %s tokens; dynamo trace %.1f s, "
+                    "compile %.1f s, capture %.1f s (%d graphs), graph memory %.2f GiB%s", self.compiler,
+                    self.num_pieces, self.backend.num_compiled, self.sizes, self.trace_seconds, self.compile_seconds,
+                    self.capture_seconds, self.num_graphs, self.graph_memory_bytes / 2**30,
+                    f"; compile cache {self.cache_dir}" if self.cache_dir else "")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Extend steps (mixed ones included: decode tokens are 1-token extends) within the captured range."""
