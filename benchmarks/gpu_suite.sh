@@ -6,7 +6,8 @@
 #                                          with torch.compile for 11 sizes, bf16 vs fp8 KV and page 1 vs 16,
 #                                          the KV-store variants
 #   bash benchmarks/gpu_suite.sh features  extend steps (eager / full graph / piecewise), prefix cache on vs off,
-#                                          the VLM encoder and TTFT, Granite-4.0-H decode and offline
+#                                          the VLM encoder and TTFT, VLM TTFT through the server with ViT
+#                                          graphs off/on (needs the wheels), Granite-4.0-H decode and offline
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead (needs the .whl wheels carried)
 #   bash benchmarks/gpu_suite.sh piecewise piecewise GPU tests, start-up split (cold / warm cache), extend steps
@@ -45,6 +46,13 @@ features)
   timeout 200 python benchmarks/bench_extend.py --out "$OUT/extend.json" 2>&1 | quiet | tail -40 | tee "$OUT/extend.log"
   timeout 170 python benchmarks/bench_prefix.py --out "$OUT/prefix.json" 2>&1 | quiet | tail -12 | tee "$OUT/prefix.log"
   timeout 120 python benchmarks/bench_vlm.py --chats 32 --repeats 2 --out "$OUT/vlm.json" 2>&1 | quiet | tail -16 | tee "$OUT/vlm.log"
+  # TTFT of 64 image chats through `ostinato serve`, vision graphs off then on (needs the server wheels carried)
+  if python -c "import fastapi, uvicorn, pydantic, zmq, msgpack" 2>/dev/null; then
+    timeout 240 python benchmarks/bench_vlm_serve.py --out "$OUT/vlm-serve.json" 2>&1 | quiet | tail -20 \
+        | tee "$OUT/vlm-serve.log"
+  else
+    echo "bench_vlm_serve: skipped, no fastapi/uvicorn/pydantic/pyzmq/msgpack (carry the wheels)" | tee "$OUT/vlm-serve.log"
+  fi
   timeout 120 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128 \
       --out "$OUT/decode-granite.json" 2>&1 | quiet | tail -16 | tee "$OUT/decode-granite.log"
   ;;
