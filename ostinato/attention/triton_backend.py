@@ -22,13 +22,13 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     max_kv_splits = 16  # the grid's split dimension and the scratch depth
-    # Decode launch settings, from benchmarks/bench_decode_attention.py on an H200 (Llama-3.2-1B heads, pages of
-    # 16): 128-key blocks were best or within 2% at every batch and context for both cache dtypes; an fp8 cache
-    # wants 3 pipeline stages and fp16 dots (fp8 widens to fp16 in one instruction): 364 -> 266 us at bs 128 x
-    # 4096, level with bf16 (259 us) though it reads half the bytes.
-    min_tokens_per_split = 128  # one block: a split's programs then run a single loop iteration
-    decode_block_n = 128
-    decode_fp8_stages = 3
+    min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
+    decode_block_n = 64
+    # An fp8 cache's decode: 128-key blocks, 3 pipeline stages and fp16 dots (fp8 widens to fp16 in one
+    # instruction). H200, Llama-3.2-1B, bs 128 x 4096 (bench_decode.py): 6.60 -> 5.60 ms/step at page 1,
+    # 6.73 -> 5.65 at page 16. The same 128-key blocks made bf16 at page 16 slower (5.27 -> 6.83), so bf16
+    # keeps 64 (benchmarks/results/decode-fp8-pages-h200*.json).
+    decode_fp8_settings = dict(block_n=128, num_stages=3, fp16_dot=True)
     extend_block_m = 64
     extend_block_n = 64
 
@@ -202,8 +202,8 @@ class TritonAttentionBackend(AttentionBackend):
         decode_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
-            block_n=self.decode_block_n, **self._kv_args(layer.layer_id),
-            **(dict(num_stages=self.decode_fp8_stages, fp16_dot=True) if self.kv_fp8 is not None else {}),
+            **self._kv_args(layer.layer_id),
+            **(self.decode_fp8_settings if self.kv_fp8 is not None else dict(block_n=self.decode_block_n)),
         )
         return out
 
