@@ -34,7 +34,7 @@ from collections import Counter
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, device_tag, write_report  # noqa: E402
+from common import RESULTS, add_model_args, device_tag, write_report  # noqa: E402
 
 from ostinato import LLM, SamplingParams  # noqa: E402
 from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
@@ -217,9 +217,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the engine's default model (SmolLM2)")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_model_args(ap)
     ap.add_argument("--engine-args", default="", help="engine flags for every variant, e.g. '--page-size 16'")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="NAME:FLAGS, one engine each")
     ap.add_argument("--decoders", type=int, default=32, help="requests decoding throughout")

@@ -14,7 +14,7 @@ import sys
 import time
 
 import torch
-from common import RESULTS, copy_bandwidth, device_tag, write_report
+from common import RESULTS, add_model_args, copy_bandwidth, device_tag, write_report
 
 from ostinato import LLM, SamplingParams
 
@@ -56,9 +56,7 @@ def bench_hf(llm: LLM, prompts: list[list[int]], max_new: int, device: torch.dev
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_model_args(ap)
     ap.add_argument("--num-seqs", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[64, 256])
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128])

@@ -34,7 +34,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import run, summarize  # noqa: E402
 from bench_serving_overhead import stop_server  # noqa: E402
-from common import RESULTS, device_tag, write_report  # noqa: E402
+from common import RESULTS, add_model_args, device_tag, write_report  # noqa: E402
 
 PW = "--enable-piecewise-cuda-graph --piecewise-cuda-graph-compiler inductor"
 DEFAULT_VARIANTS = ["off:", f"pw:{PW}", "eager:--extend-cuda-graph-max-tokens 0",
@@ -108,9 +108,7 @@ def bench_variant(args, name: str, flags: str, requests: list, warm: list) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the engine's default model (SmolLM2)")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_model_args(ap)
     ap.add_argument("--engine-args", default="", help="engine flags for every server")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="NAME:FLAGS, one server each")
     ap.add_argument("--input-len", type=int, nargs=2, default=[128, 2048], metavar=("MIN", "MAX"))

@@ -40,3 +40,10 @@ def write_report(report: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {path}")
+
+
+def add_model_args(ap) -> None:
+    """--model / --load-format / --dtype, as every engine-starting benchmark takes them."""
+    ap.add_argument("--model", default=None, help="default: the engine's default model (SmolLM2)")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="auto")
