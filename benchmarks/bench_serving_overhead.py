@@ -13,6 +13,11 @@ input and output lengths, greedy, ignore_eos.
 CPU: python benchmarks/bench_serving_overhead.py --input-len 32 --output-len 16 --num-prompts 16 \\
          --concurrency 1 8 --single-prompts 2
 GPU: python benchmarks/bench_serving_overhead.py --model llama-3.2-1b --load-format dummy --dtype bfloat16
+     (several HTTP processes: add --server-args "--disable-uvicorn-access-log --api-server-count 4")
+
+Beside each row: the engine's steps, mean decode batch and busy fraction, and the CPU busy fraction of every
+server process (HTTP processes, engine, detokenizer) and of this script's own streaming client (near 100%:
+the client, not the server, is the limit).
 """
 
 import argparse
@@ -171,17 +176,20 @@ def _children(pid: int) -> list[int]:
 
 
 def process_tree(pid: int) -> dict[str, int]:
-    """The server's processes by role: "http" (the server itself), "engine", "detokenizer", "other-<pid>"
-    (Linux /proc; only "http" elsewhere)."""
+    """The server's processes by role: "http" (the server itself), "ostinato-http<i>" (more HTTP processes),
+    "engine", "detokenizer", "other-<pid>" (Linux /proc; only "http" elsewhere)."""
     procs, todo = {"http": pid}, [pid]
     while todo:
         for kid in _children(todo.pop()):
             try:
                 with open(f"/proc/{kid}/cmdline", "rb") as f:
                     cmd = f.read().decode(errors="replace")
+                with open(f"/proc/{kid}/comm") as f:
+                    comm = f.read().strip()
             except OSError:
                 continue
-            role = "detokenizer" if "detok_proc" in cmd else "engine" if "spawn_main" in cmd else "other"
+            role = ("detokenizer" if "detok_proc" in cmd else comm if comm.startswith("ostinato-http")
+                    else "engine" if "spawn_main" in cmd else "other")
             procs[role if role not in procs and role != "other" else f"{role}-{kid}"] = kid
             todo.append(kid)
     return procs

@@ -1,16 +1,17 @@
-"""The detokenizer process (ostinato.engine.detok_proc): text deltas and stop strings out of the HTTP process.
+"""The detokenizer process (ostinato.engine.detok_proc): text deltas and stop strings out of the HTTP process,
+and `--api-server-count`.
 
 The transforms against the real SmolLM2 tokenizer (deltas concatenate to a full decode, stop strings end and
-abort, rows it does not know pass through); the real process relaying between fake front-end and engine
-sockets; and in a real server, the detokenizer's death handled as the engine's (503s, exit 1, no orphans).
+abort, rows it does not know pass through, rows routed to their HTTP process); the real process relaying
+between fake front-end and engine sockets; a watched helper process's death failing requests as the engine's
+does; and a real server with two HTTP processes through the `openai` client (streams, disconnects, metrics,
+SIGTERM).
 """
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import httpx
@@ -167,40 +168,35 @@ def gone(pids: list[int], timeout: float = 15.0) -> bool:
     return not any(alive(p) for p in pids)
 
 
-def test_detokenizer_death_is_engine_death(tmp_path):
-    """Killing the detokenizer process with two HTTP processes: a pending stream ends with an error, /health
-    and new requests get 503 (from either process), the server exits 1 and leaves no process behind."""
-    from test_server_helpers import Server, children, cmdline
+def test_helper_process_death_fails_requests():
+    """A watched process (the detokenizer, or for another HTTP process the engine) that exits fails every
+    pending request and every later one with EngineDeadError naming it, as the engine's death does (the server
+    then answers 503 and exits 1: tests/test_server_death.py)."""
+    import asyncio
 
-    server = Server(tmp_path / "server.log", ["--api-server-count", "2"])
-    try:
-        kids = children(server.proc.pid)
-        (detok,) = [p for p in kids if "detok_proc" in cmdline(p)]
-        body = {"prompt": "Tell me a long story.", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        lines, first = [], threading.Event()
+    from test_fair_share import make_client
 
-        def stream() -> None:
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first.set()
+    from ostinato.engine.async_client import EngineDeadError
 
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(60)
-        os.kill(detok, signal.SIGKILL)
-        t.join(30)
-        assert not t.is_alive(), "a pending stream hangs after the detokenizer died"
-        assert lines[-1] == "data: [DONE]" and "engine_dead" in lines[-2]
-        for _ in range(4):  # new connections: either HTTP process answers
-            r = httpx.get(server.url + "/health", timeout=10)
-            assert r.status_code == 503 and "detokenizer" in r.json()["error"]["message"]
-        assert server.proc.wait(timeout=30) == 1
-        assert gone(kids), "a child process outlived the server"
-    finally:
-        server.stop(timeout=10)
+    async def main() -> tuple[str | None, list]:
+        client = make_client()
+        dead = []
+        client.hooks.on_dead = dead.append
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        client._watch(helper.pid, "detokenizer", helper.poll)
+        gen = client.generate("r", [[1, 2, 3]], SamplingParams(max_tokens=4))
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        helper.kill()
+        with pytest.raises(EngineDeadError, match="detokenizer"):
+            await asyncio.wait_for(pending, 10)
+        with pytest.raises(EngineDeadError, match="detokenizer"):
+            await client.generate("s", [[1]], SamplingParams(max_tokens=1)).__anext__()
+        assert helper.poll() is not None  # reaped
+        return client.dead, dead
+
+    reason, dead = asyncio.run(main())
+    assert "detokenizer process exited" in reason and dead == [reason]
 
 
 def test_two_http_processes(tmp_path):

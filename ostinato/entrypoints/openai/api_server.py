@@ -379,6 +379,8 @@ async def serve_app(ns: argparse.Namespace, client: AsyncEngineClient, metrics: 
     failed = []
     if workers is not None:
         def on_worker_exit(pid: int, code: int | None) -> None:
+            if client.dead is not None:  # it saw the engine die too, and left after its grace period
+                return
             logger.error("HTTP process %d exited unexpectedly (exit code %s): shutting down", pid, code)
             failed.append(pid)
             server.should_exit = True

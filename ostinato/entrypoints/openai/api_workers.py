@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineInfo
-from ostinato.engine.proc_util import die_with_parent
+from ostinato.engine.proc_util import die_with_parent, set_process_name
 
 logger = logging.getLogger("ostinato.serve")
 
@@ -93,8 +93,8 @@ class Workers:
         for p in self.procs:
             def exited(p: multiprocessing.process.BaseProcess = p) -> None:
                 loop.remove_reader(p.sentinel)
-                p.join(0)
-                if not self._stopping:
+                if not self._stopping:  # (once stopping, `stop` joins them)
+                    p.join(0)
                     on_exit(p.pid, p.exitcode)
 
             loop.add_reader(p.sentinel, exited)
@@ -115,6 +115,7 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
     """Process entry point (multiprocessing spawn) of HTTP process `spec.index`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the first process passes it on
     die_with_parent()
+    set_process_name(f"ostinato-http{spec.index}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from ostinato.entrypoints.openai.api_server import _run_loop
 
