@@ -1,9 +1,11 @@
 """Front-end side of the engine process: spawn it, talk to it over ZMQ, stream each request's output.
 
-One task reads the engine's output socket, detokenizes (stop strings included) and puts each choice's
-delta on its request's own asyncio queue; it never waits on a client, so a slow reader only delays
-itself. Requests and aborts are sent without blocking. When the engine process exits unasked, every
-pending request gets `EngineDeadError` and so does every later one.
+With a tokenizer, a detokenizer process sits between this process and the engine (`detok_proc`): it
+turns token ids into text deltas and applies stop strings, so none of that runs here. One task reads the
+output socket (one message per engine step, every request's delta in it) and puts each choice's delta on
+its request's own asyncio queue; it never waits on a client, so a slow reader only delays itself.
+Requests and aborts are sent without blocking. When the engine or the detokenizer process exits unasked,
+every pending request gets `EngineDeadError` and so does every later one.
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import multiprocessing
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,7 +34,6 @@ from ostinato.config import EngineArgs
 from ostinato.engine import ipc
 from ostinato.engine.core_proc import run_engine_core
 from ostinato.engine.limits import EngineLimits
-from ostinato.engine.output_processor import OutputProcessor
 from ostinato.runner.sampler import TokenLogprobs
 from ostinato.sampling_params import SamplingParams
 
@@ -96,6 +101,7 @@ class _Child:
     queue: asyncio.Queue
     index: int
     timing: RequestTiming
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -108,15 +114,16 @@ class EngineClientHooks:
 def coalesce_deltas(items: list[ChoiceDelta | BaseException]) -> list[ChoiceDelta | BaseException]:
     """Merge each run of consecutive deltas of one choice into one delta (text, token ids and logprobs
     concatenated in order; the finish of the last). An exception ends merging and keeps its place."""
+    if len(items) == 1:
+        return items
     out: list[ChoiceDelta | BaseException] = []
     for item in items:
         last = out[-1] if out else None
-        if (isinstance(item, ChoiceDelta) and isinstance(last, ChoiceDelta) and last.index == item.index
+        if (type(item) is ChoiceDelta and type(last) is ChoiceDelta and last.index == item.index
                 and last.finish_reason is None):
-            out[-1] = dataclasses.replace(
-                last, text=last.text + item.text, token_ids=last.token_ids + item.token_ids,
-                logprobs=last.logprobs + item.logprobs, finish_reason=item.finish_reason,
-                stop_reason=item.stop_reason, num_cached_tokens=item.num_cached_tokens)
+            out[-1] = ChoiceDelta(last.index, last.text + item.text, last.token_ids + item.token_ids,
+                                  last.logprobs + item.logprobs, item.finish_reason, item.stop_reason,
+                                  last.num_prompt_tokens, item.num_cached_tokens)
         else:
             out.append(item)
     return out
@@ -130,77 +137,184 @@ def child_params(params: SamplingParams, j: int) -> SamplingParams:
 
 @dataclass
 class AsyncEngineClient:
+    """One HTTP process's link to the engine. The first (`start`) owns the engine and detokenizer processes;
+    with several HTTP processes, the others (`connect`) only talk to them, and watch them."""
+
     args: EngineArgs
     tokenizer: Any
     info: EngineInfo
     hooks: EngineClientHooks
-    _proc: multiprocessing.process.BaseProcess
+    _proc: multiprocessing.process.BaseProcess | None  # the engine process (None: not ours)
     _ctx: zmq.asyncio.Context
     _input: zmq.Socket  # sync PUSH: sends never block (no high-water mark)
     _output: zmq.asyncio.Socket
-    _tmpdir: str
-    _processor: OutputProcessor = field(init=False)
+    _tmpdir: str | None
+    _detok: subprocess.Popen | None = None  # the detokenizer process, when this process started one
+    front_index: int = 0  # this HTTP process's index among num_fronts
+    num_fronts: int = 1
+    endpoints: list[tuple[str, str]] = field(default_factory=list)  # per HTTP process: (its input, its output)
     _children: dict[str, _Child] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     stats: dict[str, int] = field(default_factory=dict)
     dead: str | None = None  # why the engine is dead; None while it lives
     _dead_reason: str | None = None
     _closing: bool = False
-
-    def __post_init__(self) -> None:
-        self._processor = OutputProcessor(self.tokenizer)
+    _pids: dict[str, int] = field(default_factory=dict)  # the processes this one depends on: name -> pid
+    _unwatchers: list[Callable[[], None]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ start / stop
     @classmethod
     async def start(cls, args: EngineArgs, load_tokenizer: Callable[[], Any],
-                    hooks: EngineClientHooks | None = None) -> AsyncEngineClient:
-        """Spawn the engine process and load the tokenizer here meanwhile; return once the engine is ready."""
+                    hooks: EngineClientHooks | None = None, num_fronts: int = 1) -> AsyncEngineClient:
+        """Spawn the engine process (and, with a tokenizer or several HTTP processes, the detokenizer process)
+        and load the tokenizer here meanwhile; return once the engine is ready."""
         tmpdir = tempfile.mkdtemp(prefix="ostinato-ipc-")
-        in_addr, out_addr = f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
         ctx = zmq.asyncio.Context()
-        sync_ctx = zmq.Context.shadow(ctx.underlying)
-        inp = sync_ctx.socket(zmq.PUSH)
+        inp = zmq.Context.shadow(ctx.underlying).socket(zmq.PUSH)
         inp.setsockopt(zmq.SNDHWM, 0)
         inp.setsockopt(zmq.LINGER, 0)
-        inp.bind(in_addr)
         out = ctx.socket(zmq.PULL)
         out.setsockopt(zmq.RCVHWM, 0)
         out.setsockopt(zmq.LINGER, 0)
-        out.bind(out_addr)
+        detok = None
+        if args.skip_tokenizer_init and num_fronts == 1:  # nothing to detokenize or route: straight to the engine
+            engine_in, engine_out = f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
+            endpoints = [(engine_in, engine_out)]
+            inp.bind(engine_in)
+            out.bind(engine_out)
+        else:
+            engine_in, engine_out = f"ipc://{tmpdir}/engine-input", f"ipc://{tmpdir}/engine-output"
+            endpoints = [(f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output-{i}") for i in range(num_fronts)]
+            inp.connect(endpoints[0][0])
+            out.bind(endpoints[0][1])
+            detok = start_detokenizer(None if args.skip_tokenizer_init else args, endpoints[0][0],
+                                      [o for _, o in endpoints], engine_in, engine_out)
         proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(dataclasses.asdict(args), in_addr, out_addr), name="ostinato-engine-core")
+            target=run_engine_core, args=(dataclasses.asdict(args), engine_in, engine_out),
+            name="ostinato-engine-core")
         proc.start()
         logger.info("engine core process started (pid %d); loading the model", proc.pid)
         tokenizer_future = _in_daemon_thread(load_tokenizer)
         try:
-            ready = await _wait_ready(out, proc)
+            ready = await _wait_ready(out, proc, detok)
             tokenizer = await tokenizer_future
         except BaseException:
             tokenizer_future.cancel()  # the engine's error says the same; an interrupt need not wait for it
             _stop_process(proc, timeout=0.0, warn=False)
+            if detok is not None:
+                _stop_popen(detok, timeout=0.0)
             inp.close()
             out.close()
             ctx.term()
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
         info = EngineInfo(**{f.name: ready[f.name] for f in dataclasses.fields(EngineInfo)})
-        client = cls(args, tokenizer, info, hooks or EngineClientHooks(), proc, ctx, inp, out, tmpdir)
+        client = cls(args, tokenizer, info, hooks or EngineClientHooks(), proc, ctx, inp, out, tmpdir, detok,
+                     0, num_fronts, endpoints)
+        client._pids = {"engine core": proc.pid, **({"detokenizer": detok.pid} if detok is not None else {})}
         client._task = asyncio.create_task(client._output_loop())
-        asyncio.get_running_loop().add_reader(proc.sentinel, client._on_process_exit)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(proc.sentinel, client._on_process_exit)
+        client._unwatchers.append(lambda: loop.remove_reader(proc.sentinel))
+        if detok is not None:
+            client._watch(detok.pid, "detokenizer", detok.poll)
         return client
 
+    @classmethod
+    async def connect(cls, args: EngineArgs, tokenizer: Any, info: EngineInfo, endpoints: tuple[str, str],
+                      pids: dict[str, int], front_index: int, num_fronts: int,
+                      hooks: EngineClientHooks | None = None) -> AsyncEngineClient:
+        """Another HTTP process's link to the running engine (through the detokenizer process, which routes
+        each request's outputs to the process whose index its id starts with)."""
+        ctx = zmq.asyncio.Context()
+        inp = zmq.Context.shadow(ctx.underlying).socket(zmq.PUSH)
+        inp.setsockopt(zmq.SNDHWM, 0)
+        inp.setsockopt(zmq.LINGER, 0)
+        inp.connect(endpoints[0])
+        out = ctx.socket(zmq.PULL)
+        out.setsockopt(zmq.RCVHWM, 0)
+        out.setsockopt(zmq.LINGER, 0)
+        out.bind(endpoints[1])
+        client = cls(args, tokenizer, info, hooks or EngineClientHooks(), None, ctx, inp, out, None, None,
+                     front_index, num_fronts, [endpoints])
+        client._pids = dict(pids)
+        client._task = asyncio.create_task(client._output_loop())
+        for name, pid in pids.items():
+            client._watch(pid, name)
+        return client
+
+    def _watch(self, pid: int, name: str, reap: Callable[[], Any] | None = None) -> None:
+        """Declare the engine dead when process `pid` exits (pidfd where there is one, else a look every 0.5 s)."""
+        loop = asyncio.get_running_loop()
+
+        def gone() -> None:
+            if reap is not None:
+                reap()
+            if not self._closing:
+                self._unwatch()
+                self._declare_dead(self._dead_reason or f"the {name} process exited unexpectedly")
+
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3: poll
+            def look() -> None:
+                if self._closing or self.dead is not None:
+                    return
+                try:
+                    os.kill(pid, 0)
+                    exited = reap is not None and reap() is not None
+                except ProcessLookupError:
+                    exited = True
+                if exited:
+                    gone()
+                else:
+                    handle[0] = loop.call_later(0.5, look)
+
+            handle = [loop.call_later(0.5, look)]
+            self._unwatchers.append(lambda: handle[0].cancel())
+            return
+        loop.add_reader(fd, gone)
+
+        def unwatch() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+        self._unwatchers.append(unwatch)
+
+    def _unwatch(self) -> None:
+        for unwatch in self._unwatchers:
+            unwatch()
+        self._unwatchers.clear()
+
+    @property
+    def processes(self) -> dict[str, int]:
+        """The processes this HTTP process depends on: name -> pid."""
+        return dict(self._pids)
+
+    @property
+    def rid_prefix(self) -> str:
+        return f"{self.front_index}:" if self.num_fronts > 1 else ""
+
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine to stop, wait for it (terminate / kill past `timeout`), release sockets."""
+        """Ask the engine to stop, wait for it (terminate / kill past `timeout`), release sockets. (A process
+        that did not start the engine only releases its sockets.)"""
         if self._closing:
             return
         self._closing = True
-        try:
-            self._send((ipc.SHUTDOWN,))
-        except EngineDeadError:
-            pass
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._proc.sentinel)
-        await asyncio.to_thread(_stop_process, self._proc, timeout)
+        self._unwatch()
+        if self._proc is not None:
+            sent = False
+            try:
+                self._send((ipc.SHUTDOWN,))
+                sent = True
+            except EngineDeadError:
+                pass
+            await asyncio.to_thread(_stop_process, self._proc, timeout)
+            if self._detok is not None:
+                if not sent:  # the engine is dead: the detokenizer still has to go
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._input.send(ipc.pack((ipc.SHUTDOWN,)), zmq.NOBLOCK)
+                await asyncio.to_thread(_stop_popen, self._detok, timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
         if self._task is not None:
             self._task.cancel()
@@ -209,16 +323,21 @@ class AsyncEngineClient:
         self._input.close()
         self._output.close()
         self._ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def kill(self) -> None:
         """Last resort, synchronous: make sure the engine process is gone."""
-        _stop_process(self._proc, timeout=2.0)
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._proc is not None:
+            _stop_process(self._proc, timeout=2.0)
+        if self._detok is not None:
+            _stop_popen(self._detok, timeout=2.0)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return self._pids.get("engine core")
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -242,10 +361,9 @@ class AsyncEngineClient:
 
         def send_next() -> None:
             index, ids, j = unsent.pop()
-            rid = f"{request_id}-{index}"
+            rid = f"{self.rid_prefix}{request_id}-{index}"
             sp = child_params(params, j) if params.n > 1 else params
             self._children[rid] = _Child(queue, index, RequestTiming(time.monotonic(), len(ids)))
-            self._processor.add(rid, ids, sp)
             in_engine[index] = rid
             self._send((ipc.ADD, rid, ids, ipc.params_to_dict(sp), *([mm_wire] if mm_wire else [])))
 
@@ -271,7 +389,6 @@ class AsyncEngineClient:
                 rids = list(in_engine.values())
                 for rid in rids:
                     self._children.pop(rid, None)
-                    self._processor.remove(rid)
                 try:
                     self._send((ipc.ABORT, rids))
                 except EngineDeadError:
@@ -295,7 +412,6 @@ class AsyncEngineClient:
                     self._on_outputs(msg[1], msg[2])
                 elif kind == ipc.REJECTED:
                     child = self._children.pop(msg[1], None)
-                    self._processor.remove(msg[1])
                     if child is not None:
                         child.queue.put_nowait(RequestRejected(msg[2]))
                 elif kind == ipc.DEAD:  # the process exits right after; _on_process_exit reports it
@@ -308,35 +424,35 @@ class AsyncEngineClient:
             self._declare_dead(f"the engine output loop failed: {e}")
 
     def _on_outputs(self, rows: list, stats: dict[str, int]) -> None:
-        states, to_abort = self._processor.process(ipc.decode_outputs(rows))
-        if to_abort:
-            try:
-                self._send((ipc.ABORT, to_abort))
-            except EngineDeadError:
-                pass
+        """One engine step: rows [rid, new ids, finish, stop, logprobs, cached tokens(, text delta)]; the text
+        is there when the detokenizer process made the row (ipc.encode_outputs' rows have none)."""
         now = time.monotonic()
-        for st in states:
-            child = self._children.get(st.rid)
+        children = self._children
+        for row in rows:
+            child = children.get(row[0])
             if child is None:
                 continue
+            rid, ids, finish, stop, lps, cached = row[:6]
             t = child.timing
-            if st.delta_token_ids and t.first_token is None:
+            if ids and t.first_token is None:
                 t.first_token = now
-            t.num_tokens = len(st.token_ids)
-            child.queue.put_nowait(ChoiceDelta(child.index, st.delta_text, st.delta_token_ids, st.delta_logprobs,
-                                               st.finish_reason, st.stop_reason, t.num_prompt_tokens,
-                                               st.num_cached_tokens))
-            if st.finish_reason is not None:
-                del self._children[st.rid]
-                t.finished, t.finish_reason = now, st.finish_reason
-                if self.hooks.on_finished is not None and st.finish_reason != "abort":
+            t.num_tokens += len(ids)
+            if cached is not None:
+                child.num_cached_tokens = cached
+            child.queue.put_nowait(ChoiceDelta(child.index, row[6] if len(row) > 6 else "", ids, lps or [],
+                                               finish, stop, t.num_prompt_tokens, child.num_cached_tokens))
+            if finish is not None:
+                del children[rid]
+                t.finished, t.finish_reason = now, finish
+                if self.hooks.on_finished is not None and finish != "abort":
                     self.hooks.on_finished(t)
-        self.stats = stats
-        if self.hooks.on_stats is not None:
-            self.hooks.on_stats(stats)
+        if stats:  # with several HTTP processes only the first gets the counts
+            self.stats = stats
+            if self.hooks.on_stats is not None:
+                self.hooks.on_stats(stats)
 
     def _on_process_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        self._unwatch()
         self._proc.join(timeout=0)
         if self._closing:
             return
@@ -353,13 +469,27 @@ class AsyncEngineClient:
             self.hooks.on_dead(self.dead)
 
     def _fail_all(self, error: Exception) -> None:
-        for rid, child in list(self._children.items()):
+        for child in self._children.values():
             child.queue.put_nowait(error)
-            self._processor.remove(rid)
         self._children.clear()
 
 
-async def _wait_ready(out: zmq.asyncio.Socket, proc: multiprocessing.process.BaseProcess) -> dict[str, Any]:
+def start_detokenizer(args: EngineArgs | None, front_in: str, front_outs: list[str], engine_in: str,
+                      engine_out: str) -> subprocess.Popen:
+    """`python -m ostinato.engine.detok_proc` between the front ends' sockets and the engine's (`args` None:
+    no tokenizer, it only routes)."""
+    cmd = [sys.executable, "-m", "ostinato.engine.detok_proc", "--parent", str(os.getpid()), "--front-in", front_in,
+           "--front-out", *front_outs, "--engine-in", engine_in, "--engine-out", engine_out]
+    if args is not None:
+        cmd += ["--args", json.dumps({"model": args.model, "load_format": args.load_format,
+                                      "trust_remote_code": args.trust_remote_code})]
+    detok = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    logger.info("detokenizer process started (pid %d)", detok.pid)
+    return detok
+
+
+async def _wait_ready(out: zmq.asyncio.Socket, proc: multiprocessing.process.BaseProcess,
+                      detok: subprocess.Popen | None = None) -> dict[str, Any]:
     """The engine's ready message; EngineStartError if it reports a failure or exits first."""
     while True:
         if await out.poll(200):
@@ -371,6 +501,8 @@ async def _wait_ready(out: zmq.asyncio.Socket, proc: multiprocessing.process.Bas
             continue
         if not proc.is_alive():
             raise EngineStartError(f"the engine core process exited during start-up (exit code {proc.exitcode})")
+        if detok is not None and detok.poll() is not None:
+            raise EngineStartError(f"the detokenizer process exited during start-up (exit code {detok.returncode})")
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
@@ -405,3 +537,17 @@ def _stop_process(proc: multiprocessing.process.BaseProcess, timeout: float, war
     if proc.is_alive():
         proc.kill()
         proc.join(5.0)
+
+
+def _stop_popen(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait; past `timeout` terminate, then kill."""
+    for stop in (None, proc.terminate, proc.kill):
+        if stop is not None:
+            if proc.poll() is not None:
+                return
+            stop()
+        try:
+            proc.wait(timeout if stop is None else 5.0)
+            return
+        except subprocess.TimeoutExpired:
+            pass

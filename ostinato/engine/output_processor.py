@@ -7,7 +7,7 @@ added (`delta_text`, `delta_token_ids`, `delta_logprobs`), for streaming.
 
 from dataclasses import dataclass, field
 
-from ostinato.engine.detokenizer import IncrementalDetokenizer
+from ostinato.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from ostinato.engine.engine_core import EngineCoreOutput
 from ostinato.outputs import CompletionOutput, Logprob
 from ostinato.runner.sampler import TokenLogprobs
@@ -69,9 +69,11 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self._decode = fast_decode(tokenizer) if tokenizer else None
 
     def add(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer else None
+        detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decode) if self.tokenizer
+                 else None)
         logprobs = [] if params.logprobs is not None else None
         self.states[rid] = RequestState(rid, prompt_token_ids, params, detok, [], logprobs=logprobs)
 

@@ -14,6 +14,8 @@ import contextlib
 import hmac
 import json
 import logging
+import os
+import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -279,6 +281,14 @@ def _load_tokenizer(args: EngineArgs) -> Any:
 async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
     loop = asyncio.get_running_loop()
     names = ns.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    count = ns.api_server_count
+    sock = metrics_dir = None
+    if count > 1:  # every HTTP process accepts on one listening socket, made (and its port taken) here first
+        from ostinato.entrypoints.openai import api_workers
+        from ostinato.entrypoints.openai.metrics import enable_multiprocess_metrics
+
+        sock = api_workers.listen_socket(ns.host, ns.port)
+        metrics_dir = enable_multiprocess_metrics()
     metrics = ServerMetrics(names[0])
     hooks = EngineClientHooks(on_stats=metrics.on_stats, on_finished=metrics.on_finished)
 
@@ -286,7 +296,7 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.ensure_future(AsyncEngineClient.start(args, lambda: _load_tokenizer(args), hooks))
+    starting = asyncio.ensure_future(AsyncEngineClient.start(args, lambda: _load_tokenizer(args), hooks, count))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
@@ -304,28 +314,80 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
     logger.info("engine ready (pid %d): %s on %s (%s), max_model_len %d, KV pool %d tokens; serving %s",
                 info.pid, names[0], info.device, info.dtype, info.max_model_len, info.max_total_tokens,
                 ", ".join(names))
+    workers = None
     try:
-        serving = OpenAIServing(client, names, ns.max_n, ns.max_choices_in_engine)
-        app = build_app(serving, metrics, ns.api_key, ns.max_request_body_bytes)
-        config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                                access_log=not ns.disable_uvicorn_access_log,
-                                timeout_graceful_shutdown=ns.graceful_shutdown_timeout, lifespan="off")
-        server = uvicorn.Server(config)
-
-        def on_dead(message: str) -> None:
-            logger.error("shutting down in %.0f s: %s", ENGINE_DEATH_GRACE_S, message)
-            loop.call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
-
-        hooks.on_dead = on_dead
-        if client.dead is not None:
-            on_dead(client.dead)
-        await server.serve()
-        serving.close()
+        if count > 1:
+            workers = api_workers.Workers.start(ns, client, sock)
+        http = {f"HTTP {i}" if count > 1 else "HTTP": pid
+                for i, pid in enumerate([os.getpid(), *(workers.pids if workers else [])])}
+        procs = {**http, **client.processes}
+        logger.info("%d processes: %s; %s", len(procs),
+                    ", ".join(f"{name} (pid {pid})" for name, pid in procs.items()), http_stack())
+        code = await serve_app(ns, client, metrics, hooks, names, sock, workers)
     finally:
+        if workers is not None:
+            await asyncio.to_thread(workers.stop, ns.graceful_shutdown_timeout + 5.0)
         await client.shutdown()
         client.kill()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     if client.dead is not None:
         logger.error("exiting with status 1: %s", client.dead)
         return 1
+    if code:
+        return code
     logger.info("server stopped")
     return 0
+
+
+def http_stack() -> str:
+    """Which event loop and HTTP parser serve (uvloop and httptools cut the per-chunk cost roughly in half)."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio (install uvloop: faster streaming)"
+    parser = "httptools" if importlib.util.find_spec("httptools") else "h11 (install httptools: faster streaming)"
+    return f"event loop {loop}, HTTP parser {parser}"
+
+
+async def serve_app(ns: argparse.Namespace, client: AsyncEngineClient, metrics: ServerMetrics,
+                    hooks: EngineClientHooks, names: list[str], sock: Any = None, workers: Any = None) -> int:
+    """Serve HTTP until SIGINT / SIGTERM or the engine's death (then 503s for a grace period). `sock`: a
+    listening socket shared with other HTTP processes (`workers`, which get each signal too). Returns 1 if a
+    worker died, else 0."""
+    loop = asyncio.get_running_loop()
+    serving = OpenAIServing(client, names, ns.max_n, ns.max_choices_in_engine)
+    app = build_app(serving, metrics, ns.api_key, ns.max_request_body_bytes)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                            access_log=not ns.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=ns.graceful_shutdown_timeout, lifespan="off")
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if workers is not None:
+                workers.signal(sig)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+
+    def on_dead(message: str) -> None:
+        logger.error("shutting down in %.0f s: %s", ENGINE_DEATH_GRACE_S, message)
+        loop.call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
+
+    hooks.on_dead = on_dead
+    if client.dead is not None:
+        on_dead(client.dead)
+    failed = []
+    if workers is not None:
+        def on_worker_exit(pid: int, code: int | None) -> None:
+            if client.dead is not None:  # it saw the engine die too, and left after its grace period
+                return
+            logger.error("HTTP process %d exited unexpectedly (exit code %s): shutting down", pid, code)
+            failed.append(pid)
+            server.should_exit = True
+
+        workers.watch(loop, on_worker_exit)
+    try:
+        await server.serve(sockets=[sock] if sock is not None else None)
+    finally:
+        serving.close()
+    return 1 if failed else 0

@@ -27,12 +27,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-choices-in-engine", type=int, default=None,
                    help="most choices (n x prompts) of one /v1 request in the engine at once, the rest follow as "
                         "those finish, so one request cannot take every slot (default: max_running_requests / 4)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP processes sharing the port, all talking to one engine (more: more streamed tokens per "
+                        "second before the front end, not the engine, sets the pace)")
     EngineArgs.add_cli_args(p)
 
 
 def check_serve_args(ns: argparse.Namespace) -> None:
     """Raise ValueError naming the flag (before anything starts)."""
-    for name in ("max_request_body_bytes", "max_n", "max_choices_in_engine"):
+    for name in ("max_request_body_bytes", "max_n", "max_choices_in_engine", "api_server_count"):
         value = getattr(ns, name)
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")

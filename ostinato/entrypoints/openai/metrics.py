@@ -1,4 +1,12 @@
-"""Prometheus metrics of the server: engine load, KV usage, latencies, token counts."""
+"""Prometheus metrics of the server: engine load, KV usage, latencies, token counts.
+
+With several HTTP processes (`--api-server-count`), prometheus_client's multiprocess mode: each process
+writes its values to files in one directory and /metrics sums them, whichever process answers. The gauges
+of the engine's state are set by the first process only (the others keep 0), so their maximum is its value.
+"""
+
+import os
+import tempfile
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -15,7 +23,7 @@ class ServerMetrics:
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"ostinato:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(f"ostinato:{name}", doc, labels, registry=r, multiprocess_mode="max").labels(model_name)
 
         self.running = gauge("num_requests_running", "Requests holding a running slot in the engine")
         self.waiting = gauge("num_requests_waiting", "Requests queued in the engine")
@@ -93,4 +101,21 @@ class ServerMetrics:
                     self.tpot.observe((t.finished - t.first_token) / (t.num_tokens - 1))
 
     def render(self) -> bytes:
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+def enable_multiprocess_metrics() -> str:
+    """Switch this process (and the processes it spawns after) to multiprocess metrics in a fresh directory,
+    before any metric is made; returns the directory (the caller removes it)."""
+    from prometheus_client import values
+
+    path = tempfile.mkdtemp(prefix="ostinato-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    values.ValueClass = values.MultiProcessValue()
+    return path

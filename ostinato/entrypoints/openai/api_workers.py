@@ -1,0 +1,143 @@
+"""`--api-server-count N`: N HTTP processes on one listening socket, all talking to one engine core.
+
+The first HTTP process (the one started by `ostinato serve`) binds the socket, starts the engine and the
+detokenizer process (which routes each request's outputs to the HTTP process whose index its id starts
+with), then spawns the N - 1 others with the socket, the engine's limits and the ZMQ endpoints. The kernel
+hands each new connection to whichever process accepts it first, so a busy process takes fewer. Every
+process keeps its own request metrics in prometheus_client's multiprocess files, so /metrics from any of
+them sums all; the engine's counts are fed by the first one only.
+
+Life cycle: a SIGINT / SIGTERM to the first process is passed to the others at once, all drain their
+requests in parallel, then the first stops the engine. An HTTP process that dies makes the first shut the
+server down (exit 1). The others watch the engine and detokenizer processes (pidfd) and answer 503 when
+they die, as the first does; they die with the first (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineInfo
+from ostinato.engine.proc_util import die_with_parent, set_process_name
+
+logger = logging.getLogger("ostinato.serve")
+
+
+def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A TCP socket listening on host:port, to be shared by every HTTP process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"port: cannot listen on {host}:{port}: {e}") from None
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class WorkerSpec:
+    """What an extra HTTP process needs to serve (picklable)."""
+
+    ns: argparse.Namespace
+    info: EngineInfo
+    endpoints: tuple[str, str]
+    pids: dict[str, int]
+    index: int
+    count: int
+
+
+class Workers:
+    """The extra HTTP processes (indices 1..N-1), seen from the first."""
+
+    def __init__(self, procs: list[multiprocessing.process.BaseProcess]) -> None:
+        self.procs = procs
+        self._stopping = False
+
+    @classmethod
+    def start(cls, ns: argparse.Namespace, client: AsyncEngineClient, sock: socket.socket) -> Workers:
+        ctx = multiprocessing.get_context("spawn")
+        procs = []
+        for i in range(1, ns.api_server_count):
+            spec = WorkerSpec(ns, client.info, client.endpoints[i], client.processes, i, ns.api_server_count)
+            p = ctx.Process(target=run_worker, args=(spec, sock), name=f"ostinato-http-{i}")
+            p.start()
+            procs.append(p)
+        return cls(procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def signal(self, sig: int) -> None:
+        """Pass a SIGINT / SIGTERM on: every process drains its own requests."""
+        self._stopping = True
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_exit: Callable[[int, int | None], None]) -> None:
+        """`on_exit(pid, exit code)` when one exits before it was asked to."""
+        for p in self.procs:
+            def exited(p: multiprocessing.process.BaseProcess = p) -> None:
+                loop.remove_reader(p.sentinel)
+                if not self._stopping:  # (once stopping, `stop` joins them)
+                    p.join(0)
+                    on_exit(p.pid, p.exitcode)
+
+            loop.add_reader(p.sentinel, exited)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM each, wait up to `timeout` for all, then kill what is left."""
+        self.signal(signal.SIGTERM)
+        for p in self.procs:
+            p.join(timeout)
+        for p in self.procs:
+            if p.is_alive():
+                logger.warning("HTTP process %d did not exit in %.0f s: killing it", p.pid, timeout)
+                p.kill()
+                p.join(5.0)
+
+
+def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
+    """Process entry point (multiprocessing spawn) of HTTP process `spec.index`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the first process passes it on
+    die_with_parent()
+    set_process_name(f"ostinato-http{spec.index}")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from ostinato.entrypoints.openai.api_server import _run_loop
+
+    sys.exit(_run_loop(_serve_worker(spec, sock)))
+
+
+async def _serve_worker(spec: WorkerSpec, sock: socket.socket) -> int:
+    from ostinato.config import EngineArgs
+    from ostinato.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, _load_tokenizer, serve_app
+    from ostinato.entrypoints.openai.metrics import ServerMetrics
+
+    ns = spec.ns
+    args = EngineArgs.from_cli_args(ns)
+    names = ns.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    tokenizer = await asyncio.to_thread(_load_tokenizer, args)
+    metrics = ServerMetrics(names[0])
+    hooks = EngineClientHooks(on_finished=metrics.on_finished)  # the engine's counts: the first process's job
+    client = await AsyncEngineClient.connect(args, tokenizer, spec.info, spec.endpoints, spec.pids, spec.index,
+                                             spec.count, hooks)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn handles it while serving and re-raises it after
+    try:
+        await serve_app(ns, client, metrics, hooks, names, sock)
+    finally:
+        await client.shutdown()
+    return 1 if client.dead is not None else 0
