@@ -199,7 +199,7 @@ def test_helper_process_death_fails_requests():
     assert "detokenizer process exited" in reason and dead == [reason]
 
 
-def test_two_http_processes(tmp_path):
+def test_two_http_processes(tmp_path, tiny_llama_path):
     """--api-server-count 2 through the official client: concurrent streams complete with the right text and
     usage, streams left early are aborted (the KV pool and slots all come back), /metrics sums both
     processes, and SIGTERM ends every process with status 0."""
@@ -208,7 +208,7 @@ def test_two_http_processes(tmp_path):
 
     from test_server_helpers import Server, children, metric
 
-    server = Server(tmp_path / "server.log", ["--api-server-count", "2"])
+    server = Server(tmp_path / "server.log", [tiny_llama_path, "--api-server-count", "2"], threads=1)
     try:
         log = server.log()
         assert "4 processes: HTTP 0 (pid" in log and "HTTP 1 (pid" in log and "detokenizer (pid" in log, log
