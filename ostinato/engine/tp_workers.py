@@ -11,8 +11,9 @@ overlap scheduling works unchanged; only rank 0 reads the tokens back.
 
 A worker that dies is seen by a watcher thread: the engine raises a RuntimeError naming the rank at its next
 call (`check`, from `has_unfinished`, or the step that failed), which ends `ostinato serve`'s engine core
-with an error. On CUDA a rank blocked in an NCCL collective never returns, so if the engine has not raised
-within `GRACE_S` the process exits. Workers die with rank 0 (PR_SET_PDEATHSIG, and the pipe's EOF).
+with an error. On CUDA a rank blocked in an NCCL collective never returns (nor does a read of its tokens), so
+the process exits `GRACE_S` to `2 * GRACE_S` seconds after the death. Workers die with rank 0
+(PR_SET_PDEATHSIG, and the pipe's EOF).
 """
 
 import ctypes
@@ -24,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
@@ -96,9 +98,10 @@ class TPWorkers:
     def __init__(self, args: EngineArgs, source: ModelSource) -> None:
         size = args.tp_size
         check_tp_config(source, size)
-        device = resolve_device(args.device)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tp_size must be <= the number of GPUs ({torch.cuda.device_count()}), got {size}")
+        device = rank_device(args.device, 0)
+        if device.type == "cuda" and torch.cuda.device_count() < device.index + size:
+            raise ValueError(f"tp_size must be <= the number of GPUs from {device} on "
+                             f"({torch.cuda.device_count() - device.index}), got {size}")
         self.device = device
         self.error: str | None = None
         self._stopping = threading.Event()
@@ -202,8 +205,10 @@ class TPWorkers:
             self.error = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died ({why}); the engine is stopped"
             logger.error(self.error)
             self._kill_workers()
-            if self.device.type == "cuda" and not self._acknowledged.wait(GRACE_S):
-                logger.critical("%s, and rank 0 is stuck in a collective: exiting", self.error)
+            if self.device.type == "cuda":  # NCCL: rank 0's stream may never leave a collective with a dead peer
+                self._acknowledged.wait(GRACE_S)
+                time.sleep(GRACE_S)  # time for the engine to report it (the server answers 503 meanwhile)
+                logger.critical("%s: exiting", self.error)
                 os._exit(1)
             return
 
@@ -228,7 +233,8 @@ class TPWorkers:
         self._kill_workers(timeout=10.0)
         for conn in self.conns:
             conn.close()
-        destroy_tp()
+        if self.error is None or self.device.type != "cuda":  # NCCL's teardown may hang with a dead peer
+            destroy_tp()
 
 
 def start_runner(args: EngineArgs, source: ModelSource) -> tuple[ModelRunner, TPWorkers | None]:
@@ -323,9 +329,8 @@ def run_tp_worker(args: dict[str, Any], rank: int, init_method: str, conn) -> No
     from ostinato.loader import load_model_source
 
     engine_args = EngineArgs(**args)
-    device = resolve_device(engine_args.device)
+    device = rank_device(engine_args.device, rank)
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         engine_args = dataclasses.replace(engine_args, device=str(device))
     try:
@@ -358,6 +363,14 @@ def run_tp_worker(args: dict[str, Any], rank: int, init_method: str, conn) -> No
             os._exit(1)
     runner.shutdown()
     destroy_tp()
+
+
+def rank_device(name: str, rank: int) -> torch.device:
+    """The device of a rank: CUDA ranks take consecutive GPUs from the one asked for (cuda: GPU 0)."""
+    device = resolve_device(name)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 def _free_port() -> int:
