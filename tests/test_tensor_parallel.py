@@ -36,7 +36,7 @@ def _sharded_numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
 
 
-def _check_same_tokens_and_shards(model: str, **kw) -> None:
+def _check_same_tokens_and_shards(model: str, **kw) -> LLM:
     ref, llm1 = _run(model, 1, **kw)
     full, kv_full = _sharded_numel(llm1.engine.runner.model), llm1.engine.runner.kv_cache.bytes()
     assert llm1.engine.scheduler.num_retractions > 0
@@ -55,9 +55,12 @@ def _check_same_tokens_and_shards(model: str, **kw) -> None:
         kv_share = runner.kv_heads / runner.config.num_key_value_heads
         assert shard <= full * max(0.5, kv_share) + 1024, (shard, full)
         assert runner.max_total_tokens == llm1.max_total_tokens and runner.kv_cache.bytes() == kv_full * kv_share
+        pw = runner.piecewise_graph_runner
+        splits = [r.num_split_calls for r in pw.backend.splits] if pw is not None else []
     finally:
         llm2.shutdown()
     assert all(not p.is_alive() for p in procs)
+    return splits
 
 
 def test_tp2_matches_tp1_on_tiny_llama(tiny_llama_path):
@@ -80,8 +83,12 @@ def one_kv_head_qwen3(tmp_path_factory) -> str:
 
 
 def test_tp2_matches_tp1_with_replicated_kv_head(one_kv_head_qwen3):
-    """Dummy weights are drawn at the full shape and sliced, so the tp-2 model is the tp-1 model."""
-    _check_same_tokens_and_shards(one_kv_head_qwen3, load_format="dummy", seed=3)
+    """Dummy weights are drawn at the full shape and sliced, so the tp-2 model is the tp-1 model. Extends
+    replay from piecewise graphs (the CPU stand-in), split at the all-reduces as well as at attention."""
+    splits = _check_same_tokens_and_shards(one_kv_head_qwen3, load_format="dummy", seed=3,
+                                           enable_piecewise_cuda_graph=True, piecewise_cuda_graph_tokens=[32],
+                                           enable_mixed_chunk=True)
+    assert splits and splits[0] == 2 + 2 * 2 + 1  # per layer attention, o and down; the embedding
 
 
 def test_tp_size_that_does_not_divide_the_heads_is_a_clear_error(one_kv_head_qwen3):
@@ -114,7 +121,8 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error(one_kv_head_qwen3, tmp
     proc = subprocess.run([sys.executable, str(script), one_kv_head_qwen3], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
-    assert "RAISED tensor-parallel worker rank 1" in proc.stdout and "died" in proc.stdout, proc.stdout
+    assert "RAISED tensor-parallel worker rank 1" in proc.stdout and "died" in proc.stdout, \
+        proc.stdout + proc.stderr[-3000:]
     worker = int(proc.stdout.split("WORKER")[1].split()[0])
     with pytest.raises(ProcessLookupError):  # reaped: no orphan left
         os.kill(worker, 0)

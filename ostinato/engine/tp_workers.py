@@ -179,10 +179,13 @@ class TPWorkers:
 
     def _wait_for_death(self, timeout: float) -> bool:
         """Whether a worker is (or within `timeout` turns out to be) dead: a failed collective may be seen
-        before the watcher sees the exit."""
-        if self.error is None:
-            wait([p.sentinel for p in self.procs], timeout)
-            self._watcher.join(0.5 if any(not p.is_alive() for p in self.procs) else 0)
+        before the watcher has seen the exit and named it."""
+        deadline = time.monotonic() + timeout
+        while self.error is None and time.monotonic() < deadline:
+            if any(not p.is_alive() for p in self.procs):  # the watcher names it, then returns
+                self._watcher.join(max(deadline - time.monotonic(), 0.0))
+            else:
+                wait([p.sentinel for p in self.procs], 0.1)
         return self.error is not None
 
     def _watch(self) -> None:
