@@ -126,3 +126,18 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error(one_kv_head_qwen3, tmp
     worker = int(proc.stdout.split("WORKER")[1].split()[0])
     with pytest.raises(ProcessLookupError):  # reaped: no orphan left
         os.kill(worker, 0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_matches_tp1_on_two_gpus(tiny_llama_path):
+    """NCCL, the all-reduce and all-gather captured inside the decode and extend graphs; fp32 so the split
+    sums cannot flip a greedy pick."""
+    kw = {"device": "cuda", "cuda_graph_bs": [1, 2, 4, 8]}
+    ref, llm1 = _run(tiny_llama_path, 1, **kw)
+    llm1.shutdown()
+    got, llm2 = _run(tiny_llama_path, 2, **kw)
+    try:
+        assert llm2.engine.runner.graph_runner is not None and llm2.engine.scheduler.num_retractions > 0
+        assert got == ref
+    finally:
+        llm2.shutdown()

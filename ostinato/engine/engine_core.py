@@ -85,9 +85,9 @@ class EngineCore:
         start-up froze out of the collector's reach (gc.freeze) is handed back to it and collected."""
         if getattr(self, "runner", None) is None:
             return
+        self.runner.shutdown()  # first: its graphs hold NCCL work of the process group the workers leave next
         if self.tp is not None:
             self.tp.stop()
-        self.runner.shutdown()
         self.runner = self.scheduler = None
         self.requests.clear()
         self._in_flight = None
