@@ -16,6 +16,7 @@ the process exits `GRACE_S` to `2 * GRACE_S` seconds after the death. Workers di
 (PR_SET_PDEATHSIG, and the pipe's EOF).
 """
 
+import atexit
 import ctypes
 import dataclasses
 import logging
@@ -124,6 +125,8 @@ class TPWorkers:
                     ", ".join(str(p.pid) for p in self.procs))
         self._watcher = threading.Thread(target=self._watch, name="ostinato-tp-watch", daemon=True)
         self._watcher.start()
+        # before multiprocessing's own exit handler, which would wait forever for workers never told to stop
+        atexit.register(self.stop)
         try:
             init_tp(0, size, init_method, device)
         except BaseException:
@@ -228,6 +231,7 @@ class TPWorkers:
             return
         self._stopping.set()
         self._acknowledged.set()
+        atexit.unregister(self.stop)
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -249,10 +253,10 @@ def start_runner(args: EngineArgs, source: ModelSource) -> tuple[ModelRunner, TP
     try:
         tp.runner = ModelRunner(args, source)
     except BaseException as e:
-        if tp._wait_for_death(1.0):
-            tp.stop()
-            raise RuntimeError(tp.error) from e
+        died = not isinstance(e, ValueError) and tp._wait_for_death(1.0)  # a bad argument fails every rank alike
         tp.stop()
+        if died:
+            raise RuntimeError(tp.error) from e
         raise
     return tp.runner, tp
 
