@@ -36,13 +36,13 @@ def _sharded_numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
 
 
-def _check_same_tokens_and_shards(model: str, **kw) -> LLM:
+def _check_same_tokens_and_shards(model: str, tp2_kw: dict | None = None, **kw) -> list[int]:
     ref, llm1 = _run(model, 1, **kw)
     full, kv_full = _sharded_numel(llm1.engine.runner.model), llm1.engine.runner.kv_cache.bytes()
     assert llm1.engine.scheduler.num_retractions > 0
     llm1.max_total_tokens = llm1.engine.runner.max_total_tokens
     llm1.shutdown()
-    got, llm2 = _run(model, 2, **kw)
+    got, llm2 = _run(model, 2, **kw, **(tp2_kw or {}))
     try:
         assert llm2.engine.scheduler.num_retractions > 0
         assert llm2.engine.scheduler.cache.hit_tokens > 0
@@ -83,10 +83,10 @@ def one_kv_head_qwen3(tmp_path_factory) -> str:
 
 
 def test_tp2_matches_tp1_with_replicated_kv_head(one_kv_head_qwen3):
-    """Dummy weights are drawn at the full shape and sliced, so the tp-2 model is the tp-1 model. Extends
-    replay from piecewise graphs (the CPU stand-in), split at the all-reduces as well as at attention."""
-    splits = _check_same_tokens_and_shards(one_kv_head_qwen3, load_format="dummy", seed=3,
-                                           enable_piecewise_cuda_graph=True, piecewise_cuda_graph_tokens=[32],
+    """Dummy weights are drawn at the full shape and sliced, so the tp-2 model is the tp-1 model. At tp 2 the
+    extends replay from piecewise graphs (the CPU stand-in), split at the all-reduces as well as at attention."""
+    piecewise = {"enable_piecewise_cuda_graph": True, "piecewise_cuda_graph_tokens": [32]}
+    splits = _check_same_tokens_and_shards(one_kv_head_qwen3, piecewise, load_format="dummy", seed=3,
                                            enable_mixed_chunk=True)
     assert splits and splits[0] == 2 + 2 * 2 + 1  # per layer attention, o and down; the embedding
 
