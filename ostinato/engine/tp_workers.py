@@ -72,7 +72,10 @@ def row_index(rows: list[int], starts: list[int], lens: list[int], device: torch
     """(row, column) index tensors of req_to_token[rows[i], starts[i] : starts[i] + lens[i]], concatenated;
     built on the device without reading anything back."""
     total = sum(lens)
-    t = torch.tensor([rows, starts, lens], dtype=torch.int64).to(device)
+    # pinned and non-blocking: a pageable copy would wait for the device, and a rank's host would then
+    # prepare each step only once its previous step finished
+    t = torch.tensor([rows, starts, lens], dtype=torch.int64, pin_memory=device.type == "cuda")
+    t = t.to(device, non_blocking=True)
     r = torch.repeat_interleave(t[0], t[2], output_size=total)
     first = torch.cumsum(t[2], 0) - t[2]  # where each request's entries start in the flat index
     c = torch.arange(total, device=device) - torch.repeat_interleave(first - t[1], t[2], output_size=total)
