@@ -16,9 +16,12 @@ CPU smoke (gloo, tiny model): python benchmarks/bench_tp.py --device cpu --model
 """
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -54,32 +57,72 @@ def floor_ms(llm: LLM, bs: int, ctx: int, bandwidth: float) -> float:
 
 
 def bench_decode(args: argparse.Namespace) -> list[dict]:
+    """Each (tp, mode) in its own process: all GPU memory back between them, and an NCCL teardown that hangs
+    (pytorch#115388) or a failure costs one configuration, not the run."""
+    rows = []
+    for tp in args.tp:
+        for mode in args.modes:
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{tp}:{mode}", "--one-out", f.name,
+                       "--model", args.model, "--ctx", str(args.ctx), "--steps", str(args.steps), "--dtype",
+                       args.dtype, "--device", args.device, "--bs", *map(str, args.bs)]
+                try:
+                    proc = subprocess.run(cmd, timeout=args.config_timeout, stderr=subprocess.PIPE, text=True)
+                    ok = proc.returncode == 0 and os.path.getsize(f.name) > 0
+                    error = None if ok else f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+                except subprocess.TimeoutExpired:
+                    ok, error = False, f"timed out after {args.config_timeout} s"
+                if ok:
+                    rows += json.load(open(f.name))
+                else:
+                    print(f"tp {tp} {mode}: FAILED {error}", flush=True)
+                    rows.append({"model": args.model, "tp": tp, "mode": mode, "error": error})
+    return rows
+
+
+def bench_one(args: argparse.Namespace) -> list[dict]:
+    tp, mode = int(args.one.split(":")[0]), args.one.split(":")[1]
     rows = []
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
-    for tp in args.tp:
-        for mode in args.modes:
-            t0 = time.perf_counter()
-            kw = {"load_format": "dummy", "dtype": args.dtype, "device": args.device, "tp_size": tp,
-                  "disable_cuda_graph": mode == "eager", "max_running_requests": max(args.bs),
-                  "cuda_graph_bs": sorted(set(args.bs)), "extend_cuda_graph_max_tokens": 0,
-                  "disable_radix_cache": True, "max_model_len": args.ctx + args.steps + 16}
-            if device.type == "cpu":
-                kw.pop("cuda_graph_bs")
-            llm = LLM(args.model, **kw)
-            start_s = time.perf_counter() - t0
-            try:
-                for bs in args.bs:
-                    row = {"model": args.model, "tp": tp, "mode": mode, "startup_s": round(start_s, 1),
-                           **decode_case(llm, bs, args.ctx, args.steps)}
-                    if bandwidth:
-                        row["hbm_floor_ms"] = floor_ms(llm, bs, args.ctx, bandwidth)
-                    rows.append(row)
-                    print(f"tp {tp} {mode:5s} bs {bs:4d}: {row['ms_per_step']:.3f} ms/step"
-                          + (f" (floor {row['hbm_floor_ms']:.3f})" if bandwidth else ""), flush=True)
-            finally:
-                llm.shutdown()
+    t0 = time.perf_counter()
+    kw = {"load_format": "dummy", "dtype": args.dtype, "device": args.device, "tp_size": tp,
+          "disable_cuda_graph": mode == "eager", "max_running_requests": max(args.bs),
+          "cuda_graph_bs": sorted(set(args.bs)), "extend_cuda_graph_max_tokens": 0,
+          "disable_radix_cache": True, "max_model_len": args.ctx + args.steps + 16}
+    if device.type == "cpu":
+        kw.pop("cuda_graph_bs")
+    llm = LLM(args.model, **kw)
+    start_s = time.perf_counter() - t0
+    try:
+        for bs in args.bs:
+            row = {"model": args.model, "tp": tp, "mode": mode, "startup_s": round(start_s, 1),
+                   **decode_case(llm, bs, args.ctx, args.steps)}
+            if bandwidth:
+                row["hbm_floor_ms"] = floor_ms(llm, bs, args.ctx, bandwidth)
+            rows.append(row)
+            print(f"tp {tp} {mode:5s} bs {bs:4d}: {row['ms_per_step']:.3f} ms/step"
+                  + (f" (floor {row['hbm_floor_ms']:.3f})" if bandwidth else ""), flush=True)
+    finally:
+        with open(args.one_out, "w") as f:
+            json.dump(rows, f)
+        llm.shutdown()
     return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+    """Per batch size: each TP's ms/step relative to TP 1 (graph), and graph's speed-up over eager."""
+    ms = {(r["tp"], r["mode"], r["bs"]): r["ms_per_step"] for r in rows if "ms_per_step" in r}
+    for bs in sorted({k[2] for k in ms}):
+        parts = [f"bs {bs:4d}:"]
+        for tp in sorted({k[0] for k in ms}):
+            g, e = ms.get((tp, "graph", bs)), ms.get((tp, "eager", bs))
+            base = ms.get((1, "graph", bs))
+            if g is not None:
+                parts.append(f"TP{tp} graph {g:.3f} ms" + (f" ({g / base:.2f}x TP1)" if base and tp > 1 else ""))
+            if g is not None and e is not None:
+                parts.append(f"eager/graph {e / g:.2f}x")
+        print("  ".join(parts))
 
 
 # ---------------------------------------------------------------------- all-reduce
@@ -163,13 +206,20 @@ def main() -> None:
     p.add_argument("--ar-ranks", type=int, default=2, help="all-reduce ranks (0: skip the micro-benchmark)")
     p.add_argument("--ar-iters", type=int, default=200)
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--config-timeout", type=int, default=240, help="seconds for one (tp, mode) configuration")
     p.add_argument("--out", default=None)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "tp:mode": one configuration, in a child
+    p.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.one:
+        bench_one(args)
+        os._exit(0)  # no NCCL teardown: it can hang after graph capture, and the rows are written
     device = torch.device(args.device)
     report = {"device": device_tag(device), "torch": torch.__version__, "args": vars(args)}
     t0 = time.perf_counter()
     if not args.skip_decode:
         report["decode"] = bench_decode(args)
+        print_summary(report["decode"])
     if args.ar_ranks > 1 and device.type == "cuda":
         report["all_reduce"] = bench_all_reduce(args)
     report["seconds"] = round(time.perf_counter() - t0, 1)

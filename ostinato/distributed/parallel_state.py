@@ -24,9 +24,10 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device, timeou
 
 
 def destroy_tp() -> None:
+    """Leave the group; this process is rank 0 of 1 again at once, even if the teardown then hangs."""
+    _state.update(rank=0, size=1, group=None, cpu_group=None)
     if dist.is_initialized():
         dist.destroy_process_group()
-    _state.update(rank=0, size=1, group=None, cpu_group=None)
 
 
 def tp_rank() -> int:

@@ -243,8 +243,16 @@ class TPWorkers:
         self._kill_workers(timeout=10.0)
         for conn in self.conns:
             conn.close()
-        if self.error is None or self.device.type != "cuda":  # NCCL's teardown may hang with a dead peer
+        if self.device.type != "cuda":
             destroy_tp()
+            return
+        # NCCL's teardown can hang (a dead peer; collectives once captured in graphs: pytorch#115388): give it
+        # a few seconds, then leave it behind (this process then cannot start another tensor-parallel engine)
+        teardown = threading.Thread(target=destroy_tp, name="ostinato-tp-teardown", daemon=True)
+        teardown.start()
+        teardown.join(0 if self.error is not None else 10.0)
+        if teardown.is_alive():
+            logger.warning("tensor parallel: the NCCL process group did not tear down; left behind")
 
 
 def start_runner(args: EngineArgs, source: ModelSource) -> tuple[ModelRunner, TPWorkers | None]:
@@ -372,6 +380,8 @@ def run_tp_worker(args: dict[str, Any], rank: int, init_method: str, conn) -> No
                 pass
             os._exit(1)
     runner.shutdown()
+    if device.type == "cuda":  # NCCL's teardown can hang (pytorch#115388); exiting frees everything
+        os._exit(0)
     destroy_tp()
 
 
