@@ -13,7 +13,8 @@ import torch
 from ostinato import LLM, SamplingParams
 
 # a small pool and short chunks: chunked prefill, prefix-cache hits and retraction all happen
-ENGINE = {"dtype": "float32", "max_total_tokens": 192, "chunked_prefill_size": 32, "max_running_requests": 8}
+ENGINE = {"dtype": "float32", "max_total_tokens": 192, "chunked_prefill_size": 32, "max_running_requests": 8,
+          "device": "cpu"}
 
 
 def _prompts() -> list[dict]:
@@ -27,7 +28,7 @@ def _prompts() -> list[dict]:
 
 
 def _run(model: str, tp: int, **kw) -> tuple[list[list[int]], LLM]:
-    llm = LLM(model, tp_size=tp, **ENGINE, **kw)
+    llm = LLM(model, tp_size=tp, **{**ENGINE, **kw})
     out = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in out], llm
 
@@ -101,13 +102,15 @@ KILL_SCRIPT = textwrap.dedent("""
     from ostinato import LLM, SamplingParams
 
     if __name__ == "__main__":
-        llm = LLM(sys.argv[1], load_format="dummy", tp_size=2, dtype="float32", max_total_tokens=4096)
+        llm = LLM(sys.argv[1], load_format="dummy", tp_size=2, dtype="float32", max_total_tokens=4096,
+                  device=sys.argv[2])
         worker = llm.engine.tp.procs[0].pid
         print("WORKER", worker, flush=True)
         threading.Timer(1.0, os.kill, (worker, signal.SIGKILL)).start()
         try:
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 4,
-                         SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
+            for _ in range(30):  # long enough that the kill comes mid-run, on a GPU too
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 4,
+                             SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
         except RuntimeError as e:
             print("RAISED", e, flush=True)
             sys.exit(3)
@@ -115,11 +118,15 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_killing_a_worker_ends_the_run_with_a_clear_error(one_kv_head_qwen3, tmp_path):
+def _run_kill_script(tmp_path, model: str, device: str) -> subprocess.CompletedProcess:
     script = tmp_path / "kill_worker.py"
     script.write_text(KILL_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), one_kv_head_qwen3], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    return subprocess.run([sys.executable, str(script), model, device], capture_output=True, text=True,
+                          timeout=90, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_killing_a_worker_ends_the_run_with_a_clear_error(one_kv_head_qwen3, tmp_path):
+    proc = _run_kill_script(tmp_path, one_kv_head_qwen3, "cpu")
     assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
     assert "RAISED tensor-parallel worker rank 1" in proc.stdout and "died" in proc.stdout, \
         proc.stdout + proc.stderr[-3000:]
@@ -141,3 +148,15 @@ def test_tp2_matches_tp1_on_two_gpus(tiny_llama_path):
         assert got == ref
     finally:
         llm2.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_killing_a_worker_on_gpus_ends_the_process(one_kv_head_qwen3, tmp_path):
+    """NCCL: rank 0's stream waits forever on the dead peer, so the process exits (status 1) with the error
+    logged, or raises it first (status 3); either way within seconds, and no worker is left."""
+    proc = _run_kill_script(tmp_path, one_kv_head_qwen3, "cuda")
+    assert proc.returncode in (1, 3), proc.stdout + proc.stderr[-3000:]
+    assert "tensor-parallel worker rank 1" in proc.stdout + proc.stderr
+    worker = int(proc.stdout.split("WORKER")[1].split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
