@@ -60,6 +60,9 @@ class EngineArgs:
                                       "evicted past it; set aside when the KV pool is sized)")
     vit_cuda_graph_max_patches: int = _arg(16384, "largest vision-encoder batch captured, in patches (larger ones "
                                            "run eagerly)")
+    tp_size: int = _arg(1, "tensor parallelism: one worker process per GPU (gloo ranks on the CPU), each holding "
+                        "1/tp_size of the heads, MLP and vocabulary (Llama, Qwen2, Qwen3)",
+                        aliases=("--tensor-parallel-size",))
 
     def __post_init__(self) -> None:
         checks = [
@@ -91,6 +94,7 @@ class EngineArgs:
             ("schedule_policy", self.schedule_policy in ("lpm", "fcfs"), "one of lpm, fcfs"),
             ("vit_cuda_graph_max_mb", self.vit_cuda_graph_max_mb >= 1, ">= 1"),
             ("vit_cuda_graph_max_patches", self.vit_cuda_graph_max_patches >= 1, ">= 1"),
+            ("tp_size", self.tp_size >= 1, ">= 1"),
         ]
         for name, ok, limit in checks:
             if not ok:
@@ -101,16 +105,16 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             if f.type is bool or f.type == "bool":
-                parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+                parser.add_argument(*flags, action="store_true", help=f.metadata["help"])
                 continue
             typ, nargs = f.type, None
             if get_origin(typ) is not None:  # X | None
                 typ = next(a for a in get_args(typ) if a is not type(None))
             if get_origin(typ) is list:  # list[int]
                 typ, nargs = get_args(typ)[0], "+"
-            parser.add_argument(flag, type=typ, nargs=nargs, default=f.default, help=f.metadata["help"])
+            parser.add_argument(*flags, type=typ, nargs=nargs, default=f.default, help=f.metadata["help"])
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> "EngineArgs":

@@ -187,6 +187,8 @@ EXPECTED = {
     "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936, True),
     "llama-3.2-1b": (2048, 16, 32, 8, 64, 8192, 128256, True),
     "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, False),
+    "llama-3.1-8b": (4096, 32, 32, 8, 128, 14336, 128256, False),
+    "qwen3-32b": (5120, 64, 64, 8, 128, 25600, 151936, False),
 }
 
 
@@ -198,8 +200,9 @@ def test_dummy_presets(name: str) -> None:
     cfg = src.hf_config
     assert tuple(getattr(cfg, k) for k in KEYS) == EXPECTED[name]
     assert cfg.dtype == torch.bfloat16
-    if name == "llama-3.2-1b":
-        assert cfg.rope_parameters == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+    if name.startswith("llama"):
+        factor = 32.0 if name == "llama-3.2-1b" else 8.0
+        assert cfg.rope_parameters == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}
         assert (cfg.bos_token_id, cfg.eos_token_id) == (128000, 128001)

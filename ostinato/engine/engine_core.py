@@ -14,8 +14,8 @@ from ostinato.engine.limits import EngineLimits, validate_request
 from ostinato.engine.prefix_cache import PrefixCache
 from ostinato.engine.request import Request, RequestStatus
 from ostinato.engine.scheduler import ScheduledBatch, Scheduler
+from ostinato.engine.tp_workers import start_runner
 from ostinato.loader import ModelSource
-from ostinato.runner.model_runner import ModelRunner
 from ostinato.runner.sampler import SampledTensors, TokenLogprobs
 from ostinato.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ def eos_token_ids(source: ModelSource) -> frozenset[int]:
 class EngineCore:
     def __init__(self, args: EngineArgs, source: ModelSource) -> None:
         self.args = args
-        self.runner = ModelRunner(args, source)
+        self.runner, self.tp = start_runner(args, source)  # tp: the tensor-parallel workers, or None
         use_cache = not args.disable_radix_cache and self.runner.supports_prefix_cache
         if not args.disable_radix_cache and not use_cache:
             logger.info("prefix caching is off for this model: a hybrid model's cached prefix has no Mamba state")
@@ -85,7 +85,9 @@ class EngineCore:
         start-up froze out of the collector's reach (gc.freeze) is handed back to it and collected."""
         if getattr(self, "runner", None) is None:
             return
-        self.runner.shutdown()
+        self.runner.shutdown()  # first: its graphs hold NCCL work of the process group the workers leave next
+        if self.tp is not None:
+            self.tp.stop()
         self.runner = self.scheduler = None
         self.requests.clear()
         self._in_flight = None
@@ -126,6 +128,8 @@ class EngineCore:
         self._aborted.append(EngineCoreOutput(rid, [], "abort", num_cached_tokens=req.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
+        if self.tp is not None:
+            self.tp.check()  # a dead worker ends the engine (RuntimeError naming it)
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
@@ -142,7 +146,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         launched = None
         if sched is not None:
-            launched = sched, self.runner.step(sched)
+            launched = sched, (self.runner if self.tp is None else self.tp).step(sched)
             for req, emits in zip(sched.reqs, sched.sample_mask, strict=True):
                 if emits:
                     req.add_pending()

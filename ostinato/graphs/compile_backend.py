@@ -40,9 +40,13 @@ def is_split_node(node: fx.Node) -> bool:
 
 def _register_builtin_split_ops() -> None:
     import ostinato.attention.op  # noqa: F401  (defines ostinato::attention)
+    import ostinato.distributed.comm  # noqa: F401  (defines ostinato::all_reduce, ostinato::all_gather)
     from ostinato.layers.mamba2 import MAMBA_SPLIT_OPS  # defines ostinato::mamba_mixer
 
     register_split_op(torch.ops.ostinato.attention)
+    # tensor parallel: the collectives run eagerly between pieces, as seed 003 splits at the all-reduce
+    register_split_op(torch.ops.ostinato.all_reduce)
+    register_split_op(torch.ops.ostinato.all_gather)
     for name in MAMBA_SPLIT_OPS:  # "ostinato::mamba_mixer": its state lives in the Mamba pool, outside the graph
         namespace, op = name.split("::")
         register_split_op(getattr(getattr(torch.ops, namespace), op))

@@ -29,9 +29,14 @@ def dummy_init_(module: torch.nn.Module, seed: int = 0) -> None:
         gen = generators.get(p.device)
         if gen is None:
             gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        # tensor parallel: a shard is drawn at its full shape and sliced, so the model is the same at any tp_size
+        full_shape = getattr(p, "full_shape", None)
+        t = p if full_shape is None else torch.empty(full_shape, dtype=p.dtype, device=p.device)
         if name.endswith("norm.weight"):  # also matches "layernorm.weight"
-            p.normal_(1.0, 0.02, generator=gen)
+            t.normal_(1.0, 0.02, generator=gen)
         elif name.endswith("bias"):
-            p.normal_(0.0, 0.01, generator=gen)
+            t.normal_(0.0, 0.01, generator=gen)
         else:
-            p.normal_(0.0, 0.02, generator=gen)
+            t.normal_(0.0, 0.02, generator=gen)
+        if full_shape is not None:
+            p.load_full(p, t)

@@ -18,8 +18,16 @@ from transformers import PretrainedConfig
 
 from ostinato.attention.base import AttentionSpec
 from ostinato.attention.op import attention
-from ostinato.layers.linear import Linear, gate_up_silu
+from ostinato.layers.linear import gate_up_silu
 from ostinato.layers.norm import RMSNorm
+from ostinato.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+)
 from ostinato.layers.rotary import RotaryEmbedding
 
 
@@ -32,13 +40,14 @@ class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool,
                  qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
+        # tensor parallelism: this rank's heads (all of them at tp_size 1)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -63,8 +72,8 @@ class DecoderAttention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, intermediate)
+        self.down_proj = RowParallelLinear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gate_up_silu(self.gate_up_proj, x))
@@ -95,12 +104,13 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    supports_tp = True  # built for this process's tensor-parallel rank (layers/parallel_linear.py)
 
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm)
             for i in range(config.num_hidden_layers)
@@ -108,8 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.attention_specs = {layer.self_attn.layer_id: layer.self_attn.attn_spec for layer in self.layers}
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                       bias=False)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
@@ -121,9 +130,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; with `out`, cast straight into it (one pass, no float32 temporary)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = gather_logits(F.linear(hidden, weight), self.config.vocab_size)  # tp: every rank's slice
         if out is None:
-            return F.linear(hidden, weight).float()
-        return out.copy_(F.linear(hidden, weight))
+            return logits.float()
+        return out.copy_(logits)
 
     # HF checkpoint name fragment -> (our fused parameter, shard index) for fused projections
     _stacked = {
@@ -144,26 +154,21 @@ class LlamaForCausalLM(nn.Module):
             if fused is None:
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {hf_name!r} has no parameter in {type(self).__name__}")
-                params[name].data.copy_(tensor)
+                loader = getattr(params[name], "weight_loader", None)  # tensor parallel: this rank's slice
+                if loader is not None:
+                    loader(params[name], tensor, None)
+                else:
+                    params[name].data.copy_(tensor)
                 loaded.add(name)
                 continue
             target, shard = fused
             name = name.replace(parts[[p in self._stacked for p in parts].index(True)], target)
             param = params[name]
-            sizes = self._shard_sizes(target)
-            offset = sum(sizes[:shard])
-            param.data[offset : offset + sizes[shard]].copy_(tensor)
+            param.weight_loader(param, tensor, shard)  # the fused layers' loaders (layers/parallel_linear.py)
             loaded.add(f"{name}#{shard}")
         missing = [n for n in params if n not in loaded and not any(f"{n}#" in x for x in loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:3]}")
-
-    def _shard_sizes(self, target: str) -> list[int]:
-        attn = self.layers[0].self_attn
-        if target == "qkv_proj":
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = self.config.intermediate_size
-        return [inter, inter]
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -12,6 +12,7 @@ from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
+from ostinato.distributed.parallel_state import kv_heads_per_rank, min_over_ranks, tp_size
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.graphs.graph import release_graph_pool
@@ -71,6 +72,8 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         cls = model_class(source.hf_config)
+        if tp_size() > 1 and not getattr(cls, "supports_tp", False):
+            raise ValueError(f"tp_size: {cls.__name__} has no tensor-parallel layers (Llama, Qwen2 and Qwen3 do)")
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -175,12 +178,14 @@ class ModelRunner:
             self.max_running_requests = self.mamba_pool.size
         self.supports_prefix_cache = self.mamba_pool is None  # the radix cache must check this (hybrid: off)
         self.kv_layers = getattr(self.model, "num_kv_layers", cfg.num_hidden_layers)
-        per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim, self.kv_layers, kv_dtype)
-        tokens = args.max_total_tokens or self._tokens_from_memory(per_token, head_dim, kv_dtype)
+        self.kv_heads = kv_heads_per_rank(cfg.num_key_value_heads)  # tensor parallel: this rank's KV heads
+        per_token = MHATokenToKVPool.bytes_per_token(self.kv_heads, head_dim, self.kv_layers, kv_dtype)
+        # tensor parallel: every rank's pool holds the same slots, the fewest any rank has room for
+        tokens = min_over_ranks(args.max_total_tokens or self._tokens_from_memory(per_token, head_dim, kv_dtype))
         page = args.page_size
         num_pages = -(-tokens // page) + 1  # +1: page 0 is the reserved sink
         self.allocator = TokenToKVPoolAllocator(num_pages * page, page, self.device)
-        self.kv_cache = MHATokenToKVPool(num_pages * page, kv_dtype, cfg.num_key_value_heads, head_dim,
+        self.kv_cache = MHATokenToKVPool(num_pages * page, kv_dtype, self.kv_heads, head_dim,
                                          self.kv_layers, self.device)
         if self.kv_cache.is_fp8:
             self.kv_cache.set_scales(self.kv_scales)
@@ -231,10 +236,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_prefill_bytes(self, head_dim: int, kv_dtype: torch.dtype) -> int:
         """Peak memory of one forward over `chunked_prefill_size` tokens, on a throwaway pool."""
-        cfg, n = self.config, self.chunked_prefill_size
+        n = self.chunked_prefill_size
         req_pool = ReqToTokenPool(1, n + 1, self.device)
         allocator = TokenToKVPoolAllocator(n + 2, 1, self.device)
-        kv_cache = MHATokenToKVPool(n + 2, kv_dtype, cfg.num_key_value_heads, head_dim, self.kv_layers,
+        kv_cache = MHATokenToKVPool(n + 2, kv_dtype, self.kv_heads, head_dim, self.kv_layers,
                                     self.device)
         kv = KVManager(req_pool, allocator)
         slot = req_pool.alloc()

@@ -1,0 +1,39 @@
+"""The collectives of a tensor-parallel forward, as custom ops: opaque to torch.compile (so the piecewise
+backend can split at the all-reduce, graphs/compile_backend.py) and captured inside CUDA graphs (NCCL
+records its kernels into the graph being captured)."""
+
+import torch
+import torch.distributed as dist
+
+from ostinato.distributed.parallel_state import tp_group, tp_size
+
+
+@torch.library.custom_op("ostinato::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the ranks, in a new tensor (the row-parallel layers' partial outputs)."""
+    out = x.clone()
+    dist.all_reduce(out, group=tp_group())
+    return out
+
+
+@all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("ostinato::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """[n, k] shards -> [n, k * tp_size], rank r's shard in columns [r*k, (r+1)*k) (vocab-parallel logits)."""
+    x = x.contiguous()
+    size = tp_size()
+    out = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+    if x.is_cuda:
+        dist.all_gather_into_tensor(out, x, group=tp_group())
+    else:  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.unbind(0)), x, group=tp_group())
+    return out.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
+
+
+@all_gather.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] * tp_size()))
