@@ -135,7 +135,8 @@ def _ar_worker(rank: int, size: int, port: int, sizes: list[int], iters: int, ou
     init_tp(rank, size, f"tcp://127.0.0.1:{port}", device)
     results = []
     for nbytes in sizes:
-        x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+        gen = torch.Generator(device).manual_seed(nbytes)  # the same x on every rank: the sum is x * size
+        x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device, generator=gen)
         row = {"bytes": nbytes}
         z = x.clone()  # summed in place over and over
         for name, fn in (("nccl_eager_ms", lambda z=z: dist.all_reduce(z)), ("op_eager_ms", lambda x=x: all_reduce(x))):
