@@ -34,7 +34,15 @@ def test_stop_token_ids_and_length(llm):
     assert out.token_ids == full.token_ids[: first + 1]
 
 
-def test_seeded_sampling_is_reproducible_across_batches_and_retraction(llm):
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_path):
+    """The tiny Llama (conftest) at the session `llm`'s settings: for properties of the engine, not the model."""
+    return LLM(tiny_llama_path, dtype="float32", device="cpu", max_total_tokens=1024, chunked_prefill_size=48,
+               page_size=4, max_running_requests=16, disable_radix_cache=True)
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_retraction(tiny_llm):
+    llm = tiny_llm
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=32, seed=1234, ignore_eos=True)
     alone = chat(llm, "Tell me a story about a dragon.", sp).token_ids
     # same request inside a crowd big enough to force retraction, at a different batch position
@@ -49,6 +57,8 @@ def test_seeded_sampling_is_reproducible_across_batches_and_retraction(llm):
     other = chat(llm, "Tell me a story about a dragon.",
                  SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=32, seed=99, ignore_eos=True))
     assert other.token_ids != alone
+    assert not llm.engine.has_unfinished()
+    llm.engine.check_memory_leak()
 
 
 def test_n_samples_with_seed(llm):
