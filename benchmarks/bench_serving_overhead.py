@@ -99,21 +99,27 @@ def start_server(args, log) -> subprocess.Popen:
            *shlex.split(args.server_args)]
     print("starting:", shlex.join(cmd), f"(log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=False)
-    deadline = time.time() + args.server_timeout
-    while time.time() < deadline:
+    wait_healthy(proc, url, log, args.server_timeout, "bench_serving_overhead")
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float, who: str) -> float:
+    """Seconds until the server at `url` answers /health; exits with its log's tail if it dies or times out."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < timeout:
         if proc.poll() is not None:
             log.flush()
             with open(log.name) as f:
                 tail = f.read()[-4000:]
-            sys.exit(f"bench_serving_overhead: the server exited with status {proc.returncode}:\n{tail}")
+            sys.exit(f"{who}: the server exited with status {proc.returncode}:\n{tail}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
+                return time.perf_counter() - t
         except httpx.HTTPError:
             pass
-        time.sleep(1)
-    proc.kill()
-    sys.exit(f"bench_serving_overhead: the server was not healthy after {args.server_timeout} s (log: {log.name})")
+        time.sleep(0.5)
+    stop_server(proc)
+    sys.exit(f"{who}: the server was not healthy after {timeout} s (log: {log.name})")
 
 
 def engine_counts(url: str) -> dict[str, float]:

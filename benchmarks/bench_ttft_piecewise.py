@@ -26,14 +26,13 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 import types
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import run, summarize  # noqa: E402
-from bench_serving_overhead import stop_server  # noqa: E402
+from bench_serving_overhead import stop_server, wait_healthy  # noqa: E402
 from common import RESULTS, add_model_args, device_tag, write_report  # noqa: E402
 
 PW = "--enable-piecewise-cuda-graph --piecewise-cuda-graph-compiler inductor"
@@ -43,22 +42,8 @@ DEFAULT_VARIANTS = ["off:", f"pw:{PW}", "eager:--extend-cuda-graph-max-tokens 0"
 
 def start_server(cmd: list[str], url: str, log, timeout: float) -> tuple[subprocess.Popen, float]:
     """Start `cmd` and wait for /health; returns the process and the seconds it took to become healthy."""
-    t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    while time.perf_counter() - t < timeout:
-        if proc.poll() is not None:
-            log.flush()
-            with open(log.name) as f:
-                tail = f.read()[-4000:]
-            sys.exit(f"bench_ttft_piecewise: the server exited with status {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, time.perf_counter() - t
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    sys.exit(f"bench_ttft_piecewise: the server was not healthy after {timeout} s (log: {log.name})")
+    return proc, wait_healthy(proc, url, log, timeout, "bench_ttft_piecewise")
 
 
 def startup_lines(log_path: str) -> list[str]:

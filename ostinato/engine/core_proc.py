@@ -6,7 +6,6 @@ blocks on its input for up to a second at a time, and exits if its parent is gon
 """
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ import zmq
 from ostinato.config import EngineArgs
 from ostinato.engine import ipc
 from ostinato.engine.engine_core import EngineCore
+from ostinato.engine.proc_util import die_with_parent
 from ostinato.multimodal.inputs import mm_from_wire
 
 logger = logging.getLogger("ostinato.engine")
@@ -26,7 +26,7 @@ logger = logging.getLogger("ostinato.engine")
 def run_engine_core(args: dict[str, Any], input_addr: str, output_addr: str) -> None:
     """Process entry point (multiprocessing spawn): load the model, report ready, serve until shutdown."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the HTTP process shuts us down
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
@@ -80,15 +80,6 @@ def _ready_message(core: EngineCore) -> dict[str, Any]:
         "max_running_requests": r.max_running_requests, "device": str(r.device),
         "dtype": str(r.dtype).removeprefix("torch."),
     }
-
-
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent dies, so a killed server leaves no engine behind."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
 
 
 class EngineLoop:

@@ -17,7 +17,6 @@ the process exits `GRACE_S` to `2 * GRACE_S` seconds after the death. Workers di
 """
 
 import atexit
-import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.config import EngineArgs
 from ostinato.distributed.parallel_state import destroy_tp, init_tp, tp_group
+from ostinato.engine.proc_util import die_with_parent
 from ostinato.loader import ModelSource
 from ostinato.models.registry import model_class
 from ostinato.runner.model_runner import ModelRunner, resolve_device
@@ -331,18 +331,20 @@ def run_plan(runner: ModelRunner, plan: StepPlan, params: dict[int, tuple[Sampli
     runner.step(sched)  # the tokens stay on the device (next-token buffer); rank 0 reads its own copy back
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+
+def _report_failure(conn, rank: int, what: str, e: BaseException) -> None:
+    """Log a worker's exception and send it to rank 0, which names it in the error it raises."""
+    logging.getLogger(__name__).exception("tensor-parallel worker rank %d %s", rank, what)
+    try:
+        conn.send(f"{type(e).__name__}: {e}")
+    except OSError:
+        pass
 
 
 def run_tp_worker(args: dict[str, Any], rank: int, init_method: str, conn) -> None:
     """Process entry point (spawn): join the group, build this rank's runner, run the steps rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{rank} %(name)s: %(message)s")
     from ostinato.loader import load_model_source
 
@@ -356,11 +358,7 @@ def run_tp_worker(args: dict[str, Any], rank: int, init_method: str, conn) -> No
         source = load_model_source(engine_args.model, engine_args.load_format, engine_args.trust_remote_code)
         runner = ModelRunner(engine_args, source)
     except BaseException as e:
-        logging.getLogger(__name__).exception("tensor-parallel worker rank %d failed to start", rank)
-        try:
-            conn.send(f"{type(e).__name__}: {e}")
-        except OSError:
-            pass
+        _report_failure(conn, rank, "failed to start", e)
         sys.exit(1)
     params: dict[int, tuple[SamplingParams, int]] = {}
     while True:
@@ -373,11 +371,7 @@ def run_tp_worker(args: dict[str, Any], rank: int, init_method: str, conn) -> No
         try:
             run_plan(runner, plan, params)
         except BaseException as e:
-            logging.getLogger(__name__).exception("tensor-parallel worker rank %d failed", rank)
-            try:
-                conn.send(f"{type(e).__name__}: {e}")
-            except OSError:
-                pass
+            _report_failure(conn, rank, "failed", e)
             os._exit(1)
     runner.shutdown()
     if device.type == "cuda":  # NCCL's teardown can hang (pytorch#115388); exiting frees everything
