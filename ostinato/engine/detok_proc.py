@@ -117,7 +117,8 @@ def serve(args: dict[str, Any] | None, front_in: str, front_outs: list[str], eng
             try:
                 from ostinato.loader import load_model_source
 
-                tok = load_model_source(args["model"], args["load_format"], args["trust_remote_code"]).tokenizer
+                tok = load_model_source(args["model"], args["load_format"], args["trust_remote_code"],
+                                        convert_gguf=False).tokenizer
             except Exception as e:
                 logger.exception("detokenizer failed to load the tokenizer")
                 f_outs[0].send(ipc.pack({"type": ipc.STARTUP_ERROR, "message": f"detokenizer: {e}"}))

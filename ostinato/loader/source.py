@@ -124,9 +124,9 @@ def _dir_tokenizer(model_dir: str, trust_remote_code: bool) -> PreTrainedTokeniz
         return None
 
 
-def _gguf_source(gguf_path: str, load_format: str) -> ModelSource:
+def _gguf_source(gguf_path: str, load_format: str, convert: bool = True) -> ModelSource:
     """Config, tokenizer and weights of a GGUF file: from its converted copy when there is one, else parsed
-    from the file (and converted for next time when the weights are wanted)."""
+    from the file (and converted for next time when the weights are wanted and `convert`)."""
     if (converted := find_converted(gguf_path)) is not None:
         config = AutoConfig.from_pretrained(converted)
         return ModelSource(gguf_path, config, _dir_tokenizer(converted, False), load_format, converted)
@@ -138,7 +138,7 @@ def _gguf_source(gguf_path: str, load_format: str) -> ModelSource:
         logger.warning("no tokenizer loaded from %s: %s", gguf_path, e)
         tokenizer = None
     converted = None
-    if load_format == "gguf":
+    if load_format == "gguf" and convert:
         from ostinato.loader.gguf_weights import iter_gguf_weights
 
         converted = write_converted(gguf_path, config, tokenizer, lambda: iter_gguf_weights(gguf_path))
@@ -165,10 +165,13 @@ def _dummy_source(model: str, trust_remote_code: bool) -> ModelSource:
 
 
 def load_model_source(
-    model: str | None, load_format: str = "auto", trust_remote_code: bool = False
+    model: str | None, load_format: str = "auto", trust_remote_code: bool = False, convert_gguf: bool = True
 ) -> ModelSource:
     """Resolve `model` (HF dir, .gguf file or dir, hub id, .json config or dummy preset; None: the default
-    SmolLM2 GGUF) into its config, tokenizer and weight iterator."""
+    SmolLM2 GGUF) into its config, tokenizer and weight iterator.
+
+    `convert_gguf=False`: a process that wants only the config and tokenizer (the server's HTTP and
+    detokenizer processes) leaves converting a GGUF's weights into the cache to the engine process."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     if model is None:
@@ -182,7 +185,7 @@ def load_model_source(
     if load_format == "gguf":
         if gguf_path is None:
             raise ValueError(f"model: load_format='gguf' but {model!r} is not a .gguf file or a dir with one")
-        return _gguf_source(gguf_path, "gguf")
+        return _gguf_source(gguf_path, "gguf", convert_gguf)
     if os.path.isfile(path):
         raise ValueError(f"model: load_format='safetensors' needs an HF model directory, got file {model!r}")
     return _dir_source(path, "safetensors", trust_remote_code)

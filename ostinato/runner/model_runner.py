@@ -338,8 +338,8 @@ class ModelRunner:
         """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager".
 
         The full extend graph wherever it can run: on an H200 it beat the piecewise graphs at every size from 1
-        to 2048 tokens (benchmarks/bench_extend.py: 1.2-8.3 ms against 3.1-8.8 for Llama-3.2-1B), whose eager
-        attention between 17 pieces costs ~3 ms of host time per step. Piecewise takes what the full graph
+        to 2048 tokens (benchmarks/bench_extend.py, inductor pieces: 1.2-8.4 ms against 2.8-8.8 for
+        Llama-3.2-1B), whose eager attention between 17 pieces costs ~1.6 ms of host time per step. Piecewise takes what the full graph
         cannot: more requests than it captured (mixed steps with many decoding rows), other attention backends."""
         if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch):
             return "extend_graph"

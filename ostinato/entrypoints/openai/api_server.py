@@ -275,7 +275,7 @@ def _load_tokenizer(args: EngineArgs) -> Any:
         return None
     from ostinato.loader import load_model_source
 
-    return load_model_source(args.model, args.load_format, args.trust_remote_code).tokenizer
+    return load_model_source(args.model, args.load_format, args.trust_remote_code, convert_gguf=False).tokenizer
 
 
 async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:

@@ -294,7 +294,7 @@ class OpenAIServing:
             from ostinato.loader import load_model_source
 
             args = self.client.args
-            source = load_model_source(args.model, args.load_format, args.trust_remote_code)
+            source = load_model_source(args.model, args.load_format, args.trust_remote_code, convert_gguf=False)
             self._mm_processor = make_image_input_processor(source, args.limit_mm_per_prompt,
                                                             args.allowed_local_media_path) or False
         if self._mm_processor is False:
