@@ -196,6 +196,36 @@ def test_extend_matches_torch(page, group):
     check(env, batch, out, q, atol=1e-4)
 
 
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("prefix,new", [
+    ([0, 21, 40, 70, 33], [37, 19, 1, 1, 1]),  # a mixed step: prefill chunks, then decoding rows
+    ([45, 3], [1, 1]),  # only 1-token rows
+    ([0, 60], [1, 1]),  # a 1-token prompt among them
+])
+def test_mixed_step_decode_rows_match_torch(page, prefix, new):
+    """The trailing 1-token rows of an extend step go through the split-KV decode kernel; with padding rows
+    past the real tokens (as a piecewise graph pads), the real rows still equal the torch reference."""
+    env = make_env(page, 4, 2, 16, seed=sum(prefix) + page)
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.EXTEND, rows, prefix, new)
+    t = sum(new)
+    q, k, v = qkv(env, t)
+    env.tri.init_forward_metadata(batch)
+    assert env.tri.decode_tail == {5: 3, 2: 2}[len(new)]
+    q2, k2, v2 = qkv(env, 5)  # padded rows (their K/V go to the sink slot 0): never read by the real rows
+    q_pad, k_pad, v_pad = torch.cat([q, q2.fill_(1e4)]), torch.cat([k, k2]), torch.cat([v, v2])
+    batch_padded = ForwardBatch(batch.mode, batch.batch_size, q_pad[:, 0, 0].long(), q_pad[:, 0, 0].long(),
+                                batch.req_pool_indices, batch.seq_lens,
+                                torch.cat([batch.out_cache_loc, torch.zeros(5, dtype=torch.int64,
+                                                                            device=env.device)]),
+                                batch.logits_indices, batch.seq_lens_cpu, batch.extend_prefix_lens_cpu,
+                                batch.extend_seq_lens_cpu)
+    s = env.spec
+    out = env.tri.forward(q_pad.reshape(t + 5, -1), k_pad.reshape(t + 5, -1), v_pad.reshape(t + 5, -1), s,
+                          batch_padded).view(-1, s.num_heads, s.head_dim)[:t]
+    check(env, batch, out, q, atol=1e-4)
+
+
 def decode_step(env: Env, rows: list[int], lens: list[int]) -> tuple[ForwardBatch, tuple]:
     """A decode batch of requests whose KV holds `lens` tokens, plus its fresh q/k/v."""
     batch = make_batch(env, ForwardMode.DECODE, rows, lens, [1] * len(rows))

@@ -38,3 +38,14 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+
+def decode_tail_len(extend_lens: list[int]) -> int:
+    """How many trailing requests of an extend step have one new token: in a mixed step these are the decoding
+    requests (the scheduler appends them after the prefill chunks), which attend like a decode step."""
+    n = 0
+    for length in reversed(extend_lens):
+        if length != 1:
+            break
+        n += 1
+    return n

@@ -6,7 +6,7 @@ import itertools
 import torch
 
 from ostinato.attention.base import AttentionBackend, AttentionSpec
-from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, decode_tail_len
 from ostinato.attention.triton_ops import decode_attention, extend_attention, store_kv
 from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits
 from ostinato.attention.triton_ops.extend_attention import extend_block_table, max_extend_blocks
@@ -72,20 +72,32 @@ class TritonAttentionBackend(AttentionBackend):
             compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self.min_tokens_per_split,
                                   self.kv_splits_cap(batch.batch_size))  # the same cap forward_decode's grid has
             return
+        prefix, extend = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
+        assert prefix is not None and extend is not None
+        # A mixed step's decoding requests (the trailing 1-token rows) take the split-KV decode kernel: in the
+        # extend kernel one program per query head would walk each one's whole context serially.
+        tail = decode_tail_len(extend)
+        head = batch.batch_size - tail
+        self.decode_tail = tail
+        if tail:
+            self.tail_start = sum(extend[:head])
+            self.tail_req_pool_indices, self.tail_seq_lens = batch.req_pool_indices[head:], batch.seq_lens[head:]
+            self.num_kv_splits = torch.empty(tail, dtype=torch.int32, device=self.device)
+            compute_num_kv_splits(self.tail_seq_lens, self.num_kv_splits, self.min_tokens_per_split,
+                                  self.kv_splits_cap(tail))
+            prefix, extend = prefix[:head], extend[:head]
         # one host->device copy for the five per-request and per-block int vectors, each padded to a multiple
         # of 4 entries so every one starts 16-byte aligned (Triton specializes kernels on pointer alignment;
         # an alignment that varied with the batch would compile new variants while serving)
-        num_reqs = _round4(batch.batch_size)
+        num_reqs = _round4(head)
         bm = self.extend_block_m
-        num_blocks = _round4(sum(-(-n // bm) for n in batch.extend_seq_lens_cpu))
-        flat = torch.tensor(self._extend_meta(batch, num_reqs, num_blocks), dtype=torch.int32)
+        num_blocks = _round4(sum(-(-n // bm) for n in extend))
+        flat = torch.tensor(self._extend_meta(prefix, extend, num_reqs, num_blocks), dtype=torch.int32)
         self._set_extend_views(flat.to(self.device, non_blocking=True), num_reqs)
 
-    def _extend_meta(self, batch: ForwardBatch, num_reqs: int, num_blocks: int | None) -> list[int]:
+    def _extend_meta(self, prefix: list[int], extend: list[int], num_reqs: int, num_blocks: int | None) -> list[int]:
         """q_start, prefix_lens, extend_lens (each padded with zeros to `num_reqs`), then the block table
         (padded to `num_blocks` when given), as one flat list."""
-        prefix, extend = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
-        assert prefix is not None and extend is not None
         pad = [0] * (num_reqs - len(extend))
         q_start = list(itertools.accumulate(extend, initial=0))[:-1]
         block_req, block_m0 = extend_block_table(extend, self.extend_block_m, num_blocks)
@@ -111,10 +123,11 @@ class TritonAttentionBackend(AttentionBackend):
         n = self.extend_graph_max_reqs
         assert batch.batch_size <= n, (batch.batch_size, n)
         blocks = _round4(max_extend_blocks(num_tokens, n, self.extend_block_m))
-        meta = self._extend_meta(batch, n, blocks)
+        meta = self._extend_meta(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, n, blocks)
         flat = self.extend_graph_meta[: len(meta)]
         flat.copy_(torch.tensor(meta, dtype=torch.int32), non_blocking=True)
         self.graph_mode = False
+        self.decode_tail = 0  # the captured step is one extend launch: mixed steps do not come here
         self.req_pool_indices, self.seq_lens = batch.req_pool_indices, batch.seq_lens
         self._set_extend_views(flat, n)
 
@@ -172,6 +185,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.decode_tail:  # rows past the real tokens (a piecewise graph's padding) are never read
+            rows = slice(self.tail_start, self.tail_start + self.decode_tail)
+            self._decode(q[rows], out[rows], layer, self.tail_req_pool_indices, self.tail_seq_lens,
+                         self.num_kv_splits)
         extend_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=self.req_pool_indices,
             q_start=self.q_start, prefix_lens=self.prefix_lens, extend_lens=self.extend_lens,
@@ -196,16 +213,26 @@ class TritonAttentionBackend(AttentionBackend):
             mid_lse = self.graph_mid_lse[:bs, :num_heads, :splits]
         else:
             num_kv_splits, req_pool_indices, seq_lens = self.num_kv_splits, self.req_pool_indices, self.seq_lens
+            mid_o = mid_lse = None
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._decode(q, out, layer, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse)
+        return out
+
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionSpec, req_pool_indices: torch.Tensor,
+                seq_lens: torch.Tensor, num_kv_splits: torch.Tensor, mid_o: torch.Tensor | None = None,
+                mid_lse: torch.Tensor | None = None) -> None:
+        """Split-KV decode of q [bs, H, D] (rows may be a view) into out; fresh scratch unless given."""
+        bs, num_heads, head_dim = q.shape
+        if mid_o is None:
+            splits = self.kv_splits_cap(bs)
             mid_o = torch.empty(bs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
             **self._kv_args(layer.layer_id),
             **(self.decode_fp8_settings if self.kv_fp8 is not None else dict(block_n=self.decode_block_n)),
         )
-        return out
 
 
 def _round4(n: int) -> int:

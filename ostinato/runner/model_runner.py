@@ -8,7 +8,7 @@ import time
 import torch
 
 from ostinato.attention.base import AttentionBackend
-from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, decode_tail_len
 from ostinato.attention.op import forward_context
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
@@ -339,9 +339,13 @@ class ModelRunner:
 
         The full extend graph wherever it can run: on an H200 it beat the piecewise graphs at every size from 1
         to 2048 tokens (benchmarks/bench_extend.py, inductor pieces: 1.2-8.4 ms against 2.8-8.8 for
-        Llama-3.2-1B), whose eager attention between 17 pieces costs ~1.6 ms of host time per step. Piecewise takes what the full graph
-        cannot: more requests than it captured (mixed steps with many decoding rows), other attention backends."""
-        if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch):
+        Llama-3.2-1B), whose eager attention between 17 pieces costs ~1.6 ms of host time per step. Piecewise
+        takes what the full graph cannot: more requests than it captured, other attention backends, and mixed
+        steps: their decoding rows take the split-KV decode kernel beside the extend kernel
+        (TritonAttentionBackend), where the full graph's one extend launch would walk each decoding row's whole
+        context in one program per head."""
+        mixed = 0 < decode_tail_len(batch.extend_seq_lens_cpu or []) < batch.batch_size
+        if not mixed and self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch):
             return "extend_graph"
         if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(batch):
             return "piecewise"
