@@ -51,3 +51,38 @@ def test_random_workload_respects_limits_and_finishes_everything(page, mixed):
     assert (mixed_steps > 0) == mixed  # decode tokens rode along with prefill chunks only when mixing
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens for r in reqs)
     kv.check_all_free()
+
+
+def test_mixed_decoding_rows_do_not_rejoin_the_prefix_cache_each_step():
+    """With the prefix cache on, a mixed step's prefill chunks join the tree at the next step, but its decoding
+    rows do not: inserting each decoder's whole sequence every mixed step (key building, tree walks, device
+    copies) cost tens of ms per step on an H200. Their tokens join the tree when they are released."""
+    from ostinato.engine.prefix_cache import PrefixCache
+
+    rng = random.Random(7)
+    kv = KVManager(ReqToTokenPool(8, 512, "cpu"), TokenToKVPoolAllocator(2048, 4, "cpu"))
+    sched = Scheduler(kv, max_running_requests=8, chunked_prefill_size=32, cache=PrefixCache(kv),
+                      enable_mixed_chunk=True)
+    for i in range(8):
+        sched.add(Request(str(i), [rng.randrange(100) for _ in range(rng.randint(20, 120))],
+                          SamplingParams(max_tokens=rng.randint(5, 40)), seed=i))
+    inserted: list[Request] = []
+    real = sched.cache.cache_unfinished
+    sched.cache.cache_unfinished = lambda req: (inserted.append(req), real(req))[1]
+    mixed_steps, last_prefill = 0, set()
+    while sched.has_unfinished():
+        decoding = {r for r in sched.running if r.seq_len - r.kv_len == 1}
+        inserted.clear()
+        batch = sched.schedule()
+        assert set(inserted) <= last_prefill  # the previous step's prefill rows only (those still running)
+        last_prefill = set()
+        if batch.mode is ForwardMode.EXTEND:
+            last_prefill = {r for r in batch.reqs if r not in decoding}
+            mixed_steps += len(last_prefill) < len(batch.reqs)
+        for req, emits in zip(batch.reqs, batch.sample_mask, strict=True):
+            if emits:
+                req.output_token_ids.append(rng.randrange(100))
+                req.check_stop_token()
+                if req.finish_reason:
+                    sched.finish(req, req.finish_reason)
+    assert mixed_steps > 0

@@ -98,6 +98,8 @@ class Scheduler:
             budget -= n
         if not reqs:
             return None
+        if self.cache.enabled:  # the prefill chunks' pages join the tree next step; decoded tokens join at release
+            self._extended = list(reqs)
         for req in mixed:  # those that do not fit decode in a later step (which may retract)
             pages = self.kv.pages_needed(req.kv_len, req.kv_len + 1)
             if pages > self.cache.available_pages():
@@ -109,8 +111,6 @@ class Scheduler:
             locs.append(self.kv.extend(req.req_pool_idx, req.kv_len, req.kv_len + 1))
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
-        if self.cache.enabled:
-            self._extended = reqs
         return ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, torch.cat(locs),
                               [r.kv_len == r.seq_len for r in reqs])
 
