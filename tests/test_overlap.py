@@ -23,6 +23,15 @@ def test_pending_tokens_resolve_in_order_and_a_stop_drops_the_rest():
     assert req.finish_reason == "stop" and req.stop_reason == 42
 
 
+def test_token_slice_equals_slicing_the_whole_sequence():
+    req = Request("r", [5, 6, 7, 8], SamplingParams(max_tokens=10), seed=0)
+    req.output_token_ids = [9, 10, 11]
+    whole = req.all_token_ids
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 1):
+            assert req.token_slice(start, end) == whole[start:end], (start, end)
+
+
 def test_max_tokens_counts_pending_outputs():
     req = Request("r", [1], SamplingParams(max_tokens=2), seed=0)
     req.add_pending()

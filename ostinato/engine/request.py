@@ -48,6 +48,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start..end of prompt + outputs, without building the whole concatenation (a decoding
+        request's one token in a mixed step would otherwise copy its whole sequence)."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return prompt[start:] + self.output_token_ids[: end - n]
+
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]

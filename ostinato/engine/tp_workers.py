@@ -158,7 +158,7 @@ class TPWorkers:
             ids = [r.token_at(s) for r, s in zip(reqs, sched.prefix_lens, strict=True)]
         else:
             ids = [t for r, s, n in zip(reqs, sched.prefix_lens, sched.extend_lens, strict=True)
-                   for t in r.all_token_ids[s : s + n]]
+                   for t in r.token_slice(s, s + n)]
         new_params = {}
         for row, r in zip(rows, reqs, strict=True):
             prev = self._sent.get(row)
@@ -301,6 +301,9 @@ class _RemoteRequest:
         self.params, self.seed, self.req_pool_idx = params, seed, row
         self.all_token_ids = _Window(start, ids)
         self.rope_delta, self.num_pending, self.output_token_ids = rope_delta, num_pending, outputs
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
 
     def token_at(self, i: int) -> int:
         return self.all_token_ids[i : i + 1][0]

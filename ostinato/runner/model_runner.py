@@ -291,7 +291,7 @@ class ModelRunner:
             "extend of a request with tokens in flight"
         ids, pos = [], []
         for req, start, n in zip(reqs, sched.prefix_lens, sched.extend_lens, strict=True):
-            ids.extend(req.all_token_ids[start : start + n])
+            ids.extend(req.token_slice(start, start + n))
             pos.extend(range(start, start + n))
         ends = list(itertools.accumulate(sched.extend_lens, initial=-1))[1:]
         sink = self.next_tokens.sink

@@ -1,0 +1,128 @@
+"""Where piecewise graphs spend their time: the start-up (cProfile of building the runner: trace, compile,
+warm-up, capture) and one extend step of N tokens (torch.profiler: GPU kernel time by kind, beside the wall
+time), eager vs piecewise-eager vs piecewise-inductor vs the full extend graph.
+
+python benchmarks/profile_piecewise.py --model llama-3.2-1b --tokens 2048 256 --out /tmp/pw-profile.json
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_extend import eager_forward, make_batch, time_ms  # noqa: E402
+
+from ostinato import LLM  # noqa: E402
+from ostinato.graphs.piecewise import PiecewiseGraphRunner  # noqa: E402
+
+KINDS = [("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "xmma", "skinny", "mm_")),
+         ("attention", ("_extend_kernel", "_decode_stage", "attention")),
+         ("kv_store", ("store_kv", "_store")),
+         ("copy", ("copy", "memcpy", "memset", "fill")),
+         ("triton_fused", ("triton_",)),
+         ("norm_rope_act", ("rms", "rotary", "silu", "norm"))]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_profile(fn, reps: int = 5) -> dict:
+    """GPU kernel microseconds per call by kind, kernel launches per call, and the top kernels."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    by_kind, by_name, launches = defaultdict(float), defaultdict(float), 0
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        by_kind[kind_of(e.name)] += us / reps
+        by_name[e.name[:90]] += us / reps
+        launches += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {"kernel_us_by_kind": dict(by_kind), "kernel_us": sum(by_kind.values()), "launches": launches / reps,
+            "top": top}
+
+
+def startup_profile(runner, compiler: str, max_tokens: int) -> tuple[PiecewiseGraphRunner, dict]:
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    g = PiecewiseGraphRunner(runner, max_tokens, compiler=compiler)
+    prof.disable()
+    wall = time.perf_counter() - t
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+    t2 = io.StringIO()
+    pstats.Stats(prof, stream=t2).sort_stats("tottime").print_stats(20)
+    return g, {"compiler": compiler, "wall_s": wall, "trace_s": g.trace_seconds, "compile_s": g.compile_seconds,
+               "capture_s": g.capture_seconds, "graphs": g.num_graphs, "cumulative": s.getvalue()[-6000:],
+               "tottime": t2.getvalue()[-4000:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 256])
+    ap.add_argument("--out", default="/tmp/pw-profile.json")
+    args = ap.parse_args()
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_total_tokens=16384, chunked_prefill_size=2048,
+              extend_cuda_graph_max_tokens=2048, max_running_requests=16, cuda_graph_bs=[1])
+    runner = llm.engine.runner
+    report = {"startup": [], "steps": []}
+    pieces = {}
+    for compiler in ("eager", "inductor"):
+        pieces[compiler], row = startup_profile(runner, compiler, 2048)
+        report["startup"].append(row)
+        print(f"start-up piecewise-{compiler}: {row['wall_s']:.1f} s (trace {row['trace_s']:.1f}, compile "
+              f"{row['compile_s']:.1f}, capture {row['capture_s']:.1f} s, {row['graphs']} graphs)")
+        print(row["tottime"][-2500:])
+    rng = torch.Generator().manual_seed(0)
+    full = runner.extend_graph_runner
+    for n in args.tokens:
+        batch, reqs = make_batch(runner, n, 1, rng)
+        paths = {"eager": lambda b=batch: eager_forward(runner, b)}
+        if full is not None and full.can_run(batch):
+            paths["extend_graph"] = lambda b=batch: full.replay(b)
+        for compiler, g in pieces.items():
+            paths[f"piecewise_{compiler}"] = lambda g=g, b=batch: g.replay(b)
+        with torch.inference_mode():
+            for name, fn in paths.items():
+                row = {"tokens": n, "path": name, "wall_ms": time_ms(fn, 20), **kernel_profile(fn)}
+                report["steps"].append(row)
+                kinds = " ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(row["kernel_us_by_kind"].items()))
+                print(f"{n:5} {name:20} wall {row['wall_ms']:.2f} ms, kernels {row['kernel_us'] / 1e3:.2f} ms "
+                      f"({row['launches']:.0f} launches): {kinds}")
+        for r in reqs:
+            runner.kv_manager.release(r.req_pool_idx, r.kv_len)
+    for n in args.tokens:
+        for row in report["steps"]:
+            if row["tokens"] == n and row["path"] in ("eager", "piecewise_inductor"):
+                print(f"top kernels {n} {row['path']}:")
+                for name, us in row["top"]:
+                    print(f"   {us:9.1f} us  {name}")
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
