@@ -21,7 +21,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_extend import eager_forward, make_batch, time_ms  # noqa: E402
 
-from ostinato import LLM  # noqa: E402
+from ostinato import LLM, SamplingParams  # noqa: E402
+from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
+from ostinato.engine.request import Request  # noqa: E402
+from ostinato.engine.scheduler import ScheduledBatch  # noqa: E402
 from ostinato.graphs.piecewise import PiecewiseGraphRunner  # noqa: E402
 
 KINDS = [("gemm", ("gemm", "gemv", "sm90", "cutlass", "cublas", "xmma", "skinny", "mm_")),
@@ -70,7 +73,7 @@ def startup_profile(runner, compiler: str, max_tokens: int) -> tuple[PiecewiseGr
     prof.disable()
     wall = time.perf_counter() - t
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats("ostinato|cuda/graphs|synchronize|capture", 30)
     t2 = io.StringIO()
     pstats.Stats(prof, stream=t2).sort_stats("tottime").print_stats(20)
     return g, {"compiler": compiler, "wall_s": wall, "trace_s": g.trace_seconds, "compile_s": g.compile_seconds,
@@ -78,23 +81,77 @@ def startup_profile(runner, compiler: str, max_tokens: int) -> tuple[PiecewiseGr
                "tottime": t2.getvalue()[-4000:]}
 
 
+def mixed_profile(runner, piecewise: PiecewiseGraphRunner, decoders: int, context: int, prompt: int) -> list[dict]:
+    """A mixed step (`decoders` requests with `context` cached tokens each, one token each, plus a `prompt`-token
+    chunk) through piecewise and eager, against its parts run apart (the prompt alone through the full extend
+    graph, the decoders as a decode step through the decode graph). The cached K/V is whatever the pool holds."""
+    kv = runner.kv_manager
+    rng = torch.Generator().manual_seed(1)
+
+    def request(name: str, cached: int, new: int) -> tuple[Request, torch.Tensor]:
+        r = Request(name, torch.randint(1000, 10000, (cached + new,), generator=rng).tolist(), SamplingParams(),
+                    seed=0)
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        if cached:
+            kv.extend(r.req_pool_idx, 0, cached)
+        loc = kv.extend(r.req_pool_idx, cached, cached + new)
+        r.kv_len = cached + new
+        return r, loc
+
+    p, p_loc = request("p", 0, prompt)
+    decs = [request(f"d{i}", context, 1) for i in range(decoders)]
+    d_reqs, d_locs = [r for r, _ in decs], [loc for _, loc in decs]
+    mode = ForwardMode
+    mixed = runner.prepare(ScheduledBatch(mode.EXTEND, [p] + d_reqs, [0] + [context] * decoders,
+                                          [prompt] + [1] * decoders, torch.cat([p_loc] + d_locs),
+                                          [True] * (decoders + 1)))
+    alone = runner.prepare(ScheduledBatch(mode.EXTEND, [p], [0], [prompt], p_loc, [True]))
+    decode = runner.prepare(ScheduledBatch(mode.DECODE, d_reqs, [context] * decoders, [1] * decoders,
+                                           torch.cat(d_locs), [True] * decoders))
+    full, paths = runner.extend_graph_runner, {}
+    paths["mixed_piecewise"] = lambda: piecewise.replay(mixed)
+    paths["mixed_eager"] = lambda: eager_forward(runner, mixed)
+    if full is not None and full.can_run(alone):
+        paths["prompt_extend_graph"] = lambda: full.replay(alone)
+    paths["decoders_decode_step"] = lambda: runner.forward(decode)
+    rows = []
+    with torch.inference_mode():
+        for name, fn in paths.items():
+            row = {"path": name, "wall_ms": time_ms(fn, 10), **kernel_profile(fn, reps=3)}
+            rows.append(row)
+            kinds = " ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(row["kernel_us_by_kind"].items()))
+            print(f"mixed {decoders}x{context}+{prompt}: {name:22} wall {row['wall_ms']:.2f} ms, kernels "
+                  f"{row['kernel_us'] / 1e3:.2f} ms ({row['launches']:.0f} launches): {kinds}")
+    for r in [p] + d_reqs:
+        kv.release(r.req_pool_idx, r.kv_len)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 256])
+    ap.add_argument("--skip-startup", action="store_true", help="no cProfile of the piecewise build")
     ap.add_argument("--out", default="/tmp/pw-profile.json")
+    ap.add_argument("--decoders", type=int, default=32, help="mixed step: decoding requests")
+    ap.add_argument("--context", type=int, default=8000, help="mixed step: each decoding request's cached tokens")
+    ap.add_argument("--prompt", type=int, default=2000, help="mixed step: the prefill chunk's tokens")
     args = ap.parse_args()
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_total_tokens=16384, chunked_prefill_size=2048,
-              extend_cuda_graph_max_tokens=2048, max_running_requests=16, cuda_graph_bs=[1])
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_total_tokens=args.decoders * (args.context + 8)
+              + 8192, chunked_prefill_size=2048, extend_cuda_graph_max_tokens=2048,
+              max_running_requests=args.decoders + 16, cuda_graph_bs=[1, args.decoders])
     runner = llm.engine.runner
     report = {"startup": [], "steps": []}
     pieces = {}
     for compiler in ("eager", "inductor"):
+        if args.skip_startup:
+            pieces[compiler] = PiecewiseGraphRunner(runner, 2048, compiler=compiler)
+            continue
         pieces[compiler], row = startup_profile(runner, compiler, 2048)
         report["startup"].append(row)
         print(f"start-up piecewise-{compiler}: {row['wall_s']:.1f} s (trace {row['trace_s']:.1f}, compile "
               f"{row['compile_s']:.1f}, capture {row['capture_s']:.1f} s, {row['graphs']} graphs)")
-        print(row["tottime"][-2500:])
+        print(row["cumulative"][-5000:])
     rng = torch.Generator().manual_seed(0)
     full = runner.extend_graph_runner
     for n in args.tokens:
@@ -119,6 +176,7 @@ def main() -> None:
                 print(f"top kernels {n} {row['path']}:")
                 for name, us in row["top"]:
                     print(f"   {us:9.1f} us  {name}")
+    report["mixed"] = mixed_profile(runner, pieces["eager"], args.decoders, args.context, args.prompt)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print("wrote", args.out)
