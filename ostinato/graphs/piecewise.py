@@ -65,6 +65,7 @@ class _RunState:
     # only the first capture of a start-up empties the allocator's caches (as torch.cuda.graph does before each
     # capture); the hundreds after it (pieces x sizes) skip that, and capture() empties them once at the end
     free_memory: bool = True
+    graph_seconds: float = 0.0  # time inside Graph.capture (sync, begin, the piece, end and instantiate)
 
 
 _state = _RunState()
@@ -169,7 +170,9 @@ class PieceRuntime:
             else:  # CPU stand-in replay: a fresh result, into the tensors handed out at capture
                 _copy_into(entry.output, out)
 
+        t = time.perf_counter()
         entry.graph.capture(run, _state.stream, free_memory=_state.free_memory)
+        _state.graph_seconds += time.perf_counter() - t
         _state.free_memory = False
         out = entry.output
         if not self.is_last:  # the forward being captured still holds `out` strongly until its last use
@@ -256,7 +259,9 @@ class PiecewiseGraphRunner:
             gc.disable()
         _state.stream = capture_stream(self.device) if cuda else None
         _state.free_memory = True
+        _state.graph_seconds = 0.0
         first_run = True
+        warmup_seconds = first_seconds = 0.0
         try:
             self.tokens[:] = self.token_pad
             for size in reversed(self.sizes):
@@ -266,10 +271,13 @@ class PiecewiseGraphRunner:
                 for _ in range(2 if cuda else 1):  # compiles (first size), autotunes, lazy inits
                     t = time.perf_counter()
                     self._run(batch, "warmup", size)
+                    if cuda:
+                        torch.cuda.synchronize(self.device)
                     if first_run:  # the dynamo trace, up to the call of our backend (split, compile)
                         self.trace_seconds, first_run = (self.backend.first_call_at or t) - t, False
-                if cuda:
-                    torch.cuda.synchronize(self.device)
+                        first_seconds = time.perf_counter() - t
+                    else:
+                        warmup_seconds += time.perf_counter() - t
                 self._run(batch, "capture", size)
         finally:
             _state.stream, _state.free_memory = None, True
@@ -283,11 +291,17 @@ class PiecewiseGraphRunner:
             self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         self.compile_seconds = self.backend.compile_seconds
         self.capture_seconds = time.perf_counter() - start - self.trace_seconds - self.compile_seconds
+        # where capture_seconds goes: the first run past the compile (lazy inits, kernel JIT), the other
+        # warm-up runs, and the graph captures themselves (the rest: the capture passes' eager attention)
+        self.capture_split = {"first_run_s": max(0.0, first_seconds - self.trace_seconds - self.compile_seconds),
+                              "warmup_s": warmup_seconds, "graphs_s": _state.graph_seconds}
         self.num_graphs = sum(len(p.entries) for p in self.pieces)
         logger.info("piecewise graphs (%s pieces): %d pieces (%d compiled) at %s tokens; dynamo trace %.1f s, "
-                    "compile %.1f s, capture %.1f s (%d graphs), graph memory %.2f GiB%s", self.compiler,
-                    self.num_pieces, self.backend.num_compiled, self.sizes, self.trace_seconds, self.compile_seconds,
-                    self.capture_seconds, self.num_graphs, self.graph_memory_bytes / 2**30,
+                    "compile %.1f s, capture %.1f s (%d graphs: first run %.1f s, warm-ups %.1f s, graph capture "
+                    "%.1f s), graph memory %.2f GiB%s", self.compiler, self.num_pieces, self.backend.num_compiled,
+                    self.sizes, self.trace_seconds, self.compile_seconds, self.capture_seconds, self.num_graphs,
+                    self.capture_split["first_run_s"], self.capture_split["warmup_s"],
+                    self.capture_split["graphs_s"], self.graph_memory_bytes / 2**30,
                     f"; compile cache {self.cache_dir}" if self.cache_dir else "")
 
     def can_run(self, batch: ForwardBatch) -> bool:
