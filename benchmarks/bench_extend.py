@@ -180,7 +180,8 @@ def main() -> None:
     device = torch.device("cuda")
     report = {"device": device_tag(device), "torch": torch.__version__, "rows": [], "startup": []}
     if not args.skip_startup:
-        report["startup"] += measure_startup(args.models[0], "inductor")
+        for compiler in ("eager", "inductor"):
+            report["startup"] += measure_startup(args.models[0], compiler)
     for model in args.models if not args.startup_only else []:
         report["rows"] += bench_model(model, args.tokens, args.iters)
     path = args.out or os.path.join(RESULTS, f"extend-{report['device']}.json")
