@@ -50,6 +50,11 @@ def tp_group():
     return _state["group"]
 
 
+def tp_cpu_group():
+    """The gloo group beside NCCL (the group itself on the CPU): host-side agreements and barriers."""
+    return _state["cpu_group"]
+
+
 def one_shot_all_reduce():
     """The one-shot all-reduce (custom_all_reduce.OneShotAllReduce) of this group, or None: NCCL or gloo only."""
     return _state["one_shot"]
