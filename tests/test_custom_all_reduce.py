@@ -4,6 +4,7 @@ NCCL's, eagerly and replayed from a CUDA graph."""
 
 import argparse
 import multiprocessing
+import os
 import socket
 import traceback
 
@@ -125,11 +126,13 @@ def test_create_one_shot_on_cpu_is_none_without_collectives():
 # ---------------------------------------------------------------------- 2 GPUs
 def _gpu_worker(rank: int, size: int, port: int, queue) -> None:
     try:
-        queue.put((rank, "ok", _gpu_checks(rank, size, port)))
+        result = (rank, "ok", _gpu_checks(rank, size, port))
     except BaseException:  # noqa: BLE001
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        destroy_tp()
+        result = (rank, "error", traceback.format_exc())
+    queue.put(result)
+    queue.close()
+    queue.join_thread()  # the result is sent: exit without NCCL's teardown (it can hang after capture)
+    os._exit(0)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> float:

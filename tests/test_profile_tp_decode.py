@@ -65,6 +65,18 @@ def test_analyze_splits_steps_at_graph_replays():
     assert out["top_kernels"][0]["ms_per_step"] == pytest.approx(0.030)
 
 
+def test_analyze_falls_back_to_the_whole_window():
+    """Kernels that do not carry their graph launch's correlation id: the window over the number of launches."""
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 5,
+               "args": {"correlation": c}} for c in (10, 20)]
+    events += [_k("nvjet_tst", 1000, 30, 0), _k("ncclDevKernel_AllReduce_Sum", 1040, 10, 0),
+               _k("nvjet_tst", 1100, 30, 0), _k("_rms_norm_kernel", 1190, 10, 0)]
+    out = prof.analyze({"traceEvents": events}, device=0)
+    assert out["split"] == "aggregate" and out["steps"] == 2
+    assert out["step_ms"] == pytest.approx(0.100) and out["gemm_ms"] == pytest.approx(0.030)
+    assert out["all_reduce_ms"] == pytest.approx(0.005) and out["gaps_ms"] == pytest.approx(0.060)
+
+
 def test_analyze_needs_two_replays():
     with pytest.raises(ValueError, match="graph replays"):
         prof.analyze({"traceEvents": [_k("nvjet", 0, 1, 5)]})
