@@ -119,6 +119,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace) -> None:
         print(f"recommended ONE_SHOT_MAX_BYTES[{size}] = {best} ({best >> 10} KiB); in use: {_table_value(size)}")
         write_report(report, args.out or os.path.join(RESULTS, f"allreduce_{device_tag(device)}x{size}.json"))
     _barrier()
+    sys.stdout.flush()
     os._exit(0)  # no NCCL teardown (it can hang after graph capture: pytorch#115388)
 
 

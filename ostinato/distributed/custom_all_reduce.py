@@ -77,6 +77,8 @@ class OneShotAllReduce:
             # one allocation of its own (never split): the kernel indexes every peer's buffer from its base
             self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
             self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        if self.handle is None:
+            raise RuntimeError("symmetric-memory rendezvous returned no handle")
         # the fused form copies the input into the buffer inside the kernel; older torch: a copy, then the op
         self._copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
 
