@@ -123,6 +123,52 @@ def test_create_one_shot_on_cpu_is_none_without_collectives():
     assert car.create_one_shot(None, None, torch.device("cuda", 0), 0, 3) is None  # no threshold for 3 ranks
 
 
+SCENARIOS = ("ok", "set-up fails on rank 1", "self-test fails on rank 0", "no ops on rank 1")
+
+
+def _agreement_worker(rank: int, port: int, queue) -> None:
+    """create_one_shot over 2 gloo ranks, with the symmetric-memory object replaced by one that fails where a
+    scenario says: every rank must get the same answer, and none may wait in a collective the other skipped."""
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        torch.cuda.can_device_access_peer = lambda a, b: True
+        got = {}
+        for scenario in SCENARIOS:
+            class Fake:
+                def __init__(self, group, device, max_bytes, scenario=scenario) -> None:
+                    if scenario == "set-up fails on rank 1" and rank == 1:
+                        raise RuntimeError("no peer mapping")
+                    self.scenario, self.max_bytes, self.device = scenario, max_bytes, device
+
+                def self_test(self, rank: int, size: int) -> bool:
+                    return not (self.scenario == "self-test fails on rank 0" and rank == 0)
+
+            car.OneShotAllReduce = Fake
+            car.symm_mem_ops_available = lambda scenario=scenario: not (scenario == "no ops on rank 1" and rank == 1)
+            comm = car.create_one_shot(dist.group.WORLD, dist.group.WORLD, torch.device("cuda", rank), rank, 2)
+            got[scenario] = comm is not None and comm.max_bytes == car.one_shot_max_bytes(2)
+        queue.put((rank, got))
+    except BaseException:  # noqa: BLE001
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_create_one_shot_ranks_agree_when_one_fails():
+    ctx = multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), _port()
+    procs = [ctx.Process(target=_agreement_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    want = {s: s == "ok" for s in SCENARIOS}
+    assert results[0] == want and results[1] == want, results
+
+
 # ---------------------------------------------------------------------- 2 GPUs
 def _gpu_worker(rank: int, size: int, port: int, queue) -> None:
     try:
