@@ -6,7 +6,9 @@ One engine (`LLM`, dummy weights, bf16) per configuration, each in its own proce
 with the one-shot all-reduce, and TP 2 with NCCL only (--disable-custom-all-reduce). One request of `--ctx`
 prompt tokens decodes; after `--warmup` decode steps, `--steps` are profiled. A step is the time from the first
 kernel of one decode-graph replay to the first kernel of the next (so it holds the host-launched work between
-replays too: the per-step slot broadcast, input copies, sampling); `graph_ms` is the replay's own span.
+replays too: the per-step slot broadcast, input copies, sampling); `graph_ms` is the replay's own span. Gaps
+(rank 0's GPU idle) are split into those between the graph's kernels (`graph_gaps_ms`) and those outside the
+replay (`outside_gaps_ms`: waiting for the host, or for the worker's side of the slot broadcast).
 Kernel names are put in categories by `kernel_category`. A collective's kernel time includes its wait for the
 slower rank. Beside the profile, `engine_ms_per_step` is the engine's own decode ms/step over `--steps` steps
 without the profiler.
@@ -88,15 +90,18 @@ def analyze(trace: dict, device: int | None = None) -> dict:
             per_cat[cat] += k["dur"]
             counts[cat] += 1
         busy = _union_us([(k["ts"], min(k["ts"] + k["dur"], b)) for k in inside])
-        steps.append({"step_us": b - a, "graph_us": max(k["ts"] + k["dur"] for k in g) - a, "busy_us": busy,
-                      "gaps_us": (b - a) - busy, "kernels": len(inside), "graph_kernels": len(g),
+        graph_us = max(k["ts"] + k["dur"] for k in g) - a
+        graph_gaps = graph_us - _union_us([(k["ts"], k["ts"] + k["dur"]) for k in g])
+        steps.append({"step_us": b - a, "graph_us": graph_us, "busy_us": busy, "gaps_us": (b - a) - busy,
+                      "graph_gaps_us": graph_gaps, "outside_gaps_us": (b - a) - busy - graph_gaps, "kernels": len(inside), "graph_kernels": len(g),
                       **{f"{c}_us": v for c, v in per_cat.items()}, **{f"{c}_count": v for c, v in counts.items()}})
 
     def med(key: str) -> float:
         return statistics.median(s[key] for s in steps)
 
     out = {"split": "per replay", "steps": len(steps), "step_ms": med("step_us") / 1e3,
-           "graph_ms": med("graph_us") / 1e3, "busy_ms": med("busy_us") / 1e3, "gaps_ms": med("gaps_us") / 1e3,
+           "graph_ms": med("graph_us") / 1e3, "busy_ms": med("busy_us") / 1e3,
+           "graph_gaps_ms": med("graph_gaps_us") / 1e3, "outside_gaps_ms": med("outside_gaps_us") / 1e3, "gaps_ms": med("gaps_us") / 1e3,
            "kernels_per_step": med("kernels"), "graph_kernels_per_step": med("graph_kernels")}
     for c in CATEGORIES:
         out[f"{c}_ms"] = med(f"{c}_us") / 1e3
@@ -118,7 +123,8 @@ def _aggregate(kernels: list[dict], launches: int) -> dict:
     busy = _union_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
     out = {"split": "aggregate", "steps": launches, "step_ms": (b - a) / launches / 1e3,
            "busy_ms": busy / launches / 1e3, "gaps_ms": (b - a - busy) / launches / 1e3,
-           "graph_ms": float("nan"), "kernels_per_step": len(kernels) / launches,
+           "graph_ms": float("nan"), "graph_gaps_ms": float("nan"), "outside_gaps_ms": float("nan"),
+           "kernels_per_step": len(kernels) / launches,
            "graph_kernels_per_step": float("nan")}
     for c in CATEGORIES:
         mine = [k for k in kernels if (kernel_category(k["name"]) if k.get("cat") == "kernel" else "other") == c]
@@ -191,7 +197,8 @@ def print_row(r: dict) -> None:
         return
     parts = "  ".join(f"{c} {r[f'{c}_ms']:.3f} ({r[f'{c}_kernels']:.0f})" for c in CATEGORIES)
     print(f"TP {r['tp']} {r['all_reduce']:8s} step {r['step_ms']:.3f} ms (engine {r['engine_ms_per_step']:.3f}, "
-          f"graph {r['graph_ms']:.3f}, busy {r['busy_ms']:.3f}, gaps {r['gaps_ms']:.3f})  {parts}")
+          f"graph {r['graph_ms']:.3f}, busy {r['busy_ms']:.3f}, gaps {r['gaps_ms']:.3f}: in graph "
+          f"{r['graph_gaps_ms']:.3f}, outside {r['outside_gaps_ms']:.3f})  {parts}")
 
 
 def main() -> None:

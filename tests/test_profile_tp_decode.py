@@ -60,6 +60,8 @@ def test_analyze_splits_steps_at_graph_replays():
     assert out["other_comm_ms"] == pytest.approx(0.008) and out["other_ms"] == pytest.approx(0.005)
     # busy: 30 + 15 + 12 + 3 + 4 + 8 + 2 = 74 of 100 us
     assert out["busy_ms"] == pytest.approx(0.074) and out["gaps_ms"] == pytest.approx(0.026)
+    # idle in the graph's span [0, 74): 45..50 and 65..70 (10 us); after it: 74..80, 88..90, 92..100 (16 us)
+    assert out["graph_gaps_ms"] == pytest.approx(0.010) and out["outside_gaps_ms"] == pytest.approx(0.016)
     assert out["graph_kernels_per_step"] == 6 and out["kernels_per_step"] == 8
     assert out["top_kernels"][0]["name"] == "nvjet_tst_64x8" and out["top_kernels"][0]["category"] == "gemm"
     assert out["top_kernels"][0]["ms_per_step"] == pytest.approx(0.030)
