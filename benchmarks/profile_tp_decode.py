@@ -3,7 +3,7 @@ on rank 0 of the engine, the step split into GEMM / attention / all-reduce / all
 other kernels / gaps (no kernel running on rank 0's GPU), per step, as JSON.
 
 One engine (`LLM`, dummy weights, bf16) per configuration, each in its own process: by default TP 1, TP 2
-with the one-shot all-reduce, and TP 2 with NCCL only (--disable-custom-all-reduce). One request of `--ctx`
+with NCCL only (--disable-custom-all-reduce), and TP 2 with the one-shot all-reduce. One request of `--ctx`
 prompt tokens decodes; after `--warmup` decode steps, `--steps` are profiled. A step is the time from the first
 kernel of one decode-graph replay to the first kernel of the next (so it holds the host-launched work between
 replays too: the per-step slot broadcast, input copies, sampling); `graph_ms` is the replay's own span. Gaps
@@ -206,13 +206,13 @@ def print_row(r: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--configs", nargs="+", default=["1:-", "2:one-shot", "2:nccl"],
+    p.add_argument("--configs", nargs="+", default=["1:-", "2:nccl", "2:one-shot"],
                    help="tp:all-reduce, all-reduce one-shot (the default path) or nccl (--disable-custom-all-reduce)")
     p.add_argument("--ctx", type=int, default=128)
     p.add_argument("--warmup", type=int, default=30, help="decode steps before measuring")
     p.add_argument("--steps", type=int, default=20, help="decode steps measured, and profiled")
     p.add_argument("--keep-trace", default=None, help="also write each chrome trace (path.json -> path_tpN_ar.json)")
-    p.add_argument("--config-timeout", type=int, default=240)
+    p.add_argument("--config-timeout", type=int, default=150, help="seconds for one configuration")
     p.add_argument("--out", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
