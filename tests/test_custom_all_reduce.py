@@ -117,6 +117,22 @@ def test_one_shot_call_handles_views_and_offsets():
     assert fake.calls == 6
 
 
+def test_one_shot_call_without_the_fused_copy(monkeypatch):
+    """Older torch (no one_shot_all_reduce_copy_out): the input is copied into the buffer, then the op runs on it."""
+    fake = _FakeOneShot(max_bytes=64 * KB)
+    seen = []
+
+    def op(buf, op, group_name, out):
+        seen.append(buf.clone())
+        out.copy_(buf)
+
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_out", op, raising=False)
+    fake._copy_out = None
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)[1:]
+    out = fake(x)
+    assert torch.equal(out, x) and len(seen) == 1 and torch.equal(seen[0], x.reshape(-1))
+
+
 def test_create_one_shot_on_cpu_is_none_without_collectives():
     # no process group exists here: returning None must not touch one
     assert car.create_one_shot(None, None, torch.device("cpu"), 0, 2) is None
