@@ -63,6 +63,8 @@ class EngineArgs:
     tp_size: int = _arg(1, "tensor parallelism: one worker process per GPU (gloo ranks on the CPU), each holding "
                         "1/tp_size of the heads, MLP and vocabulary (Llama, Qwen2, Qwen3)",
                         aliases=("--tensor-parallel-size",))
+    disable_custom_all_reduce: bool = _arg(False, "tensor parallel on GPUs: NCCL for every all-reduce (by default "
+                                           "small messages take a one-shot all-reduce over peer GPU memory)")
 
     def __post_init__(self) -> None:
         checks = [

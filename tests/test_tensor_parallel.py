@@ -137,14 +137,21 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error(one_kv_head_qwen3, tmp
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_matches_tp1_on_two_gpus(one_kv_head_qwen3):
-    """NCCL, the all-reduce and all-gather captured inside the decode and extend graphs; fp32 so the split
-    sums cannot flip a greedy pick. Dummy weights (the GPU machine has no SmolLM2 for the tiny Llama)."""
+    """NCCL and the one-shot all-reduce over symmetric memory (every all-reduce here is small), the all-reduce
+    and all-gather captured inside the decode and extend graphs; fp32 so the split sums cannot flip a greedy
+    pick. Dummy weights (the GPU machine has no SmolLM2 for the tiny Llama). One TP engine per process: a second
+    could find the first's NCCL teardown left behind."""
+    from ostinato.distributed.parallel_state import one_shot_all_reduce
+
     kw = {"device": "cuda", "cuda_graph_bs": [1, 2, 4, 8], "load_format": "dummy", "seed": 3}
     ref, llm1 = _run(one_kv_head_qwen3, 1, **kw)
     llm1.shutdown()
     got, llm2 = _run(one_kv_head_qwen3, 2, **kw)
     try:
         assert llm2.engine.runner.graph_runner is not None and llm2.engine.scheduler.num_retractions > 0
+        one_shot = one_shot_all_reduce()  # rank 0's, in this process
+        # captured in the decode graphs (a captured call counts once, at capture) and run by the extends
+        assert one_shot is not None and one_shot.calls > 0
         assert got == ref
     finally:
         llm2.shutdown()

@@ -1,16 +1,23 @@
 """The collectives of a tensor-parallel forward, as custom ops: opaque to torch.compile (so the piecewise
 backend can split at the all-reduce, graphs/compile_backend.py) and captured inside CUDA graphs (NCCL
-records its kernels into the graph being captured)."""
+records its kernels into the graph being captured, and so does the one-shot all-reduce).
+
+The all-reduce takes the one-shot kernel over symmetric memory for messages up to its threshold when it was
+set up (CUDA, `--disable-custom-all-reduce` not given: distributed/custom_all_reduce.py), NCCL above it, and
+gloo on the CPU."""
 
 import torch
 import torch.distributed as dist
 
-from ostinato.distributed.parallel_state import tp_group, tp_size
+from ostinato.distributed.parallel_state import one_shot_all_reduce, tp_group, tp_size
 
 
 @torch.library.custom_op("ostinato::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the ranks, in a new tensor (the row-parallel layers' partial outputs)."""
+    one_shot = one_shot_all_reduce()
+    if one_shot is not None and one_shot.eligible(x):  # decided by size and dtype: alike on every rank
+        return one_shot(x)
     out = x.clone()
     dist.all_reduce(out, group=tp_group())
     return out

@@ -9,23 +9,31 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-_state: dict = {"rank": 0, "size": 1, "group": None, "cpu_group": None}
+_state: dict = {"rank": 0, "size": 1, "group": None, "cpu_group": None, "one_shot": None}
 
 
-def init_tp(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = 600.0) -> None:
+def init_tp(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = 600.0,
+            custom_all_reduce: bool = False) -> None:
     """Join the group: NCCL for the model's collectives on CUDA, gloo on the CPU; a gloo group beside NCCL
-    for host-side agreements (the KV pool size)."""
+    for host-side agreements (the KV pool size). With `custom_all_reduce` on CUDA, also set up the one-shot
+    all-reduce for small messages (distributed/custom_all_reduce.py; every rank must pass the same value)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the symmetric-memory ops launch on the current device's stream
     dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
                             timeout=timedelta(seconds=timeout_s), **kw)
     _state.update(rank=rank, size=size, group=dist.group.WORLD,
                   cpu_group=dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD)
+    if custom_all_reduce and device.type == "cuda" and size > 1:
+        from ostinato.distributed.custom_all_reduce import create_one_shot
+
+        _state["one_shot"] = create_one_shot(_state["group"], _state["cpu_group"], device, rank, size)
 
 
 def destroy_tp() -> None:
     """Leave the group; this process is rank 0 of 1 again at once, even if the teardown then hangs."""
-    _state.update(rank=0, size=1, group=None, cpu_group=None)
+    _state.update(rank=0, size=1, group=None, cpu_group=None, one_shot=None)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -40,6 +48,21 @@ def tp_size() -> int:
 
 def tp_group():
     return _state["group"]
+
+
+def tp_cpu_group():
+    """The gloo group beside NCCL (the group itself on the CPU): host-side agreements and barriers."""
+    return _state["cpu_group"]
+
+
+def one_shot_all_reduce():
+    """The one-shot all-reduce (custom_all_reduce.OneShotAllReduce) of this group, or None: NCCL or gloo only."""
+    return _state["one_shot"]
+
+
+def set_one_shot_all_reduce(comm) -> None:
+    """Install (or with None remove) the one-shot all-reduce: init_tp does; benchmarks and tests may."""
+    _state["one_shot"] = comm
 
 
 def divide(n: int, parts: int, what: str) -> int:

@@ -131,7 +131,7 @@ class TPWorkers:
         # before multiprocessing's own exit handler, which would wait forever for workers never told to stop
         atexit.register(self.stop)
         try:
-            init_tp(0, size, init_method, device)
+            init_tp(0, size, init_method, device, custom_all_reduce=not args.disable_custom_all_reduce)
         except BaseException:
             self.stop()
             raise
@@ -357,7 +357,8 @@ def run_tp_worker(args: dict[str, Any], rank: int, init_method: str, conn) -> No
         torch.cuda.set_device(device)
         engine_args = dataclasses.replace(engine_args, device=str(device))
     try:
-        init_tp(rank, engine_args.tp_size, init_method, device)
+        init_tp(rank, engine_args.tp_size, init_method, device,
+                custom_all_reduce=not engine_args.disable_custom_all_reduce)
         source = load_model_source(engine_args.model, engine_args.load_format, engine_args.trust_remote_code)
         runner = ModelRunner(engine_args, source)
     except BaseException as e:
