@@ -23,10 +23,11 @@ logger = logging.getLogger(__name__)
 
 # Largest message (bytes) the one-shot all-reduce takes, per tp_size; larger ones go through NCCL. A size absent
 # here (or 0) never uses it. Crossovers inside a CUDA graph (the decode step), from
-# `benchmarks/bench_allreduce.py` ("recommended_max_bytes"). PROVISIONAL until that benchmark has run on the
-# H200s: set from the one-shot kernel's reads ((tp - 1) x the message over NVLink) against NCCL's measured
-# 8-16 us in a graph up to 1 MB (issue #15).
-ONE_SHOT_MAX_BYTES: dict[int, int] = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
+# `benchmarks/bench_allreduce.py` ("recommended_max_bytes"). TP 2 on two H200s (bf16, in a graph): one-shot
+# 6.6-14.7 us against NCCL's 7.5-15.4 us up to 1 MiB, 21.4 against 28.6 us at 2 MiB, 35.2 against 34.4 at 4 MiB
+# (benchmarks/results/allreduce-h200x2.json). TP 4 and 8 are not measured (no such machine was lent): their
+# values scale TP 2's by the peers each rank reads.
+ONE_SHOT_MAX_BYTES: dict[int, int] = {2: 2 << 20, 4: 512 << 10, 8: 256 << 10}
 
 # the dtypes the kernel is built for (torch's symm_mem one-shot dispatches float32 and bfloat16 only)
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
