@@ -76,7 +76,7 @@ def startup(model: str, compiler: str) -> dict:
     return {"model": model, "compiler": compiler, "seconds": time.perf_counter() - t, "pieces": g.num_pieces,
             "compiled_pieces": g.backend.num_compiled, "sizes": g.sizes, "trace_s": g.trace_seconds,
             "compile_s": g.compile_seconds, "capture_s": g.capture_seconds, "graphs": g.num_graphs,
-            "graph_gib": g.graph_memory_bytes / 2**30, **g.capture_split}
+            "graph_gib": g.graph_memory_bytes / 2**30, "dynamo_traces": len(g.backend.splits), **g.capture_split}
 
 
 def measure_startup(model: str, compiler: str) -> list[dict]:
@@ -92,7 +92,8 @@ def measure_startup(model: str, compiler: str) -> list[dict]:
         print(f"start-up {model} {compiler} {run}: {row['seconds']:.1f} s ({row['pieces']} pieces, "
               f"{row['compiled_pieces']} compiled; dynamo trace {row['trace_s']:.1f} s, compile {row['compile_s']:.1f} "
               f"s, capture {row['capture_s']:.1f} s of {row['graphs']} graphs (first run {row['first_run_s']:.1f}, "
-              f"warm-ups {row['warmup_s']:.1f}, graph capture {row['graphs_s']:.1f} s), {row['graph_gib']:.2f} GiB)")
+              f"warm-ups {row['warmup_s']:.1f}, graph capture {row['graphs_s']:.1f} s), {row['graph_gib']:.2f} GiB, "
+              f"{row['dynamo_traces']} dynamo trace(s))")
     return rows
 
 

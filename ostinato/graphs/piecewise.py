@@ -296,6 +296,9 @@ class PiecewiseGraphRunner:
         self.capture_split = {"first_run_s": max(0.0, first_seconds - self.trace_seconds - self.compile_seconds),
                               "warmup_s": warmup_seconds, "graphs_s": _state.graph_seconds}
         self.num_graphs = sum(len(p.entries) for p in self.pieces)
+        if len(self.backend.splits) > 1:
+            logger.warning("piecewise graphs: dynamo traced the forward %d times (something branches on the token "
+                           "count); each trace costs start-up time", len(self.backend.splits))
         logger.info("piecewise graphs (%s pieces): %d pieces (%d compiled) at %s tokens; dynamo trace %.1f s, "
                     "compile %.1f s, capture %.1f s (%d graphs: first run %.1f s, warm-ups %.1f s, graph capture "
                     "%.1f s), graph memory %.2f GiB%s", self.compiler, self.num_pieces, self.backend.num_compiled,

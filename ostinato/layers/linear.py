@@ -22,9 +22,18 @@ def prefers_skinny(m: int, n: int, k: int) -> bool:
     return m <= 16 and (n <= k or (m <= 4 and n <= 2 * k))
 
 
+def static_rows(x: torch.Tensor) -> int | None:
+    """x's row count when it is a plain int; None under torch.compile with the token dimension dynamic (the
+    piecewise graphs): a branch on it there would make dynamo guard on the count and re-trace the whole model
+    at each threshold crossed (three traces for the default piecewise sizes), so such calls take cuBLAS."""
+    m = x.shape[0]
+    return None if isinstance(m, torch.SymInt) else m
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.bias is None and x.dim() == 2 and prefers_skinny(x.shape[0], *self.weight.shape):
+        m = static_rows(x)
+        if x.is_cuda and self.bias is None and x.dim() == 2 and m is not None and prefers_skinny(m, *self.weight.shape):
             from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
             if skinny_gemm.supports(x, self.weight):
@@ -35,7 +44,8 @@ class Linear(nn.Linear):
 def gate_up_silu(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(gate_up(x)) for the MLP's fused gate/up layer: at decode sizes on the GPU one kernel that
     applies the activation to its accumulators, instead of a GEMM, a [M, 2I] round trip and a second kernel."""
-    if x.is_cuda and gate_up.bias is None and x.dim() == 2 and x.shape[0] <= GATED_MAX_M:
+    m = static_rows(x)
+    if x.is_cuda and gate_up.bias is None and x.dim() == 2 and m is not None and m <= GATED_MAX_M:
         from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
         if skinny_gemm.supports_gate_up(x, gate_up.weight):
