@@ -96,7 +96,17 @@ CASES = [  # page, heads, kv_heads, dim, model dtype, cache dtype, qk_norm, mode
 ]
 
 
-@pytest.mark.parametrize(("page", "heads", "kv_heads", "dim", "dtype", "cache_dtype", "qk_norm", "mode"), CASES)
+cuda = pytest.mark.skipif(not GPU, reason="needs CUDA")
+CUDA_CASES = [  # the models' shapes in bf16: Llama-3.2-1B (bf16 and fp8 caches), Qwen3-0.6B (q/k norm)
+    pytest.param(16, 32, 8, 64, torch.bfloat16, torch.bfloat16, False, ForwardMode.DECODE, marks=cuda),
+    pytest.param(1, 32, 8, 64, torch.bfloat16, torch.float8_e4m3fn, False, ForwardMode.EXTEND, marks=cuda),
+    pytest.param(1, 16, 8, 128, torch.bfloat16, torch.bfloat16, True, ForwardMode.DECODE, marks=cuda),
+    pytest.param(16, 16, 8, 128, torch.bfloat16, torch.float8_e4m3fn, True, ForwardMode.EXTEND, marks=cuda),
+]
+
+
+@pytest.mark.parametrize(("page", "heads", "kv_heads", "dim", "dtype", "cache_dtype", "qk_norm", "mode"),
+                         CASES + CUDA_CASES)
 def test_fused_equals_rotary_then_store(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, mode):
     seed = page + heads * 7 + dim + (cache_dtype in FP8) * 100 + qk_norm * 1000
     env, batch, positions, qkv, (q, k, v), norm = setup(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm,
@@ -126,9 +136,10 @@ def test_fused_equals_rotary_then_store(page, heads, kv_heads, dim, dtype, cache
         assert torch.equal(got[others], orig[others])  # every other slot untouched
         assert not torch.equal(got[loc], orig[loc])
         if cache_dtype in FP8:  # the same bytes but where the two rotations differ by an ulp at a rounding tie
-            differ = got[loc] != ref[loc]
+            a, b = got[loc], ref[loc]
+            differ = (a != b) & ~((a & 0x7F == 0) & (b & 0x7F == 0))  # -0.0 against +0.0 (a GPU conversion)
             assert differ.float().mean() < 0.02
-            assert not differ.any() or (got[loc].int() - ref[loc].int())[differ].abs().max() <= 1
+            assert not differ.any() or (a.int() - b.int())[differ].abs().max() <= 1
         else:
             torch.testing.assert_close(got[loc], ref[loc], atol=TOL[cache_dtype][0], rtol=TOL[cache_dtype][1])
 
@@ -207,8 +218,8 @@ def test_engine_greedy_tokens_equal_fused_and_unfused(model, request, tmp_path):
     fused_call = backend.rope_store_kv
     backend.rope_store_kv = lambda *a: calls.append(a[0]) or fused_call(*a)
     gen = torch.Generator().manual_seed(3)
-    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=gen).tolist()} for n in (3, 11, 6)]
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=gen).tolist()} for n in (3, 9, 5)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     def tokens() -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
@@ -218,7 +229,7 @@ def test_engine_greedy_tokens_equal_fused_and_unfused(model, request, tmp_path):
     assert not calls
     backend.fuse_rope_store = True
     fused = tokens()
-    assert len(calls) == 2 * 6  # every layer of every step (1 extend + 5 decodes) took the fused kernel
+    assert len(calls) == 2 * 4  # every layer of every step (1 extend + 3 decodes) took the fused kernel
     assert fused == unfused
     if model == "tiny-qwen3":  # and through decode graphs (on a CPU, the stand-in; one model is enough there)
         if runner.graph_runner is None:

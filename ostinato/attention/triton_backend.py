@@ -37,8 +37,10 @@ class TritonAttentionBackend(AttentionBackend):
     # the cache has an alt_stream). benchmarks/bench_kv_store.py measures the three inside a decode graph.
     kv_store = "fused"
     # Rotary (and Qwen3's q/k norm) in the store kernel, decode and extend alike (`rope_store.py`): one launch
-    # per layer fewer. False: the rotary kernel, then the store. Only with kv_store "fused".
-    fuse_rope_store = True
+    # per layer fewer. False: the rotary kernel, then the store. Only with kv_store "fused". None: on CUDA only
+    # (Triton's interpreter runs the fused kernel ~2.5x slower than the store alone, and the rotary's torch twin
+    # costs nothing: the CPU tests of other features keep their speed; tests/test_rope_store.py sets it).
+    fuse_rope_store: bool | None = None
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, num_heads: int,
                  page_size: int = 1) -> None:
@@ -151,7 +153,8 @@ class TritonAttentionBackend(AttentionBackend):
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
-        if rope is not None and self.fuse_rope_store and self.kv_store == "fused":
+        fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
+        if rope is not None and fuse and self.kv_store == "fused":
             q = self.rope_store_kv(layer.layer_id, batch.out_cache_loc, q, k, v, rope)
         else:
             if rope is not None:

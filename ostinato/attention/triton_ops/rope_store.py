@@ -5,8 +5,8 @@ a kv program rotates BLOCK_H key heads and writes them, with the same value head
 slot (`loc`), quantized to fp8 as `kv_store.py` does for an fp8 cache. The inputs are read only: q, k and v
 may be strided views into the qkv projection's output.
 
-The rotation is `layers/triton_ops/rotary.py`'s own (`rope_halves`), and the store rounds as `store_kv`
-does, so this kernel writes the same bits as the rotary kernel followed by `store_kv`. The cache is indexed
+The rotation rounds as `layers/triton_ops/rotary.py` does and the store as `store_kv` does, so this kernel writes
+the same bits as the rotary kernel followed by `store_kv` (tests/test_rope_store.py compares them). The cache is indexed
 by slot, so the page size only shapes which slots `loc` holds. The CPU twin is the unfused path:
 `layers.rotary.rotary_embedding_torch` then `KVCache.set_kv_buffer` (what `AttentionBackend.forward` does).
 """
@@ -16,22 +16,22 @@ import triton
 import triton.language as tl
 
 from ostinato.attention.triton_ops.kv_store import round_to_fp8
-from ostinato.layers.triton_ops.rotary import _round, rope_halves
 
 
 @triton.jit
-def _to_cache(x, Scale, Buf, KV_FP8: tl.constexpr):
-    """fp32 x as the cache stores it: cast to its dtype, or x / scale rounded to fp8 and kept as its byte."""
+def _fp8_byte(x, Scale, KV_FP8: tl.constexpr):
+    """fp32 x stored in an fp8 cache: x / scale rounded to nearest even, saturated, as its byte (`store_kv`'s)."""
     if KV_FP8 == 1:
         x = round_to_fp8(x / tl.load(Scale), 3, 2.0**-6, 2.0**14, 448.0)
         return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    elif KV_FP8 == 2:
+    else:
         x = round_to_fp8(x / tl.load(Scale), 2, 2.0**-14, 2.0**7, 57344.0)
         return x.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    else:
-        return x.to(Buf.dtype.element_ty)
 
 
+# No helper is called for the rotation (Triton's interpreter re-patches its language on every nested jit call,
+# which made the CPU tests through the engine several times slower): the q and k branches repeat the rotary
+# kernel's arithmetic, rounding for rounding (`layers/triton_ops/rotary.py`; the tests compare bits).
 @triton.jit
 def _rope_store_kernel(
     Positions, Loc, Q, K, V, Q_out, K_buf, V_buf, Cos_sin, QW, KW, K_scale, V_scale,
@@ -44,22 +44,29 @@ def _rope_store_kernel(
     block = tl.program_id(1)
     q_blocks: tl.constexpr = (NUM_Q_HEADS + BLOCK_H - 1) // BLOCK_H
     half: tl.constexpr = HEAD_DIM // 2
+    dt = Q.dtype.element_ty  # the model dtype: every step below is rounded to it, as HF rounds
     pos = tl.load(Positions + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < half
-    # cos/sin rounded to the model dtype, as the rotary kernel does
-    cos = _round(tl.load(Cos_sin + pos * stride_cs + offs_d, mask=d_mask, other=0.0), Q)[None, :]
-    sin = _round(tl.load(Cos_sin + pos * stride_cs + half + offs_d, mask=d_mask, other=0.0), Q)[None, :]
+    cos = tl.load(Cos_sin + pos * stride_cs + offs_d, mask=d_mask, other=0.0).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(Cos_sin + pos * stride_cs + half + offs_d, mask=d_mask, other=0.0).to(dt).to(tl.float32)[None, :]
     if block < q_blocks:
         offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (offs_h < NUM_Q_HEADS)[:, None] & d_mask[None, :]
         src = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        out1, out2 = rope_halves(x1, x2, QW, offs_d, d_mask, cos, sin, eps, Q, HEAD_DIM, HAS_NORM)
+        if HAS_NORM:
+            inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+            w1 = tl.load(QW + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(QW + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            x1 = (w1 * (x1 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2 * (x2 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        out1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
+        out2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
         dst = Q_out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-        tl.store(dst, out1.to(Q_out.dtype.element_ty), mask=mask)
-        tl.store(dst + half, out2.to(Q_out.dtype.element_ty), mask=mask)
+        tl.store(dst, out1.to(dt), mask=mask)
+        tl.store(dst + half, out2.to(dt), mask=mask)
     else:
         slot = tl.load(Loc + t).to(tl.int64)
         offs_h = (block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -67,16 +74,30 @@ def _rope_store_kernel(
         src = K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        k1, k2 = rope_halves(x1, x2, KW, offs_d, d_mask, cos, sin, eps, K, HEAD_DIM, HAS_NORM)
-        dst = K_buf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :]
-        tl.store(dst, _to_cache(k1, K_scale, K_buf, KV_FP8), mask=mask)
-        tl.store(dst + half, _to_cache(k2, K_scale, K_buf, KV_FP8), mask=mask)
+        if HAS_NORM:
+            inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+            w1 = tl.load(KW + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(KW + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            x1 = (w1 * (x1 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2 * (x2 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        # the rotated k, rounded to the model dtype (as the rotary kernel leaves it in the qkv output)
+        k1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        k2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         src = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
         v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         v2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        dst = V_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :]
-        tl.store(dst, _to_cache(v1, V_scale, V_buf, KV_FP8), mask=mask)
-        tl.store(dst + half, _to_cache(v2, V_scale, V_buf, KV_FP8), mask=mask)
+        k_dst = K_buf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :]
+        v_dst = V_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :]
+        if KV_FP8 == 0:
+            tl.store(k_dst, k1.to(K_buf.dtype.element_ty), mask=mask)
+            tl.store(k_dst + half, k2.to(K_buf.dtype.element_ty), mask=mask)
+            tl.store(v_dst, v1.to(V_buf.dtype.element_ty), mask=mask)
+            tl.store(v_dst + half, v2.to(V_buf.dtype.element_ty), mask=mask)
+        else:
+            tl.store(k_dst, _fp8_byte(k1, K_scale, KV_FP8), mask=mask)
+            tl.store(k_dst + half, _fp8_byte(k2, K_scale, KV_FP8), mask=mask)
+            tl.store(v_dst, _fp8_byte(v1, V_scale, KV_FP8), mask=mask)
+            tl.store(v_dst + half, _fp8_byte(v2, V_scale, KV_FP8), mask=mask)
 
 
 def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

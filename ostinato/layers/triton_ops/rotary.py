@@ -25,24 +25,6 @@ def _round(x, X):
 
 
 @triton.jit
-def rope_halves(x1, x2, W, offs_d, d_mask, cos, sin, eps, X, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """The two halves x1, x2 [BLOCK_H, BLOCK_HALF] (fp32 values of X's dtype, masked lanes 0) of some heads ->
-    their rotated halves, after the optional per-head RMSNorm with weight W [HEAD_DIM]; every value rounded to
-    X's dtype as HF rounds (see the module docstring). Shared with the fused rotary + KV store kernel
-    (attention/triton_ops/rope_store.py), so both paths give the same bits."""
-    half: tl.constexpr = HEAD_DIM // 2
-    if HAS_NORM:
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(W + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = _round(w1 * _round(x1 * inv_rms, X), X)
-        x2 = _round(w2 * _round(x2 * inv_rms, X), X)
-    out1 = _round(_round(x1 * cos, X) - _round(x2 * sin, X), X)
-    out2 = _round(_round(x2 * cos, X) + _round(x1 * sin, X), X)
-    return out1, out2
-
-
-@triton.jit
 def _rotate_heads(X, stride_h, head0, num_heads, W, cos, sin, eps,
                   HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
     half: tl.constexpr = HEAD_DIM // 2
@@ -54,7 +36,14 @@ def _rotate_heads(X, stride_h, head0, num_heads, W, cos, sin, eps,
     # every value is loaded before anything is stored: in place is safe
     x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
-    out1, out2 = rope_halves(x1, x2, W, offs_d, d_mask, cos, sin, eps, X, HEAD_DIM, HAS_NORM)
+    if HAS_NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = _round(w1 * _round(x1 * inv_rms, X), X)
+        x2 = _round(w2 * _round(x2 * inv_rms, X), X)
+    out1 = _round(_round(x1 * cos, X) - _round(x2 * sin, X), X)
+    out2 = _round(_round(x2 * cos, X) + _round(x1 * sin, X), X)
     tl.store(ptr, out1.to(X.dtype.element_ty), mask=mask)
     tl.store(ptr + half, out2.to(X.dtype.element_ty), mask=mask)
 
