@@ -8,10 +8,19 @@ the GPU time of the model call alone (CUDA events). The floor is the bytes a ste
 batch's KV) over the measured device copy bandwidth; for hybrid models (granite-4.0-h-*) plus each request's Mamba
 state, read and written once (only the attention layers have KV).
 
+Each row also reports, from torch.profiler over a few steps (`--no-launches` skips it): `launches`, the GPU
+activities (kernels, copies, sets) of one forward (a graph replay with its input copies, or the eager forward),
+`step_launches` the same for the whole step (inputs, forward, sampling, the copy to the host), `kernel_ms` their
+summed GPU time per forward and `gap_ms` = forward_ms - kernel_ms: the time the GPU sat between the forward's
+kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). `--rope-store fused unfused` runs each
+model with and without the fused rotary + KV store kernel (`attention/triton_ops/rope_store.py`).
+
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128
 python benchmarks/bench_decode.py --models llama-3.2-1b --cases 1:128 32:4096 128:4096 256:1024 --modes graph \
     --kv-cache-dtype auto fp8_e4m3 --page-size 1 16     # bf16 vs fp8 KV, page 1 vs 16, in one run
+python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:128 --modes graph \
+    --rope-store fused unfused --out benchmarks/results/decode-rope-store-h200.json   # launches, fused vs not
 """
 
 import argparse
@@ -24,6 +33,7 @@ import torch
 from common import RESULTS, copy_bandwidth, device_tag, write_report
 
 from ostinato.attention.forward_batch import ForwardMode
+from ostinato.attention.triton_backend import TritonAttentionBackend
 from ostinato.config import EngineArgs
 from ostinato.engine.request import Request
 from ostinato.engine.scheduler import ScheduledBatch
@@ -99,13 +109,49 @@ def profile_steps(runner: ModelRunner, sched: ScheduledBatch, iters: int = 20) -
     print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70))
 
 
+def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: int = 10) -> dict:
+    """From one torch.profiler session: the GPU activities (kernels, copies, sets; each graph node of a replay on
+    its own) of one forward and of one whole step, and the forward's summed GPU time. The forward's are those of
+    prepare + forward less those of prepare alone (its host-to-device copies), as time_steps times it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    phases = {"prepare": lambda: runner.prepare(sched), "forward": lambda: runner.forward(runner.prepare(sched)),
+              "step": lambda: runner.step(sched).result()}
+    saved = runner.graph_runner
+    runner.graph_runner = saved if graph else None
+    try:
+        for fn in phases.values():
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for name, fn in phases.items():
+                with record_function(f"bench_decode/{name}"):  # its GPU work ends inside: synchronized
+                    for _ in range(iters):
+                        fn()
+                    torch.cuda.synchronize()
+    finally:
+        runner.graph_runner = saved
+    events = prof.events()
+    spans = {e.name.split("/")[1]: e.time_range for e in events if e.name.startswith("bench_decode/")}
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    count, ms = {}, {}
+    for name, span in spans.items():
+        inside = [e for e in device if span.start <= e.time_range.start <= span.end]
+        count[name] = len(inside) / iters
+        ms[name] = sum(e.time_range.elapsed_us() for e in inside) / iters / 1e3
+    return {"launches": count["forward"] - count["prepare"], "step_launches": count["step"],
+            "kernel_ms": ms["forward"] - ms["prepare"]}
+
+
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
-                page_size: int = 1) -> tuple[list[dict], dict]:
+                page_size: int = 1, rope_store: str = "fused") -> tuple[list[dict], dict]:
     need = max(bs * (ctx + page_size) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
                        enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs,
                        kv_cache_dtype=kv_dtype, page_size=page_size)
+    TritonAttentionBackend.fuse_rope_store = rope_store == "fused"  # read at each forward, so also by the capture
     runner = ModelRunner(eargs, load_model_source(name, "dummy"))
     gc.collect()
     gc.freeze()  # as EngineCore does after start-up: no collection walks the model's objects mid-timing
@@ -123,9 +169,9 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     if runner.mamba_pool is not None:
         state_per_req = 2 * runner.mamba_pool.bytes() // (runner.mamba_pool.size + 1)
     gr = runner.graph_runner
-    print(f"{name} (kv {kv_dtype}, page {page_size}): weights {runner.weight_bytes / 1e9:.2f} GB, KV "
-          f"{kv_per_token} B/token, capture {gr.capture_seconds:.1f} s for {gr.batch_sizes}, graph memory "
-          f"{gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
+    print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}): weights "
+          f"{runner.weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, capture {gr.capture_seconds:.1f} s for "
+          f"{gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
     for bs, ctx in CASES:
         sched, reqs = decode_batch(runner, bs, ctx)
@@ -133,14 +179,23 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
         if runner.mamba_pool is not None:  # states are zero-filled at alloc: time on random ones
             runner.mamba_pool.conv.normal_(0, 0.1)
             runner.mamba_pool.ssm.normal_(0, 0.1)
+        launches: dict[bool, dict] = {}  # graph or eager: graph and graph-sync run the same forward
         for mode in args.modes:
             iters = args.eager_iters if mode == "eager" else args.iters
-            step_ms, fwd_ms = time_steps(runner, sched, mode != "eager", iters, overlap=mode != "graph-sync")
-            rows.append({"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
-                         "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile,
-                         "kv_cache_dtype": kv_dtype, "page_size": page_size})
-            print(f"{name:<14}{kv_dtype:>9}{page_size:>5}{bs:>5}{ctx:>7}{mode:>11}{step_ms:>10.3f}{fwd_ms:>10.3f}"
-                  f"{floor_ms:>9.3f}", flush=True)
+            graph = mode != "eager"
+            step_ms, fwd_ms = time_steps(runner, sched, graph, iters, overlap=mode != "graph-sync")
+            row = {"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
+                   "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile,
+                   "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store}
+            if args.launches:
+                if graph not in launches:
+                    launches[graph] = launch_stats(runner, sched, graph, iters=min(iters, 10))
+                row.update(launches[graph], gap_ms=fwd_ms - launches[graph]["kernel_ms"])
+            rows.append(row)
+            extra = (f"{row['launches']:>9.0f}{row['step_launches']:>7.0f}{row['kernel_ms']:>9.3f}{row['gap_ms']:>8.3f}"
+                     if args.launches else "")
+            print(f"{name:<14}{kv_dtype:>9}{page_size:>5}{rope_store:>9}{bs:>5}{ctx:>7}{mode:>11}{step_ms:>10.3f}"
+                  f"{fwd_ms:>10.3f}{floor_ms:>9.3f}{extra}", flush=True)
         if f"{bs}:{ctx}" in (args.profile or []):
             profile_steps(runner, sched)
         for r in reqs:
@@ -152,20 +207,22 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     gc.unfreeze()
     gc.collect()
     torch.cuda.empty_cache()
+    TritonAttentionBackend.fuse_rope_store = None
     return rows, meta
 
 
 def print_comparison(rows: list[dict]) -> None:
-    """Per (model, bs, context, mode): each kv dtype / page size against the first one run (auto, page 1)."""
+    """Per (model, bs, context, mode): each kv dtype / page size / rope store against the first one run."""
     base: dict[tuple, float] = {}
     for r in rows:
         key = (r["model"], r["bs"], r["context"], r["mode"])
         if key not in base:
             base[key] = r["ms_per_step"]
             continue
+        launches = f", {r['launches']:.0f} launches" if "launches" in r else ""
         print(f"{r['model']:<14}bs {r['bs']:>4} ctx {r['context']:>5} {r['mode']:<10} kv {r['kv_cache_dtype']:<9} "
-              f"page {r['page_size']:>3}: {r['ms_per_step']:.3f} ms, {base[key] / r['ms_per_step']:.3f}x of the first "
-              "configuration")
+              f"page {r['page_size']:>3} rope+store {r['rope_store']}: {r['ms_per_step']:.3f} ms{launches}, "
+              f"{base[key] / r['ms_per_step']:.3f}x of the first configuration")
 
 
 def main() -> None:
@@ -179,6 +236,10 @@ def main() -> None:
     ap.add_argument("--profile", nargs="*", default=None, help="bs:context pairs to profile in graph mode")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="e.g. auto fp8_e4m3: one pass each")
     ap.add_argument("--page-size", nargs="+", type=int, default=[1], help="e.g. 1 16: one pass each")
+    ap.add_argument("--rope-store", nargs="+", default=["fused"], choices=["fused", "unfused"],
+                    help="rotary fused with the KV store or not (Triton backend): one pass each")
+    ap.add_argument("--no-launches", dest="launches", action="store_false",
+                    help="skip the launch count and gap columns (torch.profiler over a few steps per row)")
     ap.add_argument("--modes", nargs="+", default=["eager", "graph", "graph-sync"],
                     choices=["eager", "graph", "graph-sync"])
     ap.add_argument("--out", default=None)
@@ -188,15 +249,17 @@ def main() -> None:
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'model':<14}{'kv':>9}{'page':>5}{'bs':>5}{'ctx':>7}{'mode':>11}{'ms/step':>10}{'fwd ms':>10}"
-          f"{'floor':>9}")
+    print(f"{'model':<14}{'kv':>9}{'page':>5}{'rope+st':>9}{'bs':>5}{'ctx':>7}{'mode':>11}{'ms/step':>10}"
+          f"{'fwd ms':>10}{'floor':>9}" + (f"{'launches':>9}{'step':>7}{'kern ms':>9}{'gap ms':>8}" if args.launches
+                                            else ""))
     rows, meta = [], {}
     for name in args.models:
         for kv in args.kv_cache_dtype:
             for page in args.page_size:
-                r, m = bench_model(name, args, bw, kv, page)
-                rows += r
-                meta[f"{name}/{kv}/page{page}"] = m
+                for rope in args.rope_store:
+                    r, m = bench_model(name, args, bw, kv, page, rope)
+                    rows += r
+                    meta[f"{name}/{kv}/page{page}/{rope}"] = m
     print_comparison(rows)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,

@@ -1,10 +1,12 @@
 """The attention-backend interface every backend implements."""
 
 import abc
+from dataclasses import dataclass
 
 import torch
 
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.layers.rotary import rotary_embedding_
 from ostinato.mem.kv_cache import KVCache
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
 
@@ -54,11 +56,14 @@ class AttentionBackend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support extend graphs")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec",
-                batch: ForwardBatch) -> torch.Tensor:
-        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; stores k/v at batch.out_cache_loc first."""
+                batch: ForwardBatch, rope: "Rope | None" = None) -> torch.Tensor:
+        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; stores k/v at batch.out_cache_loc first. With `rope`, q and k
+        come before rotary and are rotated here, in place (the unfused path: the reference of the fused one)."""
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        if rope is not None:
+            rope.apply_(q, k)
         self.kv_cache.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.mode is ForwardMode.DECODE:
             o = self.forward_decode(q, layer, batch)
@@ -84,3 +89,21 @@ class AttentionSpec:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+
+
+@dataclass
+class Rope:
+    """Rotary position embedding the backend applies to pre-rope q and k (HF's rotate-half layout, the model's
+    fp32 cos/sin table, so Llama-3's scaled rope too), after an optional per-head RMSNorm (Qwen3's q/k norm).
+    A backend may fuse it with the K/V store (the Triton backend does)."""
+
+    positions: torch.Tensor  # int64 [T]
+    cos_sin: torch.Tensor  # fp32 [max_positions, D]: cos in the first half, sin in the second
+    q_norm_weight: torch.Tensor | None = None  # [D], both or neither
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+    def apply_(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """In place on q [T, H, D] and k [T, Hkv, D] (the rotary kernel on CUDA, its torch twin on the CPU)."""
+        rotary_embedding_(self.positions, q, k, self.cos_sin, q.shape[-1], self.q_norm_weight, self.k_norm_weight,
+                          self.eps)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ostinato.attention.base import AttentionBackend, AttentionSpec
+from ostinato.attention.base import AttentionBackend, AttentionSpec, Rope
 from ostinato.attention.forward_batch import ForwardBatch
 
 
@@ -43,12 +43,20 @@ def current_batch() -> ForwardBatch:
 
 
 @torch.library.custom_op("ostinato::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, positions: torch.Tensor | None = None,
+              cos_sin: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
+              k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """With `positions`, q and k come before rotary (by the fp32 table `cos_sin`, after the optional per-head
+    RMSNorm) and the backend rotates them, fused with its K/V store where it can. They are then the op's
+    scratch: the unfused path rotates them in place (the caller never reads them again)."""
     if _ctx.backend is None or _ctx.batch is None:
         raise RuntimeError("ostinato::attention called outside forward_context()")
-    return _ctx.backend.forward(q, k, v, _ctx.layers[layer_id], _ctx.batch)
+    rope = None if positions is None else Rope(positions, cos_sin, q_norm_weight, k_norm_weight, eps)
+    return _ctx.backend.forward(q, k, v, _ctx.layers[layer_id], _ctx.batch, rope)
 
 
 @attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, positions: torch.Tensor | None = None,
+      cos_sin: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
+      k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     return torch.empty_like(q)

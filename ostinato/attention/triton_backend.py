@@ -5,9 +5,9 @@ import itertools
 
 import torch
 
-from ostinato.attention.base import AttentionBackend, AttentionSpec
+from ostinato.attention.base import AttentionBackend, AttentionSpec, Rope
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, decode_tail_len
-from ostinato.attention.triton_ops import decode_attention, extend_attention, store_kv
+from ostinato.attention.triton_ops import decode_attention, extend_attention, rope_store_kv, store_kv
 from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits
 from ostinato.attention.triton_ops.extend_attention import extend_block_table, max_extend_blocks
 from ostinato.mem.kv_cache import KVCache
@@ -36,6 +36,11 @@ class TritonAttentionBackend(AttentionBackend):
     # cache's own indexed writes (`set_kv_buffer`: K then V on one stream; on two streams under capture when
     # the cache has an alt_stream). benchmarks/bench_kv_store.py measures the three inside a decode graph.
     kv_store = "fused"
+    # Rotary (and Qwen3's q/k norm) in the store kernel, decode and extend alike (`rope_store.py`): one launch
+    # per layer fewer. False: the rotary kernel, then the store. Only with kv_store "fused". None: on CUDA only
+    # (Triton's interpreter runs the fused kernel ~2.5x slower than the store alone, and the rotary's torch twin
+    # costs nothing: the CPU tests of other features keep their speed; tests/test_rope_store.py sets it).
+    fuse_rope_store: bool | None = None
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, num_heads: int,
                  page_size: int = 1) -> None:
@@ -160,11 +165,17 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionSpec,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
-        self.store_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
+        if rope is not None and fuse and self.kv_store == "fused":
+            q = self.rope_store_kv(layer.layer_id, batch.out_cache_loc, q, k, v, rope)
+        else:
+            if rope is not None:
+                rope.apply_(q, k)
+            self.store_kv(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.mode is ForwardMode.DECODE:
             o = self.forward_decode(q, layer, batch)
         else:
@@ -178,6 +189,15 @@ class TritonAttentionBackend(AttentionBackend):
             return
         k_buf, v_buf = cache.get_store_buffer(layer_id)
         store_kv(k_buf, v_buf, loc, k, v, self.kv_fp8, cache.k_scale(layer_id), cache.v_scale(layer_id))
+
+    def rope_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      rope: Rope) -> torch.Tensor:
+        """Rotates pre-rope q [T, H, D] and k, stores k and v at `loc`: one launch. Returns the rotated q."""
+        cache = self.kv_cache
+        k_buf, v_buf = cache.get_store_buffer(layer_id)
+        return rope_store_kv(rope.positions, q, k, v, rope.cos_sin, k_buf, v_buf, loc, rope.q_norm_weight,
+                             rope.k_norm_weight, rope.eps, self.kv_fp8, cache.k_scale(layer_id),
+                             cache.v_scale(layer_id))
 
     def _kv_args(self, layer_id: int) -> dict:
         """The cache as the kernels read it: stored bytes, page size, fp8 dtype and scales."""

@@ -6,7 +6,7 @@ tensor values, so the forward can be compiled and captured.
 
 The layers pass a residual stream: layer(positions, hidden, residual) -> (hidden, residual), where the
 residual add is fused into the next RMSNorm. On CUDA a layer issues: add+norm, qkv GEMM, rotary (with
-Qwen3's q/k norm), attention, o_proj GEMM, add+norm, gate_up GEMM, silu_and_mul, down GEMM.
+Qwen3's q/k norm) fused with the KV store, attention, o_proj GEMM, add+norm, gate_up GEMM, silu_and_mul, down GEMM.
 """
 
 from collections.abc import Iterable
@@ -61,6 +61,10 @@ class DecoderAttention(nn.Module):
         # split()'s views, and the CPU graph stand-in replays outside inference mode.
         qkv = self.qkv_proj(x)
         q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : -self.kv_size], qkv[:, -self.kv_size :]
+        if positions.dim() == 1:  # plain RoPE: the attention op rotates q and k, fused with its KV store where it can
+            norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            return self.o_proj(attention(q, k, v, self.layer_id, positions, self.rotary.cos_sin, *norm))
+        # M-RoPE's [3, T] positions (a vision model's image extend): rotated here
         q_heads, k_heads = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             self.rotary(positions, q_heads, k_heads)

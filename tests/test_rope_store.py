@@ -1,0 +1,238 @@
+"""Rotary (with Qwen3's q/k norm) fused with the K/V store (`attention/triton_ops/rope_store.py`) against
+rotary-then-store: the torch twins (`rotary_embedding_torch`, `KVCache.set_kv_buffer`) and the unfused Triton
+kernels. Without a GPU the kernels run in Triton's interpreter at tiny shapes."""
+
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton kernels (or their CPU interpreter) need triton")
+import torch  # noqa: E402
+from test_triton_attention import make_batch, make_env, new_requests  # noqa: E402
+
+from ostinato.attention.base import Rope  # noqa: E402
+from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
+from ostinato.attention.triton_ops import rope_store_kv, store_kv  # noqa: E402
+from ostinato.layers import triton_ops  # noqa: E402
+from ostinato.layers.rotary import rotary_embedding_torch  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+EPS = 1e-6
+MAX_POS = 4096
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def llama3_table(head_dim: int) -> torch.Tensor:
+    """The model's own fp32 cos/sin table for Llama-3's scaled rope."""
+    import transformers
+
+    from ostinato.layers.rotary import RotaryEmbedding
+
+    config = transformers.LlamaConfig(
+        hidden_size=head_dim * 4, num_attention_heads=4, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192})
+    return RotaryEmbedding(config, head_dim, MAX_POS).cos_sin.to(DEVICE)
+
+
+def setup(page: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+          qk_norm: bool, seed: int, mode: ForwardMode):
+    """A pool full of random bytes, a batch whose new tokens got scattered slots, pre-rope q/k/v as strided views
+    of one qkv tensor, positions all over the table, and (Qwen3) q/k norm weights."""
+    env = make_env(page, heads, kv_heads, dim, dtype=dtype, device=DEVICE, seed=seed, cache_dtype=cache_dtype,
+                   slots=512, max_ctx=128)
+    if cache_dtype in FP8:
+        env.cache.set_scales({0: (0.37, 1.9)})
+    gen = env.gen
+    for buf in env.cache.get_store_buffer(0):  # never zeros: a write to a wrong slot must show
+        if buf.dtype == torch.uint8:
+            buf.copy_(torch.randint(0, 120, buf.shape, generator=gen, device=DEVICE, dtype=torch.uint8))
+        else:
+            buf.copy_(torch.randn(buf.shape, generator=gen, device=DEVICE))
+    if mode is ForwardMode.DECODE:
+        prefix, new = [0, 13, 40, 7, 29], [1] * 5
+    else:
+        prefix, new = [0, 9, 21], [6, 3, 11]
+    rows = new_requests(env, [0] * len(prefix))
+    for r, p in zip(rows, prefix, strict=True):  # the prefixes' slots exist but keep their random bytes
+        if p:
+            env.kv.extend(r, 0, p)
+    batch = make_batch(env, mode, rows, prefix, new)
+    t = batch.num_tokens
+    positions = torch.randint(0, MAX_POS, (t,), generator=gen, device=DEVICE)
+    positions[0] = 0
+    q_size, kv_size = heads * dim, kv_heads * dim
+    qkv = (torch.randn(t, q_size + 2 * kv_size, generator=gen, device=DEVICE) * 2).to(dtype)
+    q = qkv[:, :q_size].view(t, heads, dim)
+    k = qkv[:, q_size : q_size + kv_size].view(t, kv_heads, dim)
+    v = qkv[:, q_size + kv_size :].view(t, kv_heads, dim)
+    norm = (None, None)
+    if qk_norm:
+        norm = tuple((torch.randn(dim, generator=gen, device=DEVICE) * 0.1 + 1).to(dtype) for _ in range(2))
+    return env, batch, positions, qkv, (q, k, v), norm
+
+
+def fused(env, batch, positions, qkv_views, norm, table) -> torch.Tensor:
+    q, k, v = qkv_views
+    k_buf, v_buf = env.cache.get_store_buffer(0)
+    return rope_store_kv(positions, q, k, v, table, k_buf, v_buf, batch.out_cache_loc, *norm, EPS, env.tri.kv_fp8,
+                         env.cache.k_scale(0), env.cache.v_scale(0))
+
+
+CASES = [  # page, heads, kv_heads, dim, model dtype, cache dtype, qk_norm, mode
+    (1, 4, 2, 16, torch.float32, torch.float32, False, ForwardMode.DECODE),
+    (16, 8, 2, 32, torch.float32, torch.float32, True, ForwardMode.DECODE),
+    (16, 4, 2, 16, torch.float16, torch.float16, True, ForwardMode.DECODE),
+    (1, 4, 1, 16, torch.float32, torch.float8_e4m3fn, False, ForwardMode.DECODE),
+    (16, 4, 2, 16, torch.float16, torch.float8_e4m3fn, True, ForwardMode.DECODE),
+    (16, 6, 2, 16, torch.float32, torch.float8_e5m2, True, ForwardMode.EXTEND),
+    (1, 4, 4, 16, torch.float32, torch.float16, False, ForwardMode.EXTEND),
+]
+
+
+cuda = pytest.mark.skipif(not GPU, reason="needs CUDA")
+CUDA_CASES = [  # the models' shapes in bf16: Llama-3.2-1B (bf16 and fp8 caches), Qwen3-0.6B (q/k norm)
+    pytest.param(16, 32, 8, 64, torch.bfloat16, torch.bfloat16, False, ForwardMode.DECODE, marks=cuda),
+    pytest.param(1, 32, 8, 64, torch.bfloat16, torch.float8_e4m3fn, False, ForwardMode.EXTEND, marks=cuda),
+    pytest.param(1, 16, 8, 128, torch.bfloat16, torch.bfloat16, True, ForwardMode.DECODE, marks=cuda),
+    pytest.param(16, 16, 8, 128, torch.bfloat16, torch.float8_e4m3fn, True, ForwardMode.EXTEND, marks=cuda),
+]
+
+
+@pytest.mark.parametrize(("page", "heads", "kv_heads", "dim", "dtype", "cache_dtype", "qk_norm", "mode"),
+                         CASES + CUDA_CASES)
+def test_fused_equals_rotary_then_store(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, mode):
+    seed = page + heads * 7 + dim + (cache_dtype in FP8) * 100 + qk_norm * 1000
+    env, batch, positions, qkv, (q, k, v), norm = setup(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm,
+                                                        seed, mode)
+    table = llama3_table(dim)
+    loc = batch.out_cache_loc
+    qkv_before = qkv.clone()
+    before = [b.clone() for b in env.cache.get_store_buffer(0)]
+
+    q_out = fused(env, batch, positions, (q, k, v), norm, table)
+    after_fused = [b.clone() for b in env.cache.get_store_buffer(0)]
+    assert torch.equal(qkv, qkv_before)  # its inputs are read only
+    assert q_out.shape == q.shape and q_out.dtype == dtype
+
+    # the torch twin: rotary in place on copies, then the cache's indexed writes
+    for buf, b in zip(env.cache.get_store_buffer(0), before, strict=True):
+        buf.copy_(b)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding_torch(positions, q_ref, k_ref, table, dim, *norm, EPS)
+    env.cache.set_kv_buffer(0, loc, k_ref, v)
+    after_ref = [b.clone() for b in env.cache.get_store_buffer(0)]
+    torch.testing.assert_close(q_out, q_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+    others = torch.ones(len(before[0]), dtype=torch.bool, device=DEVICE)
+    others[loc] = False
+    for got, ref, orig in zip(after_fused, after_ref, before, strict=True):
+        assert torch.equal(got[others], orig[others])  # every other slot untouched
+        assert not torch.equal(got[loc], orig[loc])
+        if cache_dtype in FP8:  # the same bytes but where the two rotations differ by an ulp at a rounding tie
+            a, b = got[loc], ref[loc]
+            differ = (a != b) & ~((a & 0x7F == 0) & (b & 0x7F == 0))  # -0.0 against +0.0 (a GPU conversion)
+            assert differ.float().mean() < 0.02
+            assert not differ.any() or (a.int() - b.int())[differ].abs().max() <= 1
+        else:
+            torch.testing.assert_close(got[loc], ref[loc], atol=TOL[cache_dtype][0], rtol=TOL[cache_dtype][1])
+
+    # the unfused Triton kernels (rotary in place, then store_kv): the same bits
+    for buf, b in zip(env.cache.get_store_buffer(0), before, strict=True):
+        buf.copy_(b)
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    triton_ops.rotary_embedding_(positions, q2, k2, table, dim, *norm, EPS)
+    k_buf, v_buf = env.cache.get_store_buffer(0)
+    store_kv(k_buf, v_buf, loc, k2, v2, env.tri.kv_fp8, env.cache.k_scale(0), env.cache.v_scale(0))
+    assert torch.equal(q_out, q2)
+    for got, ref in zip(after_fused, env.cache.get_store_buffer(0), strict=True):
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_backend_fuses_and_matches_torch_backend(mode):
+    """The wiring: TritonAttentionBackend.forward with a Rope (fused) against the torch backend's rotary then
+    store, and against its own unfused path."""
+    env, batch, positions, qkv, (q, k, v), norm = setup(4, 4, 2, 16, torch.float32, torch.float32, True, 5, mode)
+    table = llama3_table(16)
+    rope = Rope(positions, table, *norm, EPS)
+    s, t = env.spec, batch.num_tokens
+    before = [b.clone() for b in env.cache.get_store_buffer(0)]
+
+    def run(backend, fuse: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for buf, b in zip(env.cache.get_store_buffer(0), before, strict=True):
+            buf.copy_(b)
+        backend.fuse_rope_store = fuse
+        backend.init_forward_metadata(batch)
+        x = qkv.clone()  # the unfused paths rotate q and k in place
+        qs, ks = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        out = backend.forward(x[:, :qs], x[:, qs : qs + ks], x[:, qs + ks :], s, batch, rope)
+        return out.view(t, s.num_heads, s.head_dim), [b.clone() for b in env.cache.get_store_buffer(0)]
+
+    out_fused, kv_fused = run(env.tri, True)
+    out_unfused, kv_unfused = run(env.tri, False)
+    out_ref, kv_ref = run(env.ref, False)
+    torch.testing.assert_close(out_fused, out_ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out_fused, out_unfused, atol=1e-5, rtol=0)
+    for a, b, c in zip(kv_fused, kv_unfused, kv_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the engine: greedy tokens fused vs unfused
+TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_engine_greedy_tokens_equal_fused_and_unfused(model, request, tmp_path):
+    """The Triton backend (the interpreter on a CPU), 3 prompts: greedy tokens with the fused rotary + store
+    equal the unfused path's, eagerly and (Qwen3) through decode graphs (the CPU stand-in re-runs the captured
+    step)."""
+    import json
+
+    from ostinato import LLM
+    from ostinato.graphs.decode import DecodeGraphRunner
+    from ostinato.sampling_params import SamplingParams
+
+    if model == "tiny-llama":  # tests/tiny_llama.py: seeded HF weights
+        path, kw = request.getfixturevalue("tiny_llama_path"), {}
+    else:  # Qwen3's q/k norm, dummy weights
+        path = tmp_path / "qwen3.json"
+        path.write_text(json.dumps(TINY_QWEN3))
+        path, kw = str(path), {"load_format": "dummy"}
+    llm = LLM(path, device=DEVICE, dtype="float32", attention_backend="triton", max_total_tokens=1024,
+              page_size=4, max_running_requests=4, cuda_graph_bs=[4], extend_cuda_graph_max_tokens=0,
+              disable_cuda_graph=True, disable_radix_cache=True, **kw)  # eager until the graphs are attached
+    runner = llm.engine.runner
+    backend = runner.backend
+    calls = []
+    fused_call = backend.rope_store_kv
+    backend.rope_store_kv = lambda *a: calls.append(a[0]) or fused_call(*a)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=gen).tolist()} for n in (3, 9, 5)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+    backend.fuse_rope_store = False
+    unfused = tokens()
+    assert not calls
+    backend.fuse_rope_store = True
+    fused = tokens()
+    assert len(calls) == 2 * 4  # every layer of every step (1 extend + 3 decodes) took the fused kernel
+    assert fused == unfused
+    if model == "tiny-qwen3":  # and through decode graphs captured fused (on a CPU, the stand-in; one model is enough)
+        runner.graph_runner = DecodeGraphRunner(runner)
+        assert tokens() == unfused
+    llm.engine.check_memory_leak()
+    llm.shutdown()
