@@ -1,5 +1,6 @@
-"""The Triton SSM scan/step kernel against the torch twin (`ssd_scan` / `ssm_step`). Without a GPU it runs in
-Triton's interpreter at tiny shapes; with one, also at granite-4.0-h-1b's shapes in bf16 activations."""
+"""The Triton SSM kernels against the torch twin (`ssd_scan` / `ssm_step`): the token-serial scan/step kernel
+(`ssm_scan`) and the chunked SSD prefill kernel (`ssd_chunk_scan`). Without a GPU they run in Triton's
+interpreter at tiny shapes; with one, also at granite-4.0-h-1b's shapes in bf16 activations."""
 
 import os
 import shutil
@@ -44,10 +45,14 @@ def reference(conv_out, dt, A_log, D, dt_bias, state0, H, P, G, N, lens, chunk=8
     return torch.cat(ys), torch.stack(states)
 
 
-def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu):
+def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=False, **kw):
+    from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
     from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
     inter, gn = H * P, G * N
+    if ssd:
+        return ssd_chunk_scan(conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :],
+                              state, slots, A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu, **kw)
     return ssm_scan(conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :], state, slots,
                     A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
 
@@ -65,6 +70,46 @@ def test_scan_kernel_matches_torch(lens):
     torch.testing.assert_close(y, ref_y, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state[slots], ref_s, atol=1e-4, rtol=1e-4)
     assert torch.equal(state[[0, 2, 3]], untouched), "only the batch's slots are written"
+
+
+@pytest.mark.parametrize("lens,P,N,seed", [
+    ([1], 8, 8, 0),                  # one token
+    ([37], 16, 16, 1),               # 2 full chunks of 16 and a tail of 5
+    ([16, 1, 50, 9, 33], 8, 8, 2),   # a batch: exact chunk, 1 token, tails; P and N below the 16-wide blocks
+    ([5, 64, 20], 32, 8, 3),         # P over two row blocks of 16
+])
+def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed):
+    """The chunked SSD kernel (chunk 16) equals the torch reference (chunk 8: another chunking), outputs and
+    final states, from random nonzero initial states at scattered slots; the other slots are left alone."""
+    H, G = 4, 2
+    T = sum(lens)
+    conv_out, dt, A_log, D, dt_bias, state = make(T, H, P, G, N, 7, torch.float32, seed=seed)
+    slots = torch.tensor([5, 2, 6, 0, 3][: len(lens)], device=DEVICE)
+    others = [s for s in range(7) if s not in slots.tolist()]
+    ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    untouched = state[others].clone()
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=True, chunk=16, block_p=16)
+    tol = dict(atol=1e-4, rtol=1e-4) if not GPU else dict(atol=2e-2, rtol=2e-2)  # GPU: tf32 dots
+    torch.testing.assert_close(y, ref_y, **tol)
+    torch.testing.assert_close(state[slots], ref_s, **tol)
+    assert torch.equal(state[others], untouched), "only the batch's slots are written"
+
+
+def test_ssd_chunk_kernel_resumes_from_the_stored_state():
+    """A request's tokens cut in two calls (mid-chunk) give what one call gives: the state carries over."""
+    H, P, G, N, n, cut = 2, 16, 1, 16, 45, 21
+    conv_out, dt, A_log, D, dt_bias, state = make(n, H, P, G, N, 3, torch.float32, seed=9)
+    slots = torch.tensor([1], device=DEVICE)
+    whole = state.clone()
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, whole, slots, H, P, G, N,
+                   torch.tensor([0, n], dtype=torch.int32, device=DEVICE), ssd=True, chunk=16)
+    ys = []
+    for lo, hi in ((0, cut), (cut, n)):
+        ys.append(run_kernel(conv_out[lo:hi], dt[lo:hi], A_log, D, dt_bias, state, slots, H, P, G, N,
+                             torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), ssd=True, chunk=16))
+    torch.testing.assert_close(torch.cat(ys), y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, whole, atol=1e-4, rtol=1e-4)
 
 
 def test_step_kernel_matches_torch_step():

@@ -9,11 +9,14 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
   (capturable; padded rows of a graph point at the sink slot).
 Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
 
-On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA the SSM recurrence
-(prefill and decode), the decode conv step and the gated norm run in Triton kernels (`triton_ops/ssm_scan.py`,
-`conv_step.py`, `gated_rms_norm.py`); the extend conv (one gather) stays torch. The SSM
+On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA the prefill scan is the
+chunked SSD kernel (`triton_ops/ssd_scan.py`; `OSTINATO_SSM_PREFILL=serial` picks the older token-serial
+kernel, for comparison), and the decode step, the decode conv step and the gated norm run in Triton kernels
+(`triton_ops/ssm_scan.py`, `conv_step.py`, `gated_rms_norm.py`); the extend conv (one gather) stays torch. The SSM
 math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -187,11 +190,16 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         taps, new_rows, cu = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
         conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
-        if use_triton:  # one launch for every request of the batch
+        if use_triton and os.environ.get("OSTINATO_SSM_PREFILL", "ssd") == "serial":  # the old token loop
             from ostinato.layers.triton_ops.ssm_scan import ssm_scan  # lazily: see triton_ops' docstring
 
             y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
                          groups, cu)
+        elif use_triton:  # one launch for every request of the batch; the kernel's own chunk length
+            from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
+
+            y = ssd_chunk_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads,
+                               head_dim, groups, cu)
         else:  # the reference: the chunked scan, request by request
             ys, start = [], 0
             for i, n in enumerate(extend_lens):

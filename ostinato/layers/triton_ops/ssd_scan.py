@@ -1,0 +1,112 @@
+"""The Mamba2 prefill scan as a chunked SSD ("state space duality") Triton kernel, varlen over a batch.
+
+One program per (request, head, block of head_dim rows) walks its request's tokens a chunk of CHUNK tokens at a
+time (not a token at a time, as `ssm_scan`'s prefill form does), with its [BLOCK_P, N] slice of the state in
+registers (float32), read from and written back to the request's MambaPool slot. Per chunk, with
+a = cumsum(dt * A) the log-decay from the chunk start through each token:
+- y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) dt_s x_s   (intra-chunk: two matmuls, a masked [L, L] form)
+      + exp(a_l) C_l . state                            (the incoming state: one matmul)
+      + D x_l;
+- state <- exp(a_end) state + sum_s exp(a_end - a_s) dt_s x_s B_s^T   (one matmul).
+Chunks start at each request's first token, so a chunked prefill (which resumes from the stored state) gives
+what one pass gives, up to rounding. Every exponent is <= 0: no overflow. Only the chunk-to-chunk carry is
+sequential: CHUNK times fewer dependent steps than the token loop.
+
+The dots run on tensor cores: C.B^T in the activations' dtype (bf16 products are exact, the sum float32),
+the others on float32 operands at `DOT_PRECISION` (tf32 by default: ~1e-3 relative, well inside bf16's
+rounding of the activations; "ieee" for full float32). The twin and test oracle is `ssd_scan` in
+`layers/mamba2.py`.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+DOT_PRECISION = "tf32"  # for the float32-operand dots on the GPU ("ieee": exact float32, slower)
+CHUNK = 64
+
+
+@triton.jit
+def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_ptr, cu_ptr, a_ptr, d_ptr, dtb_ptr,
+                           dt_min, dt_max, stride_x, stride_dt, stride_b, stride_c, stride_y,
+                           stride_s_slot, stride_s_h, stride_s_p,
+                           HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
+                           BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    start = tl.load(cu_ptr + r)
+    end = tl.load(cu_ptr + r + 1)
+    slot = tl.load(slot_ptr + r)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, CHUNK)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :]
+    s_mask = mask_p[:, None] & mask_n[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
+    a = -tl.exp(tl.load(a_ptr + h).to(tl.float32))  # A = -exp(A_log)
+    d = tl.load(d_ptr + h).to(tl.float32)
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    g = h // HEADS_PER_GROUP
+    causal = offs_l[:, None] >= offs_l[None, :]
+    last = offs_l == CHUNK - 1
+    for c0 in range(start, end, CHUNK):
+        t = c0 + offs_l
+        mask_t = t < end
+        dt = tl.load(dt_ptr + t * stride_dt + h, mask=mask_t, other=0.0).to(tl.float32) + dtb
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))  # softplus, torch's threshold
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        dt = tl.where(mask_t, dt, 0.0)  # padded tokens: no decay, no input
+        acum = tl.cumsum(dt * a, axis=0)  # [L], non-increasing
+        a_end = tl.sum(tl.where(last, acum, 0.0), axis=0)  # padded tokens repeat the last real one
+        x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
+                    other=0.0)  # [L, BLOCK_P]
+        bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
+                     other=0.0)  # [L, BLOCK_N]
+        cm = tl.load(c_ptr + t[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
+                     other=0.0)
+        xf = x.to(tl.float32)
+        # intra-chunk: scores[l, s] = C_l.B_s exp(a_l - a_s) dt_s for s <= l
+        cb = tl.dot(cm, tl.trans(bm))  # [L, L] float32
+        decay = tl.where(causal, tl.exp(acum[:, None] - acum[None, :]), 0.0)  # s > l: dropped before use
+        scores = cb * decay * dt[None, :]
+        y = tl.dot(scores, xf, input_precision=PRECISION)  # [L, BLOCK_P]
+        # the incoming state, decayed to each token
+        cf = cm.to(tl.float32)
+        y += tl.dot(cf, tl.trans(state), input_precision=PRECISION) * tl.exp(acum)[:, None]
+        y += d * xf
+        tl.store(y_ptr + t[:, None] * stride_y + h * P + offs_p[None, :], y, mask=mask_t[:, None] & mask_p[None, :])
+        # carry: decay the state through the chunk, add each token's input decayed to the chunk's end
+        w = dt * tl.exp(a_end - acum)  # [L]
+        xw = xf * w[:, None]
+        state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm.to(tl.float32), input_precision=PRECISION)
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor,
+                   slots: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float,
+                   dt_max: float, num_heads: int, head_dim: int, groups: int, cu_seqlens: torch.Tensor,
+                   chunk: int = CHUNK, block_p: int | None = None) -> torch.Tensor:
+    """The prefill scan: x [T, H*P], dt [T, H] (raw, before bias and softplus), B/C [T, G*N] (row-strided views
+    are fine), `cu_seqlens` [R+1] (int) splitting the T tokens into R requests -> y [T, H*P] float32 with the
+    D skip; `state` [slots, H, P, N] is read and updated in place at `slots` [R]. Same contract as `ssm_scan`."""
+    T = x.shape[0]
+    N = state.shape[-1]
+    assert state.stride(-1) == 1 and x.stride(-1) == 1 and B.stride(-1) == 1 and C.stride(-1) == 1
+    assert chunk >= 16 and chunk & (chunk - 1) == 0, "chunk: a power of two >= 16 (tl.dot's minimum)"
+    y = torch.empty(T, num_heads * head_dim, dtype=torch.float32, device=x.device)
+    R = cu_seqlens.shape[0] - 1
+    if block_p is None:  # 32 rows: 96 programs for one request at granite-1b's 48 heads x 64
+        block_p = 32
+    block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
+    grid = (R, num_heads, triton.cdiv(head_dim, block_p))
+    _ssd_chunk_scan_kernel[grid](
+        x, dt, B, C, y, state, slots, cu_seqlens, A_log, D, dt_bias,
+        float(dt_min), float(dt_max), x.stride(0), dt.stride(0), B.stride(0), C.stride(0), y.stride(0),
+        state.stride(0), state.stride(1), state.stride(2),
+        HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, BLOCK_P=block_p,
+        BLOCK_N=max(16, triton.next_power_of_2(N)), CHUNK=chunk, PRECISION=DOT_PRECISION,
+    )
+    return y
