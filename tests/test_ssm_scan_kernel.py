@@ -72,18 +72,18 @@ def test_scan_kernel_matches_torch(lens):
     assert torch.equal(state[[0, 2, 3]], untouched), "only the batch's slots are written"
 
 
-@pytest.mark.parametrize("lens,P,N,seed", [
-    ([1], 8, 8, 0),                  # one token
-    ([37], 16, 16, 1),               # 2 full chunks of 16 and a tail of 5
-    ([16, 1, 50, 9, 33], 8, 8, 2),   # a batch: exact chunk, 1 token, tails; P and N below the 16-wide blocks
-    ([5, 64, 20], 32, 8, 3),         # P over two row blocks of 16
+@pytest.mark.parametrize("lens,P,N,seed,dtype", [
+    ([1], 8, 8, 0, torch.float32),                  # one token
+    ([37], 16, 16, 1, torch.float32),               # 2 full chunks of 16 and a tail of 5
+    ([16, 1, 50, 9, 33], 8, 8, 2, torch.float32),   # a batch: exact chunk, 1 token, tails; P, N under the blocks
+    ([5, 64, 20], 32, 8, 3, torch.bfloat16),        # P over two row blocks of 16; bf16 activations, as served
 ])
-def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed):
+def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype):
     """The chunked SSD kernel (chunk 16) equals the torch reference (chunk 8: another chunking), outputs and
     final states, from random nonzero initial states at scattered slots; the other slots are left alone."""
     H, G = 4, 2
     T = sum(lens)
-    conv_out, dt, A_log, D, dt_bias, state = make(T, H, P, G, N, 7, torch.float32, seed=seed)
+    conv_out, dt, A_log, D, dt_bias, state = make(T, H, P, G, N, 7, dtype, seed=seed)
     slots = torch.tensor([5, 2, 6, 0, 3][: len(lens)], device=DEVICE)
     others = [s for s in range(7) if s not in slots.tolist()]
     ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens)

@@ -12,11 +12,13 @@ Chunks start at each request's first token, so a chunked prefill (which resumes 
 what one pass gives, up to rounding. Every exponent is <= 0: no overflow. Only the chunk-to-chunk carry is
 sequential: CHUNK times fewer dependent steps than the token loop.
 
-The dots run on tensor cores: C.B^T in the activations' dtype (bf16 products are exact, the sum float32),
-the others on float32 operands at `DOT_PRECISION` (tf32 by default: ~1e-3 relative, well inside bf16's
-rounding of the activations; "ieee" for full float32). The twin and test oracle is `ssd_scan` in
-`layers/mamba2.py`.
+The dots run on tensor cores: C.B^T in the activations' dtype (bf16 products are exact, the sums float32;
+Triton's CPU interpreter gets bf16 dots wrong, so there it takes float32 copies), the others on float32
+operands at `DOT_PRECISION` (tf32 by default: ~5e-4 relative, inside the bf16 rounding of the activations;
+"ieee" for full float32). The twin and test oracle is `ssd_scan` in `layers/mamba2.py`.
 """
+
+import os
 
 import torch
 import triton
@@ -31,7 +33,8 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
                            dt_min, dt_max, stride_x, stride_dt, stride_b, stride_c, stride_y,
                            stride_s_slot, stride_s_h, stride_s_p,
                            HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
-                           BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+                           BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                           NATIVE_CB: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
@@ -69,7 +72,10 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
                      other=0.0)
         xf = x.to(tl.float32)
         # intra-chunk: scores[l, s] = C_l.B_s exp(a_l - a_s) dt_s for s <= l
-        cb = tl.dot(cm, tl.trans(bm))  # [L, L] float32
+        if NATIVE_CB:  # bf16/fp16 operands: exact products, float32 sums
+            cb = tl.dot(cm, tl.trans(bm))  # [L, L] float32
+        else:
+            cb = tl.dot(cm.to(tl.float32), tl.trans(bm.to(tl.float32)), input_precision=PRECISION)
         decay = tl.where(causal, tl.exp(acum[:, None] - acum[None, :]), 0.0)  # s > l: dropped before use
         scores = cb * decay * dt[None, :]
         y = tl.dot(scores, xf, input_precision=PRECISION)  # [L, BLOCK_P]
@@ -108,5 +114,6 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
         state.stride(0), state.stride(1), state.stride(2),
         HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, BLOCK_P=block_p,
         BLOCK_N=max(16, triton.next_power_of_2(N)), CHUNK=chunk, PRECISION=DOT_PRECISION,
+        NATIVE_CB=B.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1",
     )
     return y
