@@ -196,6 +196,31 @@ def test_conv_step_kernel_matches_torch(bias):
     assert torch.equal(state[[1, 3]], untouched)
 
 
+@pytest.mark.parametrize("bias,dtype", [(True, torch.float32), (False, torch.bfloat16)])
+def test_conv_extend_kernel_matches_torch(bias, dtype):
+    """The varlen extend conv against the torch gather conv: requests of 1 and 2 tokens (fewer than K-1: the
+    stored window shifts), longer ones, scattered slots, D past one block; outputs and the new stored inputs."""
+    from ostinato.layers.mamba2 import causal_conv_varlen, extend_conv_indices
+    from ostinato.layers.triton_ops.conv_extend import conv_extend
+
+    g = torch.Generator().manual_seed(int(bias))
+    lens, D, K = [1, 7, 2, 20], 300, 4
+    T = sum(lens)
+    xbc = torch.randn(T, D + 9, generator=g).to(DEVICE, dtype)[:, 4 : 4 + D]  # a row-strided view
+    w = (torch.randn(D, K, generator=g) * 0.5).to(DEVICE, dtype)
+    bb = torch.randn(D, generator=g).to(DEVICE, dtype) if bias else None
+    state = torch.randn(6, D, K - 1, generator=g).to(DEVICE, dtype)
+    slots = torch.tensor([4, 0, 5, 2], device=DEVICE)
+    taps, new_rows, cu = (t.to(DEVICE) for t in extend_conv_indices(lens, K))
+    ref_state = state.clone()
+    ref = causal_conv_varlen(xbc, ref_state, slots, taps, new_rows, w, bb)
+    req = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens)).to(DEVICE)
+    out = conv_extend(xbc, state, slots, cu.to(torch.int32), req, w, bb)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16: rounding
+    torch.testing.assert_close(out, ref, **tol)
+    assert torch.equal(state, ref_state), "the stored inputs are copies: exact, and only at the batch's slots"
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 def test_gated_rms_norm_kernel_matches_torch(groups):
     from ostinato.layers.mamba2 import gated_rms_norm as gated_rms_norm_torch

@@ -9,10 +9,11 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
   (capturable; padded rows of a graph point at the sink slot).
 Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
 
-On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA the prefill scan is the
-chunked SSD kernel (`triton_ops/ssd_scan.py`; `OSTINATO_SSM_PREFILL=serial` picks the older token-serial
-kernel, for comparison), and the decode step, the decode conv step and the gated norm run in Triton kernels
-(`triton_ops/ssm_scan.py`, `conv_step.py`, `gated_rms_norm.py`); the extend conv (one gather) stays torch. The SSM
+On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs the varlen
+conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.py`), a decode the conv step
+and the single-step update (`conv_step.py`, `ssm_scan.py`), both the gated norm (`gated_rms_norm.py`).
+`OSTINATO_SSM_PREFILL` picks older extend paths for comparison: `serial` (the torch gather conv and the
+token-serial scan kernel, as before the SSD kernel), `ssd-torchconv` (the gather conv and the SSD kernel). The SSM
 math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
 
@@ -135,21 +136,23 @@ def _heads(t: torch.Tensor, heads: int, groups: int, state_size: int) -> torch.T
 
 
 # ---------------------------------------------------------------------------- the op
-_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def _extend_indices(extend_lens: list[int], kernel: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them)."""
+def _extend_indices(extend_lens: list[int], kernel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them),
+    plus each token's request (int32 [T], for the Triton conv): (taps, new_rows, cu int32, token_req)."""
     key = (tuple(extend_lens), kernel, device)
     if key not in _index_cache:
         _index_cache.clear()  # one batch at a time
         taps, new_rows, cu = extend_conv_indices(extend_lens, kernel)
+        req = torch.repeat_interleave(torch.arange(len(extend_lens), dtype=torch.int32),
+                                      torch.tensor(extend_lens, dtype=torch.int64))
+        host = (taps, new_rows, cu.to(torch.int32), req)
         if device.type == "cuda":
-            host = [t.pin_memory() for t in (taps, new_rows, cu.to(torch.int32))]
-            _index_cache[key] = tuple(t.to(device, non_blocking=True) for t in host)
+            _index_cache[key] = tuple(t.pin_memory().to(device, non_blocking=True) for t in host)
         else:
-            _index_cache[key] = (taps, new_rows, cu.to(torch.int32))
+            _index_cache[key] = host
     return _index_cache[key]
 
 
@@ -187,15 +190,23 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
         y = y + D.float()[:, None] * x.float()
     else:
-        taps, new_rows, cu = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
-        conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
+        taps, new_rows, cu, token_req = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
+        kernels = os.environ.get("OSTINATO_SSM_PREFILL", "ssd") if use_triton else "torch"
+        if kernels not in ("ssd", "ssd-torchconv", "serial", "torch"):
+            raise ValueError(f"OSTINATO_SSM_PREFILL={kernels!r}: one of ssd, ssd-torchconv, serial, torch")
+        if kernels == "ssd":  # the conv and the scan in Triton, each one launch for the whole batch
+            from ostinato.layers.triton_ops.conv_extend import conv_extend  # lazily: see triton_ops' docstring
+
+            conv_out = conv_extend(xbc, conv_state, slots, cu, token_req, conv_weight, conv_bias)
+        else:  # the torch gather conv: the reference, and the older GPU path
+            conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
-        if use_triton and os.environ.get("OSTINATO_SSM_PREFILL", "ssd") == "serial":  # the old token loop
-            from ostinato.layers.triton_ops.ssm_scan import ssm_scan  # lazily: see triton_ops' docstring
+        if kernels == "serial":  # the older token-serial scan kernel
+            from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
             y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
                          groups, cu)
-        elif use_triton:  # one launch for every request of the batch; the kernel's own chunk length
+        elif kernels != "torch":  # "ssd" / "ssd-torchconv": the chunked SSD kernel, its own chunk length
             from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
 
             y = ssd_chunk_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads,
