@@ -76,7 +76,7 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
             cb = tl.dot(cm, tl.trans(bm))  # [L, L] float32
         else:
             cb = tl.dot(cm.to(tl.float32), tl.trans(bm.to(tl.float32)), input_precision=PRECISION)
-        decay = tl.where(causal, tl.exp(acum[:, None] - acum[None, :]), 0.0)  # s > l: dropped before use
+        decay = tl.where(causal, tl.exp(tl.minimum(acum[:, None] - acum[None, :], 0.0)), 0.0)
         scores = cb * decay * dt[None, :]
         y = tl.dot(scores, xf, input_precision=PRECISION)  # [L, BLOCK_P]
         # the incoming state, decayed to each token
@@ -94,10 +94,12 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor,
                    slots: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float,
                    dt_max: float, num_heads: int, head_dim: int, groups: int, cu_seqlens: torch.Tensor,
-                   chunk: int = CHUNK, block_p: int | None = None) -> torch.Tensor:
+                   chunk: int = CHUNK, block_p: int | None = None, num_warps: int = 4,
+                   num_stages: int | None = None) -> torch.Tensor:
     """The prefill scan: x [T, H*P], dt [T, H] (raw, before bias and softplus), B/C [T, G*N] (row-strided views
     are fine), `cu_seqlens` [R+1] (int) splitting the T tokens into R requests -> y [T, H*P] float32 with the
-    D skip; `state` [slots, H, P, N] is read and updated in place at `slots` [R]. Same contract as `ssm_scan`."""
+    D skip; `state` [slots, H, P, N] is read and updated in place at `slots` [R]. Same contract as `ssm_scan`.
+    chunk / block_p / num_warps / num_stages: tuning knobs (benchmarks/bench_ssd_scan.py sweeps them)."""
     T = x.shape[0]
     N = state.shape[-1]
     assert state.stride(-1) == 1 and x.stride(-1) == 1 and B.stride(-1) == 1 and C.stride(-1) == 1
@@ -115,5 +117,6 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
         HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, BLOCK_P=block_p,
         BLOCK_N=max(16, triton.next_power_of_2(N)), CHUNK=chunk, PRECISION=DOT_PRECISION,
         NATIVE_CB=B.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return y
