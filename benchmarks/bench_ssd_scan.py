@@ -1,23 +1,25 @@
 """The Mamba2 extend pieces of one granite-4.0-h-1b layer (48 heads x 64, state 128, 1 group, conv 4, bf16
 activations), in us per call (triton.testing.do_bench): the token-serial scan kernel (`ssm_scan`) against the
-chunked SSD kernel (`ssd_chunk_scan`, default config, then a sweep of chunk / block_p / num_warps), the
+chunked SSD kernels (`ssd_chunk_scan` fused and `ssd_chunk_scan_2pass`, default configs, then a sweep of
+chunk / block_p / block_n / num_warps for 1 request), the
 torch gather conv against the Triton varlen conv, and the gated norm. `x36` is the per-forward figure
 (36 Mamba layers). `err` is max |y - y_serial| / max |y_serial| from the same starting state.
 
-python benchmarks/bench_ssd_scan.py [--no-sweep] [--out PATH]      # ~1 min on an H200
+python benchmarks/bench_ssd_scan.py [--no-sweep] [--out PATH]      # ~2 min on an H200 (--no-sweep: seconds)
 """
 
 import argparse
+import functools
 import itertools
 
 import torch
 import triton.testing
 from common import RESULTS, device_tag, write_report
 
-from ostinato.layers.mamba2 import _extend_indices, causal_conv_varlen
+from ostinato.layers.mamba2 import _extend_indices, causal_conv_varlen, ssd_chunk_table
 from ostinato.layers.triton_ops.conv_extend import conv_extend
 from ostinato.layers.triton_ops.gated_rms_norm import gated_rms_norm
-from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
+from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan, ssd_chunk_scan_2pass
 from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
 H, P, G, N, K, LAYERS = 48, 64, 1, 128, 4, 36
@@ -45,7 +47,7 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
     conv0 = torch.randn(R + 1, conv_dim, K - 1, generator=g).to(dev, torch.bfloat16)
     state0 = (0.1 * torch.randn(R + 1, H, P, N, generator=g)).to(dev)
     slots = torch.arange(1, R + 1, device=dev)
-    taps, new_rows, cu, req = _extend_indices(lens, K, dev)
+    taps, new_rows, cu, req, *_ = _extend_indices(lens, K, dev)
 
     conv = conv0.clone()
     row(case, "conv: torch gather", us(lambda: causal_conv_varlen(xbc, conv, slots, taps, new_rows, conv_w, conv_b)))
@@ -58,19 +60,26 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
     scale = y_ref.abs().max().item()
     state = state0.clone()
     row(case, "scan: serial (ssm_scan)", us(lambda: ssm_scan(x, dt, Bm, Cm, state, slots, *args, cu)))
-    configs = [dict()]
+    configs = [("fused", dict()), ("2pass", dict())]
     if sweep:
-        configs += [dict(chunk=c, block_p=b, num_warps=w)
+        configs += [("fused", dict(chunk=c, block_p=b, num_warps=w))
                     for c, b, w in itertools.product([32, 64, 128], [16, 32, 64], [4, 8])]
-    for cfg in configs:
+        configs += [("2pass", dict(chunk=c, block_p=b, block_n=n, num_warps=w))
+                    for c, b, n, w in itertools.product([64, 128], [32, 64], [32, 64], [4, 8])]
+    for mode, cfg in configs:
+        if mode == "fused":
+            fn = functools.partial(ssd_chunk_scan, **cfg)
+        else:
+            chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, cfg.get("chunk", 64)))
+            fn = functools.partial(ssd_chunk_scan_2pass, chunks=chunks, **cfg)
         try:
-            y = ssd_chunk_scan(x, dt, Bm, Cm, state0.clone(), slots, *args, cu, **cfg)
+            y = fn(x, dt, Bm, Cm, state0.clone(), slots, *args, cu)
             err = (y - y_ref).abs().max().item() / scale
-            t = us(lambda cfg=cfg: ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args, cu, **cfg))
+            t = us(lambda fn=fn: fn(x, dt, Bm, Cm, state, slots, *args, cu))
         except Exception as e:  # a config past the registers / shared memory: say so, go on
-            print(f"{case:>7} ssd {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            print(f"{case:>7} ssd {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
             continue
-        name = "scan: ssd " + (" ".join(f"{k}={v}" for k, v in cfg.items()) or "(default)")
+        name = f"scan: ssd {mode} " + (" ".join(f"{k}={v}" for k, v in cfg.items()) or "(default)")
         row(case, name, t, err=f"{err:.1e}")
     y = y_ref.clone()
     row(case, "gated norm", us(lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16)))

@@ -58,13 +58,14 @@ def test_chunked_prefill_continues_the_state(granite):
     assert cut[:4] == whole[:4]
 
 
+@pytest.mark.parametrize("mode", ["fused", "2pass"])
 @pytest.mark.parametrize("P", [64, 32])  # granite-4.0-h-1b's and -350m's head_dim (48 heads, state 128, 1 group)
 @pytest.mark.parametrize("lens", [[2048], [300, 17, 1024, 1, 64, 129]])
-def test_ssd_chunk_kernel_at_granite_shapes(P, lens):
-    """The chunked SSD prefill kernel against the float32 torch `ssd_scan` (chunk 256, as the config says),
-    bf16 activations, nonzero initial states at scattered slots: outputs and final states."""
-    from ostinato.layers.mamba2 import _heads, discretize_dt, ssd_scan
-    from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
+def test_ssd_chunk_kernel_at_granite_shapes(P, lens, mode):
+    """The chunked SSD prefill kernels (fused and two-pass) against the float32 torch `ssd_scan` (chunk 256, as
+    the config says), bf16 activations, nonzero initial states at scattered slots: outputs and final states."""
+    from ostinato.layers.mamba2 import _heads, discretize_dt, ssd_chunk_table, ssd_scan
+    from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan, ssd_chunk_scan_2pass
 
     H, G, N, T = 48, 1, 128, sum(lens)
     g = torch.Generator().manual_seed(T + P)
@@ -89,7 +90,11 @@ def test_ssd_chunk_kernel_at_granite_shapes(P, lens):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     others = [s for s in range(10) if s not in slots.tolist()]
     untouched = state[others].clone()
-    y = ssd_chunk_scan(x, dt, B, C, state, slots, A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
+    args = (x, dt, B, C, state, slots, A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
+    if mode == "fused":
+        y = ssd_chunk_scan(*args)
+    else:
+        y = ssd_chunk_scan_2pass(*args, tuple(t.cuda() for t in ssd_chunk_table(lens)))
     torch.cuda.synchronize()
     assert torch.equal(state[others], untouched)
     # the same bf16 inputs, float32 math in both; the kernel's dots round their float32 operands to tf32

@@ -45,14 +45,21 @@ def reference(conv_out, dt, A_log, D, dt_bias, state0, H, P, G, N, lens, chunk=8
     return torch.cat(ys), torch.stack(states)
 
 
-def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=False, **kw):
-    from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
+def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=None, **kw):
+    """ssd: None (the token-serial kernel), "fused" or "2pass" (the chunked SSD kernels)."""
+    from ostinato.layers.mamba2 import ssd_chunk_table
+    from ostinato.layers.triton_ops.ssd_scan import CHUNK, ssd_chunk_scan, ssd_chunk_scan_2pass
     from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
     inter, gn = H * P, G * N
-    if ssd:
-        return ssd_chunk_scan(conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :],
-                              state, slots, A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu, **kw)
+    args = (conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :], state, slots,
+            A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
+    if ssd == "fused":
+        return ssd_chunk_scan(*args, **kw)
+    if ssd == "2pass":
+        lens = cu.diff().tolist()
+        chunks = tuple(t.to(DEVICE) for t in ssd_chunk_table(lens, kw.get("chunk", CHUNK)))
+        return ssd_chunk_scan_2pass(*args, chunks, **kw)
     return ssm_scan(conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :], state, slots,
                     A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
 
@@ -74,11 +81,12 @@ def test_scan_kernel_matches_torch(lens):
 
 @pytest.mark.parametrize("lens,P,N,seed,dtype", [
     ([1], 8, 8, 0, torch.float32),                  # one token
-    ([37], 16, 16, 1, torch.float32),               # 2 full chunks of 16 and a tail of 5
+    ([37], 16, 32, 1, torch.float32),               # 2 full chunks of 16 and a tail of 5; 2pass: N in 2 blocks
     ([16, 1, 50, 9, 33], 8, 8, 2, torch.float32),   # a batch: exact chunk, 1 token, tails; P, N under the blocks
     ([5, 64, 20], 32, 8, 3, torch.bfloat16),        # P over two row blocks of 16; bf16 activations, as served
 ])
-def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype):
+@pytest.mark.parametrize("mode", ["fused", "2pass"])
+def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, mode):
     """The chunked SSD kernel (chunk 16) equals the torch reference (chunk 8: another chunking), outputs and
     final states, from random nonzero initial states at scattered slots; the other slots are left alone."""
     H, G = 4, 2
@@ -89,25 +97,28 @@ def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype):
     ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     untouched = state[others].clone()
-    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=True, chunk=16, block_p=16)
+    kw = dict(block_n=16) if mode == "2pass" else {}  # the state pass splits N into blocks of 16
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=mode, chunk=16, block_p=16,
+                   **kw)
     tol = dict(atol=1e-4, rtol=1e-4) if not GPU else dict(atol=2e-2, rtol=2e-2)  # GPU: tf32 dots
     torch.testing.assert_close(y, ref_y, **tol)
     torch.testing.assert_close(state[slots], ref_s, **tol)
     assert torch.equal(state[others], untouched), "only the batch's slots are written"
 
 
-def test_ssd_chunk_kernel_resumes_from_the_stored_state():
+@pytest.mark.parametrize("mode", ["fused", "2pass"])
+def test_ssd_chunk_kernel_resumes_from_the_stored_state(mode):
     """A request's tokens cut in two calls (mid-chunk) give what one call gives: the state carries over."""
     H, P, G, N, n, cut = 2, 16, 1, 16, 45, 21
     conv_out, dt, A_log, D, dt_bias, state = make(n, H, P, G, N, 3, torch.float32, seed=9)
     slots = torch.tensor([1], device=DEVICE)
     whole = state.clone()
     y = run_kernel(conv_out, dt, A_log, D, dt_bias, whole, slots, H, P, G, N,
-                   torch.tensor([0, n], dtype=torch.int32, device=DEVICE), ssd=True, chunk=16)
+                   torch.tensor([0, n], dtype=torch.int32, device=DEVICE), ssd=mode, chunk=16)
     ys = []
     for lo, hi in ((0, cut), (cut, n)):
         ys.append(run_kernel(conv_out[lo:hi], dt[lo:hi], A_log, D, dt_bias, state, slots, H, P, G, N,
-                             torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), ssd=True, chunk=16))
+                             torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), ssd=mode, chunk=16))
     torch.testing.assert_close(torch.cat(ys), y, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state, whole, atol=1e-4, rtol=1e-4)
 
@@ -145,10 +156,14 @@ def test_kernel_at_granite_1b_shapes_bf16(lens):
         assert torch.isfinite(y1).all()
 
 
-@pytest.mark.parametrize("extend_lens", [None, [5, 1, 12]])
-def test_mixer_with_kernel_equals_torch_mixer(extend_lens):
-    """The whole mixer (conv, SSM, gated norm, state writes at the slots) with and without the kernel."""
+@pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([5, 1, 12], "ssd"), ([70, 1, 2], "ssd-2pass"),
+                                                 ([70, 1, 2], "ssd-torchconv"), ([5, 1, 12], "serial")])
+def test_mixer_with_kernel_equals_torch_mixer(extend_lens, kernels, monkeypatch):
+    """The whole mixer (conv, SSM, gated norm, state writes at the slots) with and without the kernels, each
+    extend path that OSTINATO_SSM_PREFILL picks (a 70-token request spans two SSD chunks)."""
     from ostinato.layers.mamba2 import mamba_mixer_forward
+
+    monkeypatch.setenv("OSTINATO_SSM_PREFILL", kernels)
 
     H, P, G, N, K = 4, 8, 2, 8, 4
     conv_dim = H * P + 2 * G * N

@@ -12,11 +12,15 @@ Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS`
 On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs the varlen
 conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.py`), a decode the conv step
 and the single-step update (`conv_step.py`, `ssm_scan.py`), both the gated norm (`gated_rms_norm.py`).
-`OSTINATO_SSM_PREFILL` picks older extend paths for comparison: `serial` (the torch gather conv and the
-token-serial scan kernel, as before the SSD kernel), `ssd-torchconv` (the gather conv and the SSD kernel). The SSM
+The SSD scan has two forms: fused (one program per request, head and row block walks the chunks: one launch)
+and two-pass (the state carry, then every chunk's outputs in parallel: fills the GPU for a few long
+requests); `ssd` picks by the batch's size. `OSTINATO_SSM_PREFILL` forces one for comparison: `ssd-fused`,
+`ssd-2pass`, `ssd-torchconv` (the torch gather conv, then `ssd`), `serial` (the torch gather conv and the
+token-serial scan kernel: the path before the SSD kernels). The SSM
 math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
 
+import functools
 import os
 
 import torch
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 
 MAMBA_OP_NAME = "ostinato::mamba_mixer"
 MAMBA_SPLIT_OPS = [MAMBA_OP_NAME]  # for the piecewise-graph splitter: ops whose state lives outside the graph
+SSD_CHUNK = 64  # the Triton SSD kernels' chunk length (the torch reference takes the config's)
 
 
 # ---------------------------------------------------------------------------- torch reference pieces
@@ -78,6 +83,19 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     if bias is not None:
         out = out + bias
     return F.silu(out), window[:, :, 1:]
+
+
+def ssd_chunk_table(extend_lens: list[int], chunk: int = SSD_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host int32 chunk metadata of a batch for the two-pass scan: each chunk's request [C] and first token [C],
+    and each request's first chunk [R+1] (a request of n tokens has ceil(n / chunk) chunks)."""
+    counts = torch.tensor([-(-n // chunk) for n in extend_lens], dtype=torch.int64)
+    chunk_cu = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
+    chunk_cu[1:] = torch.cumsum(counts, 0)
+    cu = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(torch.tensor(extend_lens, dtype=torch.int64), 0)
+    req = torch.repeat_interleave(torch.arange(len(extend_lens)), counts)
+    start = cu[req] + (torch.arange(int(chunk_cu[-1])) - chunk_cu[req]) * chunk
+    return req.to(torch.int32), start.to(torch.int32), chunk_cu.to(torch.int32)
 
 
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
@@ -141,19 +159,28 @@ _index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 def _extend_indices(extend_lens: list[int], kernel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them),
-    plus each token's request (int32 [T], for the Triton conv): (taps, new_rows, cu int32, token_req)."""
+    plus each token's request (int32 [T], for the Triton conv) and the two-pass SSD scan's chunk table:
+    (taps, new_rows, cu int32, token_req, chunk_req, chunk_start, chunk_cu)."""
     key = (tuple(extend_lens), kernel, device)
     if key not in _index_cache:
         _index_cache.clear()  # one batch at a time
         taps, new_rows, cu = extend_conv_indices(extend_lens, kernel)
         req = torch.repeat_interleave(torch.arange(len(extend_lens), dtype=torch.int32),
                                       torch.tensor(extend_lens, dtype=torch.int64))
-        host = (taps, new_rows, cu.to(torch.int32), req)
+        host = (taps, new_rows, cu.to(torch.int32), req, *ssd_chunk_table(extend_lens))
         if device.type == "cuda":
             _index_cache[key] = tuple(t.pin_memory().to(device, non_blocking=True) for t in host)
         else:
             _index_cache[key] = host
     return _index_cache[key]
+
+
+_SSM_PREFILL = ("ssd", "ssd-fused", "ssd-2pass", "ssd-torchconv", "serial", "torch")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _batch():
@@ -190,27 +217,34 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
         y = y + D.float()[:, None] * x.float()
     else:
-        taps, new_rows, cu, token_req = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
+        taps, new_rows, cu, token_req, *chunks = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
         kernels = os.environ.get("OSTINATO_SSM_PREFILL", "ssd") if use_triton else "torch"
-        if kernels not in ("ssd", "ssd-torchconv", "serial", "torch"):
-            raise ValueError(f"OSTINATO_SSM_PREFILL={kernels!r}: one of ssd, ssd-torchconv, serial, torch")
-        if kernels == "ssd":  # the conv and the scan in Triton, each one launch for the whole batch
+        if kernels not in _SSM_PREFILL:
+            raise ValueError(f"OSTINATO_SSM_PREFILL={kernels!r}: one of {', '.join(_SSM_PREFILL)}")
+        if kernels in ("ssd-torchconv", "serial", "torch"):  # the torch gather conv: the reference, the older path
+            conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
+        else:  # one Triton launch (and a small one for the stored inputs) for the whole batch
             from ostinato.layers.triton_ops.conv_extend import conv_extend  # lazily: see triton_ops' docstring
 
             conv_out = conv_extend(xbc, conv_state, slots, cu, token_req, conv_weight, conv_bias)
-        else:  # the torch gather conv: the reference, and the older GPU path
-            conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
+        scan_args = (x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim, groups,
+                     cu)
+        if kernels in ("ssd", "ssd-torchconv"):  # the fused kernel unless it would leave most SMs idle
+            fused_programs = len(extend_lens) * num_heads * -(-head_dim // 32)
+            kernels = "ssd-fused" if fused_programs >= 2 * _num_sms(zxbcdt.device) else "ssd-2pass"
         if kernels == "serial":  # the older token-serial scan kernel
             from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
-            y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
-                         groups, cu)
-        elif kernels != "torch":  # "ssd" / "ssd-torchconv": the chunked SSD kernel, its own chunk length
+            y = ssm_scan(*scan_args)
+        elif kernels == "ssd-fused":
             from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
 
-            y = ssd_chunk_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads,
-                               head_dim, groups, cu)
+            y = ssd_chunk_scan(*scan_args, chunk=SSD_CHUNK)
+        elif kernels == "ssd-2pass":
+            from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan_2pass
+
+            y = ssd_chunk_scan_2pass(*scan_args, chunks, chunk=SSD_CHUNK)
         else:  # the reference: the chunked scan, request by request
             ys, start = [], 0
             for i, n in enumerate(extend_lens):

@@ -25,7 +25,33 @@ import triton
 import triton.language as tl
 
 DOT_PRECISION = "tf32"  # for the float32-operand dots on the GPU ("ieee": exact float32, slower)
-CHUNK = 64
+CHUNK = 64  # = layers.mamba2.SSD_CHUNK, whose chunk table the two-pass form takes
+
+
+@triton.jit
+def _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK: tl.constexpr):
+    """A chunk's discretized dt [L] (0 past the request's end: no decay, no input), a = cumsum(dt * A) [L]
+    (non-increasing) and its last value a_end (padded tokens repeat the last real one)."""
+    dt = tl.load(dt_ptr + t * stride_dt + h, mask=mask_t, other=0.0).to(tl.float32) + dtb
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))  # softplus, torch's threshold
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    dt = tl.where(mask_t, dt, 0.0)
+    acum = tl.cumsum(dt * a, axis=0)
+    a_end = tl.sum(tl.where(tl.arange(0, CHUNK) == CHUNK - 1, acum, 0.0), axis=0)
+    return dt, acum, a_end
+
+
+@triton.jit
+def _chunk_intra(cm, bm, xf, dt, acum, CHUNK: tl.constexpr, PRECISION: tl.constexpr, NATIVE_CB: tl.constexpr):
+    """The intra-chunk output [L, BLOCK_P]: sum_{s<=l} (C_l.B_s) exp(a_l - a_s) dt_s x_s."""
+    offs_l = tl.arange(0, CHUNK)
+    if NATIVE_CB:  # bf16/fp16 operands: exact products, float32 sums
+        cb = tl.dot(cm, tl.trans(bm))  # [L, L] float32
+    else:
+        cb = tl.dot(cm.to(tl.float32), tl.trans(bm.to(tl.float32)), input_precision=PRECISION)
+    causal = offs_l[:, None] >= offs_l[None, :]
+    decay = tl.where(causal, tl.exp(tl.minimum(acum[:, None] - acum[None, :], 0.0)), 0.0)
+    return tl.dot(cb * decay * dt[None, :], xf, input_precision=PRECISION)
 
 
 @triton.jit
@@ -35,12 +61,13 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
                            HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
                            BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
                            NATIVE_CB: tl.constexpr):
+    """Fused: one program per (request, head, row block) walks the request's chunks in order."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
     start = tl.load(cu_ptr + r)
     end = tl.load(cu_ptr + r + 1)
-    slot = tl.load(slot_ptr + r)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, CHUNK)
@@ -53,17 +80,10 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
     d = tl.load(d_ptr + h).to(tl.float32)
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     g = h // HEADS_PER_GROUP
-    causal = offs_l[:, None] >= offs_l[None, :]
-    last = offs_l == CHUNK - 1
     for c0 in range(start, end, CHUNK):
         t = c0 + offs_l
         mask_t = t < end
-        dt = tl.load(dt_ptr + t * stride_dt + h, mask=mask_t, other=0.0).to(tl.float32) + dtb
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))  # softplus, torch's threshold
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        dt = tl.where(mask_t, dt, 0.0)  # padded tokens: no decay, no input
-        acum = tl.cumsum(dt * a, axis=0)  # [L], non-increasing
-        a_end = tl.sum(tl.where(last, acum, 0.0), axis=0)  # padded tokens repeat the last real one
+        dt, acum, a_end = _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK)
         x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
                     other=0.0)  # [L, BLOCK_P]
         bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
@@ -71,24 +91,98 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
         cm = tl.load(c_ptr + t[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
                      other=0.0)
         xf = x.to(tl.float32)
-        # intra-chunk: scores[l, s] = C_l.B_s exp(a_l - a_s) dt_s for s <= l
-        if NATIVE_CB:  # bf16/fp16 operands: exact products, float32 sums
-            cb = tl.dot(cm, tl.trans(bm))  # [L, L] float32
-        else:
-            cb = tl.dot(cm.to(tl.float32), tl.trans(bm.to(tl.float32)), input_precision=PRECISION)
-        decay = tl.where(causal, tl.exp(tl.minimum(acum[:, None] - acum[None, :], 0.0)), 0.0)
-        scores = cb * decay * dt[None, :]
-        y = tl.dot(scores, xf, input_precision=PRECISION)  # [L, BLOCK_P]
+        y = _chunk_intra(cm, bm, xf, dt, acum, CHUNK, PRECISION, NATIVE_CB)
         # the incoming state, decayed to each token
-        cf = cm.to(tl.float32)
-        y += tl.dot(cf, tl.trans(state), input_precision=PRECISION) * tl.exp(acum)[:, None]
+        y += tl.dot(cm.to(tl.float32), tl.trans(state), input_precision=PRECISION) * tl.exp(acum)[:, None]
         y += d * xf
         tl.store(y_ptr + t[:, None] * stride_y + h * P + offs_p[None, :], y, mask=mask_t[:, None] & mask_p[None, :])
         # carry: decay the state through the chunk, add each token's input decayed to the chunk's end
-        w = dt * tl.exp(a_end - acum)  # [L]
-        xw = xf * w[:, None]
+        xw = xf * (dt * tl.exp(a_end - acum))[:, None]
         state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm.to(tl.float32), input_precision=PRECISION)
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+@triton.jit
+def _ssd_states_kernel(x_ptr, dt_ptr, b_ptr, ws_ptr, state_ptr, slot_ptr, cu_ptr, chunk_cu_ptr, a_ptr, dtb_ptr,
+                       dt_min, dt_max, stride_x, stride_dt, stride_b, stride_s_slot, stride_s_h, stride_s_p,
+                       H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """Two-pass, pass 1: one program per (request, head, row block, column block) carries the state through the
+    request's chunks (one matmul each) and stores each chunk's incoming state in the workspace ws
+    [chunks, H, P, N] (float32); the final state goes back to the slot."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2) // tl.cdiv(N, BLOCK_N)
+    nb = tl.program_id(2) % tl.cdiv(N, BLOCK_N)
+    start = tl.load(cu_ptr + r)
+    end = tl.load(cu_ptr + r + 1)
+    k = tl.load(chunk_cu_ptr + r).to(tl.int64)  # the request's first chunk in ws
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, CHUNK)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    s_mask = mask_p[:, None] & mask_n[None, :]
+    s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :]
+    ws_ptrs = ws_ptr + h * (P * N) + offs_p[:, None] * N + offs_n[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    a = -tl.exp(tl.load(a_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    g = h // HEADS_PER_GROUP
+    for c0 in range(start, end, CHUNK):
+        tl.store(ws_ptrs + k * (H * P * N), state, mask=s_mask)
+        t = c0 + offs_l
+        mask_t = t < end
+        dt, acum, a_end = _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK)
+        x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
+                    other=0.0).to(tl.float32)
+        bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
+                     other=0.0).to(tl.float32)
+        xw = x * (dt * tl.exp(a_end - acum))[:, None]
+        state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm, input_precision=PRECISION)
+        k += 1
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+@triton.jit
+def _ssd_outputs_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, ws_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr, a_ptr,
+                        d_ptr, dtb_ptr, dt_min, dt_max, stride_x, stride_dt, stride_b, stride_c, stride_y,
+                        H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                        NATIVE_CB: tl.constexpr):
+    """Two-pass, pass 2: one program per (chunk, head, row block), all independent: the intra-chunk output plus
+    the chunk's incoming state (from pass 1) decayed to each token, plus D x."""
+    k = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    r = tl.load(chunk_req_ptr + k)
+    c0 = tl.load(chunk_start_ptr + k)
+    end = tl.load(cu_ptr + r + 1)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    t = c0 + tl.arange(0, CHUNK)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    mask_t = t < end
+    a = -tl.exp(tl.load(a_ptr + h).to(tl.float32))
+    d = tl.load(d_ptr + h).to(tl.float32)
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    g = h // HEADS_PER_GROUP
+    dt, acum, a_end = _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK)
+    x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
+                other=0.0)
+    bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
+                 other=0.0)
+    cm = tl.load(c_ptr + t[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
+                 other=0.0)
+    xf = x.to(tl.float32)
+    y = _chunk_intra(cm, bm, xf, dt, acum, CHUNK, PRECISION, NATIVE_CB)
+    s_in = tl.load(ws_ptr + k.to(tl.int64) * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :],
+                   mask=mask_p[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_P, BLOCK_N]
+    y += tl.dot(cm.to(tl.float32), tl.trans(s_in), input_precision=PRECISION) * tl.exp(acum)[:, None]
+    y += d * xf
+    tl.store(y_ptr + t[:, None] * stride_y + h * P + offs_p[None, :], y, mask=mask_t[:, None] & mask_p[None, :])
 
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor,
@@ -119,4 +213,42 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
         NATIVE_CB=B.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
+    return y
+
+
+def ssd_chunk_scan_2pass(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor,
+                         slots: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                         dt_min: float, dt_max: float, num_heads: int, head_dim: int, groups: int,
+                         cu_seqlens: torch.Tensor, chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         chunk: int = CHUNK, block_p: int = 32, block_n: int = 64, num_warps: int = 4
+                         ) -> torch.Tensor:
+    """`ssd_chunk_scan` in two launches, for few long requests (where one program per request and head leaves
+    most of the GPU idle): pass 1 carries the state through each request's chunks, the only sequential part
+    (one matmul per chunk, parallel over row and column blocks), storing each chunk's incoming state in a
+    float32 workspace [chunks, H, P, N] (50 MB for 2,048 tokens at granite-1b's shape); pass 2 computes every
+    chunk's outputs in parallel. `chunks`: `layers.mamba2.ssd_chunk_table(extend_lens, chunk)` on the device."""
+    T = x.shape[0]
+    N = state.shape[-1]
+    assert state.stride(-1) == 1 and x.stride(-1) == 1 and B.stride(-1) == 1 and C.stride(-1) == 1
+    assert chunk >= 16 and chunk & (chunk - 1) == 0, "chunk: a power of two >= 16 (tl.dot's minimum)"
+    chunk_req, chunk_start, chunk_cu = chunks
+    y = torch.empty(T, num_heads * head_dim, dtype=torch.float32, device=x.device)
+    ws = torch.empty(chunk_req.shape[0], num_heads, head_dim, N, dtype=torch.float32, device=x.device)
+    R = cu_seqlens.shape[0] - 1
+    block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
+    block_n = max(16, min(block_n, triton.next_power_of_2(N)))
+    common = dict(H=num_heads, HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, BLOCK_P=block_p, CHUNK=chunk,
+                  PRECISION=DOT_PRECISION, num_warps=num_warps)
+    _ssd_states_kernel[(R, num_heads, triton.cdiv(head_dim, block_p) * triton.cdiv(N, block_n))](
+        x, dt, B, ws, state, slots, cu_seqlens, chunk_cu, A_log, dt_bias, float(dt_min), float(dt_max),
+        x.stride(0), dt.stride(0), B.stride(0), state.stride(0), state.stride(1), state.stride(2),
+        BLOCK_N=block_n, **common,
+    )
+    if chunk_req.shape[0]:
+        _ssd_outputs_kernel[(chunk_req.shape[0], num_heads, triton.cdiv(head_dim, block_p))](
+            x, dt, B, C, y, ws, cu_seqlens, chunk_req, chunk_start, A_log, D, dt_bias, float(dt_min), float(dt_max),
+            x.stride(0), dt.stride(0), B.stride(0), C.stride(0), y.stride(0),
+            BLOCK_N=max(16, triton.next_power_of_2(N)), **common,
+            NATIVE_CB=B.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1",
+        )
     return y
