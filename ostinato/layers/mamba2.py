@@ -198,7 +198,6 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
     `use_triton`: the SSM recurrence, the decode conv step and the gated norm run in Triton kernels."""
     inter = num_heads * head_dim
     z, xbc, dt = zxbcdt.split([inter, conv_state.shape[1], num_heads], dim=-1)
-    A = -torch.exp(A_log.float())
     gn = groups * state_size
     heads = (num_heads, groups, state_size)
     if extend_lens is None and use_triton:
@@ -212,8 +211,8 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
         x = x.reshape(x.shape[0], num_heads, head_dim)
-        y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), A, _heads(Bm, *heads),
-                                _heads(Cm, *heads), ssm_state[slots])
+        y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), -torch.exp(A_log.float()),
+                                _heads(Bm, *heads), _heads(Cm, *heads), ssm_state[slots])
         ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
         y = y + D.float()[:, None] * x.float()
     else:
@@ -246,6 +245,7 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
 
             y = ssd_chunk_scan_2pass(*scan_args, chunks, chunk=SSD_CHUNK)
         else:  # the reference: the chunked scan, request by request
+            A = -torch.exp(A_log.float())
             ys, start = [], 0
             for i, n in enumerate(extend_lens):
                 s = slots[i : i + 1]  # a 1-element index tensor: no device->host read of the slot
