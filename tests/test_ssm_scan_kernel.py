@@ -251,11 +251,13 @@ def test_gated_rms_norm_kernel_matches_torch(groups):
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("extend_lens", [None, [700, 3, 260]])
-def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens):
+@pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([700, 3, 260], "ssd-fused"),
+                                                 ([700, 3, 260], "ssd-2pass"), ([2048], "ssd")])
+def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens, kernels, monkeypatch):
     """The whole mixer, Triton kernels against the torch path, bf16 activations, granite-4.0-h-1b shapes."""
     from ostinato.layers.mamba2 import mamba_mixer_forward
 
+    monkeypatch.setenv("OSTINATO_SSM_PREFILL", kernels)
     H, P, G, N, K, dt = 48, 64, 1, 128, 4, torch.bfloat16
     conv_dim = H * P + 2 * G * N
     T = 32 if extend_lens is None else sum(extend_lens)
