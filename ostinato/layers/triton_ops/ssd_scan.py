@@ -91,14 +91,14 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
         cm = tl.load(c_ptr + t[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
                      other=0.0)
         xf = x.to(tl.float32)
-        y = _chunk_intra(cm, bm, xf, dt, acum, CHUNK, PRECISION, NATIVE_CB)
-        # the incoming state, decayed to each token
-        y += tl.dot(cm.to(tl.float32), tl.trans(state), input_precision=PRECISION) * tl.exp(acum)[:, None]
+        # the incoming state decayed to each token, then the carry (the old state dies here: this order spills
+        # less, ptxas for sm_90), then the intra-chunk part
+        y = tl.dot(cm.to(tl.float32), tl.trans(state), input_precision=PRECISION) * tl.exp(acum)[:, None]
+        xw = xf * (dt * tl.exp(a_end - acum))[:, None]  # each token's input decayed to the chunk's end
+        state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm.to(tl.float32), input_precision=PRECISION)
+        y += _chunk_intra(cm, bm, xf, dt, acum, CHUNK, PRECISION, NATIVE_CB)
         y += d * xf
         tl.store(y_ptr + t[:, None] * stride_y + h * P + offs_p[None, :], y, mask=mask_t[:, None] & mask_p[None, :])
-        # carry: decay the state through the chunk, add each token's input decayed to the chunk's end
-        xw = xf * (dt * tl.exp(a_end - acum))[:, None]
-        state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm.to(tl.float32), input_precision=PRECISION)
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
 
 
@@ -188,7 +188,7 @@ def _ssd_outputs_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, ws_ptr, cu_ptr, chun
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor,
                    slots: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float,
                    dt_max: float, num_heads: int, head_dim: int, groups: int, cu_seqlens: torch.Tensor,
-                   chunk: int = CHUNK, block_p: int | None = None, num_warps: int = 4,
+                   chunk: int = CHUNK, block_p: int | None = None, num_warps: int = 8,
                    num_stages: int | None = None) -> torch.Tensor:
     """The prefill scan: x [T, H*P], dt [T, H] (raw, before bias and softplus), B/C [T, G*N] (row-strided views
     are fine), `cu_seqlens` [R+1] (int) splitting the T tokens into R requests -> y [T, H*P] float32 with the
