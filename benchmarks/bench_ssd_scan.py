@@ -3,7 +3,8 @@ activations), in us per call (triton.testing.do_bench): the token-serial scan ke
 chunked SSD kernels (`ssd_chunk_scan` fused and `ssd_chunk_scan_2pass`, default configs, then a sweep of
 chunk / block_p / block_n / num_warps for 1 request), the
 torch gather conv against the Triton varlen conv, and the gated norm. `x36` is the per-forward figure
-(36 Mamba layers). `err` is max |y - y_serial| / max |y_serial| from the same starting state.
+(36 Mamba layers). `err` is max |y - y_serial| / max |y_serial| from the same starting state (the serial kernel
+is float32 FMAs); `precision=` rows time the float32-operand dots at tf32x3 / ieee instead of tf32.
 
 python benchmarks/bench_ssd_scan.py [--no-sweep] [--out PATH]      # ~2 min on an H200 (--no-sweep: seconds)
 """
@@ -17,6 +18,7 @@ import triton.testing
 from common import RESULTS, device_tag, write_report
 
 from ostinato.layers.mamba2 import _extend_indices, causal_conv_varlen, ssd_chunk_table
+from ostinato.layers.triton_ops import ssd_scan as ssd_module
 from ostinato.layers.triton_ops.conv_extend import conv_extend
 from ostinato.layers.triton_ops.gated_rms_norm import gated_rms_norm
 from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan, ssd_chunk_scan_2pass
@@ -60,18 +62,21 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
     scale = y_ref.abs().max().item()
     state = state0.clone()
     row(case, "scan: serial (ssm_scan)", us(lambda: ssm_scan(x, dt, Bm, Cm, state, slots, *args, cu)))
-    configs = [("fused", dict()), ("2pass", dict())]
+    configs = [("fused", dict()), ("2pass", dict()), ("fused", dict(precision="tf32x3")),
+               ("2pass", dict(precision="tf32x3")), ("2pass", dict(precision="ieee"))]
     if sweep:
         configs += [("fused", dict(chunk=c, block_p=b, num_warps=w))
                     for c, b, w in itertools.product([32, 64], [16, 32], [4, 8])]
         configs += [("2pass", dict(chunk=c, block_p=b, block_n=n, num_warps=w))
                     for c, b, n, w in itertools.product([64, 128], [32, 64], [64], [4, 8])]
     for mode, cfg in configs:
+        kw = {k: v for k, v in cfg.items() if k != "precision"}
         if mode == "fused":
-            fn = functools.partial(ssd_chunk_scan, **cfg)
+            fn = functools.partial(ssd_chunk_scan, **kw)
         else:
-            chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, cfg.get("chunk", 64)))
-            fn = functools.partial(ssd_chunk_scan_2pass, chunks=chunks, **cfg)
+            chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, kw.get("chunk", 64)))
+            fn = functools.partial(ssd_chunk_scan_2pass, chunks=chunks, **kw)
+        ssd_module.DOT_PRECISION = cfg.get("precision", "tf32")
         try:
             y = fn(x, dt, Bm, Cm, state0.clone(), slots, *args, cu)
             err = (y - y_ref).abs().max().item() / scale
@@ -79,6 +84,8 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
         except Exception as e:  # a config past the registers / shared memory: say so, go on
             print(f"{case:>7} ssd {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
             continue
+        finally:
+            ssd_module.DOT_PRECISION = "tf32"
         name = f"scan: ssd {mode} " + (" ".join(f"{k}={v}" for k, v in cfg.items()) or "(default)")
         row(case, name, t, err=f"{err:.1e}")
     y = y_ref.clone()

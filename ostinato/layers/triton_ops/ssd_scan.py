@@ -1,21 +1,24 @@
 """The Mamba2 prefill scan as a chunked SSD ("state space duality") Triton kernel, varlen over a batch.
 
-One program per (request, head, block of head_dim rows) walks its request's tokens a chunk of CHUNK tokens at a
-time (not a token at a time, as `ssm_scan`'s prefill form does), with its [BLOCK_P, N] slice of the state in
-registers (float32), read from and written back to the request's MambaPool slot. Per chunk, with
-a = cumsum(dt * A) the log-decay from the chunk start through each token:
+Each request's tokens are cut into chunks of CHUNK tokens (not walked a token at a time, as `ssm_scan`'s prefill
+form does); the state [P, N] of each head is float32, read from and written back to the request's MambaPool
+slot. Per chunk, with a = cumsum(dt * A) the log-decay from the chunk start through each token:
 - y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) dt_s x_s   (intra-chunk: two matmuls, a masked [L, L] form)
       + exp(a_l) C_l . state                            (the incoming state: one matmul)
       + D x_l;
 - state <- exp(a_end) state + sum_s exp(a_end - a_s) dt_s x_s B_s^T   (one matmul).
+Two forms: `ssd_chunk_scan` (fused: one program per request, head and block of rows walks the chunks with
+the state in registers) and `ssd_chunk_scan_2pass` (the carry alone first, storing each chunk's incoming
+state, then every chunk's outputs in parallel: for few long requests, which leave the fused form's grid small).
 Chunks start at each request's first token, so a chunked prefill (which resumes from the stored state) gives
 what one pass gives, up to rounding. Every exponent is <= 0: no overflow. Only the chunk-to-chunk carry is
 sequential: CHUNK times fewer dependent steps than the token loop.
 
 The dots run on tensor cores: C.B^T in the activations' dtype (bf16 products are exact, the sums float32;
 Triton's CPU interpreter gets bf16 dots wrong, so there it takes float32 copies), the others on float32
-operands at `DOT_PRECISION` (tf32 by default: ~5e-4 relative, inside the bf16 rounding of the activations;
-"ieee" for full float32). The twin and test oracle is `ssd_scan` in `layers/mamba2.py`.
+operands at `DOT_PRECISION` (tf32 by default: each product has one operand rounded to 10 mantissa bits, 8x
+finer than the bf16 rounding of the activations; OSTINATO_SSD_PRECISION=tf32x3 or ieee for float32).
+The twin and test oracle is `ssd_scan` in `layers/mamba2.py`.
 """
 
 import os
@@ -24,7 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-DOT_PRECISION = "tf32"  # for the float32-operand dots on the GPU ("ieee": exact float32, slower)
+# the float32-operand dots on the GPU: tf32 (default), tf32x3 (three tf32 products: about float32), ieee (float32 FMAs)
+DOT_PRECISION = os.environ.get("OSTINATO_SSD_PRECISION", "tf32")
+if DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
+    raise ValueError(f"OSTINATO_SSD_PRECISION={DOT_PRECISION!r}: one of tf32, tf32x3, ieee")
 CHUNK = 64  # = layers.mamba2.SSD_CHUNK, whose chunk table the two-pass form takes
 
 
