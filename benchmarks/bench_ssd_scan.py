@@ -1,7 +1,7 @@
 """The Mamba2 extend pieces of one granite-4.0-h-1b layer (48 heads x 64, state 128, 1 group, conv 4, bf16
 activations), in us per call (triton.testing.do_bench): the token-serial scan kernel (`ssm_scan`) against the
 chunked SSD kernels (`ssd_chunk_scan` fused and `ssd_chunk_scan_2pass`, default configs, then a sweep of
-chunk / block_p / block_n / num_warps for 1 request), the
+chunk / block_p / num_warps / state_block for 1 request), the
 torch gather conv against the Triton varlen conv, and the gated norm. `x36` is the per-forward figure
 (36 Mamba layers). `err` is max |y - y_serial| / max |y_serial| from the same starting state (the serial kernel
 is float32 FMAs); `precision=` rows time the float32-operand dots at tf32x3 / ieee instead of tf32.
@@ -67,8 +67,9 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
     if sweep:
         configs += [("fused", dict(chunk=c, block_p=b, num_warps=w))
                     for c, b, w in itertools.product([32, 64], [16, 32], [4, 8])]
-        configs += [("2pass", dict(chunk=c, block_p=b, block_n=n, num_warps=w))
-                    for c, b, n, w in itertools.product([64, 128], [32, 64], [64], [4, 8])]
+        configs += [("2pass", dict(chunk=c, block_p=b, num_warps=w)) for c, b, w in [(64, 32, 4), (128, 64, 8)]]
+        configs += [("2pass", dict(state_block=sb, state_warps=w))
+                    for sb, w in [((16, 64), 4), ((32, 64), 4), ((32, 128), 8), ((64, 128), 8)]]
     for mode, cfg in configs:
         kw = {k: v for k, v in cfg.items() if k != "precision"}
         if mode == "fused":

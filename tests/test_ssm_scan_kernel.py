@@ -97,7 +97,7 @@ def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, mode):
     ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     untouched = state[others].clone()
-    kw = dict(block_n=16) if mode == "2pass" else {}  # the state pass splits N into blocks of 16
+    kw = dict(state_block=(16, 16)) if mode == "2pass" else {}  # the state pass: tiles of 16 x 16
     y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=mode, chunk=16, block_p=16,
                    **kw)
     tol = dict(atol=1e-4, rtol=1e-4) if not GPU else dict(atol=2e-2, rtol=2e-2)  # GPU: tf32 dots

@@ -226,13 +226,15 @@ def ssd_chunk_scan_2pass(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: 
                          slots: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                          dt_min: float, dt_max: float, num_heads: int, head_dim: int, groups: int,
                          cu_seqlens: torch.Tensor, chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                         chunk: int = CHUNK, block_p: int = 32, block_n: int = 64, num_warps: int = 4
-                         ) -> torch.Tensor:
+                         chunk: int = CHUNK, block_p: int = 64, num_warps: int = 8,
+                         state_block: tuple[int, int] = (32, 32), state_warps: int = 4) -> torch.Tensor:
     """`ssd_chunk_scan` in two launches, for few long requests (where one program per request and head leaves
     most of the GPU idle): pass 1 carries the state through each request's chunks, the only sequential part
-    (one matmul per chunk, parallel over row and column blocks), storing each chunk's incoming state in a
-    float32 workspace [chunks, H, P, N] (50 MB for 2,048 tokens at granite-1b's shape); pass 2 computes every
-    chunk's outputs in parallel. `chunks`: `layers.mamba2.ssd_chunk_table(extend_lens, chunk)` on the device."""
+    (one matmul per chunk, parallel over [state_block] tiles of the state), storing each chunk's incoming state
+    in a float32 workspace [chunks, H, P, N] (50 MB for 2,048 tokens at granite-1b's shape); pass 2 computes
+    every chunk's outputs in parallel, per [chunk, head, block_p rows]. `chunks`:
+    `layers.mamba2.ssd_chunk_table(extend_lens, chunk)` on the device. Defaults: no register spills in ptxas
+    for sm_90 at granite-1b's shape (P 64, N 128)."""
     T = x.shape[0]
     N = state.shape[-1]
     assert state.stride(-1) == 1 and x.stride(-1) == 1 and B.stride(-1) == 1 and C.stride(-1) == 1
@@ -241,20 +243,21 @@ def ssd_chunk_scan_2pass(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: 
     y = torch.empty(T, num_heads * head_dim, dtype=torch.float32, device=x.device)
     ws = torch.empty(chunk_req.shape[0], num_heads, head_dim, N, dtype=torch.float32, device=x.device)
     R = cu_seqlens.shape[0] - 1
-    block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
-    block_n = max(16, min(block_n, triton.next_power_of_2(N)))
-    common = dict(H=num_heads, HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, BLOCK_P=block_p, CHUNK=chunk,
-                  PRECISION=DOT_PRECISION, num_warps=num_warps)
-    _ssd_states_kernel[(R, num_heads, triton.cdiv(head_dim, block_p) * triton.cdiv(N, block_n))](
+    sp = max(16, min(state_block[0], triton.next_power_of_2(head_dim)))
+    sn = max(16, min(state_block[1], triton.next_power_of_2(N)))
+    common = dict(H=num_heads, HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, CHUNK=chunk,
+                  PRECISION=DOT_PRECISION)
+    _ssd_states_kernel[(R, num_heads, triton.cdiv(head_dim, sp) * triton.cdiv(N, sn))](
         x, dt, B, ws, state, slots, cu_seqlens, chunk_cu, A_log, dt_bias, float(dt_min), float(dt_max),
         x.stride(0), dt.stride(0), B.stride(0), state.stride(0), state.stride(1), state.stride(2),
-        BLOCK_N=block_n, **common,
+        BLOCK_P=sp, BLOCK_N=sn, num_warps=state_warps, **common,
     )
     if chunk_req.shape[0]:
+        block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
         _ssd_outputs_kernel[(chunk_req.shape[0], num_heads, triton.cdiv(head_dim, block_p))](
             x, dt, B, C, y, ws, cu_seqlens, chunk_req, chunk_start, A_log, D, dt_bias, float(dt_min), float(dt_max),
             x.stride(0), dt.stride(0), B.stride(0), C.stride(0), y.stride(0),
-            BLOCK_N=max(16, triton.next_power_of_2(N)), **common,
+            BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(N)), num_warps=num_warps, **common,
             NATIVE_CB=B.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1",
         )
     return y
