@@ -80,9 +80,8 @@ def test_scan_kernel_matches_torch(lens):
 
 
 @pytest.mark.parametrize("lens,P,N,seed,dtype", [
-    ([1], 8, 8, 0, torch.float32),                  # one token
     ([37], 16, 32, 1, torch.float32),               # 2 full chunks of 16 and a tail of 5; 2pass: N in 2 blocks
-    ([16, 1, 50, 9, 33], 8, 8, 2, torch.float32),   # a batch: exact chunk, 1 token, tails; P, N under the blocks
+    ([16, 1, 50, 9, 33], 8, 8, 2, torch.float32),   # a batch: exact chunk, a 1-token request, tails; P, N < blocks
     ([5, 64, 20], 32, 8, 3, torch.bfloat16),        # P over two row blocks of 16; bf16 activations, as served
 ])
 @pytest.mark.parametrize("mode", ["fused", "2pass"])
