@@ -14,7 +14,7 @@ conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.
 and the single-step update (`conv_step.py`, `ssm_scan.py`), both the gated norm (`gated_rms_norm.py`).
 The SSD scan has two forms: fused (one program per request, head and row block walks the chunks: one launch)
 and two-pass (the state carry, then every chunk's outputs in parallel: fills the GPU for a few long
-requests); `ssd` takes two-pass for few requests or long ones (512 tokens on average), else fused.
+requests); `ssd` takes two-pass for few requests or one of 512 tokens or more, else fused.
 `OSTINATO_SSM_PREFILL` forces a path for comparison: `ssd-fused`, `ssd-2pass`, `ssd-torchconv` (the torch
 gather conv, then `ssd`), `serial` (the torch gather conv and the token-serial scan kernel: the path before
 the SSD kernels). The SSM math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
@@ -231,10 +231,11 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                      cu)
         if kernels in ("ssd", "ssd-torchconv"):
             # two-pass when the fused grid (one program per request, head and 32 rows, each walking all of its
-            # request's chunks) would leave SMs idle or walk long, and the workspace stays small per token
+            # request's chunks) would leave SMs idle or one of its programs would walk long (a long prompt beside
+            # decoding rows in a mixed step); its workspace costs per chunk, so short requests stay fused
             fused_programs = len(extend_lens) * num_heads * -(-head_dim // 32)
             few = fused_programs < 2 * _num_sms(zxbcdt.device)
-            kernels = "ssd-2pass" if few or x.shape[0] >= 512 * len(extend_lens) else "ssd-fused"
+            kernels = "ssd-2pass" if few or max(extend_lens) >= 512 else "ssd-fused"
         if kernels == "serial":  # the older token-serial scan kernel
             from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
