@@ -25,7 +25,7 @@ from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan, ssd_chunk_scan_2
 from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
 H, P, G, N, K, LAYERS = 48, 64, 1, 128, 4, 36
-CASES = {"1x512": [512], "1x2048": [2048], "8x256": [256] * 8}
+CASES = {"1x512": [512], "1x2048": [2048], "8x256": [256] * 8, "2000+32x1": [2000] + [1] * 32}  # last: mixed step
 
 
 def us(fn) -> float:
@@ -106,7 +106,7 @@ def main() -> None:
         print(f"{case:>7} {what:<40} {t:9.1f} us  x36 {t * LAYERS / 1e3:7.3f} ms  {extra}", flush=True)
 
     for case, lens in CASES.items():
-        bench_case(case, lens, not a.no_sweep and case != "8x256", row)
+        bench_case(case, lens, not a.no_sweep and case.startswith("1x"), row)
     dev = torch.device("cuda")
     write_report(dict(device=device_tag(dev), shape=dict(heads=H, head_dim=P, groups=G, state=N, conv=K),
                       rows=rows), a.out or f"{RESULTS}/ssd-scan-{device_tag(dev)}.json")
