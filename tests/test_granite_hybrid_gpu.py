@@ -56,3 +56,49 @@ def test_chunked_prefill_continues_the_state(granite):
         granite.engine.scheduler.chunked_prefill_size = saved
     # bf16 activations: the two paths differ in rounding only; the first tokens must agree
     assert cut[:4] == whole[:4]
+
+
+@pytest.mark.parametrize("mode", ["fused", "2pass"])
+@pytest.mark.parametrize("P", [64, 32])  # granite-4.0-h-1b's and -350m's head_dim (48 heads, state 128, 1 group)
+@pytest.mark.parametrize("lens", [[2048], [300, 17, 1024, 1, 64, 129]])
+def test_ssd_chunk_kernel_at_granite_shapes(P, lens, mode):
+    """The chunked SSD prefill kernels (fused and two-pass) against the float32 torch `ssd_scan` (chunk 256, as
+    the config says), bf16 activations, nonzero initial states at scattered slots: outputs and final states."""
+    from ostinato.layers.mamba2 import _heads, discretize_dt, ssd_chunk_table, ssd_scan
+    from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan, ssd_chunk_scan_2pass
+
+    H, G, N, T = 48, 1, 128, sum(lens)
+    g = torch.Generator().manual_seed(T + P)
+    conv_out = torch.randn(T, H * P + 2 * G * N, generator=g).cuda().bfloat16()  # x, B, C: row-strided views
+    x, B, C = conv_out.split([H * P, G * N, G * N], dim=-1)
+    dt = torch.randn(T, H, generator=g).cuda().bfloat16()
+    A_log = torch.log(torch.rand(H, generator=g) * 4 + 0.5).cuda()
+    D = (1 + 0.2 * torch.randn(H, generator=g)).cuda()
+    dt_bias = (torch.randn(H, generator=g) * 0.5 - 1).cuda()
+    state = (0.5 * torch.randn(10, H, P, N, generator=g)).cuda()
+    slots = torch.tensor([7, 2, 9, 1, 4, 3][: len(lens)], device="cuda")
+    ref_ys, ref_states, start = [], [], 0
+    for i, n in enumerate(lens):
+        sl = slice(start, start + n)
+        xi = x[sl].float().reshape(n, H, P)
+        y, s = ssd_scan(xi, discretize_dt(dt[sl], dt_bias, 0.0, float("inf")), -torch.exp(A_log),
+                        _heads(B[sl].float(), H, G, N), _heads(C[sl].float(), H, G, N), state[slots[i]], 256)
+        ref_ys.append((y + D[:, None] * xi).reshape(n, H * P))
+        ref_states.append(s)
+        start += n
+    ref_y, ref_s = torch.cat(ref_ys), torch.stack(ref_states)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    others = [s for s in range(10) if s not in slots.tolist()]
+    untouched = state[others].clone()
+    args = (x, dt, B, C, state, slots, A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
+    if mode == "fused":
+        y = ssd_chunk_scan(*args)
+    else:
+        y = ssd_chunk_scan_2pass(*args, tuple(t.cuda() for t in ssd_chunk_table(lens)))
+    torch.cuda.synchronize()
+    assert torch.equal(state[others], untouched)
+    # the same bf16 inputs, float32 math in both; the kernel's dots round their float32 operands to tf32
+    # (~5e-4 relative): a relative norm, and elementwise bounds scaled to the values' spread
+    for got, ref in ((y, ref_y), (state[slots], ref_s)):
+        assert ((got - ref).norm() / ref.norm()).item() < 5e-3
+        torch.testing.assert_close(got, ref, atol=2e-2 * ref.abs().mean().item(), rtol=2e-2)

@@ -1,5 +1,6 @@
-"""The Triton SSM scan/step kernel against the torch twin (`ssd_scan` / `ssm_step`). Without a GPU it runs in
-Triton's interpreter at tiny shapes; with one, also at granite-4.0-h-1b's shapes in bf16 activations."""
+"""The Triton SSM kernels against the torch twin (`ssd_scan` / `ssm_step`): the token-serial scan/step kernel
+(`ssm_scan`) and the chunked SSD prefill kernel (`ssd_chunk_scan`). Without a GPU they run in Triton's
+interpreter at tiny shapes; with one, also at granite-4.0-h-1b's shapes in bf16 activations."""
 
 import os
 import shutil
@@ -44,10 +45,21 @@ def reference(conv_out, dt, A_log, D, dt_bias, state0, H, P, G, N, lens, chunk=8
     return torch.cat(ys), torch.stack(states)
 
 
-def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu):
+def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=None, **kw):
+    """ssd: None (the token-serial kernel), "fused" or "2pass" (the chunked SSD kernels)."""
+    from ostinato.layers.mamba2 import ssd_chunk_table
+    from ostinato.layers.triton_ops.ssd_scan import CHUNK, ssd_chunk_scan, ssd_chunk_scan_2pass
     from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
     inter, gn = H * P, G * N
+    args = (conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :], state, slots,
+            A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
+    if ssd == "fused":
+        return ssd_chunk_scan(*args, **kw)
+    if ssd == "2pass":
+        lens = cu.diff().tolist()
+        chunks = tuple(t.to(DEVICE) for t in ssd_chunk_table(lens, kw.get("chunk", CHUNK)))
+        return ssd_chunk_scan_2pass(*args, chunks, **kw)
     return ssm_scan(conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :], state, slots,
                     A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
 
@@ -65,6 +77,49 @@ def test_scan_kernel_matches_torch(lens):
     torch.testing.assert_close(y, ref_y, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state[slots], ref_s, atol=1e-4, rtol=1e-4)
     assert torch.equal(state[[0, 2, 3]], untouched), "only the batch's slots are written"
+
+
+@pytest.mark.parametrize("lens,P,N,seed,dtype", [
+    ([37], 16, 32, 1, torch.float32),               # 2 full chunks of 16 and a tail of 5; 2pass: N in 2 blocks
+    ([16, 1, 50, 9, 33], 8, 8, 2, torch.float32),   # a batch: exact chunk, a 1-token request, tails; P, N < blocks
+    ([5, 64, 20], 32, 8, 3, torch.bfloat16),        # P over two row blocks of 16; bf16 activations, as served
+])
+@pytest.mark.parametrize("mode", ["fused", "2pass"])
+def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, mode):
+    """The chunked SSD kernel (chunk 16) equals the torch reference (chunk 8: another chunking), outputs and
+    final states, from random nonzero initial states at scattered slots; the other slots are left alone."""
+    H, G = 4, 2
+    T = sum(lens)
+    conv_out, dt, A_log, D, dt_bias, state = make(T, H, P, G, N, 7, dtype, seed=seed)
+    slots = torch.tensor([5, 2, 6, 0, 3][: len(lens)], device=DEVICE)
+    others = [s for s in range(7) if s not in slots.tolist()]
+    ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    untouched = state[others].clone()
+    kw = dict(state_block=(16, 16)) if mode == "2pass" else {}  # the state pass: tiles of 16 x 16
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=mode, chunk=16, block_p=16,
+                   **kw)
+    tol = dict(atol=1e-4, rtol=1e-4) if not GPU else dict(atol=2e-2, rtol=2e-2)  # GPU: tf32 dots
+    torch.testing.assert_close(y, ref_y, **tol)
+    torch.testing.assert_close(state[slots], ref_s, **tol)
+    assert torch.equal(state[others], untouched), "only the batch's slots are written"
+
+
+@pytest.mark.parametrize("mode", ["fused", "2pass"])
+def test_ssd_chunk_kernel_resumes_from_the_stored_state(mode):
+    """A request's tokens cut in two calls (mid-chunk) give what one call gives: the state carries over."""
+    H, P, G, N, n, cut = 2, 16, 1, 16, 45, 21
+    conv_out, dt, A_log, D, dt_bias, state = make(n, H, P, G, N, 3, torch.float32, seed=9)
+    slots = torch.tensor([1], device=DEVICE)
+    whole = state.clone()
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, whole, slots, H, P, G, N,
+                   torch.tensor([0, n], dtype=torch.int32, device=DEVICE), ssd=mode, chunk=16)
+    ys = []
+    for lo, hi in ((0, cut), (cut, n)):
+        ys.append(run_kernel(conv_out[lo:hi], dt[lo:hi], A_log, D, dt_bias, state, slots, H, P, G, N,
+                             torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), ssd=mode, chunk=16))
+    torch.testing.assert_close(torch.cat(ys), y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, whole, atol=1e-4, rtol=1e-4)
 
 
 def test_step_kernel_matches_torch_step():
@@ -100,10 +155,14 @@ def test_kernel_at_granite_1b_shapes_bf16(lens):
         assert torch.isfinite(y1).all()
 
 
-@pytest.mark.parametrize("extend_lens", [None, [5, 1, 12]])
-def test_mixer_with_kernel_equals_torch_mixer(extend_lens):
-    """The whole mixer (conv, SSM, gated norm, state writes at the slots) with and without the kernel."""
+@pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([5, 1, 12], "ssd"), ([70, 1, 2], "ssd-2pass"),
+                                                 ([70, 1, 2], "ssd-torchconv"), ([5, 1, 12], "serial")])
+def test_mixer_with_kernel_equals_torch_mixer(extend_lens, kernels, monkeypatch):
+    """The whole mixer (conv, SSM, gated norm, state writes at the slots) with and without the kernels, each
+    extend path that OSTINATO_SSM_PREFILL picks (a 70-token request spans two SSD chunks)."""
     from ostinato.layers.mamba2 import mamba_mixer_forward
+
+    monkeypatch.setenv("OSTINATO_SSM_PREFILL", kernels)
 
     H, P, G, N, K = 4, 8, 2, 8, 4
     conv_dim = H * P + 2 * G * N
@@ -151,6 +210,31 @@ def test_conv_step_kernel_matches_torch(bias):
     assert torch.equal(state[[1, 3]], untouched)
 
 
+@pytest.mark.parametrize("bias,dtype", [(True, torch.float32), (False, torch.bfloat16)])
+def test_conv_extend_kernel_matches_torch(bias, dtype):
+    """The varlen extend conv against the torch gather conv: requests of 1 and 2 tokens (fewer than K-1: the
+    stored window shifts), longer ones, scattered slots, D past one block; outputs and the new stored inputs."""
+    from ostinato.layers.mamba2 import causal_conv_varlen, extend_conv_indices
+    from ostinato.layers.triton_ops.conv_extend import conv_extend
+
+    g = torch.Generator().manual_seed(int(bias))
+    lens, D, K = [1, 7, 2, 20], 300, 4
+    T = sum(lens)
+    xbc = torch.randn(T, D + 9, generator=g).to(DEVICE, dtype)[:, 4 : 4 + D]  # a row-strided view
+    w = (torch.randn(D, K, generator=g) * 0.5).to(DEVICE, dtype)
+    bb = torch.randn(D, generator=g).to(DEVICE, dtype) if bias else None
+    state = torch.randn(6, D, K - 1, generator=g).to(DEVICE, dtype)
+    slots = torch.tensor([4, 0, 5, 2], device=DEVICE)
+    taps, new_rows, cu = (t.to(DEVICE) for t in extend_conv_indices(lens, K))
+    ref_state = state.clone()
+    ref = causal_conv_varlen(xbc, ref_state, slots, taps, new_rows, w, bb)
+    req = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens)).to(DEVICE)
+    out = conv_extend(xbc, state, slots, cu.to(torch.int32), req, w, bb)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16: rounding
+    torch.testing.assert_close(out, ref, **tol)
+    assert torch.equal(state, ref_state), "the stored inputs are copies: exact, and only at the batch's slots"
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 def test_gated_rms_norm_kernel_matches_torch(groups):
     from ostinato.layers.mamba2 import gated_rms_norm as gated_rms_norm_torch
@@ -166,11 +250,13 @@ def test_gated_rms_norm_kernel_matches_torch(groups):
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("extend_lens", [None, [700, 3, 260]])
-def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens):
+@pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([700, 3, 260], "ssd-fused"),
+                                                 ([700, 3, 260], "ssd-2pass"), ([2048], "ssd")])
+def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens, kernels, monkeypatch):
     """The whole mixer, Triton kernels against the torch path, bf16 activations, granite-4.0-h-1b shapes."""
     from ostinato.layers.mamba2 import mamba_mixer_forward
 
+    monkeypatch.setenv("OSTINATO_SSM_PREFILL", kernels)
     H, P, G, N, K, dt = 48, 64, 1, 128, 4, torch.bfloat16
     conv_dim = H * P + 2 * G * N
     T = 32 if extend_lens is None else sum(extend_lens)

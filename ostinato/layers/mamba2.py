@@ -9,17 +9,26 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
   (capturable; padded rows of a graph point at the sink slot).
 Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
 
-On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA the SSM recurrence
-(prefill and decode), the decode conv step and the gated norm run in Triton kernels (`triton_ops/ssm_scan.py`,
-`conv_step.py`, `gated_rms_norm.py`); the extend conv (one gather) stays torch. The SSM
-math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
+On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs the varlen
+conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.py`), a decode the conv step
+and the single-step update (`conv_step.py`, `ssm_scan.py`), both the gated norm (`gated_rms_norm.py`).
+The SSD scan has two forms: fused (one program per request, head and row block walks the chunks: one launch)
+and two-pass (the state carry, then every chunk's outputs in parallel: fills the GPU for a few long
+requests); `ssd` takes two-pass for few requests or one of 512 tokens or more, else fused.
+`OSTINATO_SSM_PREFILL` forces a path for comparison: `ssd-fused`, `ssd-2pass`, `ssd-torchconv` (the torch
+gather conv, then `ssd`), `serial` (the torch gather conv and the token-serial scan kernel: the path before
+the SSD kernels). The SSM math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
 MAMBA_OP_NAME = "ostinato::mamba_mixer"
 MAMBA_SPLIT_OPS = [MAMBA_OP_NAME]  # for the piecewise-graph splitter: ops whose state lives outside the graph
+SSD_CHUNK = 64  # the Triton SSD kernels' chunk length (the torch reference takes the config's)
 
 
 # ---------------------------------------------------------------------------- torch reference pieces
@@ -74,6 +83,19 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     if bias is not None:
         out = out + bias
     return F.silu(out), window[:, :, 1:]
+
+
+def ssd_chunk_table(extend_lens: list[int], chunk: int = SSD_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host int32 chunk metadata of a batch for the two-pass scan: each chunk's request [C] and first token [C],
+    and each request's first chunk [R+1] (a request of n tokens has ceil(n / chunk) chunks)."""
+    counts = torch.tensor([-(-n // chunk) for n in extend_lens], dtype=torch.int64)
+    chunk_cu = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
+    chunk_cu[1:] = torch.cumsum(counts, 0)
+    cu = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(torch.tensor(extend_lens, dtype=torch.int64), 0)
+    req = torch.repeat_interleave(torch.arange(len(extend_lens)), counts)
+    start = cu[req] + (torch.arange(int(chunk_cu[-1])) - chunk_cu[req]) * chunk
+    return req.to(torch.int32), start.to(torch.int32), chunk_cu.to(torch.int32)
 
 
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
@@ -132,22 +154,33 @@ def _heads(t: torch.Tensor, heads: int, groups: int, state_size: int) -> torch.T
 
 
 # ---------------------------------------------------------------------------- the op
-_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def _extend_indices(extend_lens: list[int], kernel: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them)."""
+def _extend_indices(extend_lens: list[int], kernel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them),
+    plus each token's request (int32 [T], for the Triton conv) and the two-pass SSD scan's chunk table:
+    (taps, new_rows, cu int32, token_req, chunk_req, chunk_start, chunk_cu)."""
     key = (tuple(extend_lens), kernel, device)
     if key not in _index_cache:
         _index_cache.clear()  # one batch at a time
         taps, new_rows, cu = extend_conv_indices(extend_lens, kernel)
+        req = torch.repeat_interleave(torch.arange(len(extend_lens), dtype=torch.int32),
+                                      torch.tensor(extend_lens, dtype=torch.int64))
+        host = (taps, new_rows, cu.to(torch.int32), req, *ssd_chunk_table(extend_lens))
         if device.type == "cuda":
-            host = [t.pin_memory() for t in (taps, new_rows, cu.to(torch.int32))]
-            _index_cache[key] = tuple(t.to(device, non_blocking=True) for t in host)
+            _index_cache[key] = tuple(t.pin_memory().to(device, non_blocking=True) for t in host)
         else:
-            _index_cache[key] = (taps, new_rows, cu.to(torch.int32))
+            _index_cache[key] = host
     return _index_cache[key]
+
+
+_SSM_PREFILL = ("ssd", "ssd-fused", "ssd-2pass", "ssd-torchconv", "serial", "torch")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _batch():
@@ -165,7 +198,6 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
     `use_triton`: the SSM recurrence, the decode conv step and the gated norm run in Triton kernels."""
     inter = num_heads * head_dim
     z, xbc, dt = zxbcdt.split([inter, conv_state.shape[1], num_heads], dim=-1)
-    A = -torch.exp(A_log.float())
     gn = groups * state_size
     heads = (num_heads, groups, state_size)
     if extend_lens is None and use_triton:
@@ -179,20 +211,45 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
         x = x.reshape(x.shape[0], num_heads, head_dim)
-        y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), A, _heads(Bm, *heads),
-                                _heads(Cm, *heads), ssm_state[slots])
+        y, new_state = ssm_step(x, discretize_dt(dt, dt_bias, dt_min, dt_max), -torch.exp(A_log.float()),
+                                _heads(Bm, *heads), _heads(Cm, *heads), ssm_state[slots])
         ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
         y = y + D.float()[:, None] * x.float()
     else:
-        taps, new_rows, cu = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
-        conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
-        x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
-        if use_triton:  # one launch for every request of the batch
-            from ostinato.layers.triton_ops.ssm_scan import ssm_scan  # lazily: see triton_ops' docstring
+        taps, new_rows, cu, token_req, *chunks = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
+        kernels = os.environ.get("OSTINATO_SSM_PREFILL", "ssd") if use_triton else "torch"
+        if kernels not in _SSM_PREFILL:
+            raise ValueError(f"OSTINATO_SSM_PREFILL={kernels!r}: one of {', '.join(_SSM_PREFILL)}")
+        if kernels in ("ssd-torchconv", "serial", "torch"):  # the torch gather conv: the reference, the older path
+            conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
+        else:  # one Triton launch (and a small one for the stored inputs) for the whole batch
+            from ostinato.layers.triton_ops.conv_extend import conv_extend  # lazily: see triton_ops' docstring
 
-            y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim,
-                         groups, cu)
+            conv_out = conv_extend(xbc, conv_state, slots, cu, token_req, conv_weight, conv_bias)
+        x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
+        scan_args = (x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim, groups,
+                     cu)
+        if kernels in ("ssd", "ssd-torchconv"):
+            # two-pass when the fused grid (one program per request, head and 32 rows, each walking all of its
+            # request's chunks) would leave SMs idle or one of its programs would walk long (a long prompt beside
+            # decoding rows in a mixed step); its workspace costs per chunk, so short requests stay fused
+            fused_programs = len(extend_lens) * num_heads * -(-head_dim // 32)
+            few = fused_programs < 2 * _num_sms(zxbcdt.device)
+            kernels = "ssd-2pass" if few or max(extend_lens) >= 512 else "ssd-fused"
+        if kernels == "serial":  # the older token-serial scan kernel
+            from ostinato.layers.triton_ops.ssm_scan import ssm_scan
+
+            y = ssm_scan(*scan_args)
+        elif kernels == "ssd-fused":
+            from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
+
+            y = ssd_chunk_scan(*scan_args, chunk=SSD_CHUNK)
+        elif kernels == "ssd-2pass":
+            from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan_2pass
+
+            y = ssd_chunk_scan_2pass(*scan_args, chunks, chunk=SSD_CHUNK)
         else:  # the reference: the chunked scan, request by request
+            A = -torch.exp(A_log.float())
             ys, start = [], 0
             for i, n in enumerate(extend_lens):
                 s = slots[i : i + 1]  # a 1-element index tensor: no device->host read of the slot

@@ -1,0 +1,116 @@
+"""The Mamba2 extend pieces of one granite-4.0-h-1b layer (48 heads x 64, state 128, 1 group, conv 4, bf16
+activations), in us per call (triton.testing.do_bench): the token-serial scan kernel (`ssm_scan`) against the
+chunked SSD kernels (`ssd_chunk_scan` fused and `ssd_chunk_scan_2pass`, default configs, then a sweep of
+chunk / block_p / num_warps / state_block for 1 request), the
+torch gather conv against the Triton varlen conv, and the gated norm. `x36` is the per-forward figure
+(36 Mamba layers). `err` is max |y - y_serial| / max |y_serial| from the same starting state (the serial kernel
+is float32 FMAs); `precision=` rows time the float32-operand dots at tf32x3 / ieee instead of tf32.
+
+python benchmarks/bench_ssd_scan.py [--no-sweep] [--out PATH]      # ~2 min on an H200 (--no-sweep: seconds)
+"""
+
+import argparse
+import functools
+import itertools
+
+import torch
+import triton.testing
+from common import RESULTS, device_tag, write_report
+
+from ostinato.layers.mamba2 import _extend_indices, causal_conv_varlen, ssd_chunk_table
+from ostinato.layers.triton_ops import ssd_scan as ssd_module
+from ostinato.layers.triton_ops.conv_extend import conv_extend
+from ostinato.layers.triton_ops.gated_rms_norm import gated_rms_norm
+from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan, ssd_chunk_scan_2pass
+from ostinato.layers.triton_ops.ssm_scan import ssm_scan
+
+H, P, G, N, K, LAYERS = 48, 64, 1, 128, 4, 36
+CASES = {"1x512": [512], "1x2048": [2048], "8x256": [256] * 8, "2000+32x1": [2000] + [1] * 32}  # last: mixed step
+
+
+def us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=50) * 1e3
+
+
+def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
+    dev = torch.device("cuda")
+    inter, gn = H * P, G * N
+    conv_dim = inter + 2 * gn
+    T, R = sum(lens), len(lens)
+    g = torch.Generator().manual_seed(T)
+    zxbcdt = torch.randn(T, inter + conv_dim + H, generator=g).to(dev, torch.bfloat16)
+    z, xbc, dt = zxbcdt.split([inter, conv_dim, H], dim=-1)
+    conv_w = (torch.randn(conv_dim, K, generator=g) * 0.5).to(dev, torch.bfloat16)
+    conv_b = torch.randn(conv_dim, generator=g).to(dev, torch.bfloat16)
+    A_log = torch.log(torch.rand(H, generator=g) * 4 + 0.5).to(dev)
+    D = torch.randn(H, generator=g).to(dev)
+    dt_bias = (torch.randn(H, generator=g) * 0.5 - 1).to(dev)
+    norm_w = torch.ones(inter, device=dev, dtype=torch.bfloat16)
+    conv0 = torch.randn(R + 1, conv_dim, K - 1, generator=g).to(dev, torch.bfloat16)
+    state0 = (0.1 * torch.randn(R + 1, H, P, N, generator=g)).to(dev)
+    slots = torch.arange(1, R + 1, device=dev)
+    taps, new_rows, cu, req, *_ = _extend_indices(lens, K, dev)
+
+    conv = conv0.clone()
+    row(case, "conv: torch gather", us(lambda: causal_conv_varlen(xbc, conv, slots, taps, new_rows, conv_w, conv_b)))
+    row(case, "conv: triton varlen", us(lambda: conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b)))
+    conv_out = conv_extend(xbc, conv0.clone(), slots, cu, req, conv_w, conv_b)
+    x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
+    args = (A_log, D, dt_bias, 0.0, float("inf"), H, P, G)
+
+    y_ref = ssm_scan(x, dt, Bm, Cm, state0.clone(), slots, *args, cu)
+    scale = y_ref.abs().max().item()
+    state = state0.clone()
+    row(case, "scan: serial (ssm_scan)", us(lambda: ssm_scan(x, dt, Bm, Cm, state, slots, *args, cu)))
+    configs = [("fused", dict()), ("2pass", dict()), ("fused", dict(precision="tf32x3")),
+               ("2pass", dict(precision="tf32x3")), ("2pass", dict(precision="ieee"))]
+    if sweep:
+        configs += [("fused", dict(chunk=c, block_p=b, num_warps=w))
+                    for c, b, w in itertools.product([32, 64], [16, 32], [4, 8])]
+        configs += [("2pass", dict(chunk=c, block_p=b, num_warps=w)) for c, b, w in [(64, 32, 4), (128, 64, 8)]]
+        configs += [("2pass", dict(state_block=sb, state_warps=w))
+                    for sb, w in [((16, 64), 4), ((32, 64), 4), ((32, 128), 8), ((64, 128), 8)]]
+    for mode, cfg in configs:
+        kw = {k: v for k, v in cfg.items() if k != "precision"}
+        if mode == "fused":
+            fn = functools.partial(ssd_chunk_scan, **kw)
+        else:
+            chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, kw.get("chunk", 64)))
+            fn = functools.partial(ssd_chunk_scan_2pass, chunks=chunks, **kw)
+        ssd_module.DOT_PRECISION = cfg.get("precision", "tf32")
+        try:
+            y = fn(x, dt, Bm, Cm, state0.clone(), slots, *args, cu)
+            err = (y - y_ref).abs().max().item() / scale
+            t = us(lambda fn=fn: fn(x, dt, Bm, Cm, state, slots, *args, cu))
+        except Exception as e:  # a config past the registers / shared memory: say so, go on
+            print(f"{case:>7} ssd {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        finally:
+            ssd_module.DOT_PRECISION = "tf32"
+        name = f"scan: ssd {mode} " + (" ".join(f"{k}={v}" for k, v in cfg.items()) or "(default)")
+        row(case, name, t, err=f"{err:.1e}")
+    y = y_ref.clone()
+    row(case, "gated norm", us(lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+
+    def row(case, what, t, **kw):
+        rows.append(dict(case=case, what=what, us=round(t, 1), x36_ms=round(t * LAYERS / 1e3, 3), **kw))
+        extra = " ".join(f"{k}={v}" for k, v in kw.items())
+        print(f"{case:>7} {what:<40} {t:9.1f} us  x36 {t * LAYERS / 1e3:7.3f} ms  {extra}", flush=True)
+
+    for case, lens in CASES.items():
+        bench_case(case, lens, not a.no_sweep and case.startswith("1x"), row)
+    dev = torch.device("cuda")
+    write_report(dict(device=device_tag(dev), shape=dict(heads=H, head_dim=P, groups=G, state=N, conv=K),
+                      rows=rows), a.out or f"{RESULTS}/ssd-scan-{device_tag(dev)}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Registers, spills and shared memory of the Mamba extend kernels at granite-4.0-h-1b's shape, compiled for
+sm_90 (H100/H200) without a GPU: Triton lowers to PTX, then its bundled ptxas (-v) reports. Spills cost
+local-memory traffic; this is how the SSD kernels' default tiles were chosen on a CPU-only machine.
+
+python benchmarks/kernel_regs.py        # ~1 min on 2 cores; needs a Triton wheel with the CUDA backend
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ostinato.layers.triton_ops import conv_extend, ssd_scan
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTR_TYPES = dict(x_ptr="bf16", b_ptr="bf16", c_ptr="bf16", dt_ptr="bf16", w_ptr="bf16", out_ptr="bf16",
+                 slot_ptr="i64", cu_ptr="i32", req_ptr="i32", chunk_cu_ptr="i32", chunk_req_ptr="i32",
+                 chunk_start_ptr="i32")
+FLOATS = ("dt_min", "dt_max")
+
+
+def ptxas() -> str:
+    """The bundled ptxas that reads Triton's PTX version (newer wheels ship two)."""
+    for name in ("ptxas-blackwell", "ptxas"):
+        path = os.path.join(BIN, name)
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(f"no ptxas under {BIN}")
+
+
+def compile_sm90(fn, constexprs: dict, num_warps: int, ptr_types: dict | None = None) -> dict:
+    ptr_types = {**PTR_TYPES, **(ptr_types or {})}
+    sig, consts = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name], consts[(i,)] = "constexpr", constexprs[name]
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + ptr_types.get(name, "fp32")
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(k.asm["ptx"])
+        err = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", err)
+    ptx = k.asm["ptx"]
+    return dict(regs=int(regs.group(1)) if regs else None,
+                spill_bytes=sum(map(int, re.findall(r"(\d+) bytes spill stores", err))), smem=k.metadata.shared,
+                mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none")
+
+
+def main() -> None:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    shape = dict(HEADS_PER_GROUP=48, P=64, N=128, PRECISION=ssd_scan.DOT_PRECISION)
+    fused = dict(shape, BLOCK_N=128, CHUNK=64, NATIVE_CB=True)
+    cases = [
+        ("ssd fused", ssd_scan._ssd_chunk_scan_kernel, dict(fused, BLOCK_P=32), 8),
+        ("ssd fused", ssd_scan._ssd_chunk_scan_kernel, dict(fused, BLOCK_P=16), 4),
+        ("ssd 2pass states", ssd_scan._ssd_states_kernel, dict(shape, H=48, BLOCK_P=32, BLOCK_N=32, CHUNK=64), 4),
+        ("ssd 2pass outputs", ssd_scan._ssd_outputs_kernel, dict(fused, H=48, BLOCK_P=64), 8),
+        ("conv extend", conv_extend._conv_extend_kernel, dict(HAS_BIAS=True, K=4, BLOCK_T=16, BLOCK_D=128), 4),
+    ]
+    for name, fn, const, warps in cases:
+        tiles = {k: v for k, v in const.items() if k.startswith("BLOCK") or k == "CHUNK"}
+        stats = compile_sm90(fn, const, warps, dict(state_ptr="bf16") if name == "conv extend" else None)
+        print(f"{name:<18} warps {warps} {tiles}: {stats}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The Mamba2 causal conv of a whole extend batch (requests back to back) in two Triton launches:
+1. every token's silu(conv): its K taps read the request's earlier tokens in the batch, or, before the
+   request's first new token, the stored last K-1 inputs at the request's MambaPool slot;
+2. each request's new stored inputs (its last K-1, old ones shifted in when it has fewer than K-1 tokens),
+   written after launch 1 has read the old ones.
+No [T, K, D] gather is materialized. The twin is `causal_conv_varlen` in `layers/mamba2.py`; here the sum
+is float32, rounded once to the weight's dtype."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_extend_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, req_ptr, w_ptr, b_ptr, out_ptr, T, D, stride_x,
+                        stride_out, stride_s_slot, stride_s_d, HAS_BIAS: tl.constexpr, K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_t = offs_t < T
+    mask_d = offs_d < D
+    mask = mask_t[:, None] & mask_d[None, :]
+    r = tl.load(req_ptr + offs_t, mask=mask_t, other=0)
+    start = tl.load(cu_ptr + r, mask=mask_t, other=0)
+    slot = tl.load(slot_ptr + r, mask=mask_t, other=0).to(tl.int64)
+    pos = offs_t - start  # position within the request's new tokens
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(K):
+        q = pos - (K - 1) + j  # the tap's position; < 0: a stored input, at index K-1+q of the window
+        new = (q >= 0)[:, None]
+        v = tl.load(x_ptr + (offs_t - (K - 1) + j).to(tl.int64)[:, None] * stride_x + offs_d[None, :],
+                    mask=mask & new, other=0.0).to(tl.float32)
+        v += tl.load(state_ptr + slot[:, None] * stride_s_slot + offs_d[None, :] * stride_s_d + (K - 1 + q)[:, None],
+                     mask=mask & ~new, other=0.0).to(tl.float32)
+        acc += v * tl.load(w_ptr + offs_d * K + j, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, D, stride_x, stride_s_slot, stride_s_d,
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask = (offs_d < D)[:, None] & (offs_k < K - 1)[None, :]
+    start = tl.load(cu_ptr + r)
+    n = tl.load(cu_ptr + r + 1) - start
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    q = n - (K - 1) + offs_k  # the position each new stored entry comes from (< 0: an old stored one)
+    new = (q >= 0)[None, :]
+    s_ptrs = state_ptr + slot * stride_s_slot + offs_d[:, None] * stride_s_d
+    v = tl.load(x_ptr + (start + q).to(tl.int64)[None, :] * stride_x + offs_d[:, None], mask=mask & new, other=0.0)
+    old = tl.load(s_ptrs + (K - 1 + q)[None, :], mask=mask & ~new, other=0.0)
+    v = tl.where(new, v.to(state_ptr.dtype.element_ty), old)  # both read before the store below
+    tl.store(s_ptrs + offs_k[None, :], v, mask=mask)
+
+
+def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                token_req: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """xbc [T, D] (row-strided view fine; requests back to back as `cu_seqlens` [R+1] splits them, `token_req`
+    [T] the request of each token, both int32), conv_state [slots, D, K-1] read and updated in place at
+    `slots` [R], weight [D, K] -> silu(conv) [T, D] in weight's dtype."""
+    T, D = xbc.shape
+    K = weight.shape[1]
+    assert xbc.stride(-1) == 1 and conv_state.stride(-1) == 1 and weight.is_contiguous() and K >= 2
+    out = torch.empty(T, D, dtype=weight.dtype, device=xbc.device)
+    R = cu_seqlens.shape[0] - 1
+    if T:
+        block_t, block_d = 16, 128
+        _conv_extend_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
+            xbc, conv_state, slots, cu_seqlens, token_req, weight, weight if bias is None else bias, out, T, D,
+            xbc.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), HAS_BIAS=bias is not None,
+            K=K, BLOCK_T=block_t, BLOCK_D=block_d,
+        )
+    block_d = 256
+    _conv_state_kernel[(R, triton.cdiv(D, block_d))](
+        xbc, conv_state, slots, cu_seqlens, D, xbc.stride(0), conv_state.stride(0), conv_state.stride(1),
+        K=K, BLOCK_K=triton.next_power_of_2(K - 1), BLOCK_D=block_d,
+    )
+    return out
