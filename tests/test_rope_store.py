@@ -139,7 +139,10 @@ def test_fused_equals_rotary_then_store(page, heads, kv_heads, dim, dtype, cache
             a, b = got[loc], ref[loc]
             differ = (a != b) & ~((a & 0x7F == 0) & (b & 0x7F == 0))  # -0.0 against +0.0 (a GPU conversion)
             assert differ.float().mean() < 0.02
-            assert not differ.any() or (a.int() - b.int())[differ].abs().max() <= 1
+            # at most one fp8 step apart as values (codes of tiny values across zero differ in the sign bit)
+            fa, fb = a.view(cache_dtype).float(), b.view(cache_dtype).float()
+            step = 0.125 if cache_dtype == torch.float8_e4m3fn else 0.25
+            assert ((fa - fb).abs() <= step * torch.maximum(fa.abs(), fb.abs()) + 2**-6).all()
         else:
             torch.testing.assert_close(got[loc], ref[loc], atol=TOL[cache_dtype][0], rtol=TOL[cache_dtype][1])
 
