@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block, fp8_code, page_arg
+from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block, bits_factor, fp8_code, page_arg
 
 
 @triton.jit
@@ -25,6 +25,8 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
+    V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
+    BITS_FACTOR: tl.constexpr = 1.0,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -36,6 +38,9 @@ def _decode_stage1_kernel(
     if KV_FP8:  # dequantize by folding the layer's scales into the scores and the output
         qk_scale = qk_scale * tl.load(K_scale)
         v_scale = tl.load(V_scale)
+        if CVT_BITS:  # bit-moved fp8 comes out BITS_FACTOR too small
+            qk_scale = qk_scale * BITS_FACTOR
+            v_scale = v_scale * BITS_FACTOR
     seq_len = tl.load(Seq_lens + b)
     req = tl.load(Req_pool_indices + b).to(tl.int64)
     # splits are whole blocks long; the last ones may be empty (they then write lse = -inf)
@@ -50,7 +55,13 @@ def _decode_stage1_kernel(
     heads = kv_head * GROUP + offs_h
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if FP16_DOT:  # fp8 -> fp16 is one conversion instruction on Hopper; fp8 -> bf16 goes through fp32
+    if QK_FP8:  # q per row to e4m3 (max 448), its row scale folded into the score scale
+        q = q.to(tl.float32)
+        amax = tl.max(tl.abs(q), 1)
+        q_scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        q = (q / q_scale[:, None]).to(tl.float8e4nv)
+        qk_scale = qk_scale * q_scale[:, None]  # [BLOCK_H, 1]: scales each row's scores
+    elif FP16_DOT:  # fp8 -> fp16 is one conversion instruction on Hopper; fp8 -> bf16 goes through fp32
         q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -61,6 +72,7 @@ def _decode_stage1_kernel(
             q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, Req_to_token + req * stride_r2t, kv_head,
             stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
             BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
+            V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8,
         )
 
     nonempty = l_i > 0
@@ -93,6 +105,36 @@ def _decode_stage2_kernel(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
+# Ways of reading an fp8 cache (decode_attention's keyword arguments; paged_softmax's module doc says what
+# each does). benchmarks/bench_decode_attention.py sweeps them; the backend's settings table picks one per
+# batch size.
+FP8_DECODE_VARIANTS: dict[str, dict] = {
+    "cast": dict(),  # fp8 -> q's dtype (bf16 goes through fp32)
+    "fp16": dict(fp16_dot=True),  # fp8 -> fp16, one instruction per pair on Hopper
+    "fp16_vcvt": dict(fp16_dot=True, v_cvt=True),
+    "bits": dict(cvt_bits=True),
+    "bits_vcvt": dict(cvt_bits=True, v_cvt=True),
+    "qk8": dict(qk_fp8=True),
+    "qk8_vcvt": dict(qk_fp8=True, v_cvt=True),
+}
+
+
+def table_entry(table: dict[int, dict], bs: int) -> dict:
+    """The entry of a settings table keyed by batch size for a batch of `bs`: the largest key <= the next power of
+    two of bs (the smallest key when none is), so a batch padded to a captured power-of-two size and the same
+    batch run eagerly get the same settings."""
+    bucket = 1 << (max(bs, 1) - 1).bit_length()
+    keys = sorted(table)
+    return table[max([k for k in keys if k <= bucket], default=keys[0])]
+
+
+def decode_kwargs(entry: dict) -> dict:
+    """A settings-table entry as decode_attention's keyword arguments (variant expanded; the split settings,
+    which the caller applies, dropped)."""
+    kw = {k: v for k, v in entry.items() if k not in ("variant", "programs_per_sm", "min_tokens_per_split")}
+    return kw | FP8_DECODE_VARIANTS[entry.get("variant", "cast")]
+
+
 def compute_num_kv_splits(seq_lens: torch.Tensor, out: torch.Tensor, min_tokens_per_split: int,
                           max_kv_splits: int) -> None:
     """out[b] = clamp(ceil(seq_lens[b] / min_tokens_per_split), 1, max_kv_splits), on the device, no sync."""
@@ -107,13 +149,17 @@ def decode_attention(
     block_n: int = 64, page_size: int = 1, kv_fp8: torch.dtype | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
+    v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
     `page_size`: the pool's page size (slots of a page are contiguous), read a page per table entry.
     `kv_fp8`: the fp8 dtype of a cache stored as uint8 in k_buf/v_buf, dequantized by `k_scale` / `v_scale`
     (float32 device tensors, the first element read). `fp16_dot`: with an fp8 cache, the dots take q and the
-    probabilities in fp16 (fp8 widens to fp16 exactly) instead of q's dtype.
+    probabilities in fp16 (fp8 widens to fp16 exactly) instead of q's dtype. With an fp8 cache only, the
+    variants of `paged_softmax` (its module doc): `v_cvt` widens V before its layout change, `cvt_bits` widens
+    by moving bits (implies fp16 dots), `qk_fp8` quantizes q per row to e4m3 for an fp8 q.k^T dot (p.v in
+    fp16). They are ignored for a bf16/fp32 cache.
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
@@ -139,8 +185,9 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
-        FP16_DOT=bool(fp16_dot and fp8 and q.dtype != torch.float32),
-        num_warps=num_warps, num_stages=num_stages,
+        FP16_DOT=bool((fp16_dot or cvt_bits) and fp8 and q.dtype != torch.float32),
+        V_CVT=bool(v_cvt and fp8), CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
+        BITS_FACTOR=bits_factor(fp8), num_warps=num_warps, num_stages=num_stages,
     )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o, mid_lse, num_kv_splits, out,

@@ -4,6 +4,18 @@ running (online) softmax. Inlined by Triton into each caller.
 fp8 caches (KV_FP8 1: e4m3, 2: e5m2) arrive as uint8 and are bitcast here: the dot reads the 1-byte values
 (exact in bf16/fp32), and the caller folds the per-layer scales in once, k_scale into the score scale and
 v_scale into the output, rather than per element.
+
+Ways to read an fp8 cache (constexpr switches, for the decode kernel's sweep; all default off):
+- V_CVT: V is widened to the dot's 16-bit type in registers, in the layout it was loaded in, and only then
+  moved into the dot's operand layout (through shared memory, by 16-bit transposing matrix loads). Without
+  it Triton moves the 1-byte values first, and the dot's operand layout for V (keys along the reduction)
+  then needs one 1-byte shared load per element. A select on the row mask keeps Triton from hoisting the
+  layout change above the conversion.
+- CVT_BITS: fp8 -> fp16 by bit manipulation (sign and exponent/mantissa moved into place, as Marlin-style
+  dequantization does) instead of the conversion instruction; e4m3 comes out 2**-8 too small (the exponent
+  biases differ by 8), a factor `bits_factor` the caller folds into its scales. Needs fp16 dots.
+- QK_FP8: q arrives quantized to e4m3 (per row, the row scales folded into qk_scale by the caller) and
+  q.k^T is an fp8 tensor-core dot on the stored bytes; p.v stays a 16-bit dot (fp16).
 """
 
 import torch
@@ -40,6 +52,33 @@ def kv_from_store(x, KV_FP8: tl.constexpr):
         return x
 
 
+def bits_factor(kv_fp8_code: int) -> float:
+    """What CVT_BITS values must be multiplied by: 2**(15 - 7) for e4m3 into fp16's exponent, 1 for e5m2 (the
+    high byte of an fp16)."""
+    return 256.0 if kv_fp8_code == 1 else 1.0
+
+
+@triton.jit
+def fp8_bits_to_fp16(x, KV_FP8: tl.constexpr):
+    """Stored fp8 bytes (uint8) -> fp16 by moving bits: e5m2 is an fp16's high byte; e4m3's sign goes to bit 15
+    and its exponent and mantissa 4 bits up, which keeps subnormals exact and leaves the value 2**-8 small."""
+    x16 = x.to(tl.int16)  # zero-extends the unsigned byte
+    if KV_FP8 == 2:
+        bits = x16 << 8
+    else:
+        bits = ((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def kv_to_dot(x, KV_FP8: tl.constexpr, CVT_BITS: tl.constexpr, dtype: tl.constexpr):
+    """Stored cache values -> the dot's input type (fp8 caches: before the layer's scale, and with CVT_BITS
+    before the bits factor)."""
+    if KV_FP8 != 0 and CVT_BITS:
+        return fp8_bits_to_fp16(x, KV_FP8).to(dtype)
+    return kv_from_store(x, KV_FP8).to(dtype)
+
+
 @triton.jit
 def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     """KV slots of tokens n0 .. n0 + BLOCK_N of a request (0 past kv_end). n0 is a multiple of BLOCK_N.
@@ -68,17 +107,23 @@ def attend_kv_block(
     kv_head, stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr = 1, KV_FP8: tl.constexpr = 0,
+    V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
 ):
     """Keys n0 .. n0 + BLOCK_N (those < kv_end; with CAUSAL, also <= each row's q_pos) into (acc, m_i, l_i).
 
     Every row must see at least one key by its first block, so m_new stays finite from then on. With an fp8
-    cache, qk_scale must include k_scale and acc comes out in units of v_scale.
+    cache, qk_scale must include k_scale (and with CVT_BITS the bits factor) and acc comes out in units of
+    v_scale (with CVT_BITS, v_scale / bits factor). The dots run in q's dtype (fp16 with QK_FP8, for p.v).
     """
     slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE)
     k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
                 mask=d_mask[:, None] & n_mask[None, :], other=0)  # [BLOCK_D, BLOCK_N]
-    k = kv_from_store(k, KV_FP8)
-    s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [rows, BLOCK_N]
+    if QK_FP8:  # q is e4m3: an fp8 tensor-core dot on the stored bytes
+        dot_dtype = tl.float16
+        s = tl.dot(q, kv_from_store(k, KV_FP8), out_dtype=tl.float32) * qk_scale
+    else:
+        dot_dtype = q.dtype
+        s = tl.dot(q, kv_to_dot(k, KV_FP8, CVT_BITS, dot_dtype), input_precision=PRECISION) * qk_scale
     visible = n_mask[None, :]
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= q_pos[:, None])
@@ -89,6 +134,8 @@ def attend_kv_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
                 mask=n_mask[:, None] & d_mask[None, :], other=0)  # [BLOCK_N, BLOCK_D]
-    v = kv_from_store(v, KV_FP8)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    v = kv_to_dot(v, KV_FP8, CVT_BITS, dot_dtype)
+    if V_CVT:  # the select is what keeps the conversion ahead of the layout change (see the module doc)
+        v = tl.where(n_mask[:, None], v, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
