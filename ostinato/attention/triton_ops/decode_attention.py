@@ -26,7 +26,7 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
     V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
-    BITS_FACTOR: tl.constexpr = 1.0,
+    BITS_FACTOR: tl.constexpr = 1.0, WHOLE_BLOCKS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,13 +67,31 @@ def _decode_stage1_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        acc, m_i, l_i = attend_kv_block(
-            q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, Req_to_token + req * stride_r2t, kv_head,
-            stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
-            BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
-            V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8,
-        )
+    req_row = Req_to_token + req * stride_r2t
+    if WHOLE_BLOCKS:  # the whole blocks without key masks, then the request's last partial block with them
+        whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, whole_end, BLOCK_N):
+            acc, m_i, l_i = attend_kv_block(
+                q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
+                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
+                BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_N=False, MASK_D=HEAD_DIM != BLOCK_D,
+            )
+        if whole_end < end:
+            acc, m_i, l_i = attend_kv_block(
+                q, acc, m_i, l_i, whole_end, end, 0, K_buf, V_buf, req_row, kv_head,
+                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
+                BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_D=HEAD_DIM != BLOCK_D,
+            )
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = attend_kv_block(
+                q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
+                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
+                BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8,
+            )
 
     nonempty = l_i > 0
     out = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]
@@ -149,7 +167,7 @@ def decode_attention(
     block_n: int = 64, page_size: int = 1, kv_fp8: torch.dtype | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
-    v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False,
+    v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -159,7 +177,8 @@ def decode_attention(
     probabilities in fp16 (fp8 widens to fp16 exactly) instead of q's dtype. With an fp8 cache only, the
     variants of `paged_softmax` (its module doc): `v_cvt` widens V before its layout change, `cvt_bits` widens
     by moving bits (implies fp16 dots), `qk_fp8` quantizes q per row to e4m3 for an fp8 q.k^T dot (p.v in
-    fp16). They are ignored for a bf16/fp32 cache.
+    fp16). They are ignored for a bf16/fp32 cache. `whole_blocks` (any cache): the key loop runs unmasked over
+    a split's whole blocks and masks only the request's last, partial block.
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
@@ -187,7 +206,7 @@ def decode_attention(
         BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
         FP16_DOT=bool((fp16_dot or cvt_bits) and fp8 and q.dtype != torch.float32),
         V_CVT=bool(v_cvt and fp8), CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
-        BITS_FACTOR=bits_factor(fp8), num_warps=num_warps, num_stages=num_stages,
+        BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), num_warps=num_warps, num_stages=num_stages,
     )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o, mid_lse, num_kv_splits, out,

@@ -80,24 +80,47 @@ def kv_to_dot(x, KV_FP8: tl.constexpr, CVT_BITS: tl.constexpr, dtype: tl.constex
 
 
 @triton.jit
-def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASK_N: tl.constexpr = True):
     """KV slots of tokens n0 .. n0 + BLOCK_N of a request (0 past kv_end). n0 is a multiple of BLOCK_N.
 
     PAGE > 1 (pages of PAGE slots, each page's slots contiguous and page-aligned): one table read per page,
-    the page's first slot, then consecutive slots; PAGE 1: one read per token."""
+    the page's first slot, then consecutive slots; PAGE 1: one read per token. MASK_N False: the caller
+    promises n0 + BLOCK_N <= kv_end (n_mask is then all true and nothing is masked)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     if PAGE == 1:
-        slots = tl.load(req_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        if MASK_N:
+            slots = tl.load(req_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        else:
+            slots = tl.load(req_row + offs_n).to(tl.int64)
     elif PAGE >= BLOCK_N:  # the block lies in one page (PAGE is a multiple of BLOCK_N)
         first = tl.load(req_row + n0).to(tl.int64)
-        slots = tl.where(n_mask, first + (offs_n - n0), 0)
+        slots = first + (offs_n - n0)
+        if MASK_N:
+            slots = tl.where(n_mask, slots, 0)
     else:  # BLOCK_N // PAGE whole pages
         offs_p = n0 + tl.arange(0, BLOCK_N // PAGE) * PAGE
-        first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0).to(tl.int64)
+        if MASK_N:
+            first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0).to(tl.int64)
+        else:
+            first = tl.load(req_row + offs_p).to(tl.int64)
         slots = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], [BLOCK_N])
-        slots = tl.where(n_mask, slots, 0)
+        if MASK_N:
+            slots = tl.where(n_mask, slots, 0)
     return slots, offs_n, n_mask
+
+
+@triton.jit
+def load_tile(ptrs, row_mask, col_mask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """A 2-D load masked by row_mask[:, None] / col_mask[None, :] where asked (0 where masked)."""
+    if MASK_ROWS and MASK_COLS:
+        return tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
+    elif MASK_ROWS:
+        return tl.load(ptrs, mask=row_mask[:, None], other=0)
+    elif MASK_COLS:
+        return tl.load(ptrs, mask=col_mask[None, :], other=0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -108,34 +131,39 @@ def attend_kv_block(
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr = 1, KV_FP8: tl.constexpr = 0,
     V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
+    MASK_N: tl.constexpr = True, MASK_D: tl.constexpr = True,
 ):
     """Keys n0 .. n0 + BLOCK_N (those < kv_end; with CAUSAL, also <= each row's q_pos) into (acc, m_i, l_i).
 
     Every row must see at least one key by its first block, so m_new stays finite from then on. With an fp8
     cache, qk_scale must include k_scale (and with CVT_BITS the bits factor) and acc comes out in units of
     v_scale (with CVT_BITS, v_scale / bits factor). The dots run in q's dtype (fp16 with QK_FP8, for p.v).
+    MASK_N False: the block is whole (n0 + BLOCK_N <= kv_end), no key mask; MASK_D False: d_mask is all true.
     """
-    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE)
-    k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
-                mask=d_mask[:, None] & n_mask[None, :], other=0)  # [BLOCK_D, BLOCK_N]
+    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE, MASK_N)
+    k = load_tile(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
+                  d_mask, n_mask, MASK_D, MASK_N)  # [BLOCK_D, BLOCK_N]
     if QK_FP8:  # q is e4m3: an fp8 tensor-core dot on the stored bytes
         dot_dtype = tl.float16
         s = tl.dot(q, kv_from_store(k, KV_FP8), out_dtype=tl.float32) * qk_scale
     else:
         dot_dtype = q.dtype
         s = tl.dot(q, kv_to_dot(k, KV_FP8, CVT_BITS, dot_dtype), input_precision=PRECISION) * qk_scale
-    visible = n_mask[None, :]
     if CAUSAL:
-        visible = visible & (offs_n[None, :] <= q_pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    elif MASK_N:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0)  # [BLOCK_N, BLOCK_D]
+    v = load_tile(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                  n_mask, d_mask, MASK_N, MASK_D)  # [BLOCK_N, BLOCK_D]
     v = kv_to_dot(v, KV_FP8, CVT_BITS, dot_dtype)
     if V_CVT:  # the select is what keeps the conversion ahead of the layout change (see the module doc)
-        v = tl.where(n_mask[:, None], v, 0.0)
+        if MASK_N:
+            v = tl.where(n_mask[:, None], v, 0.0)
+        else:
+            v = tl.where(kv_end > n0, v, 0.0)  # always true here; only a select Triton will not hoist over
     acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
