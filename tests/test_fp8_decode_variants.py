@@ -100,6 +100,27 @@ def test_settings_table_lookup():
     assert decode_kwargs(table[32]) == dict(block_n=64, whole_blocks=True, fp16_dot=True, v_cvt=True)
 
 
+@pytest.mark.parametrize("dtype", FP8)
+def test_backend_uses_its_fp8_settings_table(dtype):
+    """TritonAttentionBackend's decode reads its settings table: a non-default entry (variant, blocks, whole
+    blocks, split knobs) through the backend gives the torch backend's output on the same fp8 cache."""
+    from test_fp8_kv import fp8_env
+    from test_triton_attention import check as check_backend
+    from test_triton_attention import make_batch, new_requests, qkv, run_triton
+
+    from ostinato.attention.forward_batch import ForwardMode
+
+    env = fp8_env(4, dtype, seed=7)
+    env.tri.decode_fp8_table = {1: dict(variant="bits_vcvt", block_n=16, num_warps=1, num_stages=2,
+                                        whole_blocks=True, programs_per_sm=8, min_tokens_per_split=16)}
+    assert env.tri.kv_splits_cap(2) == 16 and env.tri._min_tokens_per_split(2) == 16
+    prefix = [44, 8]
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1, 1])
+    q, k, v = qkv(env, 2)
+    check_backend(env, batch, run_triton(env, batch, q, k, v), q, atol=1e-4)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
