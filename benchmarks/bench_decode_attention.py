@@ -5,7 +5,8 @@ For each case (batch:context) and KV dtype it times every setting of the grid be
 calls per replay), checks the output against a torch reference, and reports us per call and the KV bytes read
 per second. fp8 variants (decode_attention.FP8_DECODE_VARIANTS, paged_softmax's module doc): fp16 (the current
 default), fp16_vcvt (V widened before its layout change), bits (bit-moved fp8 -> fp16), qk8 (fp8 q.k dots), cast
-(fp8 -> bf16), each with and without whole_blocks (unmasked loop over whole blocks). Split counts come from the
+(fp8 -> bf16), each with and without whole_blocks (unmasked loop over whole blocks), and kv_group (4 KV heads
+a program; for bf16 too). Split counts come from the
 backend's two knobs: programs_per_sm (kv_splits_cap's 2) and min_tokens_per_split.
 
 Then the best settings per case are run again at page 16, and the JSON gets "table": an fp8 settings table for
@@ -43,14 +44,14 @@ FP8 = torch.float8_e4m3fn
 BF16_DEFAULT = dict(variant="bf16", block_n=64, num_warps=4, num_stages=2, whole_blocks=False)
 FP8_DEFAULT = dict(variant="fp16", block_n=128, num_warps=4, num_stages=3, whole_blocks=False)
 ERR_BOUND = 0.02  # max |out - ref| / max |ref| a setting may have to be picked (bf16-level; qk8 is ~3-4%)
-SPLIT_KNOBS = list(itertools.product((1, 2, 4, 8), (32, 64, 128, 256)))  # (programs_per_sm, min_tokens_per_split)
+SPLIT_KNOBS = list(itertools.product((1, 2, 4, 8, 16), (32, 64, 128, 256)))  # (programs_per_sm, min_tokens_per_split)
 
 
 def grid(smoke: bool) -> list[dict]:
     """Kernel settings (each a compiled variant): bf16, the fp8 main grid, the other fp8 variants at a few."""
     cfgs = []
     if smoke:
-        for v, w in itertools.product(("bf16", *FP8_DECODE_VARIANTS), (False, True)):
+        for v, w in itertools.product(("bf16", "bf16_kv_group", *FP8_DECODE_VARIANTS), (False, True)):
             cfgs.append(dict(variant=v, block_n=16, num_warps=1, num_stages=1, whole_blocks=w))
         return cfgs
     for w, bn, nw, st in itertools.product((False, True), (64, 128), (1, 2, 4), (2, 3, 5)):
@@ -60,6 +61,8 @@ def grid(smoke: bool) -> list[dict]:
         cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=w))
     for v, bn, (nw, st) in itertools.product(("cast", "bits", "bits_vcvt", "qk8", "qk8_vcvt"), (64, 128),
                                              ((1, 5), (4, 3))):
+        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
+    for v, bn, nw, st in itertools.product(("bf16_kv_group", "kv_group"), (16, 32, 64), (2, 4, 8), (2, 3)):
         cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
     for c in (BF16_DEFAULT, FP8_DEFAULT):
         if c not in cfgs:
@@ -121,8 +124,15 @@ def reference(t: dict) -> torch.Tensor:
     return out
 
 
+BF16_VARIANTS = {"bf16": {}, "bf16_kv_group": dict(kv_group=True)}
+
+
+def is_bf16(cfg: dict) -> bool:
+    return cfg["variant"] in BF16_VARIANTS
+
+
 def call(t: dict, cfg: dict, splits: int) -> None:
-    kw = dict(FP8_DECODE_VARIANTS[cfg["variant"]]) if t["fp8"] else {}
+    kw = dict(FP8_DECODE_VARIANTS[cfg["variant"]] if t["fp8"] else BF16_VARIANTS[cfg["variant"]])
     decode_attention(t["q"], t["k"], t["v"], t["out"], t["req_to_token"], t["rows"], t["seq_lens"], t["nsplit"],
                      t["mid_o"][:, :, :splits], t["mid_lse"][:, :, :splits], DIM**-0.5, block_n=cfg["block_n"],
                      page_size=t["page"], kv_fp8=FP8 if t["fp8"] else None,
@@ -166,7 +176,7 @@ def _warm(job: tuple) -> list[str]:
     failed = []
     tt = {fp8: setup(2, 64, fp8, page, "cuda", gen) for fp8 in (False, True)}
     for cfg in cfgs:
-        t = tt[cfg["variant"] != "bf16"]
+        t = tt[not is_bf16(cfg)]
         try:
             compute_num_kv_splits(t["seq_lens"], t["nsplit"], 1, 2)
             call(t, cfg, 2)
@@ -179,10 +189,13 @@ def _warm(job: tuple) -> list[str]:
 def warm_all(cfgs: list[dict], pages: list[int], jobs: int) -> None:
     t0 = time.time()
     work = [(cfgs[i::jobs], p) for p in pages for i in range(jobs) if cfgs[i::jobs]]
-    with ProcessPoolExecutor(jobs, mp_context=torch.multiprocessing.get_context("spawn")) as ex:
-        for failed in ex.map(_warm, work):
-            for f in failed:
-                print("warm-up failed:", f, file=sys.stderr)
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=torch.multiprocessing.get_context("spawn")) as ex:
+            for failed in ex.map(_warm, work):
+                for f in failed:
+                    print("warm-up failed:", f, file=sys.stderr)
+    except Exception as e:  # a worker died (the sweep then compiles what is left itself)
+        print(f"parallel warm-up stopped: {type(e).__name__}: {e}", file=sys.stderr)
     print(f"compiled {len(cfgs) * len(pages)} settings in {time.time() - t0:.0f} s with {jobs} processes", flush=True)
 
 
@@ -195,7 +208,7 @@ def sweep(cases, cfgs, page, iters, graphs, dev, only=None) -> list[dict]:
             t = setup(bs, ctx, fp8, page, dev, gen)
             ref = reference(t)
             kv_bytes = 2 * bs * ctx * KV_HEADS * DIM * (1 if fp8 else 2)
-            todo = [(c, s) for c in cfgs if (c["variant"] != "bf16") == fp8 for s in split_options(bs, ctx)]
+            todo = [(c, s) for c in cfgs if (not is_bf16(c)) == fp8 for s in split_options(bs, ctx)]
             if only is not None:
                 todo = [(c, s) for c, s in only.get((bs, ctx, fp8), [])]
             for cfg, splits in todo:

@@ -160,6 +160,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("dtype", FP8)
 def test_cuda_fp8_decode_variants_at_model_heads(dtype, page):
-    """Llama-3.2-1B's heads (32 / 8, dim 64), 128-key blocks, every variant with and without whole_blocks."""
+    """Llama-3.2-1B's heads (32 / 8, dim 64), 64-key blocks, every variant with and without whole_blocks."""
     variants = [(n, w) for n in FP8_DECODE_VARIANTS for w in (False, True)]
-    check(run_variants(dtype, page, variants, "cuda", heads=32, kv_heads=8, dim=64, ctx=700, block_n=128))
+    check(run_variants(dtype, page, variants, "cuda", heads=32, kv_heads=8, dim=64, ctx=700, block_n=64))
