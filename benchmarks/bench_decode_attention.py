@@ -5,14 +5,15 @@ For each case (batch:context) and KV dtype it times every setting of the grid be
 calls per replay), checks the output against a torch reference, and reports us per call and the KV bytes read
 per second. fp8 variants (decode_attention.FP8_DECODE_VARIANTS, paged_softmax's module doc): fp16 (the current
 default), fp16_vcvt (V widened before its layout change), bits (bit-moved fp8 -> fp16), qk8 (fp8 q.k dots), cast
-(fp8 -> bf16), each with and without whole_blocks (unmasked loop over whole blocks), and kv_group (4 KV heads
-a program; for bf16 too). Split counts come from the
-backend's two knobs: programs_per_sm (kv_splits_cap's 2) and min_tokens_per_split.
+(fp8 -> bf16), with and without whole_blocks (an unmasked loop over whole blocks), and kv_group (4 KV heads a
+program; for bf16 too). Split counts come from the backend's two knobs: programs_per_sm (kv_splits_cap's 2)
+and min_tokens_per_split. Settings whose error passes ERR_BOUND are never picked (qk8 usually).
 
 Then the best settings per case are run again at page 16, and the JSON gets "table": an fp8 settings table for
 TritonAttentionBackend.decode_fp8_table (the best fp8 setting of each case, keyed by its batch size).
 
-python benchmarks/bench_decode_attention.py        # ~3 min on an H200 (compiles in parallel first)
+python benchmarks/bench_decode_attention.py        # ~3 min on an H200 (compiles in parallel first); no new
+                                                   # timing starts after --budget-s (210), the JSON says what ran
 python benchmarks/bench_decode_attention.py --smoke   # CPU, Triton's interpreter: tiny cases, checks the script
 """
 
@@ -54,15 +55,18 @@ def grid(smoke: bool) -> list[dict]:
         for v, w in itertools.product(("bf16", "bf16_kv_group", *FP8_DECODE_VARIANTS), (False, True)):
             cfgs.append(dict(variant=v, block_n=16, num_warps=1, num_stages=1, whole_blocks=w))
         return cfgs
+    # in the order they run (a time budget cuts the last): whole-block fp8, bf16, kv_group, masked fp8, the rest
+    main = list(itertools.product(("fp16", "fp16_vcvt"), (32, 64, 128, 256), (1, 2, 4), (2, 3, 5)))
+    for v, bn, nw, st in main:
+        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
     for w, bn, nw, st in itertools.product((False, True), (64, 128), (1, 2, 4), (2, 3, 5)):
         cfgs.append(dict(variant="bf16", block_n=bn, num_warps=nw, num_stages=st, whole_blocks=w))
-    for v, w, bn, nw, st in itertools.product(("fp16", "fp16_vcvt"), (False, True), (32, 64, 128, 256), (1, 2, 4),
-                                              (2, 3, 5)):
-        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=w))
+    for v, bn, nw, st in itertools.product(("bf16_kv_group", "kv_group"), (16, 32, 64), (2, 4, 8), (2, 3)):
+        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
+    for v, bn, nw, st in main:
+        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=False))
     for v, bn, (nw, st) in itertools.product(("cast", "bits", "bits_vcvt", "qk8", "qk8_vcvt"), (64, 128),
                                              ((1, 5), (4, 3))):
-        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
-    for v, bn, nw, st in itertools.product(("bf16_kv_group", "kv_group"), (16, 32, 64), (2, 4, 8), (2, 3)):
         cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
     for c in (BF16_DEFAULT, FP8_DEFAULT):
         if c not in cfgs:
@@ -199,19 +203,26 @@ def warm_all(cfgs: list[dict], pages: list[int], jobs: int) -> None:
     print(f"compiled {len(cfgs) * len(pages)} settings in {time.time() - t0:.0f} s with {jobs} processes", flush=True)
 
 
-def sweep(cases, cfgs, page, iters, graphs, dev, only=None) -> list[dict]:
-    """Every (case, kv dtype, setting, split count) of the grid (or the `only` list per case): rows."""
+def sweep(cases, cfgs, page, iters, graphs, dev, deadline: float, only=None) -> list[dict]:
+    """Every (setting, case, split count) of the grid (or the `only` list per case and kv dtype): rows. Settings
+    run in order, each over all cases (all problems stay on the GPU), until `deadline` (time.time())."""
     gen = torch.Generator().manual_seed(0)
-    rows = []
+    probs = {}
     for bs, ctx in cases:
         for fp8 in (False, True):
             t = setup(bs, ctx, fp8, page, dev, gen)
-            ref = reference(t)
-            kv_bytes = 2 * bs * ctx * KV_HEADS * DIM * (1 if fp8 else 2)
-            todo = [(c, s) for c in cfgs if (not is_bf16(c)) == fp8 for s in split_options(bs, ctx)]
-            if only is not None:
-                todo = [(c, s) for c, s in only.get((bs, ctx, fp8), [])]
-            for cfg, splits in todo:
+            probs[(bs, ctx, fp8)] = (t, reference(t), 2 * bs * ctx * KV_HEADS * DIM * (1 if fp8 else 2))
+    rows, skipped = [], 0
+    for cfg in cfgs:
+        fp8 = not is_bf16(cfg)
+        for bs, ctx in cases:
+            t, ref, kv_bytes = probs[(bs, ctx, fp8)]
+            todo = list(split_options(bs, ctx)) if only is None else [s for c, s in only.get((bs, ctx, fp8), [])
+                                                                       if c == cfg]
+            for splits in todo:
+                if time.time() > deadline:
+                    skipped += 1
+                    continue
                 try:
                     us = time_us(t, cfg, splits, iters, graphs)
                 except Exception as e:  # out of shared memory etc.: skip the setting
@@ -222,9 +233,11 @@ def sweep(cases, cfgs, page, iters, graphs, dev, only=None) -> list[dict]:
                                  split_knobs=split_options(bs, ctx)[splits], us=round(us, 2),
                                  tbps=round(kv_bytes / us / 1e6, 3), max_err=err,
                                  rel_err=err / ref.abs().max().item()))
-            del t, ref
-            if dev == "cuda":
-                torch.cuda.empty_cache()
+    if skipped:
+        print(f"time budget: {skipped} timings skipped (raise --budget-s)", file=sys.stderr)
+    del probs
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -290,6 +303,7 @@ def main() -> None:
     ap.add_argument("--recheck-page", type=int, default=16, help="page size the best settings run again at (0: no)")
     ap.add_argument("--top", type=int, default=4, help="settings per (case, kv dtype) run again at --recheck-page")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=210, help="no new timing starts after this many seconds")
     ap.add_argument("--jobs", type=int, default=min(15, max(1, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny cases")
     ap.add_argument("--out", default=None, help="JSON (default results/decode-attention-fp8-<gpu>.json)")
@@ -298,9 +312,12 @@ def main() -> None:
     dev = "cpu" if a.smoke else "cuda"
     cases = [tuple(map(int, c.split(":"))) for c in (["2:48", "3:16"] if a.smoke else a.cases)]
     cfgs = grid(a.smoke)
+    cfgs = [c for c in cfgs if c in (BF16_DEFAULT, FP8_DEFAULT)] + [c for c in cfgs if c not in (BF16_DEFAULT,
+                                                                                                FP8_DEFAULT)]
+    deadline = t0 + (1e9 if a.smoke else a.budget_s)
     if not a.smoke:
         warm_all(cfgs, [a.page], a.jobs)
-    rows = sweep(cases, cfgs, a.page, a.iters, not a.smoke, dev)
+    rows = sweep(cases, cfgs, a.page, a.iters, not a.smoke, dev, deadline - 30 if a.recheck_page else deadline)
     if a.recheck_page:
         only = {}
         key = lambda r: (r["bs"], r["ctx"], r["kv"] != "bf16")  # noqa: E731
@@ -311,7 +328,7 @@ def main() -> None:
         if not a.smoke:
             again = [c for c in cfgs if any(c == x for todo in only.values() for x, _ in todo)]
             warm_all(again, [a.recheck_page], a.jobs)
-        rows += sweep(cases, cfgs, a.recheck_page, a.iters, not a.smoke, dev, only=only)
+        rows += sweep(cases, cfgs, a.recheck_page, a.iters, not a.smoke, dev, deadline, only=only)
     summary, table = summarize(rows)
     print_summary(summary)
     print("\nsuggested TritonAttentionBackend.decode_fp8_table (page", a.page, "figures):")
