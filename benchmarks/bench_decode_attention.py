@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -172,35 +171,61 @@ def time_us(t: dict, cfg: dict, splits: int, iters: int, graphs: bool) -> float:
     return best
 
 
-def _warm(job: tuple) -> list[str]:
-    """Worker: compile the kernels of some settings (Triton's on-disk cache then serves the main process).
-    The tiny problem has the strides' specialization of the real ones (multiples of 16)."""
-    cfgs, page = job
+def _warm_worker(cfgs: list[dict], page: int, tasks, status, current, slot: int) -> None:
+    """A compile process: takes setting indices from `tasks` (None: stop), compiles and runs each once on a tiny
+    problem with the real ones' specialization (pointers and strides multiples of 16), so Triton's on-disk
+    cache serves the main process. status[i]: 3 while it works on i, then 1 (ok) or 2 (an error: skipped)."""
     gen = torch.Generator().manual_seed(0)
-    failed = []
-    tt = {fp8: setup(2, 64, fp8, page, "cuda", gen) for fp8 in (False, True)}
-    for cfg in cfgs:
-        t = tt[not is_bf16(cfg)]
+    probs = {fp8: setup(2, 64, fp8, page, "cuda", gen) for fp8 in (False, True)}
+    while (i := tasks.get()) is not None:
+        current[slot] = i
+        status[i] = 3
+        t = probs[not is_bf16(cfgs[i])]
         try:
             compute_num_kv_splits(t["seq_lens"], t["nsplit"], 1, 2)
-            call(t, cfg, 2)
+            call(t, cfgs[i], 2)
             torch.cuda.synchronize()
+            status[i] = 1
         except Exception as e:  # out of shared memory etc.
-            failed.append(f"{cfg}: {type(e).__name__}: {str(e)[:120]}")
-    return failed
+            print(f"warm-up failed: {cfgs[i]}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr, flush=True)
+            status[i] = 2
 
 
-def warm_all(cfgs: list[dict], pages: list[int], jobs: int) -> None:
+def warm_all(cfgs: list[dict], page: int, jobs: int, timeout_s: float = 420) -> list[dict]:
+    """Compile the settings in `jobs` processes; the ones that compiled and ran. A setting whose compile kills its
+    process (a compiler abort) is dropped, so the main process never compiles it, and the process replaced."""
     t0 = time.time()
-    work = [(cfgs[i::jobs], p) for p in pages for i in range(jobs) if cfgs[i::jobs]]
-    try:
-        with ProcessPoolExecutor(jobs, mp_context=torch.multiprocessing.get_context("spawn")) as ex:
-            for failed in ex.map(_warm, work):
-                for f in failed:
-                    print("warm-up failed:", f, file=sys.stderr)
-    except Exception as e:  # a worker died (the sweep then compiles what is left itself)
-        print(f"parallel warm-up stopped: {type(e).__name__}: {e}", file=sys.stderr)
-    print(f"compiled {len(cfgs) * len(pages)} settings in {time.time() - t0:.0f} s with {jobs} processes", flush=True)
+    ctx = torch.multiprocessing.get_context("spawn")
+    tasks, status, current = ctx.Queue(), ctx.Array("b", len(cfgs), lock=False), ctx.Array("i", jobs, lock=False)
+    for i in range(len(cfgs)):
+        tasks.put(i)
+
+    def start(slot: int):
+        current[slot] = -1
+        p = ctx.Process(target=_warm_worker, args=(cfgs, page, tasks, status, current, slot), daemon=True)
+        p.start()
+        return p
+
+    procs = [start(slot) for slot in range(jobs)]
+    while any(s in (0, 3) for s in status[:]) and time.time() - t0 < timeout_s:
+        time.sleep(0.2)
+        for slot, p in enumerate(procs):
+            if p.exitcode is not None and p.exitcode != 0:  # died: drop what it was compiling, replace it
+                i = current[slot]
+                if i >= 0 and status[i] == 3:
+                    status[i] = 4
+                    print(f"dropped (its compile killed the process): {cfgs[i]}", file=sys.stderr, flush=True)
+                procs[slot] = start(slot)
+    for _ in procs:
+        tasks.put(None)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    ok = [c for c, st in zip(cfgs, status[:], strict=True) if st == 1]
+    print(f"compiled {len(ok)} of {len(cfgs)} settings at page {page} in {time.time() - t0:.0f} s with {jobs} "
+          "processes", flush=True)
+    return ok
 
 
 def sweep(cases, cfgs, page, iters, graphs, dev, deadline: float, only=None) -> list[dict]:
@@ -316,7 +341,7 @@ def main() -> None:
                                                                                                 FP8_DEFAULT)]
     deadline = t0 + (1e9 if a.smoke else a.budget_s)
     if not a.smoke:
-        warm_all(cfgs, [a.page], a.jobs)
+        cfgs = warm_all(cfgs, a.page, a.jobs)
     rows = sweep(cases, cfgs, a.page, a.iters, not a.smoke, dev, deadline - 30 if a.recheck_page else deadline)
     if a.recheck_page:
         only = {}
@@ -327,7 +352,8 @@ def main() -> None:
             only[k] = [({c: r[c] for c in FP8_DEFAULT}, r["splits"]) for r in keep]
         if not a.smoke:
             again = [c for c in cfgs if any(c == x for todo in only.values() for x, _ in todo)]
-            warm_all(again, [a.recheck_page], a.jobs)
+            ok = warm_all(again, a.recheck_page, min(a.jobs, len(again)))
+            only = {k: [(c, s) for c, s in todo if c in ok] for k, todo in only.items()}
         rows += sweep(cases, cfgs, a.recheck_page, a.iters, not a.smoke, dev, deadline, only=only)
     summary, table = summarize(rows)
     print_summary(summary)
