@@ -320,7 +320,7 @@ def decode_attention(
     k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
     v_scale = mid_lse if v_scale is None else v_scale
     per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group else 1
-    if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:
+    if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(bs, num_kv_heads // per_prog, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,
             v_scale, scale * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), v_buf.stride(0),
@@ -331,10 +331,7 @@ def decode_attention(
             PRECISION=precision,
             num_warps=num_warps, num_stages=num_stages,
         )
-        kv_group = True
     else:
-        kv_group = False
-    if not kv_group:
         _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale, v_scale,
             scale * LOG2E,
