@@ -113,15 +113,16 @@ def setup(bs: int, ctx: int, fp8: bool, page: int, dev: str, gen: torch.Generato
 def reference(t: dict) -> torch.Tensor:
     """float32 attention over the (dequantized) cache, a few requests at a time."""
     bs, ctx = t["req_to_token"].shape
-    k_all, v_all = t["k"], t["v"]
-    if t["fp8"]:
-        k_all, v_all = k_all.view(FP8), v_all.view(FP8)
     ks, vs = (t["k_scale"].item(), t["v_scale"].item()) if t["fp8"] else (1.0, 1.0)
+
+    def rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # gathered as stored, then read as fp8
+        x = buf[slots]
+        return (x.view(FP8) if t["fp8"] else x).float().repeat_interleave(HEADS // KV_HEADS, 2)
+
     out = torch.empty(bs, HEADS, DIM, device=t["q"].device)
     for b0 in range(0, bs, 16):
         slots = t["req_to_token"][b0 : b0 + 16].long()
-        k = k_all[slots].float().repeat_interleave(HEADS // KV_HEADS, 2) * ks  # [b, n, H, D]
-        v = v_all[slots].float().repeat_interleave(HEADS // KV_HEADS, 2) * vs
+        k, v = rows(t["k"], slots) * ks, rows(t["v"], slots) * vs  # [b, n, H, D]
         w = torch.softmax(torch.einsum("bhd,bnhd->bhn", t["q"][b0 : b0 + 16].float(), k) * DIM**-0.5, -1)
         out[b0 : b0 + 16] = torch.einsum("bhn,bnhd->bhd", w, v)
     return out
