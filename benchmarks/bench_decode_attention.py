@@ -1,113 +1,377 @@
-"""The split-KV decode attention kernel alone, bf16 vs fp8 KV, over its launch settings (Llama-3.2-1B heads:
-32 query, 8 KV, dim 64; pages of 16 in a shuffled order). Prints us per call, the KV bytes read per second
-against the HBM peak, and the best setting per (kv dtype, batch, context); JSON with --out.
+"""The split-KV decode attention kernel alone, bf16 KV vs fp8 (e4m3) KV, over its variants and launch settings
+(Llama-3.2-1B heads: 32 query, 8 KV, dim 64; a shuffled page order, as after churn).
 
-python benchmarks/bench_decode_attention.py          # ~2 min on an H200
+For each case (batch:context) and KV dtype it times every setting of the grid below inside a CUDA graph (20
+calls per replay), checks the output against a torch reference, and reports us per call and the KV bytes read
+per second. fp8 variants (decode_attention.FP8_DECODE_VARIANTS, paged_softmax's module doc): fp16 (the current
+default), fp16_vcvt (V widened before its layout change), bits (bit-moved fp8 -> fp16), qk8 (fp8 q.k dots), cast
+(fp8 -> bf16), with and without whole_blocks (an unmasked loop over whole blocks), and kv_group (4 KV heads a
+program; for bf16 too). Split counts come from the backend's two knobs: programs_per_sm (kv_splits_cap's 2)
+and min_tokens_per_split. Settings whose error passes ERR_BOUND are never picked (qk8 usually).
+
+Then the best settings per case are run again at page 16, and the JSON gets "table": an fp8 settings table for
+TritonAttentionBackend.decode_fp8_table (the best fp8 setting of each case, keyed by its batch size).
+
+python benchmarks/bench_decode_attention.py        # ~3 min on an H200 (compiles in parallel first); no new
+                                                   # timing starts after --budget-s (210), the JSON says what ran
+python benchmarks/bench_decode_attention.py --smoke   # CPU, Triton's interpreter: tiny cases, checks the script
 """
 
 import argparse
 import itertools
 import json
+import os
 import sys
+import time
 
-import torch
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention
+import torch  # noqa: E402
 
-HEADS, KV_HEADS, DIM, PAGE = 32, 8, 64, 16
+from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
+    FP8_DECODE_VARIANTS,
+    compute_num_kv_splits,
+    decode_attention,
+)
+
+HEADS, KV_HEADS, DIM = 32, 8, 64
 HBM_TBPS = 4.8  # H200
+NUM_SMS = 132
+MAX_SPLITS = 16  # the backend's max_kv_splits: the scratch has this depth, whatever the split count
+FP8 = torch.float8_e4m3fn
+# the settings today (TritonAttentionBackend): bf16 64-key blocks, 4 warps, 2 stages; fp8 decode_fp8_table
+BF16_DEFAULT = dict(variant="bf16", block_n=64, num_warps=4, num_stages=2, whole_blocks=False)
+FP8_DEFAULT = dict(variant="fp16", block_n=128, num_warps=4, num_stages=3, whole_blocks=False)
+ERR_BOUND = 0.02  # max |out - ref| / max |ref| a setting may have to be picked (bf16-level; qk8 is ~3-4%)
+SPLIT_KNOBS = list(itertools.product((1, 2, 4, 8, 16), (32, 64, 128, 256)))  # (programs_per_sm, min_tokens_per_split)
 
 
-def setup(bs: int, ctx: int, fp8: bool, gen: torch.Generator) -> dict:
-    dev = torch.device("cuda")
-    pages = bs * ctx // PAGE
-    slots = pages * PAGE + PAGE  # page 0: the sink
-    store = torch.uint8 if fp8 else torch.bfloat16
-    k = torch.randn(slots, KV_HEADS, DIM, device=dev).to(torch.float8_e4m3fn if fp8 else store)
-    v = torch.randn(slots, KV_HEADS, DIM, device=dev).to(torch.float8_e4m3fn if fp8 else store)
+def grid(smoke: bool) -> list[dict]:
+    """Kernel settings (each a compiled variant): bf16, the fp8 main grid, the other fp8 variants at a few."""
+    cfgs = []
+    if smoke:
+        for v, w in itertools.product(("bf16", "bf16_kv_group", *FP8_DECODE_VARIANTS), (False, True)):
+            cfgs.append(dict(variant=v, block_n=16, num_warps=1, num_stages=1, whole_blocks=w))
+        return cfgs
+    # in the order they run (a time budget cuts the last): whole-block fp8, bf16, kv_group, masked fp8, the rest
+    main = list(itertools.product(("fp16", "fp16_vcvt"), (32, 64, 128, 256), (1, 2, 4), (2, 3, 5)))
+    for v, bn, nw, st in main:
+        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
+    for w, bn, nw, st in itertools.product((False, True), (64, 128), (1, 2, 4), (2, 3, 5)):
+        cfgs.append(dict(variant="bf16", block_n=bn, num_warps=nw, num_stages=st, whole_blocks=w))
+    for v, bn, nw, st in itertools.product(("bf16_kv_group", "kv_group"), (16, 32, 64), (2, 4, 8), (2, 3)):
+        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
+    for v, bn, nw, st in main:
+        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=False))
+    for v, bn, (nw, st) in itertools.product(("cast", "bits", "bits_vcvt", "qk8", "qk8_vcvt"), (64, 128),
+                                             ((1, 5), (4, 3))):
+        cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
+    for c in (BF16_DEFAULT, FP8_DEFAULT):
+        if c not in cfgs:
+            cfgs.append(dict(c))
+    return cfgs
+
+
+def kv_splits_cap(bs: int, programs_per_sm: int) -> int:
+    """TritonAttentionBackend.kv_splits_cap with programs_per_sm in place of its 2."""
+    bucket = 1 << (max(bs, 1) - 1).bit_length()
+    return max(1, min(MAX_SPLITS, -(-programs_per_sm * NUM_SMS // (bucket * KV_HEADS))))
+
+
+def split_options(bs: int, ctx: int) -> dict[int, list[tuple[int, int]]]:
+    """Split count -> the (programs_per_sm, min_tokens_per_split) pairs that give it for this case."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for pps, mt in SPLIT_KNOBS:
+        n = max(1, min(kv_splits_cap(bs, pps), -(-ctx // mt)))
+        out.setdefault(n, []).append((pps, mt))
+    return out
+
+
+def setup(bs: int, ctx: int, fp8: bool, page: int, dev: str, gen: torch.Generator) -> dict:
+    pages = bs * ctx // page
+    slots = pages * page + page  # page 0: the sink
+    k = torch.randn(slots, KV_HEADS, DIM, device=dev)
+    v = torch.randn(slots, KV_HEADS, DIM, device=dev)
     if fp8:
-        k, v = k.view(torch.uint8), v.view(torch.uint8)
-    order = (torch.randperm(pages, generator=gen) + 1).to(dev)  # shuffled pages, as after churn
-    req_to_token = (order.view(bs, ctx // PAGE, 1) * PAGE + torch.arange(PAGE, device=dev)).view(bs, ctx)
-    return dict(q=torch.randn(bs, HEADS, DIM, device=dev, dtype=torch.bfloat16), k=k, v=v,
-                out=torch.empty(bs, HEADS, DIM, device=dev, dtype=torch.bfloat16),
-                req_to_token=req_to_token.to(torch.int32), rows=torch.arange(bs, device=dev),
+        k, v = k.to(FP8).view(torch.uint8), v.to(FP8).view(torch.uint8)
+    else:
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    order = (torch.randperm(pages, generator=gen) + 1).to(dev)  # shuffled pages
+    req_to_token = (order.view(bs, ctx // page, 1) * page + torch.arange(page, device=dev)).view(bs, ctx)
+    q_dtype = torch.bfloat16 if dev == "cuda" else torch.float16  # the interpreter's bf16 dots are wrong
+    return dict(q=torch.randn(bs, HEADS, DIM, device=dev, dtype=q_dtype), k=k, v=v, page=page, fp8=fp8,
+                out=torch.empty(bs, HEADS, DIM, device=dev, dtype=q_dtype),
+                req_to_token=req_to_token.to(torch.int32).contiguous(), rows=torch.arange(bs, device=dev),
                 seq_lens=torch.full((bs,), ctx, device=dev, dtype=torch.int32),
-                scale_k=torch.tensor([0.5], device=dev), scale_v=torch.tensor([0.25], device=dev))
+                k_scale=torch.tensor([0.5], device=dev), v_scale=torch.tensor([0.25], device=dev),
+                mid_o=torch.empty(bs, HEADS, MAX_SPLITS, DIM, device=dev),
+                mid_lse=torch.empty(bs, HEADS, MAX_SPLITS, device=dev),
+                nsplit=torch.empty(bs, device=dev, dtype=torch.int32))
 
 
-def run(t: dict, fp8: bool, splits: int, block_n: int, warps: int, stages: int, fp16_dot: bool, iters: int):
-    bs = t["q"].shape[0]
-    nsplit = torch.empty(bs, device="cuda", dtype=torch.int32)
-    compute_num_kv_splits(t["seq_lens"], nsplit, block_n, splits)
-    mid_o = torch.empty(bs, HEADS, splits, DIM, device="cuda", dtype=torch.float32)
-    mid_lse = torch.empty(bs, HEADS, splits, device="cuda", dtype=torch.float32)
+def reference(t: dict) -> torch.Tensor:
+    """float32 attention over the (dequantized) cache, a few requests at a time."""
+    bs, ctx = t["req_to_token"].shape
+    ks, vs = (t["k_scale"].item(), t["v_scale"].item()) if t["fp8"] else (1.0, 1.0)
 
-    def call():
-        decode_attention(t["q"], t["k"], t["v"], t["out"], t["req_to_token"], t["rows"], t["seq_lens"], nsplit,
-                         mid_o, mid_lse, DIM**-0.5, block_n=block_n, page_size=PAGE,
-                         kv_fp8=torch.float8_e4m3fn if fp8 else None, k_scale=t["scale_k"] if fp8 else None,
-                         v_scale=t["scale_v"] if fp8 else None, num_warps=warps, num_stages=stages,
-                         fp16_dot=fp16_dot)
+    def rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # gathered as stored, then read as fp8
+        x = buf[slots]
+        return (x.view(FP8) if t["fp8"] else x).float().repeat_interleave(HEADS // KV_HEADS, 2)
 
-    call()
+    out = torch.empty(bs, HEADS, DIM, device=t["q"].device)
+    for b0 in range(0, bs, 16):
+        slots = t["req_to_token"][b0 : b0 + 16].long()
+        k, v = rows(t["k"], slots) * ks, rows(t["v"], slots) * vs  # [b, n, H, D]
+        w = torch.softmax(torch.einsum("bhd,bnhd->bhn", t["q"][b0 : b0 + 16].float(), k) * DIM**-0.5, -1)
+        out[b0 : b0 + 16] = torch.einsum("bhn,bnhd->bhd", w, v)
+    return out
+
+
+BF16_VARIANTS = {"bf16": {}, "bf16_kv_group": dict(kv_group=True)}
+
+
+def is_bf16(cfg: dict) -> bool:
+    return cfg["variant"] in BF16_VARIANTS
+
+
+def call(t: dict, cfg: dict, splits: int) -> None:
+    kw = dict(FP8_DECODE_VARIANTS[cfg["variant"]] if t["fp8"] else BF16_VARIANTS[cfg["variant"]])
+    decode_attention(t["q"], t["k"], t["v"], t["out"], t["req_to_token"], t["rows"], t["seq_lens"], t["nsplit"],
+                     t["mid_o"][:, :, :splits], t["mid_lse"][:, :, :splits], DIM**-0.5, block_n=cfg["block_n"],
+                     page_size=t["page"], kv_fp8=FP8 if t["fp8"] else None,
+                     k_scale=t["k_scale"] if t["fp8"] else None, v_scale=t["v_scale"] if t["fp8"] else None,
+                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                     whole_blocks=cfg["whole_blocks"], **kw)
+
+
+def time_us(t: dict, cfg: dict, splits: int, iters: int, graphs: bool) -> float:
+    compute_num_kv_splits(t["seq_lens"], t["nsplit"], 1, splits)  # every request gets `splits` (ctx >= splits)
+    call(t, cfg, splits)
+    if not graphs:  # the CPU smoke run: no timing
+        return 1.0
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        call()
-    end.record()
+    stream = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        call(t, cfg, splits)  # warm on the capture stream
+        stream.synchronize()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(iters):
+                call(t, cfg, splits)
+    g.replay()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3, t["out"].float().clone()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / iters)
+    return best
+
+
+def _warm_worker(cfgs: list[dict], page: int, tasks, status, current, slot: int) -> None:
+    """A compile process: takes setting indices from `tasks` (None: stop), compiles and runs each once on a tiny
+    problem with the real ones' specialization (pointers and strides multiples of 16), so Triton's on-disk
+    cache serves the main process. status[i]: 3 while it works on i, then 1 (ok) or 2 (an error: skipped)."""
+    gen = torch.Generator().manual_seed(0)
+    probs = {fp8: setup(2, 64, fp8, page, "cuda", gen) for fp8 in (False, True)}
+    while (i := tasks.get()) is not None:
+        current[slot] = i
+        status[i] = 3
+        t = probs[not is_bf16(cfgs[i])]
+        try:
+            compute_num_kv_splits(t["seq_lens"], t["nsplit"], 1, 2)
+            call(t, cfgs[i], 2)
+            torch.cuda.synchronize()
+            status[i] = 1
+        except Exception as e:  # out of shared memory etc.
+            print(f"warm-up failed: {cfgs[i]}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr, flush=True)
+            status[i] = 2
+
+
+def warm_all(cfgs: list[dict], page: int, jobs: int, timeout_s: float = 420) -> list[dict]:
+    """Compile the settings in `jobs` processes; the ones that compiled and ran. A setting whose compile kills its
+    process (a compiler abort) is dropped, so the main process never compiles it, and the process replaced."""
+    t0 = time.time()
+    ctx = torch.multiprocessing.get_context("spawn")
+    tasks, status, current = ctx.Queue(), ctx.Array("b", len(cfgs), lock=False), ctx.Array("i", jobs, lock=False)
+    for i in range(len(cfgs)):
+        tasks.put(i)
+
+    def start(slot: int):
+        current[slot] = -1
+        p = ctx.Process(target=_warm_worker, args=(cfgs, page, tasks, status, current, slot), daemon=True)
+        p.start()
+        return p
+
+    procs = [start(slot) for slot in range(jobs)]
+    while any(s in (0, 3) for s in status[:]) and time.time() - t0 < timeout_s:
+        time.sleep(0.2)
+        for slot, p in enumerate(procs):
+            if p.exitcode is not None and p.exitcode != 0:  # died: drop what it was compiling, replace it
+                i = current[slot]
+                if i >= 0 and status[i] == 3:
+                    status[i] = 4
+                    print(f"dropped (its compile killed the process): {cfgs[i]}", file=sys.stderr, flush=True)
+                procs[slot] = start(slot)
+    for _ in procs:
+        tasks.put(None)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    ok = [c for c, st in zip(cfgs, status[:], strict=True) if st == 1]
+    print(f"compiled {len(ok)} of {len(cfgs)} settings at page {page} in {time.time() - t0:.0f} s with {jobs} "
+          "processes", flush=True)
+    return ok
+
+
+def sweep(cases, cfgs, page, iters, graphs, dev, deadline: float, only=None) -> list[dict]:
+    """Every (setting, case, split count) of the grid (or the `only` list per case and kv dtype): rows. Settings
+    run in order, each over all cases (all problems stay on the GPU), until `deadline` (time.time())."""
+    gen = torch.Generator().manual_seed(0)
+    probs = {}
+    for bs, ctx in cases:
+        for fp8 in (False, True):
+            t = setup(bs, ctx, fp8, page, dev, gen)
+            probs[(bs, ctx, fp8)] = (t, reference(t), 2 * bs * ctx * KV_HEADS * DIM * (1 if fp8 else 2))
+    rows, skipped = [], 0
+    for cfg in cfgs:
+        fp8 = not is_bf16(cfg)
+        for bs, ctx in cases:
+            t, ref, kv_bytes = probs[(bs, ctx, fp8)]
+            todo = list(split_options(bs, ctx)) if only is None else [s for c, s in only.get((bs, ctx, fp8), [])
+                                                                       if c == cfg]
+            for splits in todo:
+                if time.time() > deadline:
+                    skipped += 1
+                    continue
+                try:
+                    us = time_us(t, cfg, splits, iters, graphs)
+                except Exception as e:  # out of shared memory etc.: skip the setting
+                    print(f"skip {bs}:{ctx} {cfg} splits {splits}: {type(e).__name__} {str(e)[:100]}", file=sys.stderr)
+                    continue
+                err = (t["out"].float() - ref).abs().max().item()
+                rows.append(dict(bs=bs, ctx=ctx, page=page, kv="fp8_e4m3" if fp8 else "bf16", **cfg, splits=splits,
+                                 split_knobs=split_options(bs, ctx)[splits], us=round(us, 2),
+                                 tbps=round(kv_bytes / us / 1e6, 3), max_err=err,
+                                 rel_err=err / ref.abs().max().item()))
+    if skipped:
+        print(f"time budget: {skipped} timings skipped (raise --budget-s)", file=sys.stderr)
+    del probs
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def is_default(r: dict) -> bool:
+    d = FP8_DEFAULT if r["kv"] != "bf16" else BF16_DEFAULT
+    return all(r[k] == v for k, v in d.items()) and [2, 64] in [list(x) for x in r["split_knobs"]]
+
+
+def summarize(rows: list[dict]) -> tuple[list[dict], dict]:
+    """Per (case, page): bf16 and fp8 default and best; fp8 best per variant; the suggested settings table."""
+    out, table = [], {}
+    key = lambda r: (r["bs"], r["ctx"], r["page"])  # noqa: E731
+    for (bs, ctx, page), group in itertools.groupby(sorted(rows, key=key), key=key):
+        group = list(group)
+        s = dict(bs=bs, ctx=ctx, page=page)
+        for kv in ("bf16", "fp8_e4m3"):
+            g = [r for r in group if r["kv"] == kv and r["rel_err"] <= ERR_BOUND]  # qk8 is never picked
+            if not g:
+                continue
+            best = min(g, key=lambda r: r["us"])
+            dflt = [r for r in g if is_default(r)]
+            s[kv] = dict(best=best, default=min(dflt, key=lambda r: r["us"]) if dflt else None)
+            if kv == "fp8_e4m3":
+                s["fp8_by_variant"] = {
+                    f"{v}{'+whole' if w else ''}": min(gv, key=lambda r: r["us"])
+                    for (v, w) in {(r["variant"], r["whole_blocks"]) for r in g}
+                    for gv in [[r for r in g if r["variant"] == v and r["whole_blocks"] == w]]}
+                knobs = [tuple(x) for x in best["split_knobs"]]  # prefer the backend's knobs for the same count
+                pps, mt = (2, 64) if (2, 64) in knobs else next((x for x in knobs if x[0] == 2), knobs[0])
+                if page == 1 or bs not in table:
+                    table[bs] = dict(variant=best["variant"], block_n=best["block_n"], num_warps=best["num_warps"],
+                                     num_stages=best["num_stages"], whole_blocks=best["whole_blocks"],
+                                     programs_per_sm=pps, min_tokens_per_split=mt)
+        if "bf16" in s and "fp8_e4m3" in s:
+            s["fp8_best_speedup_vs_bf16_best"] = round(s["bf16"]["best"]["us"] / s["fp8_e4m3"]["best"]["us"], 3)
+        out.append(s)
+    return out, table
+
+
+def print_summary(summary: list[dict]) -> None:
+    def fmt(r):
+        if r is None:
+            return "-"
+        return (f"{r['us']:8.1f} us {r['tbps']:5.2f} TB/s  {r['variant']} bn{r['block_n']} w{r['num_warps']} "
+                f"st{r['num_stages']}{' whole' if r['whole_blocks'] else ''} splits {r['splits']} "
+                f"err {r['rel_err']:.1e}")
+    for s in summary:
+        floor = 2 * s["bs"] * s["ctx"] * KV_HEADS * DIM / (HBM_TBPS * 1e6)
+        print(f"\n== bs {s['bs']} ctx {s['ctx']} page {s['page']}  (HBM floor: fp8 {floor:.1f} us, bf16 "
+              f"{2 * floor:.1f} us)  fp8 best / bf16 best speedup {s.get('fp8_best_speedup_vs_bf16_best')}")
+        for kv in ("bf16", "fp8_e4m3"):
+            if kv in s:
+                print(f"  {kv:9} default {fmt(s[kv]['default'])}")
+                print(f"  {kv:9} best    {fmt(s[kv]['best'])}")
+        for name, r in sorted(s.get("fp8_by_variant", {}).items(), key=lambda x: x[1]["us"]):
+            print(f"    fp8 {name:18} {fmt(r)}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=["32:4096", "128:4096", "256:2048", "128:1024"])
+    ap.add_argument("--cases", nargs="+", default=["32:4096", "128:4096", "256:1024", "1:128"])
+    ap.add_argument("--page", type=int, default=1, help="page size of the full sweep (the engine's default 1)")
+    ap.add_argument("--recheck-page", type=int, default=16, help="page size the best settings run again at (0: no)")
+    ap.add_argument("--top", type=int, default=4, help="settings per (case, kv dtype) run again at --recheck-page")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-s", type=float, default=210, help="no new timing starts after this many seconds")
+    ap.add_argument("--jobs", type=int, default=min(15, max(1, (os.cpu_count() or 2) - 1)))
+    ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny cases")
+    ap.add_argument("--out", default=None, help="JSON (default results/decode-attention-fp8-<gpu>.json)")
     a = ap.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for case in a.cases:
-        bs, ctx = map(int, case.split(":"))
-        for fp8 in (False, True):
-            t = setup(bs, ctx, fp8, gen)
-            kv_bytes = 2 * bs * ctx * KV_HEADS * DIM * (1 if fp8 else 2)
-            ref = None
-            grid = itertools.product((1, 2, 4), (32, 64, 128), (4, 8), (2, 3), (False, True) if fp8 else (False,))
-            for splits, block_n, warps, stages, fp16_dot in grid:
-                try:
-                    us, out = run(t, fp8, splits, block_n, warps, stages, fp16_dot, a.iters)
-                except Exception as e:  # out of shared memory etc.: skip the setting
-                    print(f"skip {case} fp8={fp8} {splits}/{block_n}/{warps}/{stages}/{fp16_dot}: "
-                          f"{type(e).__name__}", file=sys.stderr)
-                    continue
-                ref = out if ref is None else ref
-                err = (out - ref).abs().max().item()
-                rows.append(dict(bs=bs, ctx=ctx, kv="fp8_e4m3" if fp8 else "bf16", splits=splits, block_n=block_n,
-                                 warps=warps, stages=stages, fp16_dot=fp16_dot, us=round(us, 1),
-                                 tbps=round(kv_bytes / us / 1e6, 2), max_diff_vs_first=err))
-            del t
-            torch.cuda.empty_cache()
-    default = dict(splits=None, block_n=64, warps=4, stages=2, fp16_dot=False)
-    print(f"{'case':>10} {'kv':>9} {'default us':>10} {'best us':>8} {'TB/s':>5} {'floor us':>8}  best setting")
-    best_rows = []
-    for (bs, ctx, kv), group in itertools.groupby(rows, key=lambda r: (r["bs"], r["ctx"], r["kv"])):
-        group = list(group)
-        cap = max(1, min(16, -(-2 * 132 // ((1 << (bs - 1).bit_length()) * KV_HEADS))))  # the backend's cap
-        dflt = [r for r in group if r["splits"] == min(cap, 4) and all(r[k] == v for k, v in default.items()
-                                                                        if v is not None)]
-        best = min(group, key=lambda r: r["us"])
-        floor = 2 * bs * ctx * KV_HEADS * DIM * (1 if kv == "fp8_e4m3" else 2) / (HBM_TBPS * 1e6)
-        print(f"{bs:>4}:{ctx:<5} {kv:>9} {dflt[0]['us'] if dflt else float('nan'):>10.1f} {best['us']:>8.1f} "
-              f"{best['tbps']:>5.2f} {floor:>8.1f}  splits {best['splits']} block_n {best['block_n']} warps "
-              f"{best['warps']} stages {best['stages']} fp16_dot {best['fp16_dot']} "
-              f"(diff {best['max_diff_vs_first']:.2g})")
-        best_rows.append(dict(best, default_us=dflt[0]["us"] if dflt else None, floor_us=round(floor, 1)))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), best=best_rows, all=rows), f, indent=1)
+    t0 = time.time()
+    dev = "cpu" if a.smoke else "cuda"
+    cases = [tuple(map(int, c.split(":"))) for c in (["2:48", "3:16"] if a.smoke else a.cases)]
+    cfgs = grid(a.smoke)
+    cfgs = [c for c in cfgs if c in (BF16_DEFAULT, FP8_DEFAULT)] + [c for c in cfgs if c not in (BF16_DEFAULT,
+                                                                                                FP8_DEFAULT)]
+    deadline = t0 + (1e9 if a.smoke else a.budget_s)
+    if not a.smoke:
+        cfgs = warm_all(cfgs, a.page, a.jobs)
+    rows = sweep(cases, cfgs, a.page, a.iters, not a.smoke, dev, deadline - 30 if a.recheck_page else deadline)
+    if a.recheck_page:
+        only = {}
+        key = lambda r: (r["bs"], r["ctx"], r["kv"] != "bf16")  # noqa: E731
+        for k, g in itertools.groupby(sorted(rows, key=key), key=key):
+            g = sorted(g, key=lambda r: r["us"])
+            keep = [r for r in g[: a.top]] + [r for r in g if is_default(r)][:1]
+            only[k] = [({c: r[c] for c in FP8_DEFAULT}, r["splits"]) for r in keep]
+        if not a.smoke:
+            again = [c for c in cfgs if any(c == x for todo in only.values() for x, _ in todo)]
+            ok = warm_all(again, a.recheck_page, min(a.jobs, len(again)))
+            only = {k: [(c, s) for c, s in todo if c in ok] for k, todo in only.items()}
+        rows += sweep(cases, cfgs, a.recheck_page, a.iters, not a.smoke, dev, deadline, only=only)
+    summary, table = summarize(rows)
+    print_summary(summary)
+    print("\nsuggested TritonAttentionBackend.decode_fp8_table (page", a.page, "figures):")
+    for bs, e in sorted(table.items()):
+        print(f"    {bs}: dict({', '.join(f'{k}={v!r}' for k, v in e.items())}),")
+    bad = [r for r in rows if r["rel_err"] > ERR_BOUND]
+    print(f"\n{len(rows)} timings, {len(bad)} over the error bound ({ERR_BOUND:.0%} of max |ref|; such settings "
+          "are never picked, qk8 usually is one), "
+          f"{time.time() - t0:.0f} s")
+    for r in bad[:10]:
+        print("  over:", {k: r[k] for k in ("bs", "ctx", "kv", "variant", "block_n", "rel_err")})
+    name = torch.cuda.get_device_name().replace(" ", "-").lower() if dev == "cuda" else "cpu-smoke"
+    path = a.out or os.path.join(os.path.dirname(__file__), "results", f"decode-attention-fp8-{name}.json")
+    with open(path, "w") as f:
+        json.dump(dict(device=name, cases=cases, page=a.page, summary=summary, table=table, all=rows), f, indent=1)
+    print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 from ostinato.attention.base import AttentionBackend, AttentionSpec, Rope
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, decode_tail_len
 from ostinato.attention.triton_ops import decode_attention, extend_attention, rope_store_kv, store_kv
-from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits
+from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_kwargs, table_entry
 from ostinato.attention.triton_ops.extend_attention import extend_block_table, max_extend_blocks
 from ostinato.mem.kv_cache import KVCache
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
@@ -24,11 +24,16 @@ class TritonAttentionBackend(AttentionBackend):
     max_kv_splits = 16  # the grid's split dimension and the scratch depth
     min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
     decode_block_n = 64
-    # An fp8 cache's decode: 128-key blocks, 3 pipeline stages and fp16 dots (fp8 widens to fp16 in one
-    # instruction). H200, Llama-3.2-1B, bs 128 x 4096 (bench_decode.py): 6.60 -> 5.60 ms/step at page 1,
-    # 6.73 -> 5.65 at page 16. The same 128-key blocks made bf16 at page 16 slower (5.27 -> 6.83), so bf16
-    # keeps 64 (benchmarks/results/decode-fp8-pages-h200*.json).
-    decode_fp8_settings = dict(block_n=128, num_stages=3, fp16_dot=True)
+    # An fp8 cache's decode, by batch size: the kernel variant (decode_attention.FP8_DECODE_VARIANTS), its
+    # launch settings, and the split settings (programs_per_sm replaces the 2 of kv_splits_cap, and
+    # min_tokens_per_split the class's). A batch takes the entry of the largest key <= its next power of two
+    # (decode_attention.table_entry). bench_decode_attention.py's JSON ("table") gives one from its sweep.
+    # Now: 128-key blocks, 3 stages, fp16 dots for all sizes. H200, Llama-3.2-1B, bs 128 x 4096
+    # (bench_decode.py): 6.60 -> 5.60 ms/step at page 1, 6.73 -> 5.65 at page 16. The same 128-key blocks
+    # made bf16 at page 16 slower (5.27 -> 6.83), so bf16 keeps 64 (benchmarks/results/decode-fp8-pages-h200*.json).
+    decode_fp8_table: dict[int, dict] = {
+        1: dict(variant="fp16", block_n=128, num_warps=4, num_stages=3),
+    }
     extend_block_m = 64
     extend_block_n = 64
 
@@ -64,8 +69,17 @@ class TritonAttentionBackend(AttentionBackend):
         for the default sizes (every power of two is captured), so a padded replay splits each request as
         an eager pass of the same batch does and gives bitwise the same output."""
         bucket = 1 << (max(bs, 1) - 1).bit_length()
-        want = -(-2 * self.num_sms // (bucket * self.num_kv_heads))
+        per_sm = self._fp8_entry(bs).get("programs_per_sm", 2) if self.kv_fp8 is not None else 2
+        want = -(-per_sm * self.num_sms // (bucket * self.num_kv_heads))
         return max(1, min(self.max_kv_splits, want))
+
+    def _fp8_entry(self, bs: int) -> dict:
+        return table_entry(self.decode_fp8_table, bs)
+
+    def _min_tokens_per_split(self, bs: int) -> int:
+        if self.kv_fp8 is None:
+            return self.min_tokens_per_split
+        return self._fp8_entry(bs).get("min_tokens_per_split", self.min_tokens_per_split)
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -74,7 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.seq_lens = batch.seq_lens
         if batch.mode is ForwardMode.DECODE:
             self.num_kv_splits = torch.empty(batch.batch_size, dtype=torch.int32, device=self.device)
-            compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self.min_tokens_per_split,
+            compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self._min_tokens_per_split(batch.batch_size),
                                   self.kv_splits_cap(batch.batch_size))  # the same cap forward_decode's grid has
             return
         prefix, extend = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
@@ -91,7 +105,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.tail_req_pool_indices = batch.req_pool_indices[head:].clone()
             self.tail_seq_lens = batch.seq_lens[head:].clone()
             self.num_kv_splits = torch.empty(tail, dtype=torch.int32, device=self.device)
-            compute_num_kv_splits(self.tail_seq_lens, self.num_kv_splits, self.min_tokens_per_split,
+            compute_num_kv_splits(self.tail_seq_lens, self.num_kv_splits, self._min_tokens_per_split(tail),
                                   self.kv_splits_cap(tail))
             prefix, extend = prefix[:head], extend[:head]
         # one host->device copy for the five per-request and per-block int vectors, each padded to a multiple
@@ -230,7 +244,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.splits_layer_id = layer.layer_id
             num_kv_splits = self.graph_num_kv_splits[:bs]
             if layer.layer_id == self.splits_layer_id:  # once per pass, on the device, inside the capture
-                compute_num_kv_splits(self.graph_seq_lens, num_kv_splits, self.min_tokens_per_split, splits)
+                compute_num_kv_splits(self.graph_seq_lens, num_kv_splits, self._min_tokens_per_split(bs), splits)
             req_pool_indices, seq_lens = self.graph_req_pool_indices, self.graph_seq_lens
             mid_o = self.graph_mid_o[:bs, :num_heads, :splits, :head_dim]
             mid_lse = self.graph_mid_lse[:bs, :num_heads, :splits]
@@ -254,7 +268,7 @@ class TritonAttentionBackend(AttentionBackend):
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
             **self._kv_args(layer.layer_id),
-            **(self.decode_fp8_settings if self.kv_fp8 is not None else dict(block_n=self.decode_block_n)),
+            **(decode_kwargs(self._fp8_entry(bs)) if self.kv_fp8 is not None else dict(block_n=self.decode_block_n)),
         )
 
 

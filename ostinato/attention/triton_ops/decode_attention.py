@@ -13,7 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.attention.triton_ops.paged_softmax import LOG2E, attend_kv_block, fp8_code, page_arg
+from ostinato.attention.triton_ops.paged_softmax import (
+    LOG2E,
+    attend_kv_block,
+    bits_factor,
+    block_slots,
+    fp8_code,
+    kv_to_dot,
+    page_arg,
+)
 
 
 @triton.jit
@@ -25,6 +33,8 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
+    V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
+    BITS_FACTOR: tl.constexpr = 1.0, WHOLE_BLOCKS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -36,6 +46,9 @@ def _decode_stage1_kernel(
     if KV_FP8:  # dequantize by folding the layer's scales into the scores and the output
         qk_scale = qk_scale * tl.load(K_scale)
         v_scale = tl.load(V_scale)
+        if CVT_BITS:  # bit-moved fp8 comes out BITS_FACTOR too small
+            qk_scale = qk_scale * BITS_FACTOR
+            v_scale = v_scale * BITS_FACTOR
     seq_len = tl.load(Seq_lens + b)
     req = tl.load(Req_pool_indices + b).to(tl.int64)
     # splits are whole blocks long; the last ones may be empty (they then write lse = -inf)
@@ -50,18 +63,43 @@ def _decode_stage1_kernel(
     heads = kv_head * GROUP + offs_h
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if FP16_DOT:  # fp8 -> fp16 is one conversion instruction on Hopper; fp8 -> bf16 goes through fp32
+    if QK_FP8:  # q per row to e4m3 (max 448), its row scale folded into the score scale
+        q = q.to(tl.float32)
+        amax = tl.max(tl.abs(q), 1)
+        q_scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        q = (q / q_scale[:, None]).to(tl.float8e4nv)
+        qk_scale = qk_scale * q_scale[:, None]  # [BLOCK_H, 1]: scales each row's scores
+    elif FP16_DOT:  # fp8 -> fp16 is one conversion instruction on Hopper; fp8 -> bf16 goes through fp32
         q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        acc, m_i, l_i = attend_kv_block(
-            q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, Req_to_token + req * stride_r2t, kv_head,
-            stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
-            BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
-        )
+    req_row = Req_to_token + req * stride_r2t
+    if WHOLE_BLOCKS:  # the whole blocks without key masks, then the request's last partial block with them
+        whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, whole_end, BLOCK_N):
+            acc, m_i, l_i = attend_kv_block(
+                q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
+                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
+                BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_N=False, MASK_D=HEAD_DIM != BLOCK_D,
+            )
+        if whole_end < end:
+            acc, m_i, l_i = attend_kv_block(
+                q, acc, m_i, l_i, whole_end, end, 0, K_buf, V_buf, req_row, kv_head,
+                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
+                BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_D=HEAD_DIM != BLOCK_D,
+            )
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = attend_kv_block(
+                q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
+                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
+                BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8,
+            )
 
     nonempty = l_i > 0
     out = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]
@@ -69,6 +107,118 @@ def _decode_stage1_kernel(
     tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out,
              mask=h_mask[:, None] & d_mask[None, :])
     tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _attend_kv_group_block(
+    q, acc, m_i, l_i, n0, kv_end, K_buf, V_buf, req_row, head0, stride_kbs, stride_vbs, offs_c, onehot, qk_scale,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, KV_FP8: tl.constexpr, PRECISION: tl.constexpr, MASK_N: tl.constexpr,
+):
+    """One block of keys for all KV_PER_PROG heads of a program (see _decode_stage1_kv_group_kernel)."""
+    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE, MASK_N)
+    k_ptrs = K_buf + slots[None, :] * stride_kbs + head0 + offs_c[:, None]  # [WIDTH, BLOCK_N]
+    v_ptrs = V_buf + slots[:, None] * stride_vbs + head0 + offs_c[None, :]  # [BLOCK_N, WIDTH]
+    if MASK_N:
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0)
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, kv_to_dot(k, KV_FP8, False, q.dtype), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+    if MASK_N:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # widened before the reshape, so V reaches the dot's operand layout as 16-bit values
+    v = tl.reshape(kv_to_dot(v, KV_FP8, False, q.dtype), [BLOCK_N * KV_PER_PROG, HEAD_DIM])
+    p_all = tl.reshape(tl.where(onehot[:, None, :], p[:, :, None], 0.0), [ROWS, BLOCK_N * KV_PER_PROG])
+    acc = acc * alpha[:, None] + tl.dot(p_all.to(q.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_stage1_kv_group_kernel(
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, K_scale, V_scale,
+    qk_scale, stride_qb, stride_qh, stride_kbs, stride_vbs, stride_r2t,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Stage 1 for KV_PER_PROG consecutive KV heads per program, so all GROUP * KV_PER_PROG rows of the dots are
+    real query heads (one KV head fills only GROUP of the 16 rows a dot needs). The heads of a slot are
+    contiguous (a 4 x 64-byte fp8 row), read through one table entry. q.K^T for every head at once: q is block
+    diagonal [rows, KV_PER_PROG * HEAD_DIM] (a row holds its query in its KV head's columns, zeros elsewhere)
+    against the slots' K rows of all the heads; p.V likewise, p spread block-diagonally over [rows, keys x heads]
+    against V as [keys x heads, HEAD_DIM]. The zeros cost tensor-core work, which is not the limit here; the
+    softmax's work is no longer on padding rows. V is widened before it is reshaped, so it reaches the dot's
+    layout as 16-bit values."""
+    b = tl.program_id(0)
+    kv_group = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.load(Num_kv_splits + b)
+    if split >= num_splits:
+        return
+    ROWS: tl.constexpr = GROUP * KV_PER_PROG
+    WIDTH: tl.constexpr = KV_PER_PROG * HEAD_DIM
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(K_scale)
+        v_scale = tl.load(V_scale)
+    seq_len = tl.load(Seq_lens + b)
+    req = tl.load(Req_pool_indices + b).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_r = tl.arange(0, ROWS)
+    offs_c = tl.arange(0, WIDTH)
+    heads = kv_group * ROWS + offs_r
+    own = (offs_c // HEAD_DIM)[None, :] == (offs_r // GROUP)[:, None]  # a row's KV head's columns
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + (offs_c % HEAD_DIM)[None, :], mask=own, other=0.0)
+    if FP16_DOT:
+        q = q.to(tl.float16)
+    onehot = (offs_r // GROUP)[:, None] == tl.arange(0, KV_PER_PROG)[None, :]  # [ROWS, KV_PER_PROG]
+    head0 = kv_group * KV_PER_PROG * HEAD_DIM  # heads are contiguous within a slot: stride_kbh == HEAD_DIM
+    req_row = Req_to_token + req * stride_r2t
+
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    if WHOLE_BLOCKS:  # the whole blocks unmasked, then the request's last partial block
+        whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, whole_end, BLOCK_N):
+            acc, m_i, l_i = _attend_kv_group_block(
+                q, acc, m_i, l_i, n0, end, K_buf, V_buf, req_row, head0, stride_kbs, stride_vbs, offs_c, onehot,
+                qk_scale, ROWS, HEAD_DIM, KV_PER_PROG, BLOCK_N, PAGE, KV_FP8, PRECISION, MASK_N=False)
+        if whole_end < end:
+            acc, m_i, l_i = _attend_kv_group_block(
+                q, acc, m_i, l_i, whole_end, end, K_buf, V_buf, req_row, head0, stride_kbs, stride_vbs, offs_c,
+                onehot, qk_scale, ROWS, HEAD_DIM, KV_PER_PROG, BLOCK_N, PAGE, KV_FP8, PRECISION, MASK_N=True)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_kv_group_block(
+                q, acc, m_i, l_i, n0, end, K_buf, V_buf, req_row, head0, stride_kbs, stride_vbs, offs_c, onehot,
+                qk_scale, ROWS, HEAD_DIM, KV_PER_PROG, BLOCK_N, PAGE, KV_FP8, PRECISION, MASK_N=True)
+
+    nonempty = l_i > 0
+    out = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out)
+    tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, lse)
+
+
+def kv_group_size(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """KV heads per program for the kv_group variant: enough that the query heads fill 16 rows, when the head
+    count divides and the shapes are powers of two; else 1 (the variant does not apply)."""
+    group = num_heads // num_kv_heads
+    n = 16 // group if group < 16 and 16 % group == 0 else 1
+    pow2 = head_dim & (head_dim - 1) == 0
+    return n if n > 1 and num_kv_heads % n == 0 and pow2 else 1
 
 
 @triton.jit
@@ -93,6 +243,37 @@ def _decode_stage2_kernel(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
+# Ways of reading an fp8 cache (decode_attention's keyword arguments; paged_softmax's module doc says what
+# each does). benchmarks/bench_decode_attention.py sweeps them; the backend's settings table picks one per
+# batch size.
+FP8_DECODE_VARIANTS: dict[str, dict] = {
+    "cast": dict(),  # fp8 -> q's dtype (bf16 goes through fp32)
+    "fp16": dict(fp16_dot=True),  # fp8 -> fp16, one instruction per pair on Hopper
+    "fp16_vcvt": dict(fp16_dot=True, v_cvt=True),
+    "bits": dict(cvt_bits=True),
+    "bits_vcvt": dict(cvt_bits=True, v_cvt=True),
+    "qk8": dict(qk_fp8=True),
+    "qk8_vcvt": dict(qk_fp8=True, v_cvt=True),
+    "kv_group": dict(fp16_dot=True, kv_group=True),  # several KV heads per program (see its kernel)
+}
+
+
+def table_entry(table: dict[int, dict], bs: int) -> dict:
+    """The entry of a settings table keyed by batch size for a batch of `bs`: the largest key <= the next power of
+    two of bs (the smallest key when none is), so a batch padded to a captured power-of-two size and the same
+    batch run eagerly get the same settings."""
+    bucket = 1 << (max(bs, 1) - 1).bit_length()
+    keys = sorted(table)
+    return table[max([k for k in keys if k <= bucket], default=keys[0])]
+
+
+def decode_kwargs(entry: dict) -> dict:
+    """A settings-table entry as decode_attention's keyword arguments (variant expanded; the split settings,
+    which the caller applies, dropped)."""
+    kw = {k: v for k, v in entry.items() if k not in ("variant", "programs_per_sm", "min_tokens_per_split")}
+    return kw | FP8_DECODE_VARIANTS[entry.get("variant", "cast")]
+
+
 def compute_num_kv_splits(seq_lens: torch.Tensor, out: torch.Tensor, min_tokens_per_split: int,
                           max_kv_splits: int) -> None:
     """out[b] = clamp(ceil(seq_lens[b] / min_tokens_per_split), 1, max_kv_splits), on the device, no sync."""
@@ -107,13 +288,20 @@ def decode_attention(
     block_n: int = 64, page_size: int = 1, kv_fp8: torch.dtype | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
+    v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
+    kv_group: bool = False,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
     `page_size`: the pool's page size (slots of a page are contiguous), read a page per table entry.
     `kv_fp8`: the fp8 dtype of a cache stored as uint8 in k_buf/v_buf, dequantized by `k_scale` / `v_scale`
     (float32 device tensors, the first element read). `fp16_dot`: with an fp8 cache, the dots take q and the
-    probabilities in fp16 (fp8 widens to fp16 exactly) instead of q's dtype.
+    probabilities in fp16 (fp8 widens to fp16 exactly) instead of q's dtype. With an fp8 cache only, the
+    variants of `paged_softmax` (its module doc): `v_cvt` widens V before its layout change, `cvt_bits` widens
+    by moving bits (implies fp16 dots), `qk_fp8` quantizes q per row to e4m3 for an fp8 q.k^T dot (p.v in
+    fp16). They are ignored for a bf16/fp32 cache. `whole_blocks` (any cache): the key loop runs unmasked over
+    a split's whole blocks and masks only the request's last, partial block. `kv_group` (any cache): several KV
+    heads per program (_decode_stage1_kv_group_kernel) where kv_group_size allows, else ignored.
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
@@ -131,17 +319,31 @@ def decode_attention(
     fp8 = fp8_code(kv_fp8, k_buf)
     k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
     v_scale = mid_lse if v_scale is None else v_scale
-    _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale, v_scale,
-        scale * LOG2E,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
-        FP16_DOT=bool(fp16_dot and fp8 and q.dtype != torch.float32),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group else 1
+    if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
+        _decode_stage1_kv_group_kernel[(bs, num_kv_heads // per_prog, max_kv_splits)](
+            q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,
+            v_scale, scale * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), v_buf.stride(0),
+            req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, KV_PER_PROG=per_prog, BLOCK_N=block_n,
+            PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
+            FP16_DOT=bool(fp16_dot and fp8 and q.dtype != torch.float32), WHOLE_BLOCKS=bool(whole_blocks),
+            PRECISION=precision,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        _decode_stage1_kernel[(bs, num_kv_heads, max_kv_splits)](
+            q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale, v_scale,
+            scale * LOG2E,
+            q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+            req_to_token.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+            BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
+            FP16_DOT=bool((fp16_dot or cvt_bits) and fp8 and q.dtype != torch.float32),
+            V_CVT=bool(v_cvt and fp8), CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
+            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), num_warps=num_warps, num_stages=num_stages,
+        )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o, mid_lse, num_kv_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -4,6 +4,18 @@ running (online) softmax. Inlined by Triton into each caller.
 fp8 caches (KV_FP8 1: e4m3, 2: e5m2) arrive as uint8 and are bitcast here: the dot reads the 1-byte values
 (exact in bf16/fp32), and the caller folds the per-layer scales in once, k_scale into the score scale and
 v_scale into the output, rather than per element.
+
+Ways to read an fp8 cache (constexpr switches, for the decode kernel's sweep; all default off):
+- V_CVT: V is widened to the dot's 16-bit type in registers, in the layout it was loaded in, and only then
+  moved into the dot's operand layout (through shared memory, by 16-bit transposing matrix loads). Without
+  it Triton moves the 1-byte values first, and the dot's operand layout for V (keys along the reduction)
+  then needs one 1-byte shared load per element. A select on the row mask keeps Triton from hoisting the
+  layout change above the conversion.
+- CVT_BITS: fp8 -> fp16 by bit manipulation (sign and exponent/mantissa moved into place, as Marlin-style
+  dequantization does) instead of the conversion instruction; e4m3 comes out 2**-8 too small (the exponent
+  biases differ by 8), a factor `bits_factor` the caller folds into its scales. Needs fp16 dots.
+- QK_FP8: q arrives quantized to e4m3 (per row, the row scales folded into qk_scale by the caller) and
+  q.k^T is an fp8 tensor-core dot on the stored bytes; p.v stays a 16-bit dot (fp16).
 """
 
 import torch
@@ -40,25 +52,75 @@ def kv_from_store(x, KV_FP8: tl.constexpr):
         return x
 
 
+def bits_factor(kv_fp8_code: int) -> float:
+    """What CVT_BITS values must be multiplied by: 2**(15 - 7) for e4m3 into fp16's exponent, 1 for e5m2 (the
+    high byte of an fp16)."""
+    return 256.0 if kv_fp8_code == 1 else 1.0
+
+
 @triton.jit
-def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+def fp8_bits_to_fp16(x, KV_FP8: tl.constexpr):
+    """Stored fp8 bytes (uint8) -> fp16 by moving bits: e5m2 is an fp16's high byte; e4m3's sign goes to bit 15
+    and its exponent and mantissa 4 bits up, which keeps subnormals exact and leaves the value 2**-8 small."""
+    x16 = x.to(tl.int16)  # zero-extends the unsigned byte
+    if KV_FP8 == 2:
+        bits = x16 << 8
+    else:
+        bits = ((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def kv_to_dot(x, KV_FP8: tl.constexpr, CVT_BITS: tl.constexpr, dtype: tl.constexpr):
+    """Stored cache values -> the dot's input type (fp8 caches: before the layer's scale, and with CVT_BITS
+    before the bits factor)."""
+    if KV_FP8 != 0 and CVT_BITS:
+        return fp8_bits_to_fp16(x, KV_FP8).to(dtype)
+    return kv_from_store(x, KV_FP8).to(dtype)
+
+
+@triton.jit
+def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASK_N: tl.constexpr = True):
     """KV slots of tokens n0 .. n0 + BLOCK_N of a request (0 past kv_end). n0 is a multiple of BLOCK_N.
 
     PAGE > 1 (pages of PAGE slots, each page's slots contiguous and page-aligned): one table read per page,
-    the page's first slot, then consecutive slots; PAGE 1: one read per token."""
+    the page's first slot, then consecutive slots; PAGE 1: one read per token. MASK_N False: the caller
+    promises n0 + BLOCK_N <= kv_end (n_mask is then all true and nothing is masked)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     if PAGE == 1:
-        slots = tl.load(req_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        if MASK_N:
+            slots = tl.load(req_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        else:
+            slots = tl.load(req_row + offs_n).to(tl.int64)
     elif PAGE >= BLOCK_N:  # the block lies in one page (PAGE is a multiple of BLOCK_N)
         first = tl.load(req_row + n0).to(tl.int64)
-        slots = tl.where(n_mask, first + (offs_n - n0), 0)
+        slots = first + (offs_n - n0)
+        if MASK_N:
+            slots = tl.where(n_mask, slots, 0)
     else:  # BLOCK_N // PAGE whole pages
         offs_p = n0 + tl.arange(0, BLOCK_N // PAGE) * PAGE
-        first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0).to(tl.int64)
+        if MASK_N:
+            first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0).to(tl.int64)
+        else:
+            first = tl.load(req_row + offs_p).to(tl.int64)
         slots = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], [BLOCK_N])
-        slots = tl.where(n_mask, slots, 0)
+        if MASK_N:
+            slots = tl.where(n_mask, slots, 0)
     return slots, offs_n, n_mask
+
+
+@triton.jit
+def load_tile(ptrs, row_mask, col_mask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """A 2-D load masked by row_mask[:, None] / col_mask[None, :] where asked (0 where masked)."""
+    if MASK_ROWS and MASK_COLS:
+        return tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
+    elif MASK_ROWS:
+        return tl.load(ptrs, mask=row_mask[:, None], other=0)
+    elif MASK_COLS:
+        return tl.load(ptrs, mask=col_mask[None, :], other=0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -68,27 +130,40 @@ def attend_kv_block(
     kv_head, stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr = 1, KV_FP8: tl.constexpr = 0,
+    V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
+    MASK_N: tl.constexpr = True, MASK_D: tl.constexpr = True,
 ):
     """Keys n0 .. n0 + BLOCK_N (those < kv_end; with CAUSAL, also <= each row's q_pos) into (acc, m_i, l_i).
 
     Every row must see at least one key by its first block, so m_new stays finite from then on. With an fp8
-    cache, qk_scale must include k_scale and acc comes out in units of v_scale.
+    cache, qk_scale must include k_scale (and with CVT_BITS the bits factor) and acc comes out in units of
+    v_scale (with CVT_BITS, v_scale / bits factor). The dots run in q's dtype (fp16 with QK_FP8, for p.v).
+    MASK_N False: the block is whole (n0 + BLOCK_N <= kv_end), no key mask; MASK_D False: d_mask is all true.
     """
-    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE)
-    k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
-                mask=d_mask[:, None] & n_mask[None, :], other=0)  # [BLOCK_D, BLOCK_N]
-    k = kv_from_store(k, KV_FP8)
-    s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [rows, BLOCK_N]
-    visible = n_mask[None, :]
+    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE, MASK_N)
+    k = load_tile(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
+                  d_mask, n_mask, MASK_D, MASK_N)  # [BLOCK_D, BLOCK_N]
+    if QK_FP8:  # q is e4m3: an fp8 tensor-core dot on the stored bytes
+        dot_dtype = tl.float16
+        s = tl.dot(q, kv_from_store(k, KV_FP8), out_dtype=tl.float32) * qk_scale
+    else:
+        dot_dtype = q.dtype
+        s = tl.dot(q, kv_to_dot(k, KV_FP8, CVT_BITS, dot_dtype), input_precision=PRECISION) * qk_scale
     if CAUSAL:
-        visible = visible & (offs_n[None, :] <= q_pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    elif MASK_N:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0)  # [BLOCK_N, BLOCK_D]
-    v = kv_from_store(v, KV_FP8)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    v = load_tile(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                  n_mask, d_mask, MASK_N, MASK_D)  # [BLOCK_N, BLOCK_D]
+    v = kv_to_dot(v, KV_FP8, CVT_BITS, dot_dtype)
+    if V_CVT:  # the select is what keeps the conversion ahead of the layout change (see the module doc)
+        if MASK_N:
+            v = tl.where(n_mask[:, None], v, 0.0)
+        else:
+            v = tl.where(kv_end > n0, v, 0.0)  # always true here; only a select Triton will not hoist over
+    acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i

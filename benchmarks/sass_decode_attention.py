@@ -1,0 +1,105 @@
+"""Static look at the decode kernel's settings without a GPU: compile stage 1 for sm90 with Triton's bundled
+ptxas, then print registers, shared memory, the KV buffers the pipeliner allocated, programs per SM that the
+registers and shared memory allow, the loads in flight that gives, and the SASS instructions of the key loop per
+128 keys of one KV head (all warps), with the loop's commonest opcodes.
+
+python benchmarks/sass_decode_attention.py                       # the bf16 and fp8 defaults
+python benchmarks/sass_decode_attention.py fp8:fp16:64:1:5:whole  # kv:variant:block_n:warps:stages[:whole]
+"""
+
+import collections
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+da = importlib.import_module("ostinato.attention.triton_ops.decode_attention")
+VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT=True, V_CVT=True),
+                      bits=dict(FP16_DOT=True, CVT_BITS=True, BITS_FACTOR=256.0),
+                      bits_vcvt=dict(FP16_DOT=True, CVT_BITS=True, V_CVT=True, BITS_FACTOR=256.0),
+                      qk8=dict(QK_FP8=True), qk8_vcvt=dict(QK_FP8=True, V_CVT=True))
+
+
+def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: int, whole: bool, page: int = 16):
+    """Llama-3.2-1B heads (32 / 8, dim 64), pages of `page`; every int argument divisible by 16 (as the graph
+    path's strides are)."""
+    kv = "*u8" if fp8 else "*bf16"
+    ptrs = dict(Q="*bf16", K_buf=kv, V_buf=kv, Req_to_token="*i32", Req_pool_indices="*i64", Seq_lens="*i32",
+                Num_kv_splits="*i32", Mid_o="*fp32", Mid_lse="*fp32", K_scale="*fp32", V_scale="*fp32")
+    page_const = da.page_arg(page, block_n)
+    if variant == "kv_group":
+        fn = da._decode_stage1_kv_group_kernel
+        consts = dict(GROUP=4, HEAD_DIM=64, KV_PER_PROG=4, BLOCK_N=block_n, PAGE=page_const, KV_FP8=int(fp8),
+                      FP16_DOT=fp8, WHOLE_BLOCKS=whole, PRECISION="tf32")
+    else:
+        fn = da._decode_stage1_kernel
+        consts = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=block_n, PRECISION="tf32",
+                      PAGE=page_const, KV_FP8=int(fp8), FP16_DOT=False, V_CVT=False, CVT_BITS=False, QK_FP8=False,
+                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole)
+        if fp8:
+            consts |= VARIANT_CONSTS[variant]
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes inside the longest backward branch (the key loop)."""
+    lines = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    best: list[str] = []
+    for addr, op, rest in lines:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) < addr:
+            body = [o for a, o, _ in lines if int(t.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    return collections.Counter(o.split(".")[0] for o in best)
+
+
+def report(spec: str) -> None:
+    parts = spec.split(":")
+    kv, variant, block_n, warps, stages = parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4])
+    whole = len(parts) > 5 and parts[5] == "whole"
+    k = compile_stage1(kv == "fp8", variant, block_n, warps, stages, whole)
+    regs = int(re.search(r"REG:(\d+)", cuobjdump(k.asm["cubin"], "-res-usage")).group(1))
+    smem = k.metadata.shared
+    bufs = [int(x) for x in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", k.asm["ttgir"])]
+    progs = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 228 * 1024 // (smem + 1024), 64 // warps)
+    heads = 4 if variant == "kv_group" else 1
+    tile = block_n * 64 * 2 * (1 if kv == "fp8" else 2) * heads
+    ops = loop_opcodes(cuobjdump(k.asm["cubin"], "-sass"))
+    per128 = sum(ops.values()) * warps * 128 // block_n // heads
+    print(f"{spec:34} regs {regs:3} smem {smem:6} kv buffers {max(bufs, default=0)} programs/SM {progs:2} "
+          f"in flight {progs * max(max(bufs, default=1), 1) * tile // 1024:4} KB  loop instr / 128 keys {per128:5}  "
+          f"{dict(ops.most_common(8))}", flush=True)
+
+
+if __name__ == "__main__":
+    for spec in sys.argv[1:] or ["bf16:bf16:64:4:2", "fp8:fp16:128:4:3"]:
+        report(spec)
