@@ -24,15 +24,25 @@ class TritonAttentionBackend(AttentionBackend):
     max_kv_splits = 16  # the grid's split dimension and the scratch depth
     min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
     decode_block_n = 64
-    # An fp8 cache's decode, by batch size: the kernel variant (decode_attention.FP8_DECODE_VARIANTS), its
-    # launch settings, and the split settings (programs_per_sm replaces the 2 of kv_splits_cap, and
-    # min_tokens_per_split the class's). A batch takes the entry of the largest key <= its next power of two
-    # (decode_attention.table_entry). bench_decode_attention.py's JSON ("table") gives one from its sweep.
-    # Now: 128-key blocks, 3 stages, fp16 dots for all sizes. H200, Llama-3.2-1B, bs 128 x 4096
-    # (bench_decode.py): 6.60 -> 5.60 ms/step at page 1, 6.73 -> 5.65 at page 16. The same 128-key blocks
-    # made bf16 at page 16 slower (5.27 -> 6.83), so bf16 keeps 64 (benchmarks/results/decode-fp8-pages-h200*.json).
+    # The decode kernel's launch settings by batch size: a batch takes the entry of the largest key <= its next
+    # power of two (decode_attention.table_entry), so a padded graph replay and an eager pass agree. From
+    # bench_decode_attention.py's sweep on an H200 (Llama-3.2-1B heads; benchmarks/results/
+    # decode-attention-fp8-h200.json), each entry the best over pages 1 and 16 together. Kernel microseconds,
+    # old default -> entry: bf16 (64-key blocks, decode_block_n) bs 32 x 4096: 100.9 -> 73.9, bs 128: 266 -> 261,
+    # bs 256 x 1024: 144 -> 141; fp8 bs 32 x 4096: 82.5 -> 54.7, bs 128: 259 -> 184, bs 256 x 1024: 142 -> 108.
+    # fp8 entries also name the kernel variant (decode_attention.FP8_DECODE_VARIANTS) and may set the split
+    # knobs: programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's).
+    decode_bf16_table: dict[int, dict] = {
+        1: dict(num_warps=2, num_stages=2, whole_blocks=True),
+        32: dict(num_warps=1, num_stages=5, whole_blocks=True),
+        128: dict(num_warps=1, num_stages=2),
+        256: dict(num_warps=2, num_stages=2, whole_blocks=True),
+    }
     decode_fp8_table: dict[int, dict] = {
         1: dict(variant="fp16", block_n=128, num_warps=4, num_stages=3),
+        32: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
+        128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True),
+        256: dict(variant="fp16", block_n=32, num_warps=1, num_stages=3, whole_blocks=True),
     }
     extend_block_m = 64
     extend_block_n = 64
@@ -268,7 +278,8 @@ class TritonAttentionBackend(AttentionBackend):
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
             **self._kv_args(layer.layer_id),
-            **(decode_kwargs(self._fp8_entry(bs)) if self.kv_fp8 is not None else dict(block_n=self.decode_block_n)),
+            **(decode_kwargs(self._fp8_entry(bs)) if self.kv_fp8 is not None
+               else dict(block_n=self.decode_block_n, **table_entry(self.decode_bf16_table, bs))),
         )
 
 
