@@ -105,9 +105,19 @@ def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, mode):
     assert torch.equal(state[others], untouched), "only the batch's slots are written"
 
 
+def float32_dots(monkeypatch) -> None:
+    """The SSD kernel's float32-operand dots in float32 FMAs (the GPU default is tf32), for the tests that compare
+    float32 paths at float32 tolerances."""
+    if GPU:
+        from ostinato.layers.triton_ops import ssd_scan
+
+        monkeypatch.setattr(ssd_scan, "DOT_PRECISION", "ieee")
+
+
 @pytest.mark.parametrize("mode", ["fused", "2pass"])
-def test_ssd_chunk_kernel_resumes_from_the_stored_state(mode):
+def test_ssd_chunk_kernel_resumes_from_the_stored_state(mode, monkeypatch):
     """A request's tokens cut in two calls (mid-chunk) give what one call gives: the state carries over."""
+    float32_dots(monkeypatch)
     H, P, G, N, n, cut = 2, 16, 1, 16, 45, 21
     conv_out, dt, A_log, D, dt_bias, state = make(n, H, P, G, N, 3, torch.float32, seed=9)
     slots = torch.tensor([1], device=DEVICE)
@@ -163,6 +173,7 @@ def test_mixer_with_kernel_equals_torch_mixer(extend_lens, kernels, monkeypatch)
     from ostinato.layers.mamba2 import mamba_mixer_forward
 
     monkeypatch.setenv("OSTINATO_SSM_PREFILL", kernels)
+    float32_dots(monkeypatch)
 
     H, P, G, N, K = 4, 8, 2, 8, 4
     conv_dim = H * P + 2 * G * N
@@ -271,14 +282,20 @@ def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens, kernels, monkeypat
     n_req = T if extend_lens is None else len(extend_lens)
     slots = torch.randperm(39, generator=torch.Generator().manual_seed(1))[:n_req].add(1).to(DEVICE)
     outs = []
-    for use_triton in (False, True):
-        conv, ssm = conv0.clone(), ssm0.clone()
-        y = mamba_mixer_forward(zxbcdt, conv, ssm, conv_w, conv_b, dt_bias, A_log, D, norm_w, H, P, G, N, 256, 1e-5,
-                                0.0, float("inf"), slots, extend_lens, use_triton=use_triton)
-        outs.append((y.float(), conv, ssm))
-    (y0, c0, s0), (y1, c1, s1) = outs
-    torch.testing.assert_close(y1, y0, atol=5e-2, rtol=5e-2)
+    for use_triton, dtype in ((False, torch.float32), (False, dt), (True, dt)):
+        conv, ssm = conv0.to(dtype), ssm0.clone()
+        args = [x.to(dtype) for x in (zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w)]
+        y = mamba_mixer_forward(args[0], conv, ssm, *args[1:], H, P, G, N, 256, 1e-5, 0.0, float("inf"), slots,
+                                extend_lens, use_triton=use_triton)
+        outs.append((y.float(), conv.float(), ssm))
+    (y32, c32, s32), (y0, c0, s0), (y1, c1, s1) = outs
+    # against the float32 torch path (the oracle): the kernels' bf16 error is no worse than the torch bf16 path's.
+    # (Kernel against torch bf16 elementwise fails on a few dozen of 3M outputs by one or two bf16 steps, since
+    # the two round at different points; seen on an H200.)
+    err_kernel, err_torch = (y1 - y32).abs(), (y0 - y32).abs()
+    assert err_kernel.max() <= 1.5 * err_torch.max() + 1e-2, (err_kernel.max(), err_torch.max())
+    assert err_kernel.mean() <= 1.5 * err_torch.mean() + 1e-4, (err_kernel.mean(), err_torch.mean())
     torch.testing.assert_close(c1, c0)
-    # the state is fp32 but its inputs are bf16 and the two paths sum in different orders: a relative norm, as
+    # the state is fp32 but its inputs are bf16 and the paths sum in different orders: a relative norm, as
     # elementwise bounds fail on the few entries near zero (seen on an H200: 308 of 15.7M past 2e-2)
-    assert ((s1 - s0).norm() / s0.norm()).item() < 1e-2
+    assert ((s1 - s32).norm() / s32.norm()).item() <= 1.5 * ((s0 - s32).norm() / s32.norm()).item() + 1e-3

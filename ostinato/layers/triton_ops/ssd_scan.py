@@ -17,7 +17,7 @@ sequential: CHUNK times fewer dependent steps than the token loop.
 The dots run on tensor cores: C.B^T in the activations' dtype (bf16 products are exact, the sums float32;
 Triton's CPU interpreter gets bf16 dots wrong, so there it takes float32 copies), the others on float32
 operands at `DOT_PRECISION` (tf32 by default: each product has one operand rounded to 10 mantissa bits, 8x
-finer than the bf16 rounding of the activations; OSTINATO_SSD_PRECISION=tf32x3 or ieee for float32).
+finer than the bf16 rounding of the activations; OSTINATO_SSD_PRECISION=ieee for float32).
 The twin and test oracle is `ssd_scan` in `layers/mamba2.py`.
 """
 
@@ -27,10 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-# the float32-operand dots on the GPU: tf32 (default), tf32x3 (three tf32 products: about float32), ieee (float32 FMAs)
+# the float32-operand dots on the GPU: tf32 (default), ieee (float32 FMAs)
+# (tf32x3 is refused: on an H200 with triton 3.6 these kernels hit an illegal memory access with it)
 DOT_PRECISION = os.environ.get("OSTINATO_SSD_PRECISION", "tf32")
-if DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
-    raise ValueError(f"OSTINATO_SSD_PRECISION={DOT_PRECISION!r}: one of tf32, tf32x3, ieee")
+if DOT_PRECISION not in ("tf32", "ieee"):
+    raise ValueError(f"OSTINATO_SSD_PRECISION={DOT_PRECISION!r}: one of tf32, ieee")
 CHUNK = 64  # = layers.mamba2.SSD_CHUNK, whose chunk table the two-pass form takes
 
 
