@@ -2,7 +2,9 @@
 
 The first HTTP process (the one started by `ostinato serve`) binds the socket, starts the engine and the
 detokenizer process (which routes each request's outputs to the HTTP process whose index its id starts
-with), then spawns the N - 1 others with the socket, the engine's limits and the ZMQ endpoints. The kernel
+with), then spawns the N - 1 others with the socket, the engine's limits and the ZMQ endpoints, and waits
+until each one serves before it serves itself: /health answers only once all N take connections (a
+benchmark that starts at the first 200 would otherwise run while the others are still starting). The kernel
 hands each new connection to whichever process accepts it first, so a busy process takes fewer. Every
 process keeps its own request metrics in prometheus_client's multiprocess files, so /metrics from any of
 them sums all; the engine's counts are fed by the first one only.
@@ -25,11 +27,14 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 
 from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineInfo
 from ostinato.engine.proc_util import die_with_parent, set_process_name
 
 logger = logging.getLogger("ostinato.serve")
+
+START_TIMEOUT_S = 600.0  # an HTTP process imports the server's modules (and loads the tokenizer) in a few seconds
 
 
 def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -62,20 +67,55 @@ class WorkerSpec:
 class Workers:
     """The extra HTTP processes (indices 1..N-1), seen from the first."""
 
-    def __init__(self, procs: list[multiprocessing.process.BaseProcess]) -> None:
+    def __init__(self, procs: list[multiprocessing.process.BaseProcess], ready: list[Connection]) -> None:
         self.procs = procs
+        self._ready = ready  # per process: the pipe end it reports on once it serves
         self._stopping = False
 
     @classmethod
     def start(cls, ns: argparse.Namespace, client: AsyncEngineClient, sock: socket.socket) -> Workers:
         ctx = multiprocessing.get_context("spawn")
-        procs = []
+        procs, ready = [], []
         for i in range(1, ns.api_server_count):
             spec = WorkerSpec(ns, client.info, client.endpoints[i], client.processes, i, ns.api_server_count)
-            p = ctx.Process(target=run_worker, args=(spec, sock), name=f"ostinato-http-{i}")
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=run_worker, args=(spec, sock, w), name=f"ostinato-http-{i}")
             p.start()
+            w.close()  # the child holds its own copy: an exit before it reports closes the pipe
             procs.append(p)
-        return cls(procs)
+            ready.append(r)
+        return cls(procs, ready)
+
+    async def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until every process serves (event-loop readers on the pipes: nothing polls); RuntimeError naming the
+        first that exits first, or one still starting after `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        pending = dict(zip(self._ready, self.procs, strict=True))
+        changed = asyncio.Event()
+        for conn in pending:
+            loop.add_reader(conn.fileno(), changed.set)
+        try:
+            async with asyncio.timeout(timeout):
+                while pending:
+                    await changed.wait()
+                    changed.clear()
+                    for conn in wait(list(pending), timeout=0):
+                        p = pending.pop(conn)
+                        loop.remove_reader(conn.fileno())
+                        try:
+                            conn.recv()
+                        except EOFError:
+                            p.join(5.0)
+                            raise RuntimeError(f"HTTP process {p.pid} exited during start-up "
+                                               f"(exit code {p.exitcode})") from None
+                        finally:
+                            conn.close()
+        except TimeoutError:
+            raise RuntimeError(f"HTTP process {next(iter(pending.values())).pid} did not start in "
+                               f"{timeout:.0f} s") from None
+        finally:
+            for conn in pending:
+                loop.remove_reader(conn.fileno())
 
     @property
     def pids(self) -> list[int]:
@@ -111,18 +151,19 @@ class Workers:
                 p.join(5.0)
 
 
-def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
-    """Process entry point (multiprocessing spawn) of HTTP process `spec.index`."""
+def run_worker(spec: WorkerSpec, sock: socket.socket, ready: Connection) -> None:
+    """Process entry point (multiprocessing spawn) of HTTP process `spec.index`; sends on `ready` once it
+    serves."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the first process passes it on
     die_with_parent()
     set_process_name(f"ostinato-http{spec.index}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from ostinato.entrypoints.openai.api_server import _run_loop
 
-    sys.exit(_run_loop(_serve_worker(spec, sock)))
+    sys.exit(_run_loop(_serve_worker(spec, sock, ready)))
 
 
-async def _serve_worker(spec: WorkerSpec, sock: socket.socket) -> int:
+async def _serve_worker(spec: WorkerSpec, sock: socket.socket, ready: Connection) -> int:
     from ostinato.config import EngineArgs
     from ostinato.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, _load_tokenizer, serve_app
     from ostinato.entrypoints.openai.metrics import ServerMetrics
@@ -136,8 +177,12 @@ async def _serve_worker(spec: WorkerSpec, sock: socket.socket) -> int:
     client = await AsyncEngineClient.connect(args, tokenizer, spec.info, spec.endpoints, spec.pids, spec.index,
                                              spec.count, hooks)
     signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn handles it while serving and re-raises it after
+    def started() -> None:
+        ready.send(True)
+        ready.close()
+
     try:
-        await serve_app(ns, client, metrics, hooks, names, sock)
+        await serve_app(ns, client, metrics, hooks, names, sock, on_started=started)
     finally:
         await client.shutdown()
     return 1 if client.dead is not None else 0
