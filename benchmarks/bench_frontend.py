@@ -6,8 +6,12 @@ It runs on a CPU machine (say so when quoting its figures: they are CPU figures,
 
 python benchmarks/bench_frontend.py --concurrency 64 256 --api-server-count 1 2
     --tokenizer: the detokenizer process decodes text (the default model's tokenizer); default: token ids only
-    (--skip-tokenizer-init, as bench_serving_overhead's dummy runs). --py-spy DIR: collapsed stacks (py-spy raw format, for flamegraph.pl or speedscope) per
-    HTTP process of the last run, if py-spy is installed and may attach.
+    (--skip-tokenizer-init, as bench_serving_overhead's dummy runs). --py-spy DIR: collapsed stacks (py-spy's
+    raw format, for flamegraph.pl or speedscope) of every HTTP and detokenizer process during the last
+    concurrency's run, if py-spy is installed and may attach.
+
+Its figures are noisy on a small shared machine: the CPU per token falls as a lagging server merges more
+tokens per SSE chunk (the tokens/chunk column), so compare runs at equal tokens per chunk, or by profile.
 
 The fake engine never waits for the front end (as the real one): a front end that cannot keep up falls behind,
 and its delivered tok/s falls short of concurrency x 1000 / step_ms.
@@ -150,34 +154,37 @@ def cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
-async def stream(http, url: str, prompt: list[int], max_tokens: int) -> int:
-    """One streaming completion; returns the completion tokens the usage chunk reports (-1 on failure)."""
+async def stream(http, url: str, prompt: list[int], max_tokens: int) -> tuple[int, int]:
+    """One streaming completion -> (the completion tokens its usage chunk reports (-1 on failure), SSE chunks)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     async with http.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
-            return -1
-        n = -1
+            return -1, 0
+        n, chunks = -1, 0
         async for raw in r.content:
-            if raw.startswith(b'data: {"id"') and b'"usage"' in raw:
-                n = json.loads(raw[6:])["usage"]["completion_tokens"]
-        return n
+            if raw.startswith(b"data: {"):
+                chunks += 1
+                if b'"usage"' in raw:
+                    n = json.loads(raw[6:])["usage"]["completion_tokens"]
+        return n, chunks
 
 
-async def drive(url: str, concurrency: int, num_requests: int, output_len: int) -> tuple[int, int, float]:
+async def drive(url: str, concurrency: int, num_requests: int, output_len: int) -> tuple[int, int, int, float]:
+    """-> (tokens delivered, SSE chunks, failed requests, seconds)"""
     import aiohttp
 
     sem = asyncio.Semaphore(concurrency)
     conn = aiohttp.TCPConnector(limit=concurrency + 4)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
-        async def one(i: int) -> int:
+        async def one(i: int) -> tuple[int, int]:
             async with sem:
                 return await stream(http, url, [1 + i % 100, 2, 3, 4], output_len)
 
         t0 = time.perf_counter()
         got = await asyncio.gather(*(one(i) for i in range(num_requests)))
         dt = time.perf_counter() - t0
-    return sum(g for g in got if g > 0), sum(g != output_len for g in got), dt
+    return sum(n for n, _ in got if n > 0), sum(k for _, k in got), sum(n != output_len for n, _ in got), dt
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> None:
@@ -220,13 +227,13 @@ def run_one(args, count: int) -> list[dict]:
                 os.makedirs(args.py_spy, exist_ok=True)
                 for pid, name in procs.items():
                     if name.startswith(("http", "detok")):
-                        svg = os.path.join(args.py_spy, f"n{count}-c{c}-{name}-{pid}.txt")
-                        spy.append(subprocess.Popen(["py-spy", "record", "-r", "200", "-f", "raw", "-o", svg, "-p", str(pid),
-                                                     "-d", str(args.py_spy_seconds), "--nonblocking"],
+                        out = os.path.join(args.py_spy, f"n{count}-c{c}-{name}-{pid}.txt")
+                        spy.append(subprocess.Popen(["py-spy", "record", "-r", "200", "-f", "raw", "-o", out, "-p",
+                                                     str(pid), "-d", str(args.py_spy_seconds), "--nonblocking"],
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             cpu0 = {p: cpu_seconds(p) for p in procs}
             own0 = os.times()
-            tokens, bad, dt = asyncio.run(drive(url, c, n, args.output_len))
+            tokens, chunks, bad, dt = asyncio.run(drive(url, c, n, args.output_len))
             own1 = os.times()
             cpu = {f"{name}:{p}": cpu_seconds(p) - cpu0[p] for p, name in procs.items()}
             cpu["client"] = own1.user + own1.system - own0.user - own0.system
@@ -236,11 +243,13 @@ def run_one(args, count: int) -> list[dict]:
             row = {"api_server_count": count, "concurrency": c, "requests": n, "failed": bad,
                    "output_tok_s": tokens / dt, "demand_tok_s": c * 1000 / args.step_ms, "seconds": dt,
                    "cpu_s": cpu, "cpu_fraction": {k: v / dt for k, v in cpu.items()},
-                   "server_cpu_us_per_token": 1e6 * server / max(tokens, 1)}
+                   "server_cpu_us_per_token": 1e6 * server / max(tokens, 1), "chunks": chunks,
+                   "tokens_per_chunk": tokens / max(chunks, 1)}
             rows.append(row)
             busy = ", ".join(f"{k.split(':')[0]} {v / dt:.2f}" for k, v in cpu.items() if v > 0.01 * dt)
             print(f"N={count} c={c:>4}: {row['output_tok_s']:>9.0f} tok/s (fake engine offers "
-                  f"{row['demand_tok_s']:.0f}), server CPU {row['server_cpu_us_per_token']:.1f} us/token;"
+                  f"{row['demand_tok_s']:.0f}), server CPU {row['server_cpu_us_per_token']:.1f} us/token "
+                  f"({row['tokens_per_chunk']:.2f} tokens/chunk);"
                   f" busy: {busy}{'; FAILED ' + str(bad) if bad else ''}", flush=True)
     finally:
         proc.terminate()

@@ -13,7 +13,9 @@ input and output lengths, greedy, ignore_eos.
 CPU: python benchmarks/bench_serving_overhead.py --input-len 32 --output-len 16 --num-prompts 16 \\
          --concurrency 1 8 --single-prompts 2
 GPU: python benchmarks/bench_serving_overhead.py --model llama-3.2-1b --load-format dummy --dtype bfloat16
-     (several HTTP processes: add --server-args "--disable-uvicorn-access-log --api-server-count 4")
+     (several HTTP processes: add --server-args "--disable-uvicorn-access-log --api-server-count 4"; with
+     --client-procs K the streaming client runs in K processes, each with 1/K of the streams, so that at high
+     concurrency it, not the server, is not the limit)
 
 Beside each row: the engine's steps, mean decode batch and busy fraction, and the CPU busy fraction of every
 server process (HTTP processes, engine, detokenizer) and of this script's own streaming client (near 100%:
@@ -204,8 +206,43 @@ def process_tree(pid: int) -> dict[str, int]:
 def cpu_by_process(procs: dict[str, int]) -> dict[str, float | None]:
     out = {name: cpu_seconds(pid) for name, pid in procs.items()}
     t = os.times()
-    out["client"] = t.user + t.system  # this process: the benchmark's own streaming client
+    # this process and its finished client processes (--client-procs): the benchmark's own streaming client
+    out["client"] = t.user + t.system + t.children_user + t.children_system
     return out
+
+
+def _client_proc(ns, url: str, reqs: list, go, results) -> None:
+    go.wait()
+    try:
+        results.put(asyncio.run(run(ns, url, float("inf"), reqs)))
+    except BaseException as e:  # (bench_serving exits on a failed warm-up): the parent must not wait forever
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def stream_all(ns, url: str, reqs: list, procs: int) -> tuple[list, float]:
+    """bench_serving's client over `reqs`, in `procs` processes (forked: this process has not touched CUDA)
+    that split the requests and the concurrency; the duration is the longest process's."""
+    procs = max(1, min(procs, ns.max_concurrency, len(reqs)))
+    if procs == 1:
+        return asyncio.run(run(ns, url, float("inf"), reqs))
+    import copy
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    go, results, kids = ctx.Event(), ctx.Queue(), []
+    for i in range(procs):
+        sub = copy.copy(ns)
+        sub.max_concurrency = ns.max_concurrency // procs + (i < ns.max_concurrency % procs)
+        kids.append(ctx.Process(target=_client_proc, args=(sub, url, reqs[i::procs], go, results)))
+        kids[-1].start()
+    go.set()
+    got = [results.get() for _ in kids]
+    for k in kids:
+        k.join()
+    failed = [g for g in got if isinstance(g, str)]
+    if failed:
+        sys.exit(f"bench_serving_overhead: a client process failed: {failed[0]}")
+    return [r for rs, _ in got for r in rs], max(d for _, d in got)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -233,7 +270,7 @@ def online(args, prompts: list[list[int]]) -> dict:
                 ns.max_concurrency = c
                 procs = process_tree(proc.pid)
                 before, cpu0 = engine_counts(url), cpu_by_process(procs)
-                results, duration = asyncio.run(run(ns, url, float("inf"), reqs))
+                results, duration = stream_all(ns, url, reqs, 1 if c == 1 else args.client_procs)
                 cpu1 = cpu_by_process(procs)
                 rows[c] = summarize(results, duration, float("inf"), c)
                 rows[c]["engine"] = engine_summary(before, engine_counts(url), duration)
@@ -266,6 +303,8 @@ def main() -> None:
     ap.add_argument("--extra-args", default="", help="more engine flags for both phases, e.g. '--page-size 16'")
     ap.add_argument("--server-args", default="--disable-uvicorn-access-log",
                     help="flags for `ostinato serve` only (default: no access-log line per request)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="processes of the streaming client at concurrency > 1 (each runs 1/K of the streams)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving-overhead-<device>.json)")
     ap.add_argument("--phase", choices=["all", "offline"], default="all", help=argparse.SUPPRESS)
     ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)

@@ -114,7 +114,7 @@ class EngineClientHooks:
 
 def run_engine_core(args: dict[str, Any], input_addr: str, output_addr: str) -> None:
     """The engine process's entry point, imported there: an HTTP process never loads the model code (torch,
-    the runner), so extra HTTP processes start in about a second."""
+    the runner), so extra HTTP processes start in a few seconds and hold no copy of them."""
     from ostinato.engine.core_proc import run_engine_core as run
 
     run(args, input_addr, output_addr)
