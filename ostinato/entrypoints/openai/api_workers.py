@@ -27,7 +27,7 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineInfo
 from ostinato.engine.proc_util import die_with_parent, set_process_name
@@ -87,35 +87,39 @@ class Workers:
         return cls(procs, ready)
 
     async def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Until every process serves (event-loop readers on the pipes: nothing polls); RuntimeError naming the
-        first that exits first, or one still starting after `timeout` seconds."""
+        """Until every process serves (event-loop readers on the pipes and the process sentinels: nothing
+        polls); RuntimeError naming the first that exits first, or one still starting after `timeout` s."""
         loop = asyncio.get_running_loop()
         pending = dict(zip(self._ready, self.procs, strict=True))
         changed = asyncio.Event()
-        for conn in pending:
-            loop.add_reader(conn.fileno(), changed.set)
+        fds = {conn: (conn.fileno(), p.sentinel) for conn, p in pending.items()}
+        for fd in (fd for pair in fds.values() for fd in pair):
+            loop.add_reader(fd, changed.set)
         try:
             async with asyncio.timeout(timeout):
                 while pending:
                     await changed.wait()
                     changed.clear()
-                    for conn in wait(list(pending), timeout=0):
-                        p = pending.pop(conn)
-                        loop.remove_reader(conn.fileno())
+                    for conn, p in list(pending.items()):
                         try:
-                            conn.recv()
+                            if conn.poll(0) and conn.recv():
+                                del pending[conn]
+                                for fd in fds.pop(conn):  # (its pipe reads EOF once it closes its end)
+                                    loop.remove_reader(fd)
+                                continue
                         except EOFError:
+                            pass
+                        if not p.is_alive():  # (its pipe may not say so: the fd can still sit with the sharer)
                             p.join(5.0)
-                            raise RuntimeError(f"HTTP process {p.pid} exited during start-up "
-                                               f"(exit code {p.exitcode})") from None
-                        finally:
-                            conn.close()
+                            raise RuntimeError(f"HTTP process {p.pid} exited during start-up (exit code {p.exitcode})")
         except TimeoutError:
             raise RuntimeError(f"HTTP process {next(iter(pending.values())).pid} did not start in "
                                f"{timeout:.0f} s") from None
         finally:
-            for conn in pending:
-                loop.remove_reader(conn.fileno())
+            for fd in (fd for pair in fds.values() for fd in pair):
+                loop.remove_reader(fd)
+            for conn in self._ready:
+                conn.close()
 
     @property
     def pids(self) -> list[int]:
