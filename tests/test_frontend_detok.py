@@ -221,7 +221,10 @@ def test_two_http_processes(tmp_path, tiny_llama_path):
                                               extra_body={"ignore_eos": True}).choices[0]
 
         def one(i: int) -> tuple[str, str | None, int | None]:
-            stream = client.completions.create(prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            # a stream left early asks for many tokens, so it cannot finish before its abort arrives (on a busy
+            # machine a 12-token one sometimes did, and counted as a success)
+            stream = client.completions.create(prompt=prompt, max_tokens=12 if i % 3 else 400, temperature=0,
+                                               stream=True,
                                                stream_options={"include_usage": True}, model=model,
                                                extra_body={"ignore_eos": True})
             text, finish, used = "", None, None
