@@ -71,7 +71,7 @@ class EngineInfo:
         return EngineLimits(self.vocab_size, self.max_model_len)
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceDelta:
     """What one step added to one choice (index = prompt index * n + sample index)."""
 
@@ -97,9 +97,39 @@ class RequestTiming:
     finish_reason: str | None = None
 
 
+class Inbox:
+    """One generate() call's deltas, in arrival order: a list and at most one waiter (cheaper per item than
+    asyncio.Queue, which a stream that fell behind paid for every token)."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get_all(self) -> list[Any]:
+        """Everything that arrived (waiting for at least one item), oldest first."""
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self.items = self.items, []
+        return items
+
+
 @dataclass
 class _Child:
-    queue: asyncio.Queue
+    queue: Inbox
     index: int
     timing: RequestTiming
     num_cached_tokens: int = 0
@@ -359,7 +389,7 @@ class AsyncEngineClient:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Inbox()
         unsent = [(p * params.n + j, ids, j) for p, ids in enumerate(prompts) for j in range(params.n)]
         unsent.reverse()  # popped from the end: in index order
         window = len(unsent) if max_in_engine is None else max(1, max_in_engine)
@@ -379,10 +409,7 @@ class AsyncEngineClient:
             while in_engine:
                 # what piled up while the consumer was busy goes out as one delta per choice, so a slow
                 # stream sends fewer, larger chunks instead of falling further behind
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                for item in coalesce_deltas(items):
+                for item in coalesce_deltas(await queue.get_all()):
                     if isinstance(item, BaseException):
                         raise item
                     if item.finish_reason is not None:
@@ -462,16 +489,17 @@ class AsyncEngineClient:
             child = children.get(row[0])
             if child is None:
                 continue
-            rid, ids, finish, stop, lps, cached = row[:6]
+            ids, finish, cached = row[1], row[2], row[5]
             t = child.timing
-            if ids and t.first_token is None:
+            if t.first_token is None and ids:
                 t.first_token = now
             t.num_tokens += len(ids)
             if cached is not None:
                 child.num_cached_tokens = cached
-            child.queue.put_nowait(ChoiceDelta(child.index, row[6] if len(row) > 6 else "", ids, lps or [],
-                                               finish, stop, t.num_prompt_tokens, child.num_cached_tokens))
+            child.queue.put_nowait(ChoiceDelta(child.index, row[6] if len(row) > 6 else "", ids, row[4] or [],
+                                               finish, row[3], t.num_prompt_tokens, child.num_cached_tokens))
             if finish is not None:
+                rid = row[0]
                 del children[rid]
                 t.finished, t.finish_reason = now, finish
                 if self.hooks.on_finished is not None and finish != "abort":
