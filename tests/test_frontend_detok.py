@@ -212,7 +212,7 @@ def test_two_http_processes(tmp_path, tiny_llama_path):
     try:
         log = server.log()
         assert "4 processes: HTTP 0 (pid" in log and "HTTP 1 (pid" in log and "detokenizer (pid" in log, log
-        assert "1 more HTTP processes serve" in log, log  # before the first one serves (and /health answers)
+        assert "1 more HTTP processes ready" in log, log  # before the first one serves (and /health answers)
         kids = children(server.proc.pid)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         prompt = "Write a short poem about the sea."

@@ -4,6 +4,7 @@ the first HTTP process's wait for the others to serve (a process that exits befo
 
 import asyncio
 import multiprocessing
+import multiprocessing.connection
 import os
 import tempfile
 
@@ -75,37 +76,54 @@ def test_reader_delivers_bursts_in_order():
 
 def _serves(conn) -> None:
     conn.send(True)
+    conn.recv()  # "go"
+    conn.send("went")
 
 
-def test_wait_serving_names_a_process_that_exits_first():
-    from ostinato.entrypoints.openai.api_workers import Workers
+def test_wait_ready_then_go_and_a_process_that_exits_first():
+    """The first HTTP process's start-up gate: it waits for every other to be ready, then lets them all go;
+    one that exits before it is ready, or is still starting past the timeout, is named."""
+    from ostinato.entrypoints.openai.api_workers import Workers, recv
 
     ctx = multiprocessing.get_context("fork")
 
     def start(target) -> tuple:
-        r, w = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=target, args=(w,))
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(target=target, args=(theirs,))
         p.start()
-        w.close()
-        return p, r
+        theirs.close()
+        return p, ours
 
     def exits(conn) -> None:
         os._exit(3)
 
-    async def wait(workers: Workers, timeout: float = 30.0) -> None:
-        await workers.wait_serving(timeout)
+    async def gate(workers: Workers, timeout: float = 30.0) -> None:
+        await workers.wait_ready(timeout)
 
     good = [start(_serves) for _ in range(2)]
-    asyncio.run(wait(Workers([p for p, _ in good], [r for _, r in good])))
+    pipes = [r for _, r in good]
+    workers = Workers([p for p, _ in good], list(pipes))
+    asyncio.run(gate(workers))
+    dups = [  # (go() closes our ends: the answers are read through duplicates)
+        multiprocessing.connection.Connection(os.dup(r.fileno())) for r in pipes]
+    workers.go()
+    assert [d.recv() for d in dups] == ["went", "went"]
     bad = [start(_serves), start(exits)]
     with pytest.raises(RuntimeError, match=rf"HTTP process {bad[1][0].pid} exited during start-up \(exit code 3\)"):
-        asyncio.run(wait(Workers([p for p, _ in bad], [r for _, r in bad])))
+        asyncio.run(gate(Workers([p for p, _ in bad], [r for _, r in bad])))
     stuck = [start(lambda conn: __import__("time").sleep(30))]
     with pytest.raises(RuntimeError, match="did not start in"):
-        asyncio.run(wait(Workers([p for p, _ in stuck], [r for _, r in stuck]), timeout=0.5))
+        asyncio.run(gate(Workers([p for p, _ in stuck], [r for _, r in stuck]), timeout=0.5))
+    # a process waiting for "go" whose pipe closes sees EOFError (and exits): the first gave up starting
+    ours, theirs = ctx.Pipe()
+    ours.close()
+    with pytest.raises(EOFError):
+        asyncio.run(asyncio.wait_for(recv(theirs), 10))
     for p, _ in good + bad + stuck:
         p.kill()
         p.join()
+    for d in dups:
+        d.close()
 
 
 def test_http_process_imports_no_model_code():

@@ -320,13 +320,14 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
             workers = api_workers.Workers.start(ns, client, sock)
             t = time.perf_counter()
             try:
-                if not await _unless_stopped(workers.wait_serving()):
+                if not await _unless_stopped(workers.wait_ready()):
                     logger.info("interrupted during start-up")
                     return 0
             except RuntimeError as e:  # one exited, or is stuck
                 logger.error("%s: shutting down", e)
                 return 1
-            logger.info("%d more HTTP processes serve (%.1f s)", count - 1, time.perf_counter() - t)
+            workers.go()
+            logger.info("%d more HTTP processes ready (%.1f s)", count - 1, time.perf_counter() - t)
         http = {f"HTTP {i}" if count > 1 else "HTTP": pid
                 for i, pid in enumerate([os.getpid(), *(workers.pids if workers else [])])}
         procs = {**http, **client.processes}
@@ -383,11 +384,10 @@ def http_stack() -> str:
 
 
 async def serve_app(ns: argparse.Namespace, client: AsyncEngineClient, metrics: ServerMetrics,
-                    hooks: EngineClientHooks, names: list[str], sock: Any = None, workers: Any = None,
-                    on_started: Any = None) -> int:
+                    hooks: EngineClientHooks, names: list[str], sock: Any = None, workers: Any = None) -> int:
     """Serve HTTP until SIGINT / SIGTERM or the engine's death (then 503s for a grace period). `sock`: a
-    listening socket shared with other HTTP processes (`workers`, which get each signal too). `on_started()`:
-    called once it accepts connections. Returns 1 if a worker died, else 0."""
+    listening socket shared with other HTTP processes (`workers`, which get each signal too). Returns 1 if a
+    worker died, else 0."""
     loop = asyncio.get_running_loop()
     serving = OpenAIServing(client, names, ns.max_n, ns.max_choices_in_engine)
     app = build_app(serving, metrics, ns.api_key, ns.max_request_body_bytes)
@@ -396,11 +396,6 @@ async def serve_app(ns: argparse.Namespace, client: AsyncEngineClient, metrics: 
                             timeout_graceful_shutdown=ns.graceful_shutdown_timeout, lifespan="off")
 
     class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets=sockets)
-            if on_started is not None and self.started:
-                on_started()
-
         def handle_exit(self, sig: int, frame: Any) -> None:
             if workers is not None:
                 workers.signal(sig)

@@ -2,9 +2,10 @@
 
 The first HTTP process (the one started by `ostinato serve`) binds the socket, starts the engine and the
 detokenizer process (which routes each request's outputs to the HTTP process whose index its id starts
-with), then spawns the N - 1 others with the socket, the engine's limits and the ZMQ endpoints, and waits
-until each one serves before it serves itself: /health answers only once all N take connections (a
-benchmark that starts at the first 200 would otherwise run while the others are still starting). The kernel
+with), then spawns the N - 1 others with the socket, the engine's limits and the ZMQ endpoints. Each
+reports on its pipe when it is ready (linked to the engine) and starts accepting only on the first
+process's "go", sent once all are ready: so /health answers only when all N serve (a benchmark that starts
+at the first 200 would otherwise run while some are still starting). The kernel
 hands each new connection to whichever process accepts it first, so a busy process takes fewer. Every
 process keeps its own request metrics in prometheus_client's multiprocess files, so /metrics from any of
 them sums all; the engine's counts are fed by the first one only.
@@ -28,6 +29,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineInfo
 from ostinato.engine.proc_util import die_with_parent, set_process_name
@@ -67,30 +69,31 @@ class WorkerSpec:
 class Workers:
     """The extra HTTP processes (indices 1..N-1), seen from the first."""
 
-    def __init__(self, procs: list[multiprocessing.process.BaseProcess], ready: list[Connection]) -> None:
+    def __init__(self, procs: list[multiprocessing.process.BaseProcess], pipes: list[Connection]) -> None:
         self.procs = procs
-        self._ready = ready  # per process: the pipe end it reports on once it serves
+        self._pipes = pipes  # per process: it sends "ready" on it, and is sent "go"
         self._stopping = False
 
     @classmethod
     def start(cls, ns: argparse.Namespace, client: AsyncEngineClient, sock: socket.socket) -> Workers:
         ctx = multiprocessing.get_context("spawn")
-        procs, ready = [], []
+        procs, pipes = [], []
         for i in range(1, ns.api_server_count):
             spec = WorkerSpec(ns, client.info, client.endpoints[i], client.processes, i, ns.api_server_count)
-            r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=run_worker, args=(spec, sock, w), name=f"ostinato-http-{i}")
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=run_worker, args=(spec, sock, theirs), name=f"ostinato-http-{i}")
             p.start()
-            w.close()  # the child holds its own copy: an exit before it reports closes the pipe
+            theirs.close()  # the child holds its own copy
             procs.append(p)
-            ready.append(r)
-        return cls(procs, ready)
+            pipes.append(ours)
+        return cls(procs, pipes)
 
-    async def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Until every process serves (event-loop readers on the pipes and the process sentinels: nothing
-        polls); RuntimeError naming the first that exits first, or one still starting after `timeout` s."""
+    async def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until every process is ready to serve (event-loop readers on the pipes and the process sentinels:
+        nothing polls); RuntimeError naming the first that exits first, or one still starting after `timeout`
+        seconds. Then `go()` lets them accept."""
         loop = asyncio.get_running_loop()
-        pending = dict(zip(self._ready, self.procs, strict=True))
+        pending = dict(zip(self._pipes, self.procs, strict=True))
         changed = asyncio.Event()
         fds = {conn: (conn.fileno(), p.sentinel) for conn, p in pending.items()}
         for fd in (fd for pair in fds.values() for fd in pair):
@@ -104,7 +107,7 @@ class Workers:
                         try:
                             if conn.poll(0) and conn.recv():
                                 del pending[conn]
-                                for fd in fds.pop(conn):  # (its pipe reads EOF once it closes its end)
+                                for fd in fds.pop(conn):
                                     loop.remove_reader(fd)
                                 continue
                         except EOFError:
@@ -118,8 +121,13 @@ class Workers:
         finally:
             for fd in (fd for pair in fds.values() for fd in pair):
                 loop.remove_reader(fd)
-            for conn in self._ready:
-                conn.close()
+
+    def go(self) -> None:
+        """Let every (ready) process accept connections."""
+        for conn in self._pipes:
+            conn.send(True)
+            conn.close()
+        self._pipes = []
 
     @property
     def pids(self) -> list[int]:
@@ -144,7 +152,11 @@ class Workers:
             loop.add_reader(p.sentinel, exited)
 
     def stop(self, timeout: float) -> None:
-        """SIGTERM each, wait up to `timeout` for all, then kill what is left."""
+        """SIGTERM each, wait up to `timeout` for all, then kill what is left. (One still waiting for "go"
+        sees its pipe close and exits.)"""
+        for conn in self._pipes:
+            conn.close()
+        self._pipes = []
         self.signal(signal.SIGTERM)
         for p in self.procs:
             p.join(timeout)
@@ -155,19 +167,32 @@ class Workers:
                 p.join(5.0)
 
 
-def run_worker(spec: WorkerSpec, sock: socket.socket, ready: Connection) -> None:
-    """Process entry point (multiprocessing spawn) of HTTP process `spec.index`; sends on `ready` once it
-    serves."""
+def run_worker(spec: WorkerSpec, sock: socket.socket, pipe: Connection) -> None:
+    """Process entry point (multiprocessing spawn) of HTTP process `spec.index`: sends "ready" on `pipe` once
+    linked to the engine, serves after the first process's "go" (exits 0 if the pipe closes instead)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the first process passes it on
     die_with_parent()
     set_process_name(f"ostinato-http{spec.index}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from ostinato.entrypoints.openai.api_server import _run_loop
 
-    sys.exit(_run_loop(_serve_worker(spec, sock, ready)))
+    sys.exit(_run_loop(_serve_worker(spec, sock, pipe)))
 
 
-async def _serve_worker(spec: WorkerSpec, sock: socket.socket, ready: Connection) -> int:
+async def recv(conn: Connection) -> Any:
+    """`conn.recv()` without blocking the event loop (EOFError once the other end is closed)."""
+    loop = asyncio.get_running_loop()
+    if not conn.poll(0):
+        readable = loop.create_future()
+        loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(conn.fileno())
+    return conn.recv()
+
+
+async def _serve_worker(spec: WorkerSpec, sock: socket.socket, pipe: Connection) -> int:
     from ostinato.config import EngineArgs
     from ostinato.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, _load_tokenizer, serve_app
     from ostinato.entrypoints.openai.metrics import ServerMetrics
@@ -180,13 +205,17 @@ async def _serve_worker(spec: WorkerSpec, sock: socket.socket, ready: Connection
     hooks = EngineClientHooks(on_finished=metrics.on_finished)  # the engine's counts: the first process's job
     client = await AsyncEngineClient.connect(args, tokenizer, spec.info, spec.endpoints, spec.pids, spec.index,
                                              spec.count, hooks)
-    signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn handles it while serving and re-raises it after
-    def started() -> None:
-        ready.send(True)
-        ready.close()
-
     try:
-        await serve_app(ns, client, metrics, hooks, names, sock, on_started=started)
+        pipe.send(True)
+        await recv(pipe)  # "go"
+    except (EOFError, OSError):  # the first process gave up starting (or is gone): nothing to serve
+        await client.shutdown()
+        return 0
+    finally:
+        pipe.close()
+    signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn handles it while serving and re-raises it after
+    try:
+        await serve_app(ns, client, metrics, hooks, names, sock)
     finally:
         await client.shutdown()
     return 1 if client.dead is not None else 0
