@@ -84,7 +84,6 @@ def fake_engine_core(args: dict, input_addr: str, output_addr: str) -> None:
                 return
         if not running:
             continue
-        t0 = time.perf_counter()
         rows = []
         for rid, st in list(running.items()):
             st[0] -= 1
@@ -109,7 +108,6 @@ def fake_engine_core(args: dict, input_addr: str, output_addr: str) -> None:
             time.sleep(max(0.0, next_step - time.perf_counter()))
         elif delay < -step_s:
             next_step = time.perf_counter()
-        del t0
 
 
 def serve_fake(argv: list[str]) -> int:
