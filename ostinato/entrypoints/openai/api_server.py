@@ -167,9 +167,19 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
+def _no_native_telemetry() -> dict[str, Any]:
+    """FastAPI >= 0.165 asks OpenTelemetry on every request whether it is configured (~7 us, reading
+    os.environ); the server reports through /metrics, so its OpenTelemetry hooks are off where they exist."""
+    import inspect
+
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+
+
 def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="Ostinato", version="0.1.0")
+    app = FastAPI(title="Ostinato", version="0.1.0", **_no_native_telemetry())
     client = serving.client
 
     async def parse_body(request: Request, model: type[M]) -> M:
