@@ -115,6 +115,7 @@ def serve(args: dict[str, Any] | None, front_in: str, front_outs: list[str], eng
         tok = None
         if args is not None:
             try:
+                import ostinato.engine.engine_core  # noqa: F401 (ipc.decode_outputs' rows: loaded now, not at step 1)
                 from ostinato.loader import load_model_source
 
                 tok = load_model_source(args["model"], args["load_format"], args["trust_remote_code"],

@@ -7,12 +7,14 @@ then ("outputs", [output_row, ...], stats_dict) per step | ("rejected", rid, mes
 """
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from ostinato.engine.engine_core import EngineCoreOutput
 from ostinato.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine's modules load torch and the runner: the HTTP processes never import them
+    from ostinato.engine.engine_core import EngineCoreOutput
 
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
 READY, STARTUP_ERROR, OUTPUTS, REJECTED, DEAD = "ready", "startup_error", "outputs", "rejected", "dead"
@@ -34,10 +36,12 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**d)
 
 
-def encode_outputs(outputs: list[EngineCoreOutput]) -> list[list[Any]]:
+def encode_outputs(outputs: "list[EngineCoreOutput]") -> list[list[Any]]:
     return [[o.rid, o.new_token_ids, o.finish_reason, o.stop_reason, o.logprobs, o.num_cached_tokens]
             for o in outputs]
 
 
-def decode_outputs(rows: list[list[Any]]) -> list[EngineCoreOutput]:
+def decode_outputs(rows: list[list[Any]]) -> "list[EngineCoreOutput]":
+    from ostinato.engine.engine_core import EngineCoreOutput  # (the detokenizer process imports it at start)
+
     return [EngineCoreOutput(rid, ids, finish, stop, lps, cached) for rid, ids, finish, stop, lps, cached in rows]

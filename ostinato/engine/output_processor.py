@@ -5,13 +5,18 @@ reported with finish_reason "stop". Each `process` call also leaves on every upd
 added (`delta_text`, `delta_token_ids`, `delta_logprobs`), for streaming.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ostinato.engine.detokenizer import IncrementalDetokenizer, fast_decode
-from ostinato.engine.engine_core import EngineCoreOutput
 from ostinato.outputs import CompletionOutput, Logprob
-from ostinato.runner.sampler import TokenLogprobs
 from ostinato.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (torch and the runner: not loaded by the HTTP processes, which use decode_tokens)
+    from ostinato.engine.engine_core import EngineCoreOutput
+    from ostinato.runner.sampler import TokenLogprobs
 
 
 @dataclass

@@ -167,9 +167,19 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
+def _no_native_telemetry() -> dict[str, Any]:
+    """FastAPI >= 0.165 asks OpenTelemetry on every request whether it is configured (~7 us, reading
+    os.environ); the server reports through /metrics, so its OpenTelemetry hooks are off where they exist."""
+    import inspect
+
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+
+
 def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="Ostinato", version="0.1.0")
+    app = FastAPI(title="Ostinato", version="0.1.0", **_no_native_telemetry())
     client = serving.client
 
     async def parse_body(request: Request, model: type[M]) -> M:
@@ -318,6 +328,16 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
     try:
         if count > 1:
             workers = api_workers.Workers.start(ns, client, sock)
+            t = time.perf_counter()
+            try:
+                if not await _unless_stopped(workers.wait_ready()):
+                    logger.info("interrupted during start-up")
+                    return 0
+            except RuntimeError as e:  # one exited, or is stuck
+                logger.error("%s: shutting down", e)
+                return 1
+            workers.go()
+            logger.info("%d more HTTP processes ready (%.1f s)", count - 1, time.perf_counter() - t)
         http = {f"HTTP {i}" if count > 1 else "HTTP": pid
                 for i, pid in enumerate([os.getpid(), *(workers.pids if workers else [])])}
         procs = {**http, **client.processes}
@@ -338,6 +358,30 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
         return code
     logger.info("server stopped")
     return 0
+
+
+async def _unless_stopped(work: Awaitable[Any]) -> bool:
+    """Run `work` unless SIGINT / SIGTERM comes first (then cancel it and return False); True once it is done
+    (its exception raised here)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    task, stopping = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, lambda *_: None)  # uvicorn handles them while serving and re-raises them after
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+    task.result()
+    return True
 
 
 def http_stack() -> str:

@@ -2,7 +2,10 @@
 
 The first HTTP process (the one started by `ostinato serve`) binds the socket, starts the engine and the
 detokenizer process (which routes each request's outputs to the HTTP process whose index its id starts
-with), then spawns the N - 1 others with the socket, the engine's limits and the ZMQ endpoints. The kernel
+with), then spawns the N - 1 others with the socket, the engine's limits and the ZMQ endpoints. Each
+reports on its pipe when it is ready (linked to the engine) and starts accepting only on the first
+process's "go", sent once all are ready: so /health answers only when all N serve (a benchmark that starts
+at the first 200 would otherwise run while some are still starting). The kernel
 hands each new connection to whichever process accepts it first, so a busy process takes fewer. Every
 process keeps its own request metrics in prometheus_client's multiprocess files, so /metrics from any of
 them sums all; the engine's counts are fed by the first one only.
@@ -25,11 +28,15 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineInfo
 from ostinato.engine.proc_util import die_with_parent, set_process_name
 
 logger = logging.getLogger("ostinato.serve")
+
+START_TIMEOUT_S = 600.0  # an HTTP process imports the server's modules (and loads the tokenizer) in a few seconds
 
 
 def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -62,20 +69,65 @@ class WorkerSpec:
 class Workers:
     """The extra HTTP processes (indices 1..N-1), seen from the first."""
 
-    def __init__(self, procs: list[multiprocessing.process.BaseProcess]) -> None:
+    def __init__(self, procs: list[multiprocessing.process.BaseProcess], pipes: list[Connection]) -> None:
         self.procs = procs
+        self._pipes = pipes  # per process: it sends "ready" on it, and is sent "go"
         self._stopping = False
 
     @classmethod
     def start(cls, ns: argparse.Namespace, client: AsyncEngineClient, sock: socket.socket) -> Workers:
         ctx = multiprocessing.get_context("spawn")
-        procs = []
+        procs, pipes = [], []
         for i in range(1, ns.api_server_count):
             spec = WorkerSpec(ns, client.info, client.endpoints[i], client.processes, i, ns.api_server_count)
-            p = ctx.Process(target=run_worker, args=(spec, sock), name=f"ostinato-http-{i}")
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=run_worker, args=(spec, sock, theirs), name=f"ostinato-http-{i}")
             p.start()
+            theirs.close()  # the child holds its own copy
             procs.append(p)
-        return cls(procs)
+            pipes.append(ours)
+        return cls(procs, pipes)
+
+    async def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until every process is ready to serve (event-loop readers on the pipes and the process sentinels:
+        nothing polls); RuntimeError naming the first that exits first, or one still starting after `timeout`
+        seconds. Then `go()` lets them accept."""
+        loop = asyncio.get_running_loop()
+        pending = dict(zip(self._pipes, self.procs, strict=True))
+        changed = asyncio.Event()
+        fds = {conn: (conn.fileno(), p.sentinel) for conn, p in pending.items()}
+        for fd in (fd for pair in fds.values() for fd in pair):
+            loop.add_reader(fd, changed.set)
+        try:
+            async with asyncio.timeout(timeout):
+                while pending:
+                    await changed.wait()
+                    changed.clear()
+                    for conn, p in list(pending.items()):
+                        try:
+                            if conn.poll(0) and conn.recv():
+                                del pending[conn]
+                                for fd in fds.pop(conn):
+                                    loop.remove_reader(fd)
+                                continue
+                        except EOFError:
+                            pass
+                        if not p.is_alive():  # (its pipe may not say so: the fd can still sit with the sharer)
+                            p.join(5.0)
+                            raise RuntimeError(f"HTTP process {p.pid} exited during start-up (exit code {p.exitcode})")
+        except TimeoutError:
+            raise RuntimeError(f"HTTP process {next(iter(pending.values())).pid} did not start in "
+                               f"{timeout:.0f} s") from None
+        finally:
+            for fd in (fd for pair in fds.values() for fd in pair):
+                loop.remove_reader(fd)
+
+    def go(self) -> None:
+        """Let every (ready) process accept connections."""
+        for conn in self._pipes:
+            conn.send(True)
+            conn.close()
+        self._pipes = []
 
     @property
     def pids(self) -> list[int]:
@@ -100,7 +152,11 @@ class Workers:
             loop.add_reader(p.sentinel, exited)
 
     def stop(self, timeout: float) -> None:
-        """SIGTERM each, wait up to `timeout` for all, then kill what is left."""
+        """SIGTERM each, wait up to `timeout` for all, then kill what is left. (One still waiting for "go"
+        sees its pipe close and exits.)"""
+        for conn in self._pipes:
+            conn.close()
+        self._pipes = []
         self.signal(signal.SIGTERM)
         for p in self.procs:
             p.join(timeout)
@@ -111,18 +167,32 @@ class Workers:
                 p.join(5.0)
 
 
-def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
-    """Process entry point (multiprocessing spawn) of HTTP process `spec.index`."""
+def run_worker(spec: WorkerSpec, sock: socket.socket, pipe: Connection) -> None:
+    """Process entry point (multiprocessing spawn) of HTTP process `spec.index`: sends "ready" on `pipe` once
+    linked to the engine, serves after the first process's "go" (exits 0 if the pipe closes instead)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the first process passes it on
     die_with_parent()
     set_process_name(f"ostinato-http{spec.index}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from ostinato.entrypoints.openai.api_server import _run_loop
 
-    sys.exit(_run_loop(_serve_worker(spec, sock)))
+    sys.exit(_run_loop(_serve_worker(spec, sock, pipe)))
 
 
-async def _serve_worker(spec: WorkerSpec, sock: socket.socket) -> int:
+async def recv(conn: Connection) -> Any:
+    """`conn.recv()` without blocking the event loop (EOFError once the other end is closed)."""
+    loop = asyncio.get_running_loop()
+    if not conn.poll(0):
+        readable = loop.create_future()
+        loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(conn.fileno())
+    return conn.recv()
+
+
+async def _serve_worker(spec: WorkerSpec, sock: socket.socket, pipe: Connection) -> int:
     from ostinato.config import EngineArgs
     from ostinato.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, _load_tokenizer, serve_app
     from ostinato.entrypoints.openai.metrics import ServerMetrics
@@ -135,6 +205,14 @@ async def _serve_worker(spec: WorkerSpec, sock: socket.socket) -> int:
     hooks = EngineClientHooks(on_finished=metrics.on_finished)  # the engine's counts: the first process's job
     client = await AsyncEngineClient.connect(args, tokenizer, spec.info, spec.endpoints, spec.pids, spec.index,
                                              spec.count, hooks)
+    try:
+        pipe.send(True)
+        await recv(pipe)  # "go"
+    except (EOFError, OSError):  # the first process gave up starting (or is gone): nothing to serve
+        await client.shutdown()
+        return 0
+    finally:
+        pipe.close()
     signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn handles it while serving and re-raises it after
     try:
         await serve_app(ns, client, metrics, hooks, names, sock)

@@ -5,6 +5,8 @@ Non-streaming calls return the response dict; streaming calls return an async it
 before anything is sent to the engine, so a bad request leaves no trace there.
 """
 
+from __future__ import annotations
+
 import asyncio
 import contextlib
 import json
@@ -13,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ostinato.engine.async_client import AsyncEngineClient, ChoiceDelta, EngineDeadError, RequestRejected
 from ostinato.engine.limits import validate_request
@@ -25,10 +27,10 @@ from ostinato.entrypoints.openai.protocol import (
     CompletionRequest,
     SamplingFields,
 )
-from ostinato.multimodal.inputs import mm_to_wire
-from ostinato.multimodal.processor import chat_images, make_image_input_processor
-from ostinato.runner.sampler import TokenLogprobs
 from ostinato.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ostinato.runner.sampler import TokenLogprobs
 
 Response = dict[str, Any] | AsyncIterator[str]
 T = TypeVar("T")
@@ -280,6 +282,9 @@ class OpenAIServing:
         decoded and processed in a worker thread: a URL may take up to its timeout)."""
         if not any(m.has_images for m in req.messages):
             return await self.run_blocking(self._chat_prompt, req), None
+        from ostinato.multimodal.inputs import mm_to_wire  # (torch: loaded at the first request with images)
+        from ostinato.multimodal.processor import chat_images
+
         processor = self._image_processor()
         messages, images = chat_images([m.model_dump(exclude_none=True) for m in req.messages])
         ids = await self.run_blocking(self._chat_prompt, req, messages)
@@ -292,6 +297,7 @@ class OpenAIServing:
     def _image_processor(self):
         if self._mm_processor is None:
             from ostinato.loader import load_model_source
+            from ostinato.multimodal.processor import make_image_input_processor
 
             args = self.client.args
             source = load_model_source(args.model, args.load_format, args.trust_remote_code, convert_gguf=False)
