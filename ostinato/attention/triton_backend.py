@@ -106,6 +106,8 @@ class TritonAttentionBackend(AttentionBackend):
         # A mixed step's decoding requests (the trailing 1-token rows) take the split-KV decode kernel: in the
         # extend kernel one program per query head would walk each one's whole context serially.
         tail = decode_tail_len(extend)
+        if tail == batch.batch_size:  # not a mixed step (e.g. one-token prompts): one extend launch, as before
+            tail = 0
         head = batch.batch_size - tail
         self.decode_tail = tail
         if tail:
