@@ -18,14 +18,13 @@ python benchmarks/bench_allreduce.py --ranks 4 --out benchmarks/results/allreduc
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import RESULTS, device_tag, write_report
+from common import RESULTS, cuda_ms_per_call, device_tag, write_report
 
 SIZES = [8 << 10 << i for i in range(11)]  # 8 KB .. 8 MB
 _cpu_group = None  # the gloo group the repeats start together on
@@ -36,21 +35,8 @@ def _barrier() -> None:
 
 
 def _time(fn, iters: int) -> float:
-    """Median over 5 repeats of the CUDA-event ms per call of `fn`, `iters` calls per repeat."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _barrier()  # every rank starts the repeat together
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
+    """Median over 5 repeats of the CUDA-event ms per call of `fn`, every rank starting each repeat together."""
+    return cuda_ms_per_call(fn, iters, before_repeat=_barrier)
 
 
 def _graph_us(fn, x: torch.Tensor, calls: int, iters: int) -> tuple[float, torch.Tensor]:

@@ -43,14 +43,7 @@ def fake_engine_core(args: dict, input_addr: str, output_addr: str) -> None:
 
     die_with_parent()
     step_s = float(os.environ.get("FAKE_STEP_MS", "2")) / 1000
-    ctx = zmq.Context()
-    inp = ctx.socket(zmq.PULL)
-    inp.setsockopt(zmq.RCVHWM, 0)
-    inp.connect(input_addr)
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.SNDHWM, 0)
-    out.setsockopt(zmq.LINGER, 0)
-    out.connect(output_addr)
+    ctx, inp, out = ipc.engine_sockets(input_addr, output_addr, linger_ms=0)
     out.send(ipc.pack({"type": ipc.READY, "pid": os.getpid(), "vocab_size": 32000, "max_model_len": 4096,
                        "max_total_tokens": 1 << 20, "page_size": 16, "max_running_requests": 1024,
                        "device": "fake", "dtype": "none"}))

@@ -18,7 +18,6 @@ CPU smoke (gloo, tiny model): python benchmarks/bench_tp.py --device cpu --model
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import RESULTS, copy_bandwidth, device_tag, write_report
+from common import RESULTS, copy_bandwidth, cuda_ms_per_call, device_tag, write_report
 
 from ostinato import LLM, SamplingParams
 
@@ -164,19 +163,7 @@ def _ar_worker(rank: int, size: int, port: int, sizes: list[int], iters: int, ou
 
 
 def _time_calls(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
+    return cuda_ms_per_call(fn, iters, warmup=5)
 
 
 def bench_all_reduce(args: argparse.Namespace) -> list[dict]:

@@ -2,7 +2,9 @@
 
 import json
 import os
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -47,3 +49,24 @@ def add_model_args(ap) -> None:
     ap.add_argument("--model", default=None, help="default: the engine's default model (SmolLM2)")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
+
+
+def cuda_ms_per_call(fn: Callable[[], object], iters: int, warmup: int = 3, repeats: int = 5,
+                     before_repeat: Callable[[], None] | None = None) -> float:
+    """Median over `repeats` of the CUDA-event milliseconds per call of `fn` (`iters` calls per repeat);
+    `before_repeat` runs before each repeat (e.g. a barrier, so every rank starts together)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before_repeat is not None:
+            before_repeat()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)

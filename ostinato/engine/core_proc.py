@@ -28,14 +28,7 @@ def run_engine_core(args: dict[str, Any], input_addr: str, output_addr: str) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the HTTP process shuts us down
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    ctx = zmq.Context()
-    inp = ctx.socket(zmq.PULL)
-    inp.setsockopt(zmq.RCVHWM, 0)
-    inp.connect(input_addr)
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.SNDHWM, 0)
-    out.setsockopt(zmq.LINGER, 2000)
-    out.connect(output_addr)
+    ctx, inp, out = ipc.engine_sockets(input_addr, output_addr, linger_ms=2000)
     code = 0
     try:
         try:

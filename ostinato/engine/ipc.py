@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import zmq
 
 from ostinato.sampling_params import SamplingParams
 
@@ -45,3 +46,17 @@ def decode_outputs(rows: list[list[Any]]) -> "list[EngineCoreOutput]":
     from ostinato.engine.engine_core import EngineCoreOutput  # (the detokenizer process imports it at start)
 
     return [EngineCoreOutput(rid, ids, finish, stop, lps, cached) for rid, ids, finish, stop, lps, cached in rows]
+
+
+def engine_sockets(input_addr: str, output_addr: str, linger_ms: int) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """The engine side's sockets: PULL requests from `input_addr`, PUSH outputs to `output_addr` (no high-water
+    marks: the front end bounds what it sends; `linger_ms` for outputs still queued at close)."""
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.RCVHWM, 0)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.setsockopt(zmq.LINGER, linger_ms)
+    out.connect(output_addr)
+    return ctx, inp, out
