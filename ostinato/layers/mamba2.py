@@ -9,14 +9,15 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
   (capturable; padded rows of a graph point at the sink slot).
 Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
 
-On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs, by
-default ("serial"), the torch gather conv and the token-serial scan kernel (`triton_ops/ssm_scan.py`); a decode
-the conv step and the single-step update (`conv_step.py`, `ssm_scan.py`), both the gated norm
-(`gated_rms_norm.py`). `OSTINATO_SSM_PREFILL` selects the experimental chunked SSD path instead (not yet
-accurate enough to be the default; see DEFAULT_SSM_PREFILL): `ssd` (the varlen conv in Triton,
-`conv_extend.py`, and the SSD scan, `ssd_scan.py`, in the form that suits the batch), `ssd-fused` (one program
-per request, head and row block walks the chunks), `ssd-2pass` (the state carry, then every chunk's outputs in
-parallel: fills the GPU for a few long requests), `ssd-torchconv` (the torch gather conv, then `ssd`).
+On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs the varlen
+conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.py`), a decode the conv step
+and the single-step update (`conv_step.py`, `ssm_scan.py`), both the gated norm (`gated_rms_norm.py`).
+The SSD scan has two forms: fused (one program per request, head and row block walks the chunks: one launch)
+and two-pass (the state carry, then every chunk's outputs in parallel: fills the GPU for a few long
+requests); `ssd` takes two-pass for few requests or one of 512 tokens or more, else fused.
+`OSTINATO_SSM_PREFILL` forces a path for comparison: `ssd-fused`, `ssd-2pass`, `ssd-torchconv` (the torch
+gather conv, then `ssd`), `serial` (the torch gather conv and the token-serial scan kernel: the path before
+the SSD kernels).
 The SSM math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
 
@@ -176,10 +177,7 @@ def _extend_indices(extend_lens: list[int], kernel: int, device: torch.device) -
 
 
 _SSM_PREFILL = ("ssd", "ssd-fused", "ssd-2pass", "ssd-torchconv", "serial", "torch")
-# The chunked SSD kernels are 2.4-2.9x faster than "serial" at 2,048 tokens on an H200 but not yet accurate
-# enough: at granite-4.0-h-1b shapes in bf16 their largest error against a float32 oracle was 18-45 where the
-# torch bf16 path's was 0.2-0.4 (tests/test_ssm_scan_kernel.py). Until that is fixed they are opt-in.
-DEFAULT_SSM_PREFILL = "serial"
+DEFAULT_SSM_PREFILL = "ssd"  # the chunked SSD kernels: 2.4-2.9x faster than "serial" at 2,048 tokens (H200)
 
 
 @functools.cache
