@@ -24,7 +24,8 @@ tests)
   timeout 330 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_attention.py \
       tests/test_layer_kernels.py tests/test_fused_sample.py tests/test_sampler.py tests/test_decode_graph.py \
       tests/test_extend_graph.py tests/test_decode_compile.py tests/test_fp8_kv.py tests/test_shutdown.py \
-      tests/test_gpu_prefix.py tests/test_skinny_gemm.py -s 2>&1 | quiet | tail -40 | tee "$OUT/tests-core.log"
+      tests/test_gpu_prefix.py tests/test_skinny_gemm.py tests/test_rope_store.py tests/test_fp8_decode_variants.py \
+      -s 2>&1 | quiet | tail -40 | tee "$OUT/tests-core.log"
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_piecewise_gpu.py tests/test_ssm_scan_kernel.py \
       tests/test_granite_hybrid_gpu.py tests/test_vlm.py -k "gpu or cuda or GPU or Cuda or kernel" 2>&1 | quiet \
       | tail -30 | tee "$OUT/tests-features.log"
@@ -34,13 +35,15 @@ decode)
     timeout 100 python benchmarks/bench_generate.py --models $m --batch-sizes 1 32 --temperature 0 0.6 \
         --repeats 2 --out "$OUT/generate-$m.json" 2>&1 | quiet | grep -E "ms/token|Error" | tee -a "$OUT/generate.log"
   done
-  timeout 200 python benchmarks/bench_decode.py --models llama-3.2-1b --compile --compile-max-bs 64 \
+  timeout 200 python benchmarks/bench_decode.py --models llama-3.2-1b --compile --compile-max-bs 64 --no-launches \
       --cases 1:128 32:128 --modes graph --out "$OUT/decode-compile.json" 2>&1 | quiet | tail -8 \
       | tee "$OUT/decode-compile.log"
   (cd benchmarks && timeout 200 python bench_decode.py --models llama-3.2-1b --cases 1:128 32:4096 128:4096 256:1024 \
-      --modes graph --kv-cache-dtype auto fp8_e4m3 --page-size 1 16 --out "$OUT/decode-fp8-pages.json" 2>&1 \
+      --modes graph --kv-cache-dtype auto fp8_e4m3 --page-size 1 16 --no-launches --out "$OUT/decode-fp8-pages.json" 2>&1 \
       | quiet | tail -24 | tee "$OUT/decode-fp8-pages.log")
   (cd benchmarks && timeout 100 python bench_kv_store.py 2>&1 | quiet | tail -12 | tee "$OUT/kv-store.log")
+  timeout 200 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:128 --modes graph \
+      --rope-store fused unfused --out "$OUT/decode-rope-store.json" 2>&1 | quiet | tail -8 | tee "$OUT/rope-store.log"
   ;;
 features)
   timeout 200 python benchmarks/bench_extend.py --out "$OUT/extend.json" 2>&1 | quiet | tail -40 | tee "$OUT/extend.log"
@@ -53,7 +56,7 @@ features)
   else
     echo "bench_vlm_serve: skipped, no fastapi/uvicorn/pydantic/pyzmq/msgpack (carry the wheels)" | tee "$OUT/vlm-serve.log"
   fi
-  timeout 120 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128 \
+  timeout 120 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128 --no-launches \
       --out "$OUT/decode-granite.json" 2>&1 | quiet | tail -16 | tee "$OUT/decode-granite.log"
   ;;
 offline)
