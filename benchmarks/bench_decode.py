@@ -134,7 +134,8 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
         runner.graph_runner = saved
     events = prof.events()
     spans = {e.name.split("/")[1]: e.time_range for e in events if e.name.startswith("bench_decode/")}
-    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    # (record_function's ranges also appear on the GPU timeline, as annotations spanning each phase: not kernels)
+    device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("bench_decode/")]
     count, ms = {}, {}
     for name, span in spans.items():
         inside = [e for e in device if span.start <= e.time_range.start <= span.end]
