@@ -1,5 +1,5 @@
-"""Test helper shared by the extend-graph and piecewise tests: a scheduled extend over requests with cached
-prefixes."""
+"""Test helpers: a scheduled extend over requests with cached prefixes (extend-graph and piecewise tests), and
+a stand-in for a model step's sampling (scheduler tests)."""
 
 import torch
 
@@ -27,3 +27,14 @@ def extend_batch(runner, prompts, prefix_lens):
         r.kv_len += n
     return ScheduledBatch(ForwardMode.EXTEND, reqs, list(prefix_lens), lens, torch.cat(locs), [True] * len(reqs)), reqs
 
+
+
+def emit_random_tokens(sched, batch, rng) -> None:
+    """What a step's sampling does to the scheduler without a model: each row that samples gets a random token
+    below 100, and a request that then stops is finished."""
+    for req, emits in zip(batch.reqs, batch.sample_mask, strict=True):
+        if emits:
+            req.output_token_ids.append(rng.randrange(100))
+            req.check_stop_token()
+            if req.finish_reason:
+                sched.finish(req, req.finish_reason)

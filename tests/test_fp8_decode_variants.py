@@ -11,6 +11,7 @@ if shutil.which("nvidia-smi") is None:  # must be set before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from test_fp8_kv import fp8_decode_reference  # noqa: E402
 
 from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
     FP8_DECODE_VARIANTS,
@@ -50,13 +51,7 @@ def run_variants(dtype, page, variants, dev, bs=3, heads=4, kv_heads=2, dim=16, 
     q = torch.randn(bs, heads, dim, generator=gen).to(q_dtype)
     k_scale, v_scale = torch.tensor([0.5]), torch.tensor([3.0])
     seq_lens = torch.tensor([ctx, 17, 1][:bs], dtype=torch.int32)
-    ref = torch.empty(bs, heads, dim, dtype=torch.float64)
-    for b in range(bs):
-        slots = req_to_token[b, : seq_lens[b]].long()
-        kk = k8[slots].double().repeat_interleave(heads // kv_heads, 1) * k_scale.double()
-        vv = v8[slots].double().repeat_interleave(heads // kv_heads, 1) * v_scale.double()
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), kk) * dim**-0.5, -1)
-        ref[b] = torch.einsum("hn,nhd->hd", w, vv)
+    ref = fp8_decode_reference(q, k8, v8, req_to_token, seq_lens, k_scale, v_scale)
     errs = {}
     for name, whole in variants:
         splits = torch.empty(bs, dtype=torch.int32, device=dev)

@@ -18,6 +18,22 @@ from ostinato.loader.kv_scales import KVScaleFilter  # noqa: E402
 from ostinato.mem.kv_cache import MHATokenToKVPool  # noqa: E402
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def fp8_decode_reference(q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, req_to_token: torch.Tensor,
+                         seq_lens: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """float64 decode attention of q [bs, H, D] over the dequantized fp8 K/V [slots, Hkv, D] each request's
+    `req_to_token` row names (scaled by the layer's k/v scale): [bs, H, D]."""
+    bs, heads, dim = q.shape
+    group = heads // k8.shape[1]
+    ref = torch.empty(bs, heads, dim, dtype=torch.float64)
+    for b in range(bs):
+        slots = req_to_token[b, : seq_lens[b]].long()
+        kk = k8[slots].double().repeat_interleave(group, 1) * k_scale.double()
+        vv = v8[slots].double().repeat_interleave(group, 1) * v_scale.double()
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), kk) * dim**-0.5, -1)
+        ref[b] = torch.einsum("hn,nhd->hd", w, vv)
+    return ref
 # relative spacing of fp8 numbers: 3 mantissa bits (e4m3), 2 (e5m2); round to nearest: half of it
 REL = {torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
 
@@ -190,13 +206,7 @@ def test_decode_fp16_dot_matches_the_reference():
     k_scale, v_scale = torch.tensor([0.5]), torch.tensor([0.25])
     req_to_token = (torch.randperm(bs * ctx, generator=gen) + 1).view(bs, ctx).to(torch.int32)
     seq_lens = torch.tensor([ctx, 17, 1], dtype=torch.int32)
-    ref = torch.empty(bs, heads, dim, dtype=torch.float64)
-    for b in range(bs):
-        slots = req_to_token[b, : seq_lens[b]].long()
-        kk = k8[slots].double().repeat_interleave(heads // kv_heads, 1) * k_scale.double()
-        vv = v8[slots].double().repeat_interleave(heads // kv_heads, 1) * v_scale.double()
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), kk) * dim**-0.5, -1)
-        ref[b] = torch.einsum("hn,nhd->hd", w, vv)
+    ref = fp8_decode_reference(q, k8, v8, req_to_token, seq_lens, k_scale, v_scale)
     for fp16_dot in (False, True):
         splits = torch.empty(bs, dtype=torch.int32, device=dev)
         compute_num_kv_splits(seq_lens.to(dev), splits, 16, 2)

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from batch_helpers import emit_random_tokens
 
 from ostinato.engine.prefix_cache import PrefixCache
 from ostinato.engine.request import Request
@@ -142,12 +143,7 @@ def test_scheduler_with_prefix_cache_shares_evicts_retracts_and_frees(page):
         free = kv.allocator.free_pages
         assert not bool(torch.isin(live // page, free).any()), "a running request's slot is on the free list"
         cache.tree.check()
-        for req, emits in zip(batch.reqs, batch.sample_mask, strict=True):
-            if emits:
-                req.output_token_ids.append(rng.randrange(100))
-                req.check_stop_token()
-                if req.finish_reason:
-                    sched.finish(req, req.finish_reason)
+        emit_random_tokens(sched, batch, rng)
     assert sched.num_retractions > 0 and cache.tree.num_evicted > 0
     assert cache.hit_tokens > 0
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens for r in reqs)

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+from batch_helpers import emit_random_tokens
 
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.engine.request import Request
@@ -40,13 +41,8 @@ def test_random_workload_respects_limits_and_finishes_everything(page, mixed):
         else:
             assert batch.extend_lens == [1] * len(batch.reqs)
         assert len(batch.out_cache_loc) == sum(batch.extend_lens)
-        for req, emits in zip(batch.reqs, batch.sample_mask, strict=True):
-            assert req.kv_len <= req.seq_len
-            if emits:
-                req.output_token_ids.append(rng.randrange(100))
-                req.check_stop_token()
-                if req.finish_reason:
-                    sched.finish(req, req.finish_reason)
+        assert all(req.kv_len <= req.seq_len for req in batch.reqs)
+        emit_random_tokens(sched, batch, rng)
     assert sched.num_retractions > 0, "the pool was sized to force retraction"
     assert (mixed_steps > 0) == mixed  # decode tokens rode along with prefill chunks only when mixing
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens for r in reqs)
@@ -79,10 +75,5 @@ def test_mixed_decoding_rows_do_not_rejoin_the_prefix_cache_each_step():
         if batch.mode is ForwardMode.EXTEND:
             last_prefill = {r for r in batch.reqs if r not in decoding}
             mixed_steps += len(last_prefill) < len(batch.reqs)
-        for req, emits in zip(batch.reqs, batch.sample_mask, strict=True):
-            if emits:
-                req.output_token_ids.append(rng.randrange(100))
-                req.check_stop_token()
-                if req.finish_reason:
-                    sched.finish(req, req.finish_reason)
+        emit_random_tokens(sched, batch, rng)
     assert mixed_steps > 0
