@@ -193,6 +193,9 @@ def test_config_and_loader(tiny_dir, tiny_llm):
     r = tiny_llm.engine.runner
     assert r.kv_cache.layer_num == 1, "only the attention layer gets KV"
     assert r.mamba_pool.num_layers == 3 and r.mamba_pool.size == r.req_to_token_pool.size
+    # the residual multiplier is folded into the branch outputs' weights (the logits tests below then check
+    # the folded model against transformers)
+    assert all(layer.folded for layer in r.model.layers)
 
 
 def test_greedy_matches_transformers_with_chunking_and_retraction(tiny_llm, hf_tiny):

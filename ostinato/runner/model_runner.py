@@ -89,6 +89,8 @@ class ModelRunner:
             weights = KVScaleFilter(source.iter_weights())
             self.model.load_weights(weights)
             self.kv_scales = weights.layer_scales()
+        if hasattr(self.model, "after_load"):  # weight transforms a model makes once its weights are in
+            self.model.after_load()
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.load_seconds = time.perf_counter() - t0
