@@ -58,12 +58,12 @@ class AttentionBackend(abc.ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec",
                 batch: ForwardBatch, rope: "Rope | None" = None) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; stores k/v at batch.out_cache_loc first. With `rope`, q and k
-        come before rotary and are rotated here, in place (the unfused path: the reference of the fused one)."""
+        come before rotary and are rotated here (the unfused path: the reference of the fused one)."""
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
         if rope is not None:
-            rope.apply_(q, k)
+            q, k = rope.rotated(q, k)
         self.kv_cache.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.mode is ForwardMode.DECODE:
             o = self.forward_decode(q, layer, batch)
@@ -103,7 +103,10 @@ class Rope:
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
 
-    def apply_(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """In place on q [T, H, D] and k [T, Hkv, D] (the rotary kernel on CUDA, its torch twin on the CPU)."""
+    def rotated(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated copies of q [T, H, D] and k [T, Hkv, D] (the rotary kernel on CUDA, its torch twin on the CPU):
+        the attention op declares no mutation of its inputs, so they are not rotated in place."""
+        q, k = q.clone(), k.clone()
         rotary_embedding_(self.positions, q, k, self.cos_sin, q.shape[-1], self.q_norm_weight, self.k_norm_weight,
                           self.eps)
+        return q, k

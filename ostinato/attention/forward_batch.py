@@ -40,12 +40,13 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
 
-def decode_tail_len(extend_lens: list[int]) -> int:
-    """How many trailing requests of an extend step have one new token: in a mixed step these are the decoding
-    requests (the scheduler appends them after the prefill chunks), which attend like a decode step."""
+def mixed_decode_rows(extend_lens: list[int]) -> int:
+    """How many decoding rows an extend step mixes in: its trailing one-token requests (the scheduler appends the
+    decoding requests after the prefill chunks), which attend like a decode step. 0 when the step is not mixed:
+    no such rows, or only such rows (e.g. one-token prompts, left to the one extend launch)."""
     n = 0
     for length in reversed(extend_lens):
         if length != 1:
             break
         n += 1
-    return n
+    return n if n < len(extend_lens) else 0

@@ -47,8 +47,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, 
               cos_sin: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
               k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """With `positions`, q and k come before rotary (by the fp32 table `cos_sin`, after the optional per-head
-    RMSNorm) and the backend rotates them, fused with its K/V store where it can. They are then the op's
-    scratch: the unfused path rotates them in place (the caller never reads them again)."""
+    RMSNorm) and the backend rotates them, fused with its K/V store where it can (the inputs are not written)."""
     if _ctx.backend is None or _ctx.batch is None:
         raise RuntimeError("ostinato::attention called outside forward_context()")
     rope = None if positions is None else Rope(positions, cos_sin, q_norm_weight, k_norm_weight, eps)

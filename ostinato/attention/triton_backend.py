@@ -6,7 +6,7 @@ import itertools
 import torch
 
 from ostinato.attention.base import AttentionBackend, AttentionSpec, Rope
-from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, decode_tail_len
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, mixed_decode_rows
 from ostinato.attention.triton_ops import decode_attention, extend_attention, rope_store_kv, store_kv
 from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_kwargs, table_entry
 from ostinato.attention.triton_ops.extend_attention import extend_block_table, max_extend_blocks
@@ -105,9 +105,7 @@ class TritonAttentionBackend(AttentionBackend):
         assert prefix is not None and extend is not None
         # A mixed step's decoding requests (the trailing 1-token rows) take the split-KV decode kernel: in the
         # extend kernel one program per query head would walk each one's whole context serially.
-        tail = decode_tail_len(extend)
-        if tail == batch.batch_size:  # not a mixed step (e.g. one-token prompts): one extend launch, as before
-            tail = 0
+        tail = mixed_decode_rows(extend)
         head = batch.batch_size - tail
         self.decode_tail = tail
         if tail:
@@ -200,7 +198,7 @@ class TritonAttentionBackend(AttentionBackend):
             q = self.rope_store_kv(layer.layer_id, batch.out_cache_loc, q, k, v, rope)
         else:
             if rope is not None:
-                rope.apply_(q, k)
+                q, k = rope.rotated(q, k)
             self.store_kv(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.mode is ForwardMode.DECODE:
             o = self.forward_decode(q, layer, batch)

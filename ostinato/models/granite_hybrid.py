@@ -132,14 +132,17 @@ class GraniteHybridLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, scaled by residual_multiplier once folded (or the scaled
         embeddings, residual None)."""
-        m = 1.0 if self.folded else self.residual_multiplier
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x * m if m != 1.0 else x, residual)
+            x, residual = self.input_layernorm(self.scaled(x), residual)
         x = self.mamba(x) if self.mamba is not None else self.self_attn(x)
-        x, residual = self.post_attention_layernorm(x * m if m != 1.0 else x, residual)
+        x, residual = self.post_attention_layernorm(self.scaled(x), residual)
         return self.shared_mlp(x), residual
+
+    def scaled(self, branch_out: torch.Tensor) -> torch.Tensor:
+        """A branch output as it joins the residual stream (already scaled once folded into the weights)."""
+        return branch_out if self.folded else branch_out * self.residual_multiplier
 
 
 class GraniteMoeHybridForCausalLM(nn.Module):
@@ -179,8 +182,7 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids) * self.embedding_multiplier, None
         for layer in self.layers:
             x, residual = layer(x, residual)
-        last = self.layers[-1]
-        return self.norm(x if last.folded else x * last.residual_multiplier, residual)[0]
+        return self.norm(self.layers[-1].scaled(x), residual)[0]
 
     def after_load(self) -> None:
         """Once the weights are in (checkpoint or dummy): fold the residual multiplier into them."""

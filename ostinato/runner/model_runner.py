@@ -8,7 +8,7 @@ import time
 import torch
 
 from ostinato.attention.base import AttentionBackend
-from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, decode_tail_len
+from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, mixed_decode_rows
 from ostinato.attention.op import forward_context
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
@@ -346,7 +346,7 @@ class ModelRunner:
         steps: their decoding rows take the split-KV decode kernel beside the extend kernel
         (TritonAttentionBackend), where the full graph's one extend launch would walk each decoding row's whole
         context in one program per head."""
-        mixed = 0 < decode_tail_len(batch.extend_seq_lens_cpu or []) < batch.batch_size
+        mixed = mixed_decode_rows(batch.extend_seq_lens_cpu or []) > 0
         if not mixed and self.extend_graph_runner is not None and self.extend_graph_runner.can_run(batch):
             return "extend_graph"
         if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(batch):
