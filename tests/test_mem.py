@@ -115,6 +115,66 @@ def test_batched_decode_extend_equals_per_request_extend(page):
         assert len(torch.unique(b // page)) == -(-(n + 9) // page)
 
 
+class PlainPages:
+    """The paged pool as a plain Python model, token by token: a request's token at position i lives at offset
+    i % page of its (i // page)-th page; a new page comes off the front of the free list; freed pages go to its
+    back in the order freed. The oracle for KVManager's vectorized bookkeeping."""
+
+    def __init__(self, num_pages: int, page: int) -> None:
+        self.page, self.free, self.rows = page, list(range(1, num_pages)), {}
+
+    def extend(self, slot: int, cur: int, new: int) -> list[int]:
+        pages = self.rows.setdefault(slot, [])
+        if cur == 0:
+            pages.clear()
+        locs = []
+        for i in range(cur, new):
+            if i % self.page == 0:
+                pages.append(self.free.pop(0))
+            locs.append(pages[i // self.page] * self.page + i % self.page)
+        return locs
+
+    def release(self, slot: int) -> None:
+        self.free += self.rows.pop(slot, [])
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_extend_batch_matches_a_plain_per_token_model(page):
+    """Random batches of multi-token and one-token extends, partly filled pages, requests finishing and their
+    pages coming back (the allocator merges returned pages lazily): every slot handed out, every req_to_token
+    entry and every free count equal the plain model's."""
+    gen = torch.Generator().manual_seed(100 + page)
+    kv, model = make(90, page, reqs=12, ctx=512), PlainPages(90, page)
+    lens: dict[int, int] = {}
+    for _ in range(80):
+        if len(lens) < 12 and torch.rand(1, generator=gen) < 0.5:
+            lens[kv.req_pool.alloc()] = 0
+        if lens and torch.rand(1, generator=gen) < 0.25:  # one finishes
+            slot = list(lens)[int(torch.randint(len(lens), (1,), generator=gen))]
+            kv.release(slot, lens.pop(slot))
+            model.release(slot)
+        batch = [s for s in lens if torch.rand(1, generator=gen) < 0.7]
+        grow = [int(torch.randint(1, 3 * page + 2, (1,), generator=gen)) if torch.rand(1, generator=gen) < 0.5
+                else 1 for _ in batch]
+        cur = [lens[s] for s in batch]
+        new = [c + g for c, g in zip(cur, grow, strict=True)]
+        if sum(kv.pages_needed(c, n) for c, n in zip(cur, new, strict=True)) > kv.allocator.available_pages():
+            assert kv.extend_batch(batch, cur, new) is None  # refused, nothing taken
+            continue
+        loc = kv.extend_batch(batch, cur, new)
+        want = [x for s, c, n in zip(batch, cur, new, strict=True) for x in model.extend(s, c, n)]
+        assert loc.tolist() == want
+        for s, n in zip(batch, new, strict=True):
+            lens[s] = n
+        for s, n in lens.items():
+            assert kv.req_pool.req_to_token[s, :n].tolist() == [
+                model.rows[s][i // page] * page + i % page for i in range(n)]
+        assert kv.allocator.available_pages() == len(model.free)
+    for s, n in lens.items():
+        kv.release(s, n)
+    kv.check_all_free()
+
+
 def test_batched_decode_extend_refuses_without_taking():
     kv = make(4, 1)  # 3 usable pages
     slots = [kv.req_pool.alloc() for _ in range(2)]

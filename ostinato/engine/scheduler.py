@@ -9,8 +9,6 @@ from prompt + output so far; no request is lost.
 
 from collections import deque
 
-import torch
-
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.engine.prefix_cache import PrefixCache
 from ostinato.engine.request import Request, RequestStatus
@@ -54,7 +52,8 @@ class Scheduler:
 
     def _schedule_extend(self) -> ScheduledBatch | None:
         budget = self.chunked_prefill_size
-        reqs, prefix, lens, locs = [], [], [], []
+        reqs, prefix, lens = [], [], []
+        taken = 0  # pages promised to the requests above; taken from the pool in one go at the end
         # a request cut by the last chunk continues first, then new ones in arrival order
         partial = [r for r in self.running if self._pending(r) > 1]
         decoding = len(self.running) - len(partial)
@@ -78,7 +77,7 @@ class Scheduler:
             # keep one page per decoding request free so the next decode step does not retract at once
             reserve = decoding if not admitted else 0
             pages = self.kv.pages_needed(req.kv_len, req.kv_len + n)
-            if pages + reserve > self.cache.available_pages():
+            if pages + taken + reserve > self.cache.available_pages():
                 if not admitted:  # undo: unlock the prefix, give the row back
                     self.cache.release(req)
                     req.req_pool_idx, req.kv_len = None, 0
@@ -88,13 +87,10 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.running.append(req)
                 self.cache.admitted(req)
-            self.cache.ensure_pages(pages)
-            loc = self.kv.extend(req.req_pool_idx, req.kv_len, req.kv_len + n)
-            assert loc is not None  # pages were checked above
+            taken += pages
             reqs.append(req)
             prefix.append(req.kv_len)
             lens.append(n)
-            locs.append(loc)
             budget -= n
         if not reqs:
             return None
@@ -102,17 +98,19 @@ class Scheduler:
             self._extended = list(reqs)
         for req in mixed:  # those that do not fit decode in a later step (which may retract)
             pages = self.kv.pages_needed(req.kv_len, req.kv_len + 1)
-            if pages > self.cache.available_pages():
+            if pages + taken > self.cache.available_pages():
                 continue
-            self.cache.ensure_pages(pages)
+            taken += pages
             reqs.append(req)
             prefix.append(req.kv_len)
             lens.append(1)
-            locs.append(self.kv.extend(req.req_pool_idx, req.kv_len, req.kv_len + 1))
+        self.cache.ensure_pages(taken)
+        loc = self.kv.extend_batch([r.req_pool_idx for r in reqs], prefix,
+                                   [c + n for c, n in zip(prefix, lens, strict=True)])
+        assert loc is not None  # pages were checked above
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
-        return ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, torch.cat(locs),
-                              [r.kv_len == r.seq_len for r in reqs])
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, loc, [r.kv_len == r.seq_len for r in reqs])
 
     # ---------------------------------------------------------------- decode
     def _schedule_decode(self) -> ScheduledBatch | None:

@@ -1,7 +1,5 @@
 """Per-request KV bookkeeping on top of the three pool layers."""
 
-import itertools
-
 import torch
 
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
@@ -27,42 +25,50 @@ class KVManager:
 
     def extend(self, req_slot: int, cur_len: int, new_len: int) -> torch.Tensor | None:
         """Slots for tokens [cur_len, new_len) of the request, or None (nothing taken) if KV is short."""
-        p = self.page_size
-        new_pages = self.allocator.alloc_pages(self.pages_needed(cur_len, new_len))
-        if new_pages is None:
-            return None
-        row = self.req_pool.req_to_token[req_slot]
-        if cur_len % p:  # the last page is partly filled: keep filling it first
-            last_page = (row[cur_len - 1 : cur_len].to(torch.int64)) // p
-            new_pages = torch.cat([last_page, new_pages])
-        pos = torch.arange(cur_len, new_len, dtype=torch.int64, device=row.device)
-        loc = new_pages[pos // p - cur_len // p] * p + pos % p
-        row[cur_len:new_len] = loc.to(torch.int32)
-        return loc
+        return self.extend_batch([req_slot], [cur_len], [new_len])
 
     def extend_decode(self, req_slots: list[int], kv_lens: list[int]) -> torch.Tensor | None:
-        """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`), for a whole decode
-        batch in a handful of tensor ops; None (nothing taken) if KV is short."""
+        """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`)."""
+        return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens])
+
+    def extend_batch(self, req_slots: list[int], cur_lens: list[int], new_lens: list[int]) -> torch.Tensor | None:
+        """Slots for tokens [cur_lens[i], new_lens[i]) of request row `req_slots[i]`, concatenated in request
+        order and recorded in `req_to_token`; None (nothing taken) if KV is short.
+
+        A fixed handful of device ops whatever the number of requests (the per-token index arithmetic is done
+        on the host and copied over once): a step that admits 256 prompts costs what one costs."""
         p = self.page_size
-        opens_page = [n % p == 0 for n in kv_lens]  # the new token starts a fresh page
-        new_pages = self.allocator.alloc_pages(sum(opens_page))
+        counts = [self.pages_needed(c, n) for c, n in zip(cur_lens, new_lens, strict=True)]
+        new_pages = self.allocator.alloc_pages(sum(counts))
         if new_pages is None:
             return None
         table = self.req_pool.req_to_token
-        rows = torch.tensor(req_slots, dtype=torch.int64).to(table.device, non_blocking=True)
-        lens = torch.tensor(kv_lens, dtype=torch.int64).to(table.device, non_blocking=True)
+        lens = torch.tensor([n - c for c, n in zip(cur_lens, new_lens, strict=True)], dtype=torch.int64)
+        cur = torch.tensor(cur_lens, dtype=torch.int64)
+        num_tokens = int(lens.sum())
+        req_of = torch.repeat_interleave(torch.arange(len(cur_lens)), lens)  # each new token's request
+        pos = torch.arange(num_tokens) - (torch.cumsum(lens, 0) - lens - cur)[req_of]  # its position in the row
+        host = [torch.tensor(req_slots, dtype=torch.int64)[req_of], pos]
+        partial = cur % p != 0  # a request whose last page is partly filled fills it first
+        if p > 1:
+            # the page of each token: an index into [new pages..., the partly filled last pages...]
+            pages = torch.tensor(counts, dtype=torch.int64)
+            new_first = torch.cumsum(pages, 0) - pages
+            rank = torch.cumsum(partial.to(torch.int64), 0) - 1  # a partial request's place among them
+            page_of = pos // p - (cur // p)[req_of]  # 0 = the page holding the request's current end
+            fills_last = partial[req_of] & (page_of == 0)
+            pick = torch.where(fills_last, len(new_pages) + rank[req_of],
+                               new_first[req_of] + page_of - partial[req_of].to(torch.int64))
+            host += [pick, pos % p, torch.tensor(req_slots, dtype=torch.int64)[partial], cur[partial] - 1]
+        rows, cols, *paged = torch.cat(host).to(table.device, non_blocking=True).split(
+            [len(h) for h in host])
         if p == 1:
             loc = new_pages
-        else:  # continue the last page (the previous token's slot + 1), or start one of the new pages
-            # no boolean-mask indexing: it reads the mask's count back to the host, a sync that would stall
-            # overlap scheduling every step; a gather and a where do not
-            loc = table[rows, (lens - 1).clamp(min=0)].to(torch.int64) + 1
-            if new_pages.numel():
-                pick = list(itertools.accumulate(opens_page))  # row i takes new page pick[i] - 1 if it opens one
-                picks = torch.tensor([max(j - 1, 0) for j in pick]).to(table.device, non_blocking=True)
-                fresh = torch.tensor(opens_page).to(table.device, non_blocking=True)
-                loc = torch.where(fresh, new_pages[picks] * p, loc)
-        table[rows, lens] = loc.to(torch.int32)
+        else:
+            pick, offset, last_rows, last_cols = paged
+            last_pages = table[last_rows, last_cols].to(torch.int64) // p
+            loc = torch.cat([new_pages, last_pages])[pick] * p + offset
+        table[rows, cols] = loc.to(torch.int32)
         return loc
 
     def release(self, req_slot: int, kv_len: int) -> None:
