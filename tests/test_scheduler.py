@@ -64,7 +64,7 @@ def test_mixed_decoding_rows_do_not_rejoin_the_prefix_cache_each_step():
                           SamplingParams(max_tokens=rng.randint(5, 40)), seed=i))
     inserted: list[Request] = []
     real = sched.cache.cache_unfinished
-    sched.cache.cache_unfinished = lambda req: (inserted.append(req), real(req))[1]
+    sched.cache.cache_unfinished = lambda reqs: (inserted.extend(reqs), real(reqs))[1]
     mixed_steps, last_prefill = 0, set()
     while sched.has_unfinished():
         decoding = {r for r in sched.running if r.seq_len - r.kv_len == 1}

@@ -34,6 +34,8 @@ class PrefixCache:
         self.kv = kv
         self.page_size = kv.page_size
         self.tree = RadixCache(kv.allocator) if enabled else None
+        # req_to_token writes queued by `admit` and done together by `flush_rows`: (row, first token, slot tensors)
+        self._row_writes: list[tuple[int, int, list[torch.Tensor]]] = []
         self.query_tokens = 0  # prompt tokens of admitted requests (first admission only)
         self.hit_tokens = 0  # of those, taken from the cache
 
@@ -45,11 +47,20 @@ class PrefixCache:
     def _known_len(req: Request) -> int:
         return req.seq_len - req.num_pending
 
-    def _free(self, row: torch.Tensor, start: int, end: int) -> None:
-        """Free the pages of row[start:end] (start page-aligned)."""
+    def _free(self, slots: torch.Tensor, start: int, end: int) -> None:
+        """Free the pages of slots[start:end] (int64 slots or an int32 row; start page-aligned)."""
         if end > start:
             p = self.page_size
-            self.kv.allocator.free_pages_(row[start:end:p].to(torch.int64) // p)
+            pages = slots[start:end:p].to(torch.int64)
+            self.kv.allocator.free_pages_(pages if p == 1 else pages // p)
+
+    def flush_rows(self) -> None:
+        """Do the queued req_to_token writes, in one copy. Whatever reads those rows runs after it: the scheduler
+        calls it before it takes slots for a batch, and every method here that reads a row calls it first."""
+        if self._row_writes:
+            rows, starts, values = zip(*self._row_writes, strict=True)
+            self._row_writes = []
+            self.kv.write_rows(list(rows), list(starts), list(values))
 
     # ------------------------------------------------------------------ capacity
     def available_pages(self) -> int:
@@ -72,7 +83,7 @@ class PrefixCache:
         if self.tree is None:
             return 0
         n = min(req.seq_len - 1, self._known_len(req))
-        return len(self.tree.match_prefix(cache_key(req, n))[0])
+        return sum(len(v) for v in self.tree.match_values(cache_key(req, n))[0])
 
     def admit(self, req: Request) -> None:
         """The request just got its request slot: point its row at the longest cached prefix (never the
@@ -81,10 +92,10 @@ class PrefixCache:
         if self.tree is None:
             return
         n = min(req.seq_len - 1, self._known_len(req))
-        slots, node = self.tree.match_prefix(cache_key(req, n))
-        m = len(slots)
-        if m:
-            self.kv.req_pool.req_to_token[req.req_pool_idx, :m] = slots.to(torch.int32)
+        values, node = self.tree.match_values(cache_key(req, n))
+        m = sum(len(v) for v in values)
+        if m:  # written with the other admissions' rows by flush_rows
+            self._row_writes.append((req.req_pool_idx, 0, values))
         self.tree.lock(node)
         req.last_node, req.kv_len, req.cached_len = node, m, m
 
@@ -97,24 +108,30 @@ class PrefixCache:
             self.hit_tokens += min(req.kv_len, len(req.prompt_token_ids))
 
     # ------------------------------------------------------------------ caching
-    def cache_unfinished(self, req: Request) -> None:
-        """Chunk boundary: move the prefilled whole pages into the tree; the row then uses the tree's
-        slots (a duplicate of what another request cached meanwhile is freed), and the lock moves down."""
+    def cache_unfinished(self, reqs: list[Request]) -> None:
+        """Chunk boundary: move the prefilled whole pages of each request into the tree; a row then uses the
+        tree's slots (a duplicate of what another request cached meanwhile is freed), and its lock moves down.
+        A fixed handful of device ops for all the requests: one gather of their rows, one copy of the fixes."""
         if self.tree is None:
             return
-        n = self.tree.aligned(min(req.kv_len, self._known_len(req)))
-        if n <= req.cached_len:
+        self.flush_rows()
+        todo = [(r, self.tree.aligned(min(r.kv_len, self._known_len(r)))) for r in reqs]
+        todo = [(r, n) for r, n in todo if n > r.cached_len]
+        if not todo:
             return
-        row = self.kv.req_pool.req_to_token[req.req_pool_idx]
-        key = cache_key(req, n)
-        existing = self.tree.insert(key, row[:n].to(torch.int64))
-        self._free(row, req.cached_len, existing)
-        slots, node = self.tree.match_prefix(key)
-        assert len(slots) == n
-        row[req.cached_len : n] = slots[req.cached_len :].to(torch.int32)
-        self.tree.lock(node)
-        self.tree.unlock(req.last_node)
-        req.last_node, req.cached_len = node, n
+        rows = self.kv.read_rows([r.req_pool_idx for r, _ in todo], [n for _, n in todo])
+        for (req, n), slots in zip(todo, rows, strict=True):
+            key = cache_key(req, n)
+            existing = self.tree.insert(key, slots)
+            values, node = self.tree.match_values(key)
+            assert sum(len(v) for v in values) == n
+            if existing > req.cached_len:  # the row's slots there duplicate the tree's: free them, use the tree's
+                self._free(slots, req.cached_len, existing)
+                self._row_writes.append((req.req_pool_idx, req.cached_len, _cut(values, req.cached_len, existing)))
+            self.tree.lock(node)
+            self.tree.unlock(req.last_node)
+            req.last_node, req.cached_len = node, n
+        self.flush_rows()
 
     def release(self, req: Request) -> None:
         """The request leaves the running set (finished, retracted or aborted): its computed whole pages
@@ -122,6 +139,7 @@ class PrefixCache:
         if self.tree is None:
             self.kv.release(req.req_pool_idx, req.kv_len)
             return
+        self.flush_rows()
         row = self.kv.req_pool.req_to_token[req.req_pool_idx]
         n = self.tree.aligned(min(req.kv_len, self._known_len(req)))
         if n > req.cached_len:
@@ -152,3 +170,14 @@ class PrefixCache:
         pages = torch.cat([a.free_pages, held[:: self.page_size] // self.page_size])
         if len(torch.unique(pages)) != len(pages) or (len(pages) and int(pages.min()) < 1):
             raise RuntimeError("KV pool corrupt: a page is free twice, or both free and in the prefix cache")
+
+
+def _cut(values: list[torch.Tensor], start: int, end: int) -> list[torch.Tensor]:
+    """Views of positions [start, end) of the concatenation of `values`."""
+    out, offset = [], 0
+    for v in values:
+        lo, hi = max(start - offset, 0), min(end - offset, len(v))
+        if lo < hi:
+            out.append(v[lo:hi])
+        offset += len(v)
+    return out

@@ -39,9 +39,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         # what the last extend computed is shareable now (a later step reads it after it is written)
-        for req in self._extended:
-            if req.status is RequestStatus.RUNNING:
-                self.cache.cache_unfinished(req)
+        self.cache.cache_unfinished([r for r in self._extended if r.status is RequestStatus.RUNNING])
         self._extended = []
         return self._schedule_extend() or self._schedule_decode()
 
@@ -104,6 +102,7 @@ class Scheduler:
             reqs.append(req)
             prefix.append(req.kv_len)
             lens.append(1)
+        self.cache.flush_rows()  # the admitted requests' cached prefixes, in their rows
         self.cache.ensure_pages(taken)
         loc = self.kv.extend_batch([r.req_pool_idx for r in reqs], prefix,
                                    [c + n for c, n in zip(prefix, lens, strict=True)])

@@ -1,5 +1,6 @@
 """Per-request KV bookkeeping on top of the three pool layers."""
 
+import numpy as np
 import torch
 
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
@@ -43,25 +44,21 @@ class KVManager:
         if new_pages is None:
             return None
         table = self.req_pool.req_to_token
-        lens = torch.tensor([n - c for c, n in zip(cur_lens, new_lens, strict=True)], dtype=torch.int64)
-        cur = torch.tensor(cur_lens, dtype=torch.int64)
-        num_tokens = int(lens.sum())
-        req_of = torch.repeat_interleave(torch.arange(len(cur_lens)), lens)  # each new token's request
-        pos = torch.arange(num_tokens) - (torch.cumsum(lens, 0) - lens - cur)[req_of]  # its position in the row
-        host = [torch.tensor(req_slots, dtype=torch.int64)[req_of], pos]
-        partial = cur % p != 0  # a request whose last page is partly filled fills it first
+        cur = np.asarray(cur_lens, dtype=np.int64)
+        slots = np.asarray(req_slots, dtype=np.int64)
+        req_of, pos = token_positions(cur, np.asarray(new_lens, dtype=np.int64) - cur)
+        host = [slots[req_of], pos]
         if p > 1:
+            partial = cur % p != 0  # a request whose last page is partly filled fills it first
             # the page of each token: an index into [new pages..., the partly filled last pages...]
-            pages = torch.tensor(counts, dtype=torch.int64)
-            new_first = torch.cumsum(pages, 0) - pages
-            rank = torch.cumsum(partial.to(torch.int64), 0) - 1  # a partial request's place among them
+            pages = np.asarray(counts, dtype=np.int64)
+            new_first = np.cumsum(pages) - pages
+            rank = np.cumsum(partial) - 1  # a partial request's place among them
             page_of = pos // p - (cur // p)[req_of]  # 0 = the page holding the request's current end
             fills_last = partial[req_of] & (page_of == 0)
-            pick = torch.where(fills_last, len(new_pages) + rank[req_of],
-                               new_first[req_of] + page_of - partial[req_of].to(torch.int64))
-            host += [pick, pos % p, torch.tensor(req_slots, dtype=torch.int64)[partial], cur[partial] - 1]
-        rows, cols, *paged = torch.cat(host).to(table.device, non_blocking=True).split(
-            [len(h) for h in host])
+            pick = np.where(fills_last, len(new_pages) + rank[req_of], new_first[req_of] + page_of - partial[req_of])
+            host += [pick, pos % p, slots[partial], cur[partial] - 1]
+        rows, cols, *paged = to_device(host, table.device)
         if p == 1:
             loc = new_pages
         else:
@@ -70,6 +67,21 @@ class KVManager:
             loc = torch.cat([new_pages, last_pages])[pick] * p + offset
         table[rows, cols] = loc.to(torch.int32)
         return loc
+
+    def read_rows(self, req_slots: list[int], lens: list[int]) -> list[torch.Tensor]:
+        """Slots of tokens [0, lens[i]) of each request row, as int64 (one gather for all rows)."""
+        req_of, pos = token_positions(np.zeros(len(lens), dtype=np.int64), np.asarray(lens, dtype=np.int64))
+        rows, cols = to_device([np.asarray(req_slots, dtype=np.int64)[req_of], pos], self.req_pool.req_to_token.device)
+        return list(self.req_pool.req_to_token[rows, cols].to(torch.int64).split(lens))
+
+    def write_rows(self, req_slots: list[int], starts: list[int], values: list[list[torch.Tensor]]) -> None:
+        """Record `values[i]` (slot tensors, concatenated) at tokens starts[i].. of row req_slots[i] (one copy for
+        all rows)."""
+        lens = np.asarray([sum(len(v) for v in vs) for vs in values], dtype=np.int64)
+        req_of, pos = token_positions(np.asarray(starts, dtype=np.int64), lens)
+        table = self.req_pool.req_to_token
+        rows, cols = to_device([np.asarray(req_slots, dtype=np.int64)[req_of], pos], table.device)
+        table[rows, cols] = torch.cat([v for vs in values for v in vs]).to(torch.int32)
 
     def release(self, req_slot: int, kv_len: int) -> None:
         """Free the request's pages (its first `kv_len` tokens hold KV) and its request slot."""
@@ -91,3 +103,18 @@ class KVManager:
             check_states()
         if len(torch.unique(a.free_pages)) != a.available_pages():
             raise RuntimeError("KV pool corrupt: a page is on the free list twice")
+
+
+# The host side of the row bookkeeping is numpy: single-threaded (torch's CPU ops woke its thread pool, which then
+# spun on every core while serving).
+def token_positions(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For request i's tokens starts[i] .. starts[i] + lens[i], flattened in request order: each token's request
+    index and its position in the request's row."""
+    req_of = np.repeat(np.arange(len(lens)), lens)
+    pos = np.arange(int(lens.sum())) - (np.cumsum(lens) - lens - starts)[req_of]
+    return req_of, pos
+
+
+def to_device(host: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 host vectors on `device`, through one copy."""
+    return list(torch.from_numpy(np.concatenate(host)).to(device, non_blocking=True).split([len(h) for h in host]))

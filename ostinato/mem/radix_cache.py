@@ -74,6 +74,13 @@ class RadixCache:
     # ------------------------------------------------------------------ match / insert
     def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
         """Slots of the longest cached prefix of `key` (whole pages), and the node where it ends."""
+        values, node = self.match_values(key)
+        if not values:
+            return self.root.value, node
+        return (values[0] if len(values) == 1 else torch.cat(values)), node
+
+    def match_values(self, key: Sequence[int]) -> tuple[list[torch.Tensor], TreeNode]:
+        """`match_prefix` with the slots left as the matched edges' values, in order (no device op)."""
         key = list(key[: self.aligned(len(key))])
         now = next(self._clock)
         node, values, i = self.root, [], 0
@@ -87,9 +94,7 @@ class RadixCache:
                 child = self._split(child, m)
             values.append(child.value)
             node, i = child, i + m
-        if not values:
-            return self.root.value, node
-        return (values[0] if len(values) == 1 else torch.cat(values)), node
+        return values, node
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         """Cache `value` (slots) for `key` (both cut to whole pages). Returns how many leading ids were
