@@ -116,11 +116,12 @@ class Scheduler:
         # a decoding request has exactly one token without K/V: its last output (or, when a chunk
         # stopped one short, its last prompt token)
         # (overlap scheduling: one whose pending outputs already reach max_tokens will finish; skip it)
-        decoding = [r for r in self.running if self._pending(r) == 1 and r.can_sample_more]
+        decoding = [r for r in self.running if r.seq_len - r.kv_len == 1 and r.can_sample_more]
         if not decoding:
             return None
+        p = self.kv.page_size
         while True:
-            need = sum(self.kv.pages_needed(r.kv_len, r.kv_len + 1) for r in decoding)
+            need = len(decoding) if p == 1 else sum(r.kv_len % p == 0 for r in decoding)  # new pages
             if need <= self.cache.available_pages():
                 self.cache.ensure_pages(need)
                 break
