@@ -79,23 +79,16 @@ def offline(args) -> dict:
     steps = [(timed([p], args.output_len) - timed([p], 1)) / (args.output_len - 1)
              for p in prompts[:args.single_prompts]]
     engine = {1: engine_summary(before, core_counts(core), time.perf_counter() - t0)}
-    tok_s, runs = {}, {}
+    tok_s = {}
     for c in (c for c in args.concurrency if c > 1):
         core.scheduler.max_running_requests = c  # a plain attribute the scheduler reads each step
-        # the median of a few runs: one run of ~1.5 s varied by +-7% between H200 sessions
-        results = []
-        for _ in range(args.offline_repeats):
-            before = core_counts(core)
-            elapsed = timed(prompts, args.output_len)
-            results.append((args.num_prompts * args.output_len / elapsed, engine_summary(before, core_counts(core),
-                                                                                         elapsed)))
-        results.sort(key=lambda r: r[0])
-        tok_s[c], engine[c] = results[len(results) // 2]
-        runs[c] = [r[0] for r in results]
+        before = core_counts(core)
+        elapsed = timed(prompts, args.output_len)
+        tok_s[c] = args.num_prompts * args.output_len / elapsed
+        engine[c] = engine_summary(before, core_counts(core), elapsed)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": name, "device_tag": device_tag(device), "torch": torch.__version__, "prompts": prompts,
-            "decode_step_ms": [1000 * s for s in steps], "output_tok_s": tok_s, "output_tok_s_runs": runs,
-            "engine": engine}
+            "decode_step_ms": [1000 * s for s in steps], "output_tok_s": tok_s, "engine": engine}
 
 
 def start_server(args, log) -> subprocess.Popen:
@@ -351,8 +344,6 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256, help="requests per concurrency > 1")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--single-prompts", type=int, default=8, help="requests at concurrency 1")
-    ap.add_argument("--offline-repeats", type=int, default=3,
-                    help="offline runs per concurrency > 1; the median is the baseline")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--server-timeout", type=float, default=300.0, help="seconds the server gets to become healthy")
     ap.add_argument("--extra-args", default="", help="more engine flags for both phases, e.g. '--page-size 16'")
@@ -394,7 +385,7 @@ def main() -> None:
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "config": {k: v for k, v in vars(args).items() if not k.startswith("phase")},
               "engine_flags": engine_flags(args), "offline_decode_step_ms": off["decode_step_ms"],
-              "offline_output_tok_s": off["output_tok_s"], "offline_output_tok_s_runs": off["output_tok_s_runs"],
+              "offline_output_tok_s": off["output_tok_s"],
               "online": ({str(c): r for c, r in on_by[None].items()} if counts == [None] else
                          {f"N{n}": {str(c): r for c, r in on.items()} for n, on in on_by.items()}),
               "comparison": rows}
