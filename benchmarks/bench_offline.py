@@ -77,9 +77,13 @@ def main() -> None:
     prompts, outs = make_prompts(args, runner.vocab_size)
     batch = [{"prompt_token_ids": p} for p in prompts]
     timed = []
+    # the warm-up: other prompts of the same lengths, the whole batch (a kernel compiles per batch-size class)
+    warm = [{"prompt_token_ids": [t + 1 for t in p]} for p in prompts]
     for temperature in args.temperature:
         params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for o in outs]
-        llm.generate(batch[:2], params[:2], use_tqdm=False)  # warm-up
+        llm.generate(warm, [SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)] * len(warm),
+                     use_tqdm=False)
+        llm.reset_prefix_cache()  # every timed run computes its prompts (the previous temperature's run cached them)
         t = time.perf_counter()
         results = llm.generate(batch, params)
         if device.type == "cuda":

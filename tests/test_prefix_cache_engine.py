@@ -111,6 +111,24 @@ def test_full_prompt_hit_recomputes_the_last_token(llm):
     assert second.num_cached_tokens == (len(ids) - 1) // page * page > 0
 
 
+def test_reset_prefix_cache_empties_the_tree(llm):
+    """reset_prefix_cache drops every cached prefix: the next run of the same prompt hits nothing, gives the same
+    tokens, and every page is free again; while a request is unfinished it refuses and drops nothing."""
+    ids = llm.get_tokenizer().encode("A reset cache forgets every prompt it has seen so far, and starts over.")
+    with cache_mode(llm, enabled=True):
+        first = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+        cache = llm.engine.scheduler.cache
+        assert cache.evictable_tokens() > 0
+        llm.engine.add_request("pending", ids, GREEDY)
+        assert llm.reset_prefix_cache() is False and cache.evictable_tokens() > 0
+        llm.engine.abort("pending")
+        assert llm.reset_prefix_cache() is True and cache.evictable_tokens() == 0
+        alloc = llm.engine.runner.kv_manager.allocator
+        assert alloc.available_pages() == alloc.num_pages - 1
+        again = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_schedule_policy_flag(policy):
     from ostinato.config import EngineArgs

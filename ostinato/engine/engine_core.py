@@ -183,6 +183,14 @@ class EngineCore:
             outputs.append(out)
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (as vLLM's `reset_prefix_cache`): False, and nothing dropped, while requests
+        are unfinished (their prefixes are locked)."""
+        if self.has_unfinished():
+            return False
+        self.scheduler.cache.reset()
+        return True
+
     def check_memory_leak(self) -> None:
         assert not any(r.status is RequestStatus.RUNNING for r in self.requests.values())
         self.scheduler.cache.check_all_free()

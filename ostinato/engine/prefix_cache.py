@@ -152,6 +152,10 @@ class PrefixCache:
         req.last_node, req.cached_len = None, 0
         self.kv.req_pool.free(req.req_pool_idx)
 
+    def reset(self) -> int:
+        """Drop every unlocked cached prefix (its pages go back to the pool); returns the tokens dropped."""
+        return self.tree.evict(self.tree.evictable_size) if self.tree is not None else 0
+
     # ------------------------------------------------------------------ idle check
     def check_all_free(self) -> None:
         """With no live request: every page is free or held, unlocked, by the tree; every row is free."""

@@ -49,6 +49,11 @@ class LLM:
         except Exception:  # noqa: BLE001 - at interpreter exit torch may already be torn down
             pass
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, so that the next prompts are computed from scratch (benchmarks). False while
+        requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.tokenizer
 
