@@ -66,3 +66,26 @@ def test_fused_equals_torch_sampler(vocab, min_p, cut):
 def test_all_greedy_steps_skip_the_kernels():
     t = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 2, [1, 2], [0, 0], 1000, DEVICE)
     assert not t.fused_ok
+
+
+@pytest.mark.parametrize("vocab", [700, 49_152, 100_352, 151_936])
+def test_warm_up_compiles_each_kernel_class_once(vocab):
+    """The engine's start-up warm-up (`fused_sample.warm_up_batches`) takes the smallest batch size of every
+    split-count class up to the largest batch: every batch size then finds its kernel compiled."""
+    from ostinato.runner.fused_sample import _next_pow2, split_plan, warm_up_batches
+
+    classes = {b: _next_pow2(split_plan(b, vocab)[1]) for b in range(1, 301)}
+    batches = warm_up_batches(300, vocab)
+    assert sorted({classes[b] for b in batches}) == sorted(set(classes.values()))
+    assert len(batches) == len(set(classes.values()))
+    assert all(classes[x] != classes[b] for b in batches for x in range(1, b))  # the first of its class
+    for b in (1, 7, 64, 300):  # the plan covers the vocabulary in whole blocks
+        split_len, n = split_plan(b, vocab)
+        assert split_len % 2048 == 0 and (n - 1) * split_len < vocab <= n * split_len
+
+
+def test_warm_up_runs():
+    """The warm-up itself (on the CPU through the interpreter, at a small vocabulary)."""
+    from ostinato.runner.fused_sample import warm_up
+
+    warm_up(3, 700, torch.device(DEVICE))

@@ -114,6 +114,10 @@ class ModelRunner:
             self.graph_runner = DecodeGraphRunner(self)
             if self.extend_graph_max_tokens and not self.is_multimodal:  # image extends run eager
                 self.extend_graph_runner = ExtendGraphRunner(self, self.extend_graph_max_tokens)
+        if cuda:  # the sampler's kernels for every batch size class, now rather than mid-stream
+            from ostinato.runner import fused_sample  # lazily: Triton (see fused_sample's docstring)
+
+            fused_sample.warm_up(self.max_running_requests, self.vocab_size, self.device)
         self.vit_graph_runner: VitGraphRunner | None = None  # vision-encoder graphs (CPU: the Graph stand-in)
         if args.enable_vit_cuda_graph and self.is_multimodal:
             self.vit_graph_runner = VitGraphRunner(self.model.visual, self.device, args.vit_cuda_graph_max_mb << 20,
