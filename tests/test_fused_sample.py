@@ -72,9 +72,11 @@ def test_all_greedy_steps_skip_the_kernels():
 def test_warm_up_compiles_each_kernel_class_once(vocab):
     """The engine's start-up warm-up (`fused_sample.warm_up_batches`) takes the smallest batch size of every
     split-count class up to the largest batch: every batch size then finds its kernel compiled."""
-    from ostinato.runner.fused_sample import _next_pow2, split_plan, warm_up_batches
+    import triton
 
-    classes = {b: _next_pow2(split_plan(b, vocab)[1]) for b in range(1, 301)}
+    from ostinato.runner.fused_sample import split_plan, warm_up_batches
+
+    classes = {b: triton.next_power_of_2(split_plan(b, vocab)[1]) for b in range(1, 301)}
     batches = warm_up_batches(300, vocab)
     assert sorted({classes[b] for b in batches}) == sorted(set(classes.values()))
     assert len(batches) == len(set(classes.values()))

@@ -38,6 +38,7 @@ from ostinato.config import EngineArgs
 from ostinato.distributed.parallel_state import destroy_tp, init_tp, tp_group
 from ostinato.engine.proc_util import die_with_parent
 from ostinato.loader import ModelSource
+from ostinato.mem.kv_manager import row_index
 from ostinato.models.registry import model_class
 from ostinato.runner.model_runner import ModelRunner, resolve_device
 from ostinato.runner.sampler import SampledTensors
@@ -65,21 +66,6 @@ class StepPlan:
     penalty_outputs: dict[int, list[int]]  # batch index -> output ids, for requests with penalties
     new_params: dict[int, tuple[SamplingParams, int]]  # row -> (params, seed) of a request new to that row
     full_rows: bool  # the payload also holds req_to_token[row, :prefix_len] of each request
-
-
-def row_index(rows: list[int], starts: list[int], lens: list[int], device: torch.device
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) index tensors of req_to_token[rows[i], starts[i] : starts[i] + lens[i]], concatenated;
-    built on the device without reading anything back."""
-    total = sum(lens)
-    # pinned and non-blocking: a pageable copy would wait for the device, and a rank's host would then
-    # prepare each step only once its previous step finished
-    t = torch.tensor([rows, starts, lens], dtype=torch.int64, pin_memory=device.type == "cuda")
-    t = t.to(device, non_blocking=True)
-    r = torch.repeat_interleave(t[0], t[2], output_size=total)
-    first = torch.cumsum(t[2], 0) - t[2]  # where each request's entries start in the flat index
-    c = torch.arange(total, device=device) - torch.repeat_interleave(first - t[1], t[2], output_size=total)
-    return r, c
 
 
 def check_tp_config(source: ModelSource, size: int) -> None:

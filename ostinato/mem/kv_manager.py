@@ -70,18 +70,15 @@ class KVManager:
 
     def read_rows(self, req_slots: list[int], lens: list[int]) -> list[torch.Tensor]:
         """Slots of tokens [0, lens[i]) of each request row, as int64 (one gather for all rows)."""
-        req_of, pos = token_positions(np.zeros(len(lens), dtype=np.int64), np.asarray(lens, dtype=np.int64))
-        rows, cols = to_device([np.asarray(req_slots, dtype=np.int64)[req_of], pos], self.req_pool.req_to_token.device)
-        return list(self.req_pool.req_to_token[rows, cols].to(torch.int64).split(lens))
+        table = self.req_pool.req_to_token
+        return list(table[row_index(req_slots, [0] * len(lens), lens, table.device)].to(torch.int64).split(lens))
 
     def write_rows(self, req_slots: list[int], starts: list[int], values: list[list[torch.Tensor]]) -> None:
         """Record `values[i]` (slot tensors, concatenated) at tokens starts[i].. of row req_slots[i] (one copy for
         all rows)."""
-        lens = np.asarray([sum(len(v) for v in vs) for vs in values], dtype=np.int64)
-        req_of, pos = token_positions(np.asarray(starts, dtype=np.int64), lens)
         table = self.req_pool.req_to_token
-        rows, cols = to_device([np.asarray(req_slots, dtype=np.int64)[req_of], pos], table.device)
-        table[rows, cols] = torch.cat([v for vs in values for v in vs]).to(torch.int32)
+        index = row_index(req_slots, starts, [sum(len(v) for v in vs) for vs in values], table.device)
+        table[index] = torch.cat([v for vs in values for v in vs]).to(torch.int32)
 
     def release(self, req_slot: int, kv_len: int) -> None:
         """Free the request's pages (its first `kv_len` tokens hold KV) and its request slot."""
@@ -115,6 +112,18 @@ def token_positions(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, n
     return req_of, pos
 
 
+def row_index(rows: list[int], starts: list[int], lens: list[int], device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors of req_to_token[rows[i], starts[i] : starts[i] + lens[i]], concatenated."""
+    req_of, pos = token_positions(np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64))
+    r, c = to_device([np.asarray(rows, dtype=np.int64)[req_of], pos], device)
+    return r, c
+
+
 def to_device(host: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 host vectors on `device`, through one copy."""
-    return list(torch.from_numpy(np.concatenate(host)).to(device, non_blocking=True).split([len(h) for h in host]))
+    """int64 host vectors on `device`, through one copy from pinned memory on CUDA (non-blocking: the host
+    prepares a step while the device runs the previous one)."""
+    flat = torch.from_numpy(np.concatenate(host))
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    return list(flat.to(device, non_blocking=True).split([len(h) for h in host]))

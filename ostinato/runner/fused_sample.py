@@ -225,13 +225,9 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     _split_sample_kernel[grid](
         logits, logits.stride(0), temperatures, min_ps if min_ps is not None else temperatures, split_max, cuts,
         seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P=min_ps is not None,
-        HAS_CUT=top_ks is not None, BLOCK=_BLOCK, SPLITS_POW2=_next_pow2(num_splits), num_warps=8,
+        HAS_CUT=top_ks is not None, BLOCK=_BLOCK, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=8,
     )
     return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def split_plan(batch: int, vocab_size: int) -> tuple[int, int]:
@@ -247,7 +243,7 @@ def warm_up_batches(max_batch: int, vocab_size: int) -> list[int]:
     engine does not compile one mid-stream as its batch shrinks (~0.1-0.3 s each on an H200)."""
     seen: dict[int, int] = {}
     for b in range(1, max_batch + 1):
-        seen.setdefault(_next_pow2(split_plan(b, vocab_size)[1]), b)
+        seen.setdefault(triton.next_power_of_2(split_plan(b, vocab_size)[1]), b)
     return sorted(seen.values())
 
 
