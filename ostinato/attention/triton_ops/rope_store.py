@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ostinato.attention.triton_ops.kv_store import round_to_fp8
+from ostinato.layers.triton_ops.rotary import norm_rotate
 
 
 @triton.jit
@@ -56,14 +57,7 @@ def _rope_store_kernel(
         src = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-            w1 = tl.load(QW + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            w2 = tl.load(QW + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            x1 = (w1 * (x1 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (w2 * (x2 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        out1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
-        out2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+        out1, out2 = norm_rotate(x1, x2, QW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
         dst = Q_out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out1.to(dt), mask=mask)
         tl.store(dst + half, out2.to(dt), mask=mask)
@@ -74,15 +68,10 @@ def _rope_store_kernel(
         src = K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-            w1 = tl.load(KW + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            w2 = tl.load(KW + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            x1 = (w1 * (x1 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (w2 * (x2 * inv_rms).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        k1, k2 = norm_rotate(x1, x2, KW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
         # the rotated k, rounded to the model dtype (as the rotary kernel leaves it in the qkv output)
-        k1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        k2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        k1 = k1.to(dt).to(tl.float32)
+        k2 = k2.to(dt).to(tl.float32)
         src = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
         v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         v2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)

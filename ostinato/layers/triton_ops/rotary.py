@@ -19,9 +19,26 @@ import triton.language as tl
 
 
 @triton.jit
-def _round(x, X):
-    """fp32 x rounded to X's element type, back in fp32."""
-    return x.to(X.dtype.element_ty).to(tl.float32)
+def _round(x, dtype: tl.constexpr):
+    """fp32 x rounded to `dtype`, back in fp32."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def norm_rotate(x1, x2, W, offs_d, d_mask, cos, sin, eps, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
+                HAS_NORM: tl.constexpr):
+    """Heads' halves x1, x2 ([heads, half], fp32) -> their rotated halves (fp32), every product and sum rounded
+    to `dtype` as HF's code rounds, except the last rounding, which the caller's store does; with HAS_NORM,
+    Qwen3's q/k RMS norm (weight W) first. The rotary kernel and the fused rotary + KV store share it."""
+    if HAS_NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HEAD_DIM // 2 + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = _round(w1 * _round(x1 * inv_rms, dtype), dtype)
+        x2 = _round(w2 * _round(x2 * inv_rms, dtype), dtype)
+    out1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
+    out2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
+    return out1, out2
 
 
 @triton.jit
@@ -36,14 +53,7 @@ def _rotate_heads(X, stride_h, head0, num_heads, W, cos, sin, eps,
     # every value is loaded before anything is stored: in place is safe
     x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(W + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = _round(w1 * _round(x1 * inv_rms, X), X)
-        x2 = _round(w2 * _round(x2 * inv_rms, X), X)
-    out1 = _round(_round(x1 * cos, X) - _round(x2 * sin, X), X)
-    out2 = _round(_round(x2 * cos, X) + _round(x1 * sin, X), X)
+    out1, out2 = norm_rotate(x1, x2, W, offs_d, d_mask, cos, sin, eps, X.dtype.element_ty, HEAD_DIM, HAS_NORM)
     tl.store(ptr, out1.to(X.dtype.element_ty), mask=mask)
     tl.store(ptr + half, out2.to(X.dtype.element_ty), mask=mask)
 
@@ -62,8 +72,9 @@ def _rotary_kernel(
     pos = tl.load(Positions + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < half
-    cos = _round(tl.load(Cos_sin + pos * stride_cs + offs_d, mask=d_mask, other=0.0), Q)[None, :]
-    sin = _round(tl.load(Cos_sin + pos * stride_cs + half + offs_d, mask=d_mask, other=0.0), Q)[None, :]
+    dt = Q.dtype.element_ty
+    cos = _round(tl.load(Cos_sin + pos * stride_cs + offs_d, mask=d_mask, other=0.0), dt)[None, :]
+    sin = _round(tl.load(Cos_sin + pos * stride_cs + half + offs_d, mask=d_mask, other=0.0), dt)[None, :]
     if block < q_blocks:
         _rotate_heads(Q + t * stride_qt, stride_qh, block * BLOCK_H, NUM_Q_HEADS, QW, cos, sin, eps,
                       HEAD_DIM, BLOCK_H, BLOCK_HALF, HAS_NORM)
