@@ -7,6 +7,11 @@ A hybrid (Mamba) model is timed once per `--ssm-prefill` value, switched through
 engine (the op reads it per call); its rows say which. The default runs every extend path: `ssd` (what the
 engine picks), `ssd-fused`, `ssd-2pass`, `ssd-torchconv` (the gather conv) and `serial` (the path before the
 SSD kernels: gather conv, token-serial scan).
+
+`--piecewise default off eager inductor` times each model once per extend-graph setting, each on an engine of its
+own: `default` as the engine starts by default (the full extend graph, or piecewise graphs for a hybrid model, which
+has no full one), `off` with every extend eager (`extend_cuda_graph_max_tokens=0`), `eager` / `inductor` with
+piecewise graphs on and that piece compiler.
 """
 
 import argparse
@@ -28,37 +33,47 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ssm-prefill", nargs="+", default=["ssd", "ssd-fused", "ssd-2pass", "ssd-torchconv", "serial"],
                     help="OSTINATO_SSM_PREFILL values for hybrid models (see layers/mamba2.py)")
+    ap.add_argument("--piecewise", nargs="+", default=["default"], choices=["default", "off", "eager", "inductor"],
+                    help="extend graphs as by default, off (eager extends), or piecewise with this piece compiler")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for model in a.models:
-        llm = LLM(model, load_format="dummy", dtype="bfloat16", disable_radix_cache=True)
-        vocab = llm.engine.runner.vocab_size
-        hybrid = getattr(llm.engine.runner, "mamba_pool", None) is not None
-        for kernels in a.ssm_prefill if hybrid else [None]:
-            if kernels is not None:
-                os.environ["OSTINATO_SSM_PREFILL"] = kernels
-            for n in a.tokens:
-                times = []
-                for i in range(a.repeats + 1):
-                    prompt = {"prompt_token_ids": torch.randint(0, vocab, (n,), generator=gen).tolist()}
-                    t = time.perf_counter()
-                    llm.generate([prompt], params, use_tqdm=False)
-                    if i:  # the first is the warm-up
-                        times.append((time.perf_counter() - t) * 1e3)
-                rows.append(dict(model=model, ssm_prefill=kernels, tokens=n, ms=round(statistics.median(times), 3)))
-                print(f"{model:>18} {kernels or '':>13} {n:>6} tokens  prefill {rows[-1]['ms']:8.2f} ms", flush=True)
-        os.environ.pop("OSTINATO_SSM_PREFILL", None)
-        llm.shutdown()
-        del llm
-        gc.collect()
+        for piecewise in a.piecewise:
+            extra = {"default": {}, "off": dict(extend_cuda_graph_max_tokens=0)}.get(
+                piecewise, dict(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_compiler=piecewise))
+            t0 = time.perf_counter()
+            llm = LLM(model, load_format="dummy", dtype="bfloat16", disable_radix_cache=True, **extra)
+            startup = time.perf_counter() - t0
+            vocab = llm.engine.runner.vocab_size
+            hybrid = getattr(llm.engine.runner, "mamba_pool", None) is not None
+            for kernels in a.ssm_prefill if hybrid else [None]:
+                if kernels is not None:
+                    os.environ["OSTINATO_SSM_PREFILL"] = kernels
+                for n in a.tokens:
+                    times = []
+                    for i in range(a.repeats + 1):
+                        prompt = {"prompt_token_ids": torch.randint(0, vocab, (n,), generator=gen).tolist()}
+                        t = time.perf_counter()
+                        llm.generate([prompt], params, use_tqdm=False)
+                        if i:  # the first is the warm-up
+                            times.append((time.perf_counter() - t) * 1e3)
+                    rows.append(dict(model=model, piecewise=piecewise, ssm_prefill=kernels, tokens=n,
+                                     ms=round(statistics.median(times), 3), startup_s=round(startup, 1)))
+                    print(f"{model:>18} pw={piecewise:<8} {kernels or '':>13} {n:>6} tokens  prefill "
+                          f"{rows[-1]['ms']:8.2f} ms  (start-up {startup:.1f} s)", flush=True)
+            os.environ.pop("OSTINATO_SSM_PREFILL", None)
+            llm.shutdown()
+            del llm
+            gc.collect()
     first = a.models[0]
     for r in rows:
-        base = next(x for x in rows if x["model"] == first and x["tokens"] == r["tokens"])
-        r["vs_first"] = round(r["ms"] / base["ms"], 3)
-        print(f"{r['model']:>18} {r['ssm_prefill'] or '':>13} {r['tokens']:>6} tokens  {r['vs_first']:.2f}x {first}")
+        base = min(x["ms"] for x in rows if x["model"] == first and x["tokens"] == r["tokens"])
+        r["vs_first"] = round(r["ms"] / base, 3)
+        print(f"{r['model']:>18} pw={r['piecewise']:<8} {r['ssm_prefill'] or '':>13} {r['tokens']:>6} tokens  "
+              f"{r['vs_first']:.2f}x {first} (its fastest)")
     if torch.cuda.is_available():
         write_report(dict(device=device_tag(torch.device("cuda")), rows=rows),
                      a.out or f"{RESULTS}/prefill-{device_tag(torch.device('cuda'))}.json")

@@ -6,18 +6,24 @@ torch gather conv against the Triton varlen conv, and the gated norm. `x36` is t
 (36 Mamba layers). `err` is max |y - y_serial| / max |y_serial| from the same starting state (the serial kernel
 is float32 FMAs); `precision=` rows time the float32-operand dots at ieee instead of tf32.
 
-python benchmarks/bench_ssd_scan.py [--no-sweep] [--out PATH]      # ~2 min on an H200 (--no-sweep: seconds)
+`--host` adds what each piece costs the host per call (the launch path, no GPU wait: 16 tokens, so the GPU
+keeps up) and a cProfile of the whole mixer: an eager extend of 36 layers pays it 36 times.
+
+python benchmarks/bench_ssd_scan.py [--no-sweep] [--host] [--out PATH]   # ~2 min on an H200 (--no-sweep: seconds)
 """
 
 import argparse
+import cProfile
 import functools
 import itertools
+import pstats
+import time
 
 import torch
 import triton.testing
 from common import RESULTS, device_tag, write_report
 
-from ostinato.layers.mamba2 import _extend_indices, causal_conv_varlen, ssd_chunk_table
+from ostinato.layers.mamba2 import _extend_indices, causal_conv_varlen, mamba_mixer_forward, ssd_chunk_table
 from ostinato.layers.triton_ops import ssd_scan as ssd_module
 from ostinato.layers.triton_ops.conv_extend import conv_extend
 from ostinato.layers.triton_ops.gated_rms_norm import gated_rms_norm
@@ -70,6 +76,10 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
         configs += [("2pass", dict(chunk=c, block_p=b, num_warps=w)) for c, b, w in [(64, 32, 4), (128, 64, 8)]]
         configs += [("2pass", dict(state_block=sb, state_warps=w))
                     for sb, w in [((16, 64), 4), ((32, 64), 4), ((32, 128), 8), ((64, 128), 8)]]
+    if case == "1x2048":  # where the default two-pass form's time goes, kernel by kernel
+        chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, 64))
+        for name, t in kernel_us(lambda: ssd_chunk_scan_2pass(x, dt, Bm, Cm, state, slots, *args, cu, chunks)):
+            row(case, f"2pass kernel: {name}", t)
     for mode, cfg in configs:
         kw = {k: v for k, v in cfg.items() if k != "precision"}
         if mode == "fused":
@@ -93,9 +103,77 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
     row(case, "gated norm", us(lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16)))
 
 
+def kernel_us(fn, calls: int = 20) -> list[tuple[str, float]]:
+    """GPU microseconds per call of each kernel `fn` launches (torch.profiler), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.key[:40], e.self_device_time_total / calls) for e in prof.key_averages() if e.self_device_time_total > 0]
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call of `fn` (launches only: the GPU work of a 16-token call is shorter)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def host_costs(row) -> None:
+    """The host cost of each extend piece and of the whole mixer (mamba_mixer_forward), at 16 tokens."""
+    dev = torch.device("cuda")
+    inter, gn = H * P, G * N
+    conv_dim = inter + 2 * gn
+    lens = [16]
+    T, R = sum(lens), len(lens)
+    zxbcdt = torch.randn(T, inter + conv_dim + H, device=dev, dtype=torch.bfloat16)
+    z, xbc, dt = zxbcdt.split([inter, conv_dim, H], dim=-1)
+    conv_w = torch.randn(conv_dim, K, device=dev, dtype=torch.bfloat16)
+    conv_b = torch.randn(conv_dim, device=dev, dtype=torch.bfloat16)
+    A_log, D, dt_bias = (torch.rand(H, device=dev) for _ in range(3))
+    norm_w = torch.ones(inter, device=dev, dtype=torch.bfloat16)
+    conv = torch.randn(R + 1, conv_dim, K - 1, device=dev, dtype=torch.bfloat16)
+    state = torch.zeros(R + 1, H, P, N, device=dev)
+    slots = torch.arange(1, R + 1, device=dev)
+    taps, new_rows, cu, req, *chunks = _extend_indices(lens, K, dev)
+    x, Bm, Cm = conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b).split([inter, gn, gn], dim=-1)
+    args = (A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
+    y = ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args)
+    mixer = functools.partial(mamba_mixer_forward, zxbcdt, conv, state, conv_w, conv_b, dt_bias, A_log, D, norm_w,
+                              H, P, G, N, 256, 1e-5, 0.0, float("inf"), slots, lens, use_triton=True)
+    pieces = {
+        "host: torch.empty": lambda: torch.empty(T, inter, device=dev),
+        "host: conv_extend": lambda: conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b),
+        "host: ssd fused": lambda: ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args),
+        "host: ssd 2pass": lambda: ssd_chunk_scan_2pass(x, dt, Bm, Cm, state, slots, *args, tuple(chunks)),
+        "host: gated norm": lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16),
+        "host: mixer (2pass)": mixer,
+    }
+    for name, fn in pieces.items():
+        row("1x16", name, host_us(fn))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(100):
+        mixer()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--host", action="store_true", help="also the host cost per call (see the module doc)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = []
@@ -105,6 +183,8 @@ def main() -> None:
         extra = " ".join(f"{k}={v}" for k, v in kw.items())
         print(f"{case:>7} {what:<40} {t:9.1f} us  x36 {t * LAYERS / 1e3:7.3f} ms  {extra}", flush=True)
 
+    if a.host:
+        host_costs(row)
     for case, lens in CASES.items():
         bench_case(case, lens, not a.no_sweep and case.startswith("1x"), row)
     dev = torch.device("cuda")

@@ -302,3 +302,55 @@ def test_presets_build_with_the_transformers_config(name, attn, params):
     assert [i for i, ly in enumerate(model.layers) if ly.self_attn is not None] == attn
     assert model.num_kv_layers == 4 and model.num_mamba_layers == cfg.num_hidden_layers - 4
     assert abs(sum(p.numel() for p in model.parameters()) - params) / params < 0.01
+
+
+@pytest.mark.parametrize("lens,prefix_lens", [([9, 30, 20], [0, 0, 0]), ([13, 1, 27, 1], [5, 0, 17, 3])])
+def test_piecewise_replay_equals_eager(tiny_llm, lens, prefix_lens):
+    """Piecewise graphs on a hybrid: split at every mixer and attention call, the mixer run eagerly on the real
+    rows between the pieces. Logits and the requests' Mamba states after a replay equal an eager forward's from
+    the same states, with every static buffer poisoned and the padded rows' state in the sink slot only."""
+    from batch_helpers import extend_batch
+    from test_piecewise import poison, release
+
+    from ostinato.graphs.piecewise import PiecewiseGraphRunner
+
+    runner = tiny_llm.engine.runner
+    graphs = PiecewiseGraphRunner(runner, max_tokens=64, sizes=[16, 64], compiler="eager")
+    assert graphs.backend.splits[0].num_split_calls == 4 and graphs.num_pieces == 5  # 3 mixers + 1 attention
+    gen = torch.Generator().manual_seed(sum(lens))
+    seqs = [torch.randint(3, VOCAB, (p + n,), generator=gen).tolist() for p, n in zip(prefix_lens, lens, strict=True)]
+    sched, reqs = extend_batch(runner, seqs, prefix_lens)
+    batch = runner.prepare(sched)
+    assert graphs.can_run(batch) and graphs.padded_size(batch.num_tokens) > batch.num_tokens  # it pads
+    pool, slots = runner.mamba_pool, runner.req_to_token_pool.mamba_slots(batch.req_pool_indices)
+    before = [t[:, slots].clone() for t in (pool.conv, pool.ssm)]
+    eager = runner.forward(batch).clone()
+    after = [t[:, slots].clone() for t in (pool.conv, pool.ssm)]
+    for _ in range(2):  # from the same states again, each time over poisoned static buffers
+        for t, b in zip((pool.conv, pool.ssm), before, strict=True):
+            t[:, slots] = b
+        poison(graphs, gen)
+        torch.testing.assert_close(graphs.replay(batch), eager, rtol=0, atol=0)
+        for t, a in zip((pool.conv, pool.ssm), after, strict=True):
+            torch.testing.assert_close(t[:, slots], a, rtol=0, atol=0)
+    release(runner, reqs)
+
+
+def test_hybrid_models_take_piecewise_graphs_by_default_on_cuda():
+    """The rule, without a GPU: a hybrid has no full extend graph, so on CUDA its extends go piecewise unless
+    graphs are off; other models, and the CPU, only when asked for."""
+    from types import SimpleNamespace
+
+    from ostinato.config import EngineArgs
+    from ostinato.runner.model_runner import ModelRunner
+
+    def wanted(hybrid: bool, device: str, **kw) -> bool:
+        host = SimpleNamespace(args=EngineArgs(**kw), mamba_pool=object() if hybrid else None,
+                               device=torch.device(device))
+        return ModelRunner.piecewise_graphs_wanted.fget(host)
+
+    assert wanted(True, "cuda") and not wanted(False, "cuda") and not wanted(True, "cpu")
+    assert not wanted(True, "cuda", disable_cuda_graph=True)
+    assert not wanted(True, "cuda", extend_cuda_graph_max_tokens=0)
+    assert wanted(False, "cuda", enable_piecewise_cuda_graph=True)
+    assert wanted(True, "cpu", enable_piecewise_cuda_graph=True)

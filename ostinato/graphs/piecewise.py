@@ -232,9 +232,11 @@ class PiecewiseGraphRunner:
         lens = [min(width, num_tokens - s) for s in range(0, num_tokens, width)]
         bs, dev = len(lens), self.device
         seq = torch.tensor(lens, dtype=torch.int64, device=dev)
+        hybrid = self.runner.mamba_pool is not None  # the padding's Mamba state: the sink slot (0, as PAD_SLOT)
         return ForwardBatch(ForwardMode.EXTEND, bs, self.input_ids[:num_tokens], self.positions[:num_tokens],
                             torch.zeros(bs, dtype=torch.int64, device=dev), seq, self.out_cache_loc[:num_tokens],
-                            torch.cumsum(seq, 0) - 1, lens, [0] * bs, lens)
+                            torch.cumsum(seq, 0) - 1, lens, [0] * bs, lens,
+                            mamba_slots=torch.full((bs,), PAD_SLOT, device=dev) if hybrid else None)
 
     def _run(self, batch: ForwardBatch, phase: str | None, num_tokens: int) -> torch.Tensor:
         backend = self.runner.backend

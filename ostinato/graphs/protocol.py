@@ -26,3 +26,4 @@ class GraphHost(Protocol):
     vocab_size: int
     max_running_requests: int
     req_to_token_pool: ReqToTokenPool
+    mamba_pool: Any  # a mem/ MambaPool for hybrid models (their padded rows read its sink slot), else None

@@ -283,9 +283,14 @@ def mamba_mixer(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch
     if batch.mamba_slots is None:
         raise RuntimeError("ostinato::mamba_mixer needs ForwardBatch.mamba_slots (set by ModelRunner.forward)")
     extend_lens = None if batch.mode is ForwardMode.DECODE else batch.extend_seq_lens_cpu
-    return mamba_mixer_forward(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
-                               num_heads, head_dim, groups, state_size, chunk, eps, dt_min, dt_max,
-                               batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda)
+    padded = zxbcdt.shape[0]
+    real = padded if extend_lens is None else sum(extend_lens)
+    # a piecewise-graph step pads its tokens to a captured size; the padding belongs to no request, so the
+    # mixer runs on the real rows only and the padded rows' output is zeros (never read, see graphs/piecewise)
+    out = mamba_mixer_forward(zxbcdt[:real], conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+                              norm_weight, num_heads, head_dim, groups, state_size, chunk, eps, dt_min, dt_max,
+                              batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda)
+    return out if real == padded else F.pad(out, (0, 0, 0, padded - real))
 
 
 @mamba_mixer.register_fake
