@@ -53,6 +53,8 @@ def main() -> None:
                     help="N:L = N new prompts of L tokens in one extend step")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also a cProfile of the first case's step (host time by Python function)")
     ap.add_argument("--running", type=int, default=0,
                     help="requests kept decoding (128-token prompts) while the extends are measured")
     args = ap.parse_args()
@@ -88,6 +90,14 @@ def main() -> None:
         if first_table is None:
             first_table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
     print(first_table)
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        n, length = cases[0]
+        prof = cProfile.Profile()
+        extend_step(engine, n, length, rng, "cprof", around=lambda: prof)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     for i in range(args.running):
         engine.abort(f"bg-{i}")
     engine.step()

@@ -39,7 +39,9 @@ class TritonAttentionBackend(AttentionBackend):
         256: dict(num_warps=2, num_stages=2, whole_blocks=True),
     }
     decode_fp8_table: dict[int, dict] = {
-        1: dict(variant="fp16", block_n=128, num_warps=4, num_stages=3),
+        # the sweep's best at bs 1 x 128, pages 1 and 16 (4.49 / 4.62 us against bf16's 4.47 / 4.62; the
+        # 128-key entry before it: 5.07): four 32-key splits
+        1: dict(variant="fp16", block_n=32, num_warps=4, num_stages=2, min_tokens_per_split=32),
         32: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
         # 3 splits, not kv_splits_cap's 1: end to end at bs 128 x 4096, 5.03 -> 4.29 ms per step (H200,
         # programs_per_sm 2 / 8 / 16 / 24: 5.03 / 5.18 / 4.29 / 4.55 ms); bs 32 and 256 gained nothing from it
