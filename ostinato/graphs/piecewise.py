@@ -270,7 +270,9 @@ class PiecewiseGraphRunner:
                 batch = self._dummy_batch(size)
                 torch._dynamo.mark_dynamic(batch.input_ids, 0)
                 torch._dynamo.mark_dynamic(batch.positions, 0)
-                for _ in range(2 if cuda else 1):  # compiles (first size), autotunes, lazy inits
+                # the first (largest) size twice: the compile, lazy inits and the allocator's first blocks; every
+                # later size once, which is all a capture needs (its kernels are built, their workspaces exist)
+                for _ in range(2 if cuda and first_run else 1):
                     t = time.perf_counter()
                     self._run(batch, "warmup", size)
                     if cuda:
