@@ -60,6 +60,11 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
     conv = conv0.clone()
     row(case, "conv: torch gather", us(lambda: causal_conv_varlen(xbc, conv, slots, taps, new_rows, conv_w, conv_b)))
     row(case, "conv: triton varlen", us(lambda: conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b)))
+    if sweep:
+        for bt, bd, w in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (32, 256, 8)]:
+            fn = functools.partial(conv_extend, block_t=bt, block_d=bd, num_warps=w)
+            row(case, f"conv: triton varlen block_t={bt} block_d={bd} num_warps={w}",
+                us(lambda fn=fn: fn(xbc, conv, slots, cu, req, conv_w, conv_b)))
     conv_out = conv_extend(xbc, conv0.clone(), slots, cu, req, conv_w, conv_b)
     x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
     args = (A_log, D, dt_bias, 0.0, float("inf"), H, P, G)
@@ -75,7 +80,9 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
                     for c, b, w in itertools.product([32, 64], [16, 32], [4, 8])]
         configs += [("2pass", dict(chunk=c, block_p=b, num_warps=w)) for c, b, w in [(64, 32, 4), (128, 64, 8)]]
         configs += [("2pass", dict(state_block=sb, state_warps=w))
-                    for sb, w in [((16, 64), 4), ((32, 64), 4), ((32, 128), 8), ((64, 128), 8)]]
+                    for sb, w in [((16, 64), 4), ((32, 64), 4), ((32, 128), 8), ((64, 128), 8), ((16, 32), 4),
+                                  ((16, 32), 2), ((32, 32), 2), ((16, 16), 1), ((16, 16), 2)]]
+        configs += [("2pass", dict(block_p=bp, num_warps=w)) for bp, w in [(32, 4), (32, 8), (64, 4), (16, 4)]]
     if case == "1x2048":  # where the default two-pass form's time goes, kernel by kernel
         chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, 64))
         for name, t in kernel_us(lambda: ssd_chunk_scan_2pass(x, dt, Bm, Cm, state, slots, *args, cu, chunks)):

@@ -60,21 +60,22 @@ def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, D, stride_x, stride_s
 
 
 def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                token_req: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                token_req: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_t: int = 16,
+                block_d: int = 128, num_warps: int = 4) -> torch.Tensor:
     """xbc [T, D] (row-strided view fine; requests back to back as `cu_seqlens` [R+1] splits them, `token_req`
     [T] the request of each token, both int32), conv_state [slots, D, K-1] read and updated in place at
-    `slots` [R], weight [D, K] -> silu(conv) [T, D] in weight's dtype."""
+    `slots` [R], weight [D, K] -> silu(conv) [T, D] in weight's dtype. block_t / block_d / num_warps: the conv
+    kernel's tile (benchmarks/bench_ssd_scan.py sweeps them)."""
     T, D = xbc.shape
     K = weight.shape[1]
     assert xbc.stride(-1) == 1 and conv_state.stride(-1) == 1 and weight.is_contiguous() and K >= 2
     out = torch.empty(T, D, dtype=weight.dtype, device=xbc.device)
     R = cu_seqlens.shape[0] - 1
     if T:
-        block_t, block_d = 16, 128
         _conv_extend_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
             xbc, conv_state, slots, cu_seqlens, token_req, weight, weight if bias is None else bias, out, T, D,
             xbc.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), HAS_BIAS=bias is not None,
-            K=K, BLOCK_T=block_t, BLOCK_D=block_d,
+            K=K, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
         )
     block_d = 256
     _conv_state_kernel[(R, triton.cdiv(D, block_d))](
