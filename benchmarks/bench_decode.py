@@ -102,7 +102,7 @@ def profile_steps(runner: ModelRunner, sched: ScheduledBatch, iters: int = 20) -
             runner.step(sched).result()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) / iters
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / iters  # kernels' rows
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
     print(f"profile bs {len(sched.reqs)}: GPU kernel time {gpu_us / 1e3:.3f} ms/step, {kernels / iters:.0f} "
           "kernels/step")
