@@ -163,6 +163,14 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_tiny(tiny_dir):
+    import inspect
+
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf_granite
+
+    if "group_size" not in inspect.signature(hf_granite.GraniteMoeHybridRMSNormGated.__init__).parameters:
+        # transformers 5.17 normalizes the gated output over all channels at once; later versions per group, as
+        # Mamba2 defines it (and as we do). The tiny config has 2 groups; the real checkpoints have 1.
+        pytest.skip(f"transformers {transformers.__version__}: its Mamba2 gated norm ignores mamba_n_groups")
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
