@@ -21,7 +21,7 @@ import time
 
 import torch
 import triton.testing
-from common import RESULTS, device_tag, write_report
+from common import RESULTS, device_tag, kernel_times, write_report
 
 from ostinato.layers.mamba2 import _extend_indices, causal_conv_varlen, mamba_mixer_forward, ssd_chunk_table
 from ostinato.layers.triton_ops import ssd_scan as ssd_module
@@ -85,8 +85,9 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
         configs += [("2pass", dict(block_p=bp, num_warps=w)) for bp, w in [(32, 4), (32, 8), (64, 4), (16, 4)]]
     if case == "1x2048":  # where the default two-pass form's time goes, kernel by kernel
         chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, 64))
-        for name, t in kernel_us(lambda: ssd_chunk_scan_2pass(x, dt, Bm, Cm, state, slots, *args, cu, chunks)):
-            row(case, f"2pass kernel: {name}", t)
+        for name, (t, _) in kernel_times(lambda: ssd_chunk_scan_2pass(x, dt, Bm, Cm, state, slots, *args, cu,
+                                                                          chunks)).items():
+            row(case, f"2pass kernel: {name[:40]}", t)
     for mode, cfg in configs:
         kw = {k: v for k, v in cfg.items() if k != "precision"}
         if mode == "fused":
@@ -108,19 +109,6 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
         row(case, name, t, err=f"{err:.1e}")
     y = y_ref.clone()
     row(case, "gated norm", us(lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16)))
-
-
-def kernel_us(fn, calls: int = 20) -> list[tuple[str, float]]:
-    """GPU microseconds per call of each kernel `fn` launches (torch.profiler), by kernel name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return [(e.key[:40], e.self_device_time_total / calls) for e in prof.key_averages() if e.self_device_time_total > 0]
 
 
 def host_us(fn, calls: int = 200) -> float:

@@ -4,6 +4,7 @@ import json
 import os
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -70,3 +71,23 @@ def cuda_ms_per_call(fn: Callable[[], object], iters: int, warmup: int = 3, repe
         end.synchronize()
         times.append(start.elapsed_time(end) / iters)
     return statistics.median(times)
+
+
+def kernel_times(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """What `fn` launches on the GPU (torch.profiler, the kernels' own rows): kernel name -> (microseconds per
+    call, launches per call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    us, count = defaultdict(float), defaultdict(float)
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            us[e.name] += (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total) / calls
+            count[e.name] += 1 / calls
+    return {name: (us[name], count[name]) for name in us}

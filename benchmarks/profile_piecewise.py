@@ -16,10 +16,10 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_extend import eager_forward, make_batch, time_ms  # noqa: E402
+from common import kernel_times  # noqa: E402
 
 from ostinato import LLM, SamplingParams  # noqa: E402
 from ostinato.attention.forward_batch import ForwardMode  # noqa: E402
@@ -45,23 +45,13 @@ def kind_of(name: str) -> str:
 
 def kernel_profile(fn, reps: int = 5) -> dict:
     """GPU kernel microseconds per call by kind, kernel launches per call, and the top kernels."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    by_kind, by_name, launches = defaultdict(float), defaultdict(float), 0
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        by_kind[kind_of(e.name)] += us / reps
-        by_name[e.name[:90]] += us / reps
-        launches += 1
+    by_kind, by_name, launches = defaultdict(float), defaultdict(float), 0.0
+    for name, (us, count) in kernel_times(fn, calls=reps).items():
+        by_kind[kind_of(name)] += us
+        by_name[name[:90]] += us
+        launches += count
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    return {"kernel_us_by_kind": dict(by_kind), "kernel_us": sum(by_kind.values()), "launches": launches / reps,
+    return {"kernel_us_by_kind": dict(by_kind), "kernel_us": sum(by_kind.values()), "launches": launches,
             "top": top}
 
 
