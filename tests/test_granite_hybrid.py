@@ -312,19 +312,25 @@ def test_presets_build_with_the_transformers_config(name, attn, params):
     assert abs(sum(p.numel() for p in model.parameters()) - params) / params < 0.01
 
 
+@pytest.mark.parametrize("capture_mixer", [True, False])
 @pytest.mark.parametrize("lens,prefix_lens", [([9, 30, 20], [0, 0, 0]), ([13, 1, 27, 1], [5, 0, 17, 3])])
-def test_piecewise_replay_equals_eager(tiny_llm, lens, prefix_lens):
-    """Piecewise graphs on a hybrid: split at every mixer and attention call, the mixer run eagerly on the real
-    rows between the pieces. Logits and the requests' Mamba states after a replay equal an eager forward's from
-    the same states, with every static buffer poisoned and the padded rows' state in the sink slot only."""
+def test_piecewise_replay_equals_eager(tiny_llm, lens, prefix_lens, capture_mixer):
+    """Piecewise graphs on a hybrid, the mixer captured inside the pieces (reading the step's tables: the
+    padding is one more request, on the sink slot) or a split op between them (run eagerly on the real rows).
+    Logits and the requests' Mamba states after a replay equal an eager forward's from the same states, with
+    every static buffer and the tables' unused entries poisoned."""
     from batch_helpers import extend_batch
     from test_piecewise import poison, release
 
     from ostinato.graphs.piecewise import PiecewiseGraphRunner
 
     runner = tiny_llm.engine.runner
-    graphs = PiecewiseGraphRunner(runner, max_tokens=64, sizes=[16, 64], compiler="eager")
-    assert graphs.backend.splits[0].num_split_calls == 4 and graphs.num_pieces == 5  # 3 mixers + 1 attention
+    graphs = PiecewiseGraphRunner(runner, max_tokens=64, sizes=[16, 64], compiler="eager",
+                                  capture_mixer=capture_mixer)
+    # 3 mixers and 1 attention layer: split at the attention only, or at all four
+    assert graphs.backend.splits[0].num_split_calls == (1 if capture_mixer else 4)
+    assert graphs.num_pieces == graphs.backend.splits[0].num_split_calls + 1
+    assert (graphs.mamba_tables is not None) == capture_mixer
     gen = torch.Generator().manual_seed(sum(lens))
     seqs = [torch.randint(3, VOCAB, (p + n,), generator=gen).tolist() for p, n in zip(prefix_lens, lens, strict=True)]
     sched, reqs = extend_batch(runner, seqs, prefix_lens)
@@ -338,6 +344,9 @@ def test_piecewise_replay_equals_eager(tiny_llm, lens, prefix_lens):
         for t, b in zip((pool.conv, pool.ssm), before, strict=True):
             t[:, slots] = b
         poison(graphs, gen)
+        if graphs.mamba_tables is not None:  # what a step does not fill must not matter
+            graphs.mamba_tables.buf.random_(-1000, 1000, generator=gen)
+            graphs.mamba_tables.slots.random_(0, 1000, generator=gen)
         torch.testing.assert_close(graphs.replay(batch), eager, rtol=0, atol=0)
         for t, a in zip((pool.conv, pool.ssm), after, strict=True):
             torch.testing.assert_close(t[:, slots], a, rtol=0, atol=0)
@@ -362,3 +371,23 @@ def test_hybrid_models_take_piecewise_graphs_by_default_on_cuda():
     assert not wanted(True, "cuda", extend_cuda_graph_max_tokens=0)
     assert wanted(False, "cuda", enable_piecewise_cuda_graph=True)
     assert wanted(True, "cpu", enable_piecewise_cuda_graph=True)
+
+
+def test_piecewise_steps_past_the_mixer_tables_run_eagerly(tiny_llm):
+    """With the mixer captured, a step with no room for the padding request in the tables runs eagerly."""
+    import dataclasses
+
+    from batch_helpers import extend_batch
+    from test_piecewise import release
+
+    from ostinato.graphs.piecewise import PiecewiseGraphRunner
+
+    runner = tiny_llm.engine.runner
+    graphs = PiecewiseGraphRunner(runner, max_tokens=64, sizes=[64], compiler="eager", capture_mixer=True)
+    max_reqs = graphs.mamba_tables.max_reqs
+    assert max_reqs == min(runner.max_running_requests, 16) + 1
+    sched, reqs = extend_batch(runner, [[5, 6, 7]] * (max_reqs - 1), [0] * (max_reqs - 1))
+    batch = runner.prepare(sched)
+    assert graphs.can_run(batch)
+    assert not graphs.can_run(dataclasses.replace(batch, batch_size=max_reqs))  # no room left for the padding
+    release(runner, reqs)

@@ -301,3 +301,47 @@ def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens, kernels, monkeypat
     # the state is fp32 but its inputs are bf16 and the paths sum in different orders: a relative norm, as
     # elementwise bounds fail on the few entries near zero (seen on an H200: 308 of 15.7M past 2e-2)
     assert ((s1 - s32).norm() / s32.norm()).item() <= 1.5 * ((s0 - s32).norm() / s32.norm()).item() + 1e-3
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_mixer_through_step_tables_equals_the_plain_mixer(use_triton, monkeypatch):
+    """A captured step's mixer (layers/mamba_tables.py): requests of 70, 1, 2, 5 and 9 tokens padded to 96, the
+    padding a sixth request on the sink slot, launch grids at the tables' bounds (8 requests, 10 chunks) with
+    the programs past the real counts exiting and the state pass's 4 programs per head striding over the 6
+    requests, every table entry a step does not fill poisoned. Outputs of the real rows and the requests'
+    states equal the torch mixer's on the unpadded batch; other slots are untouched."""
+    from ostinato.layers.mamba2 import SSD_CHUNK, mamba_mixer_forward
+    from ostinato.layers.mamba_tables import MambaStepTables
+
+    float32_dots(monkeypatch)
+    H, P, G, N, K = 4, 8, 2, 8, 4
+    conv_dim = H * P + 2 * G * N
+    lens, padded = [70, 1, 2, 5, 9], 96
+    real = sum(lens)
+    g = torch.Generator().manual_seed(7)
+    zxbcdt = torch.randn(padded, H * P + conv_dim + H, generator=g).to(DEVICE)
+    conv_w = torch.randn(conv_dim, K, generator=g).to(DEVICE) * 0.5
+    conv_b = torch.randn(conv_dim, generator=g).to(DEVICE)
+    dt_bias, A_log = torch.randn(H, generator=g).to(DEVICE), torch.rand(H, generator=g).to(DEVICE)
+    D, norm_w = torch.randn(H, generator=g).to(DEVICE), torch.randn(H * P, generator=g).to(DEVICE)
+    conv0 = torch.randn(9, conv_dim, K - 1, generator=g).to(DEVICE)
+    ssm0 = torch.randn(9, H, P, N, generator=g).to(DEVICE)
+    slots = torch.tensor([3, 1, 4, 6, 7], device=DEVICE)
+    args = (conv_w, conv_b, dt_bias, A_log, D, norm_w, H, P, G, N, 8, 1e-5, 0.0, float("inf"))
+
+    conv_ref, ssm_ref = conv0.clone(), ssm0.clone()
+    ref = mamba_mixer_forward(zxbcdt[:real], conv_ref, ssm_ref, *args, slots, lens)
+
+    tables = MambaStepTables(max_tokens=128, max_reqs=8, chunk=SSD_CHUNK, device=torch.device(DEVICE))
+    tables.buf.random_(-1000, 1000, generator=g if DEVICE == "cpu" else None)
+    tables.fill(lens, slots, padded)
+    assert tables.bounds(padded) == (8, 10) and (tables.num_reqs, tables.num_chunks) == (6, 7)
+    assert tables.lens() == [70, 1, 2, 5, 9, 9] and tables.slots.tolist() == [3, 1, 4, 6, 7, 0, 0, 0]
+    conv, ssm = conv0.clone(), ssm0.clone()
+    out = mamba_mixer_forward(zxbcdt, conv, ssm, *args, None, lens, use_triton=use_triton, tables=tables)
+    assert out.shape[0] == padded
+    torch.testing.assert_close(out[:real], ref, atol=1e-4, rtol=1e-4)
+    for s in (1, 3, 4, 6, 7):
+        torch.testing.assert_close(conv[s], conv_ref[s])
+        torch.testing.assert_close(ssm[s], ssm_ref[s], atol=1e-4, rtol=1e-4)
+    assert torch.equal(conv[[2, 5, 8]], conv0[[2, 5, 8]]) and torch.equal(ssm[[2, 5, 8]], ssm0[[2, 5, 8]])

@@ -34,6 +34,9 @@ class ForwardBatch:
     mm: Any = None  # EXTEND of a vision model with image requests: models.qwen_vl.MMForward
     # hybrid models: int64 [bs], the MambaPool slot of each request (the sink slot for padded graph rows)
     mamba_slots: torch.Tensor | None = None
+    # hybrid models in a piecewise-graph step: the step's layout at fixed addresses (layers.mamba_tables), which
+    # the captured mixer reads instead of extend_seq_lens_cpu and mamba_slots
+    mamba_tables: Any = None
 
     @property
     def num_tokens(self) -> int:

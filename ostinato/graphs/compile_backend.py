@@ -28,14 +28,19 @@ _SPLIT_OPS: set[object] = set()  # OpOverloadPackets / OpOverloads / functions t
 def register_split_op(op: object) -> None:
     """Make every call of `op` a piece boundary (the op runs eagerly between captured pieces). Attention
     registers itself below; a tensor-parallel all-reduce or a Mamba mixer op does the same when it lands."""
-    _SPLIT_OPS.add(op)
+    _SPLIT_OPS.update(op_overloads(op))
+
+
+def is_split_node(node: fx.Node, captured: frozenset = frozenset()) -> bool:
+    """A call of a registered split op, unless the runner captures that op inside its pieces (`captured`)."""
+    return node.op == "call_function" and node.target in _SPLIT_OPS and node.target not in captured
+
+
+def op_overloads(op: object) -> frozenset:
+    """An op packet and its overloads: what an FX node's target can be for a call of `op`."""
     if isinstance(op, torch._ops.OpOverloadPacket):
-        for name in op.overloads():
-            _SPLIT_OPS.add(getattr(op, name))
-
-
-def is_split_node(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _SPLIT_OPS
+        return frozenset([op, *(getattr(op, name) for name in op.overloads())])
+    return frozenset([op])
 
 
 def _register_builtin_split_ops() -> None:
@@ -99,11 +104,11 @@ class SplitResult:
     volatile_args: dict[str, list[int]] = field(default_factory=dict)
 
 
-def split_at_ops(gm: fx.GraphModule) -> SplitResult:
-    """Cut `gm` at the split ops: piece k gets id 2k, the k-th split op id 2k+1."""
+def split_at_ops(gm: fx.GraphModule, captured: frozenset = frozenset()) -> SplitResult:
+    """Cut `gm` at the split ops (but those in `captured`): piece k gets id 2k, the k-th split op id 2k+1."""
     part, ids, num_split = 0, {}, 0
     for node in gm.graph.nodes:
-        if is_split_node(node):
+        if is_split_node(node, captured):
             ids[node] = part + 1
             part += 2
             num_split += 1
@@ -115,7 +120,7 @@ def split_at_ops(gm: fx.GraphModule) -> SplitResult:
         if node.op != "call_module":
             continue
         sub = getattr(split, node.target)
-        if any(is_split_node(n) for n in sub.graph.nodes):
+        if any(is_split_node(n, captured) for n in sub.graph.nodes):
             split_subs.add(node.target)
         else:
             pieces.append(node.target)
@@ -195,13 +200,15 @@ def compile_pieces(split: fx.GraphModule, gm: fx.GraphModule, example_inputs: li
 class PiecewiseBackend:
     """A `torch.compile(backend=...)` callable. `make_runtime(name, index, num_pieces, runnable, volatile)`
     wraps each compiled piece (the per-token-count capture/replay runtime); the wrapped pieces replace the
-    submodules in the split module, which is what dynamo then calls."""
+    submodules in the split module, which is what dynamo then calls. `captured`: split ops this runner captures
+    inside its pieces instead (their overloads, see op_overloads), because it made them capturable."""
 
-    def __init__(self, compiler: str, make_runtime: Callable[..., Callable]) -> None:
+    def __init__(self, compiler: str, make_runtime: Callable[..., Callable], captured: frozenset = frozenset()) -> None:
         if compiler not in COMPILERS:
             raise ValueError(f"piecewise_cuda_graph_compiler must be one of {COMPILERS}, got {compiler!r}")
         self.compiler = compiler
         self.make_runtime = make_runtime
+        self.captured = captured
         self.splits: list[SplitResult] = []  # one per dynamo compile (a recompile adds one)
         self.compile_seconds = 0.0
         self.first_call_at: float | None = None  # perf_counter when dynamo first handed over a graph
@@ -215,7 +222,7 @@ class PiecewiseBackend:
         start = time.perf_counter()
         if self.first_call_at is None:
             self.first_call_at = start
-        result = split_at_ops(gm)
+        result = split_at_ops(gm, self.captured)
         names = result.piece_names
         keys = {name: piece_signature(getattr(result.module, name)) for name in names}
         first: dict[str, str] = {}  # signature -> the first piece that has it: the one compiled

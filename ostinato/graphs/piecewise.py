@@ -37,12 +37,17 @@ import torch
 
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
 from ostinato.attention.op import forward_context
-from ostinato.graphs.compile_backend import PiecewiseBackend, use_compile_cache
+from ostinato.graphs.compile_backend import PiecewiseBackend, op_overloads, use_compile_cache
 from ostinato.graphs.decode import PAD_SLOT
 from ostinato.graphs.graph import Graph, capture_stream
 from ostinato.graphs.protocol import GraphHost
+from ostinato.layers.mamba2 import SSD_CHUNK
+from ostinato.layers.mamba_tables import MambaStepTables
 
 logger = logging.getLogger(__name__)
+
+
+MAMBA_GRAPH_MAX_REQS = 16  # hybrid models, mixer captured: the most requests in a piecewise step
 
 
 def piecewise_token_sizes(max_tokens: int, sizes: list[int] | None = None) -> list[int]:
@@ -183,7 +188,9 @@ class PieceRuntime:
 
 class PiecewiseGraphRunner:
     def __init__(self, runner: GraphHost, max_tokens: int, sizes: list[int] | None = None,
-                 compiler: str = "eager") -> None:
+                 compiler: str = "eager", capture_mixer: bool | None = None) -> None:
+        """`capture_mixer` (hybrid models): the Mamba mixer inside the pieces (default with eager pieces) or a
+        split op between them."""
         self.runner = runner
         self.device = runner.device
         self.sizes = piecewise_token_sizes(max_tokens, sizes)
@@ -195,7 +202,19 @@ class PiecewiseGraphRunner:
         self.token_pad = torch.tensor([0, 0, PAD_SLOT], dtype=torch.int64, device=dev)[:, None]
         self.pieces: list[PieceRuntime] = []
         self.cache_dir = use_compile_cache() if compiler == "inductor" else None
-        self.backend = PiecewiseBackend(compiler, self._make_runtime)
+        # hybrid models: with eager pieces the Mamba mixer is captured inside them, reading the step's layout
+        # from tables at fixed addresses (one piece per attention layer, not per layer); inductor pieces keep it
+        # a split op between them (functionalizing its in-place state updates would copy the pool's state)
+        self.mamba_tables: MambaStepTables | None = None
+        captured = frozenset()
+        if runner.mamba_pool is not None and (compiler == "eager" if capture_mixer is None else capture_mixer):
+            # the mixer's grids are sized for the most requests a step may have: a small cap keeps the programs
+            # that exit at once few (at 257, Granite's 2,048-token prefill took 2.5 ms longer); steps with more
+            # requests run eagerly
+            max_reqs = min(runner.max_running_requests, MAMBA_GRAPH_MAX_REQS) + 1  # + the padding request
+            self.mamba_tables = MambaStepTables(self.max_tokens, max_reqs, SSD_CHUNK, dev)
+            captured = op_overloads(torch.ops.ostinato.mamba_mixer)
+        self.backend = PiecewiseBackend(compiler, self._make_runtime, captured)
         model = runner.model
 
         def piecewise_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -240,6 +259,9 @@ class PiecewiseGraphRunner:
 
     def _run(self, batch: ForwardBatch, phase: str | None, num_tokens: int) -> torch.Tensor:
         backend = self.runner.backend
+        if self.mamba_tables is not None:  # outside any capture: the step's layout, before its kernels run
+            self.mamba_tables.fill(batch.extend_seq_lens_cpu, batch.mamba_slots, num_tokens)
+            batch = dataclasses.replace(batch, mamba_tables=self.mamba_tables)
         _state.phase, _state.num_tokens = phase, num_tokens
         try:
             with forward_context(backend, batch, self.runner.model.attention_specs):
@@ -312,8 +334,10 @@ class PiecewiseGraphRunner:
                     f"; compile cache {self.cache_dir}" if self.cache_dir else "")
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Extend steps (mixed ones included: decode tokens are 1-token extends) within the captured range."""
-        return batch.mode is ForwardMode.EXTEND and batch.num_tokens <= self.max_tokens
+        """Extend steps (mixed ones included: decode tokens are 1-token extends) within the captured range (and,
+        with the Mamba mixer captured, with room for the padding request in its tables)."""
+        fits = self.mamba_tables is None or batch.batch_size < self.mamba_tables.max_reqs
+        return batch.mode is ForwardMode.EXTEND and batch.num_tokens <= self.max_tokens and fits
 
     def padded_size(self, num_tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]

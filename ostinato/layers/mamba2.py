@@ -7,7 +7,10 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
   chunked SSD scan starts from the stored state, so a prompt cut into chunks gives what one pass gives;
 - DECODE: one conv-state shift and one state update per request, batched, no data-dependent shape
   (capturable; padded rows of a graph point at the sink slot).
-Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs.
+Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs,
+which either split at it (it then runs eagerly between the pieces, on the real rows) or, with eager pieces,
+capture it inside them: the step's layout then comes from tables at fixed addresses (`mamba_tables.py`) and the
+extend kernels launch at the tables' bounds.
 
 On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs the varlen
 conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.py`), a decode the conv step
@@ -26,6 +29,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from ostinato.layers.mamba_tables import MambaStepTables
 
 MAMBA_OP_NAME = "ostinato::mamba_mixer"
 MAMBA_SPLIT_OPS = [MAMBA_OP_NAME]  # for the piecewise-graph splitter: ops whose state lives outside the graph
@@ -195,9 +200,15 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                         conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor,
                         A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, num_heads: int, head_dim: int,
                         groups: int, state_size: int, chunk: int, eps: float, dt_min: float, dt_max: float,
-                        slots: torch.Tensor, extend_lens: list[int] | None, use_triton: bool = False) -> torch.Tensor:
+                        slots: torch.Tensor, extend_lens: list[int] | None, use_triton: bool = False,
+                        tables: MambaStepTables | None = None) -> torch.Tensor:
     """The mixer over a batch: `extend_lens` per request for an extend, None for a decode (one token each).
-    `use_triton`: the SSM recurrence, the decode conv step and the gated norm run in Triton kernels."""
+    `use_triton`: the SSM recurrence, the decode conv step and the gated norm run in Triton kernels.
+    `tables` (an extend only): a captured step's layout (layers/mamba_tables.py), which then replaces
+    `extend_lens` and `slots`: Triton launches at the tables' bounds, or on the CPU the same requests (the
+    padding one included) through the torch path."""
+    if tables is not None and extend_lens is not None and not use_triton:
+        extend_lens, slots, tables = tables.lens(), tables.slots[: tables.num_reqs], None
     inter = num_heads * head_dim
     z, xbc, dt = zxbcdt.split([inter, conv_state.shape[1], num_heads], dim=-1)
     gn = groups * state_size
@@ -217,6 +228,20 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                                 _heads(Bm, *heads), _heads(Cm, *heads), ssm_state[slots])
         ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
         y = y + D.float()[:, None] * x.float()
+    elif tables is not None:  # a captured step: the tables' device layout, grids at their bounds, always two-pass
+        from ostinato.layers.triton_ops.conv_extend import conv_extend
+        from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan_2pass
+
+        reqs, chunks = tables.bounds(zxbcdt.shape[0])
+        v, step_slots = tables.views, tables.slots[:reqs]
+        cu = v["cu"][: reqs + 1]
+        conv_out = conv_extend(xbc, conv_state, step_slots, cu, v["token_req"][: zxbcdt.shape[0]], conv_weight,
+                               conv_bias, counts=tables.counts)
+        x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
+        y = ssd_chunk_scan_2pass(x, dt, Bm, Cm, ssm_state, step_slots, A_log, D, dt_bias, dt_min, dt_max, num_heads,
+                                 head_dim, groups, cu, (v["chunk_req"][:chunks], v["chunk_start"][:chunks],
+                                                        v["chunk_cu"][: reqs + 1]),
+                                 chunk=SSD_CHUNK, counts=tables.counts)
     else:
         taps, new_rows, cu, token_req, *chunks = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
         kernels = os.environ.get("OSTINATO_SSM_PREFILL", DEFAULT_SSM_PREFILL) if use_triton else "torch"
@@ -283,13 +308,16 @@ def mamba_mixer(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch
     if batch.mamba_slots is None:
         raise RuntimeError("ostinato::mamba_mixer needs ForwardBatch.mamba_slots (set by ModelRunner.forward)")
     extend_lens = None if batch.mode is ForwardMode.DECODE else batch.extend_seq_lens_cpu
+    tables = None if extend_lens is None else batch.mamba_tables
     padded = zxbcdt.shape[0]
-    real = padded if extend_lens is None else sum(extend_lens)
-    # a piecewise-graph step pads its tokens to a captured size; the padding belongs to no request, so the
-    # mixer runs on the real rows only and the padded rows' output is zeros (never read, see graphs/piecewise)
+    real = padded if extend_lens is None or tables is not None else sum(extend_lens)
+    # a piecewise-graph step pads its tokens to a captured size. With step tables (the mixer captured inside the
+    # pieces) the padding is one more request, on the sink slot; without them (the mixer a split op between the
+    # pieces) the padding belongs to no request, so the mixer runs on the real rows only and the padded rows'
+    # output is zeros (never read, see graphs/piecewise)
     out = mamba_mixer_forward(zxbcdt[:real], conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                               norm_weight, num_heads, head_dim, groups, state_size, chunk, eps, dt_min, dt_max,
-                              batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda)
+                              batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda, tables=tables)
     return out if real == padded else F.pad(out, (0, 0, 0, padded - real))
 
 

@@ -16,8 +16,10 @@ from ostinato.distributed.parallel_state import kv_heads_per_rank, min_over_rank
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.graphs.graph import release_graph_pool
-from ostinato.graphs.piecewise import PiecewiseGraphRunner
+from ostinato.graphs.piecewise import MAMBA_GRAPH_MAX_REQS, PiecewiseGraphRunner
 from ostinato.graphs.vit import VitGraphRunner
+from ostinato.layers.mamba2 import SSD_CHUNK
+from ostinato.layers.mamba_tables import step_bounds
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.loader.kv_scales import KVScaleFilter
 from ostinato.mem.kv_cache import MHATokenToKVPool
@@ -238,6 +240,10 @@ class ModelRunner:
             graph_reserve += activations * extend_tokens // self.chunked_prefill_size
         if self.piecewise_graphs_wanted:  # the pieces' outputs and static inputs at the largest size
             graph_reserve += 2 * activations * self.piecewise_graph_max_tokens // self.chunked_prefill_size
+            if self.mamba_pool is not None:  # a captured Mamba step's SSD workspace: float32 states per chunk
+                reqs = min(self.max_running_requests, MAMBA_GRAPH_MAX_REQS) + 1
+                chunks = step_bounds(self.piecewise_graph_max_tokens, reqs, SSD_CHUNK)[1]
+                graph_reserve += chunks * self.mamba_pool.ssm[0, 0].numel() * 4
         if self.args.enable_vit_cuda_graph and getattr(self.model, "is_multimodal", False):
             graph_reserve += self.args.vit_cuda_graph_max_mb << 20  # the vision graphs' cap
         free, total = torch.cuda.mem_get_info(self.device)

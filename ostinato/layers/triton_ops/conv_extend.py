@@ -41,9 +41,12 @@ def _conv_extend_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, req_ptr, w_ptr, b_pt
 
 
 @triton.jit
-def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, D, stride_x, stride_s_slot, stride_s_d,
-                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, counts_ptr, D, stride_x, stride_s_slot, stride_s_d,
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_COUNTS: tl.constexpr):
     r = tl.program_id(0)
+    if HAS_COUNTS:  # a grid sized for the most requests (a captured step): the real count is on the device
+        if r >= tl.load(counts_ptr):
+            return
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, BLOCK_K)
     mask = (offs_d < D)[:, None] & (offs_k < K - 1)[None, :]
@@ -61,11 +64,13 @@ def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, D, stride_x, stride_s
 
 def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                 token_req: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_t: int = 16,
-                block_d: int = 128, num_warps: int = 4) -> torch.Tensor:
+                block_d: int = 128, num_warps: int = 4, counts: torch.Tensor | None = None) -> torch.Tensor:
     """xbc [T, D] (row-strided view fine; requests back to back as `cu_seqlens` [R+1] splits them, `token_req`
     [T] the request of each token, both int32), conv_state [slots, D, K-1] read and updated in place at
     `slots` [R], weight [D, K] -> silu(conv) [T, D] in weight's dtype. block_t / block_d / num_warps: the conv
-    kernel's tile (benchmarks/bench_ssd_scan.py sweeps them)."""
+    kernel's tile (benchmarks/bench_ssd_scan.py sweeps them). `counts` (int32 device, counts[0] the real request
+    count): the tables are a captured step's (layers/mamba_tables.py), R is their bound, and requests past
+    counts[0] are skipped; every one of the T tokens must still belong to a request."""
     T, D = xbc.shape
     K = weight.shape[1]
     assert xbc.stride(-1) == 1 and conv_state.stride(-1) == 1 and weight.is_contiguous() and K >= 2
@@ -79,7 +84,8 @@ def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
         )
     block_d = 256
     _conv_state_kernel[(R, triton.cdiv(D, block_d))](
-        xbc, conv_state, slots, cu_seqlens, D, xbc.stride(0), conv_state.stride(0), conv_state.stride(1),
-        K=K, BLOCK_K=triton.next_power_of_2(K - 1), BLOCK_D=block_d,
+        xbc, conv_state, slots, cu_seqlens, cu_seqlens if counts is None else counts, D, xbc.stride(0),
+        conv_state.stride(0), conv_state.stride(1), K=K, BLOCK_K=triton.next_power_of_2(K - 1), BLOCK_D=block_d,
+        HAS_COUNTS=counts is not None,
     )
     return out

@@ -33,6 +33,7 @@ DOT_PRECISION = os.environ.get("OSTINATO_SSD_PRECISION", "tf32")
 if DOT_PRECISION not in ("tf32", "ieee"):
     raise ValueError(f"OSTINATO_SSD_PRECISION={DOT_PRECISION!r}: one of tf32, ieee")
 CHUNK = 64  # = layers.mamba2.SSD_CHUNK, whose chunk table the two-pass form takes
+STATE_PROGRAMS_WITH_COUNTS = 4  # a captured step's state pass: programs per head and tile, striding over requests
 
 
 @triton.jit
@@ -111,56 +112,65 @@ def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_p
 
 @triton.jit
 def _ssd_states_kernel(x_ptr, dt_ptr, b_ptr, ws_ptr, state_ptr, slot_ptr, cu_ptr, chunk_cu_ptr, a_ptr, dtb_ptr,
-                       dt_min, dt_max, stride_x, stride_dt, stride_b, stride_s_slot, stride_s_h, stride_s_p,
-                       H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+                       counts_ptr, dt_min, dt_max, stride_x, stride_dt, stride_b, stride_s_slot, stride_s_h,
+                       stride_s_p, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                       HAS_COUNTS: tl.constexpr):
     """Two-pass, pass 1: one program per (request, head, row block, column block) carries the state through the
     request's chunks (one matmul each) and stores each chunk's incoming state in the workspace ws
-    [chunks, H, P, N] (float32); the final state goes back to the slot."""
-    r = tl.program_id(0)
+    [chunks, H, P, N] (float32); the final state goes back to the slot. With HAS_COUNTS (a captured step's
+    tables) the grid's first dimension may be smaller than the request count on the device: a program then
+    takes every grid-th request."""
+    num_reqs = tl.num_programs(0)
+    if HAS_COUNTS:
+        num_reqs = tl.load(counts_ptr)
     h = tl.program_id(1)
     pb = tl.program_id(2) // tl.cdiv(N, BLOCK_N)
     nb = tl.program_id(2) % tl.cdiv(N, BLOCK_N)
-    start = tl.load(cu_ptr + r)
-    end = tl.load(cu_ptr + r + 1)
-    k = tl.load(chunk_cu_ptr + r).to(tl.int64)  # the request's first chunk in ws
-    slot = tl.load(slot_ptr + r).to(tl.int64)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, CHUNK)
     mask_p = offs_p < P
     mask_n = offs_n < N
     s_mask = mask_p[:, None] & mask_n[None, :]
-    s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :]
     ws_ptrs = ws_ptr + h * (P * N) + offs_p[:, None] * N + offs_n[None, :]
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     a = -tl.exp(tl.load(a_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     g = h // HEADS_PER_GROUP
-    for c0 in range(start, end, CHUNK):
-        tl.store(ws_ptrs + k * (H * P * N), state, mask=s_mask)
-        t = c0 + offs_l
-        mask_t = t < end
-        dt, acum, a_end = _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK)
-        x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
-                    other=0.0).to(tl.float32)
-        bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
-                     other=0.0).to(tl.float32)
-        xw = x * (dt * tl.exp(a_end - acum))[:, None]
-        state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm, input_precision=PRECISION)
-        k += 1
-    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+    for r in range(tl.program_id(0), num_reqs, tl.num_programs(0)):
+        start = tl.load(cu_ptr + r)
+        end = tl.load(cu_ptr + r + 1)
+        k = tl.load(chunk_cu_ptr + r).to(tl.int64)  # the request's first chunk in ws
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :]
+        state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+        for c0 in range(start, end, CHUNK):
+            tl.store(ws_ptrs + k * (H * P * N), state, mask=s_mask)
+            t = c0 + offs_l
+            mask_t = t < end
+            dt, acum, a_end = _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK)
+            x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :],
+                        mask=mask_t[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+            bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :],
+                         mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            xw = x * (dt * tl.exp(a_end - acum))[:, None]
+            state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm, input_precision=PRECISION)
+            k += 1
+        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
 
 
 @triton.jit
 def _ssd_outputs_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, ws_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr, a_ptr,
-                        d_ptr, dtb_ptr, dt_min, dt_max, stride_x, stride_dt, stride_b, stride_c, stride_y,
+                        d_ptr, dtb_ptr, counts_ptr, dt_min, dt_max, stride_x, stride_dt, stride_b, stride_c, stride_y,
                         H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-                        NATIVE_CB: tl.constexpr):
+                        NATIVE_CB: tl.constexpr, HAS_COUNTS: tl.constexpr):
     """Two-pass, pass 2: one program per (chunk, head, row block), all independent: the intra-chunk output plus
     the chunk's incoming state (from pass 1) decayed to each token, plus D x."""
     k = tl.program_id(0)
+    if HAS_COUNTS:  # a grid sized for the most chunks (a captured step): the real count is counts[1]
+        if k >= tl.load(counts_ptr + 1):
+            return
     h = tl.program_id(1)
     pb = tl.program_id(2)
     r = tl.load(chunk_req_ptr + k)
@@ -228,7 +238,8 @@ def ssd_chunk_scan_2pass(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: 
                          dt_min: float, dt_max: float, num_heads: int, head_dim: int, groups: int,
                          cu_seqlens: torch.Tensor, chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                          chunk: int = CHUNK, block_p: int = 64, num_warps: int = 4,
-                         state_block: tuple[int, int] = (32, 32), state_warps: int = 4) -> torch.Tensor:
+                         state_block: tuple[int, int] = (32, 32), state_warps: int = 4,
+                         counts: torch.Tensor | None = None) -> torch.Tensor:
     """`ssd_chunk_scan` in two launches, for few long requests (where one program per request and head leaves
     most of the GPU idle): pass 1 carries the state through each request's chunks, the only sequential part
     (one matmul per chunk, parallel over [state_block] tiles of the state), storing each chunk's incoming state
@@ -236,7 +247,9 @@ def ssd_chunk_scan_2pass(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: 
     every chunk's outputs in parallel, per [chunk, head, block_p rows]. `chunks`:
     `layers.mamba2.ssd_chunk_table(extend_lens, chunk)` on the device. Defaults: the state pass's tiles have no
     register spills in ptxas for sm_90 at granite-1b's shape (P 64, N 128); pass 2 at 4 warps rather than 8 took
-    the two passes from 181 to 138 us at 2,048 tokens and from 76 to 55 at 512 (H200, bench_ssd_scan.py's sweep)."""
+    the two passes from 181 to 138 us at 2,048 tokens and from 76 to 55 at 512 (H200, bench_ssd_scan.py's sweep).
+    `counts` (int32 device: requests, chunks): the tables are a captured step's (layers/mamba_tables.py), sized
+    for the most requests and chunks, and the grids skip what lies past the real counts."""
     T = x.shape[0]
     N = state.shape[-1]
     assert state.stride(-1) == 1 and x.stride(-1) == 1 and B.stride(-1) == 1 and C.stride(-1) == 1
@@ -249,17 +262,22 @@ def ssd_chunk_scan_2pass(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: 
     sn = max(16, min(state_block[1], triton.next_power_of_2(N)))
     common = dict(H=num_heads, HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, CHUNK=chunk,
                   PRECISION=DOT_PRECISION)
-    _ssd_states_kernel[(R, num_heads, triton.cdiv(head_dim, sp) * triton.cdiv(N, sn))](
-        x, dt, B, ws, state, slots, cu_seqlens, chunk_cu, A_log, dt_bias, float(dt_min), float(dt_max),
+    counts_arg = cu_seqlens if counts is None else counts  # any pointer: read only with counts
+    # with counts, R is only a bound: a few programs per head and tile stride over the real requests instead of
+    # one each, most of which would exit at once (6,500 such programs cost Granite's 2,048-token prefill 0.5 ms)
+    req_programs = R if counts is None else min(R, STATE_PROGRAMS_WITH_COUNTS)
+    _ssd_states_kernel[(req_programs, num_heads, triton.cdiv(head_dim, sp) * triton.cdiv(N, sn))](
+        x, dt, B, ws, state, slots, cu_seqlens, chunk_cu, A_log, dt_bias, counts_arg, float(dt_min), float(dt_max),
         x.stride(0), dt.stride(0), B.stride(0), state.stride(0), state.stride(1), state.stride(2),
-        BLOCK_P=sp, BLOCK_N=sn, num_warps=state_warps, **common,
+        BLOCK_P=sp, BLOCK_N=sn, num_warps=state_warps, HAS_COUNTS=counts is not None, **common,
     )
     if chunk_req.shape[0]:
         block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
         _ssd_outputs_kernel[(chunk_req.shape[0], num_heads, triton.cdiv(head_dim, block_p))](
-            x, dt, B, C, y, ws, cu_seqlens, chunk_req, chunk_start, A_log, D, dt_bias, float(dt_min), float(dt_max),
-            x.stride(0), dt.stride(0), B.stride(0), C.stride(0), y.stride(0),
-            BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(N)), num_warps=num_warps, **common,
+            x, dt, B, C, y, ws, cu_seqlens, chunk_req, chunk_start, A_log, D, dt_bias, counts_arg, float(dt_min),
+            float(dt_max), x.stride(0), dt.stride(0), B.stride(0), C.stride(0), y.stride(0),
+            BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(N)), num_warps=num_warps,
+            HAS_COUNTS=counts is not None, **common,
             NATIVE_CB=B.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1",
         )
     return y
