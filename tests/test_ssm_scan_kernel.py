@@ -165,6 +165,23 @@ def test_kernel_at_granite_1b_shapes_bf16(lens):
         assert torch.isfinite(y1).all()
 
 
+def mixer_inputs(T: int, num_slots: int, seed: int) -> tuple:
+    """Random mixer inputs at 4 heads x 8, 2 groups of state 8, conv 4: zxbcdt [T, ...], the arguments between
+    the states and the slots (weights, shape, chunk 8, eps, dt limits), and conv / SSM states of num_slots slots."""
+    H, P, G, N, K = 4, 8, 2, 8, 4
+    conv_dim = H * P + 2 * G * N
+    g = torch.Generator().manual_seed(seed)
+    zxbcdt = torch.randn(T, H * P + conv_dim + H, generator=g).to(DEVICE)
+    conv_w = torch.randn(conv_dim, K, generator=g).to(DEVICE) * 0.5
+    conv_b = torch.randn(conv_dim, generator=g).to(DEVICE)
+    dt_bias, A_log = torch.randn(H, generator=g).to(DEVICE), torch.rand(H, generator=g).to(DEVICE)
+    D, norm_w = torch.randn(H, generator=g).to(DEVICE), torch.randn(H * P, generator=g).to(DEVICE)
+    conv0 = torch.randn(num_slots, conv_dim, K - 1, generator=g).to(DEVICE)
+    ssm0 = torch.randn(num_slots, H, P, N, generator=g).to(DEVICE)
+    args = (conv_w, conv_b, dt_bias, A_log, D, norm_w, H, P, G, N, 8, 1e-5, 0.0, float("inf"))
+    return zxbcdt, args, conv0, ssm0
+
+
 @pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([5, 1, 12], "ssd"), ([70, 1, 2], "ssd-2pass"),
                                                  ([70, 1, 2], "ssd-torchconv"), ([5, 1, 12], "serial")])
 def test_mixer_with_kernel_equals_torch_mixer(extend_lens, kernels, monkeypatch):
@@ -175,23 +192,13 @@ def test_mixer_with_kernel_equals_torch_mixer(extend_lens, kernels, monkeypatch)
     monkeypatch.setenv("OSTINATO_SSM_PREFILL", kernels)
     float32_dots(monkeypatch)
 
-    H, P, G, N, K = 4, 8, 2, 8, 4
-    conv_dim = H * P + 2 * G * N
     T = 3 if extend_lens is None else sum(extend_lens)
-    g = torch.Generator().manual_seed(T)
-    zxbcdt = torch.randn(T, H * P + conv_dim + H, generator=g).to(DEVICE)
-    conv_w = torch.randn(conv_dim, K, generator=g).to(DEVICE) * 0.5
-    conv_b = torch.randn(conv_dim, generator=g).to(DEVICE)
-    dt_bias, A_log = torch.randn(H, generator=g).to(DEVICE), torch.rand(H, generator=g).to(DEVICE)
-    D, norm_w = torch.randn(H, generator=g).to(DEVICE), torch.randn(H * P, generator=g).to(DEVICE)
-    conv0 = torch.randn(5, conv_dim, K - 1, generator=g).to(DEVICE)
-    ssm0 = torch.randn(5, H, P, N, generator=g).to(DEVICE)
+    zxbcdt, args, conv0, ssm0 = mixer_inputs(T, num_slots=5, seed=T)
     slots = torch.tensor([3, 1, 4], device=DEVICE)
     outs = []
     for use_triton in (False, True):
         conv, ssm = conv0.clone(), ssm0.clone()
-        y = mamba_mixer_forward(zxbcdt, conv, ssm, conv_w, conv_b, dt_bias, A_log, D, norm_w, H, P, G, N, 8, 1e-5,
-                                0.0, float("inf"), slots, extend_lens, use_triton=use_triton)
+        y = mamba_mixer_forward(zxbcdt, conv, ssm, *args, slots, extend_lens, use_triton=use_triton)
         outs.append((y, conv, ssm))
     (y0, c0, s0), (y1, c1, s1) = outs
     torch.testing.assert_close(y1, y0, atol=1e-4, rtol=1e-4)
@@ -314,20 +321,11 @@ def test_mixer_through_step_tables_equals_the_plain_mixer(use_triton, monkeypatc
     from ostinato.layers.mamba_tables import MambaStepTables
 
     float32_dots(monkeypatch)
-    H, P, G, N, K = 4, 8, 2, 8, 4
-    conv_dim = H * P + 2 * G * N
     lens, padded = [70, 1, 2, 5, 9], 96
     real = sum(lens)
-    g = torch.Generator().manual_seed(7)
-    zxbcdt = torch.randn(padded, H * P + conv_dim + H, generator=g).to(DEVICE)
-    conv_w = torch.randn(conv_dim, K, generator=g).to(DEVICE) * 0.5
-    conv_b = torch.randn(conv_dim, generator=g).to(DEVICE)
-    dt_bias, A_log = torch.randn(H, generator=g).to(DEVICE), torch.rand(H, generator=g).to(DEVICE)
-    D, norm_w = torch.randn(H, generator=g).to(DEVICE), torch.randn(H * P, generator=g).to(DEVICE)
-    conv0 = torch.randn(9, conv_dim, K - 1, generator=g).to(DEVICE)
-    ssm0 = torch.randn(9, H, P, N, generator=g).to(DEVICE)
+    zxbcdt, args, conv0, ssm0 = mixer_inputs(padded, num_slots=9, seed=7)
     slots = torch.tensor([3, 1, 4, 6, 7], device=DEVICE)
-    args = (conv_w, conv_b, dt_bias, A_log, D, norm_w, H, P, G, N, 8, 1e-5, 0.0, float("inf"))
+    g = torch.Generator().manual_seed(8)
 
     conv_ref, ssm_ref = conv0.clone(), ssm0.clone()
     ref = mamba_mixer_forward(zxbcdt[:real], conv_ref, ssm_ref, *args, slots, lens)
