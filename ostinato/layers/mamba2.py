@@ -27,10 +27,11 @@ The SSM math is in float32 whatever the model dtype, as transformers' `torch_for
 import functools
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ostinato.layers.mamba_tables import MambaStepTables
+from ostinato.layers.mamba_tables import MambaStepTables, step_tables
 
 MAMBA_OP_NAME = "ostinato::mamba_mixer"
 MAMBA_SPLIT_OPS = [MAMBA_OP_NAME]  # for the piecewise-graph splitter: ops whose state lives outside the graph
@@ -93,15 +94,12 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
 
 def ssd_chunk_table(extend_lens: list[int], chunk: int = SSD_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host int32 chunk metadata of a batch for the two-pass scan: each chunk's request [C] and first token [C],
-    and each request's first chunk [R+1] (a request of n tokens has ceil(n / chunk) chunks)."""
-    counts = torch.tensor([-(-n // chunk) for n in extend_lens], dtype=torch.int64)
-    chunk_cu = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
-    chunk_cu[1:] = torch.cumsum(counts, 0)
-    cu = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(torch.tensor(extend_lens, dtype=torch.int64), 0)
-    req = torch.repeat_interleave(torch.arange(len(extend_lens)), counts)
-    start = cu[req] + (torch.arange(int(chunk_cu[-1])) - chunk_cu[req]) * chunk
-    return req.to(torch.int32), start.to(torch.int32), chunk_cu.to(torch.int32)
+    and each request's first chunk [R+1] (from `mamba_tables.step_tables`, which a captured step's tables use)."""
+    return _int32(step_tables(extend_lens, chunk), "chunk_req", "chunk_start", "chunk_cu")
+
+
+def _int32(tables: dict[str, np.ndarray], *names: str) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.from_numpy(tables[name].astype(np.int32)) for name in names)
 
 
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
@@ -170,10 +168,9 @@ def _extend_indices(extend_lens: list[int], kernel: int, device: torch.device) -
     key = (tuple(extend_lens), kernel, device)
     if key not in _index_cache:
         _index_cache.clear()  # one batch at a time
-        taps, new_rows, cu = extend_conv_indices(extend_lens, kernel)
-        req = torch.repeat_interleave(torch.arange(len(extend_lens), dtype=torch.int32),
-                                      torch.tensor(extend_lens, dtype=torch.int64))
-        host = (taps, new_rows, cu.to(torch.int32), req, *ssd_chunk_table(extend_lens))
+        taps, new_rows, _ = extend_conv_indices(extend_lens, kernel)
+        tables = step_tables(extend_lens, SSD_CHUNK)
+        host = (taps, new_rows, *_int32(tables, "cu", "token_req", "chunk_req", "chunk_start", "chunk_cu"))
         if device.type == "cuda":
             _index_cache[key] = tuple(t.pin_memory().to(device, non_blocking=True) for t in host)
         else:
