@@ -43,12 +43,15 @@ class EngineArgs:
     limit_mm_per_prompt: int = _arg(4, "vision models: most images in one prompt")
     allowed_local_media_path: str | None = _arg(None, "vision models: file:// image URLs are read only under this dir")
     enable_piecewise_cuda_graph: bool = _arg(False, "replay extend and mixed steps from piecewise CUDA graphs "
-                                             "(torch.compile split at attention; CPU: the graph stand-in)")
+                                             "(torch.compile split at attention; CPU: the graph stand-in); on by "
+                                             "default for hybrid (Mamba) models on CUDA, which have no full extend "
+                                             "graph")
     piecewise_cuda_graph_tokens: list[int] | None = _arg(None, "token counts to capture piecewise (default: 4..256 "
                                                          "by powers of two, then every 256)")
     piecewise_cuda_graph_max_tokens: int = _arg(2048, "largest piecewise-captured step, in tokens")
     piecewise_cuda_graph_compiler: str = _arg("eager", "eager | inductor: how pieces between attention calls "
-                                              "are compiled")
+                                              "are compiled (hybrid models: eager pieces also capture the Mamba "
+                                              "mixer; with inductor it runs eagerly between the pieces)")
     enable_mixed_chunk: bool = _arg(False, "run the decoding requests' tokens in the same step as a prefill chunk")
     disable_radix_cache: bool = _arg(False, "turn off prefix caching (the radix tree over the KV pool)")
     schedule_policy: str = _arg("lpm", "order of waiting requests: lpm (longest cached prefix first) | fcfs")
