@@ -19,6 +19,8 @@ python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128
 python benchmarks/bench_decode.py --models llama-3.2-1b --cases 1:128 32:4096 128:4096 256:1024 --modes graph \
     --kv-cache-dtype auto fp8_e4m3 --page-size 1 16     # bf16 vs fp8 KV, page 1 vs 16, in one run
+python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b granite-4.0-h-1b --cases 1:128 32:128 --modes graph \
+    --pdl off on     # Programmatic Dependent Launch off vs on
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:128 --modes graph \
     --rope-store fused unfused --out benchmarks/results/decode-rope-store-h200.json   # launches, fused vs not
 """
@@ -37,6 +39,7 @@ from ostinato.attention.triton_backend import TritonAttentionBackend
 from ostinato.config import EngineArgs
 from ostinato.engine.request import Request
 from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.layers.triton_ops import pdl
 from ostinato.loader import load_model_source
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.models.llama import head_dim_of
@@ -146,13 +149,14 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
 
 
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
-                page_size: int = 1, rope_store: str = "fused") -> tuple[list[dict], dict]:
+                page_size: int = 1, rope_store: str = "fused", use_pdl: str = "on") -> tuple[list[dict], dict]:
     need = max(bs * (ctx + page_size) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
                        enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs,
                        kv_cache_dtype=kv_dtype, page_size=page_size)
     TritonAttentionBackend.fuse_rope_store = rope_store == "fused"  # read at each forward, so also by the capture
+    pdl.ENABLED = use_pdl == "on"  # read at each kernel launch, so also by the capture
     runner = ModelRunner(eargs, load_model_source(name, "dummy"))
     gc.collect()
     gc.freeze()  # as EngineCore does after start-up: no collection walks the model's objects mid-timing
@@ -170,7 +174,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     if runner.mamba_pool is not None:
         state_per_req = 2 * runner.mamba_pool.bytes() // (runner.mamba_pool.size + 1)
     gr = runner.graph_runner
-    print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}): weights "
+    print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}, pdl {use_pdl}): weights "
           f"{runner.weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, capture {gr.capture_seconds:.1f} s for "
           f"{gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
@@ -187,7 +191,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
             step_ms, fwd_ms = time_steps(runner, sched, graph, iters, overlap=mode != "graph-sync")
             row = {"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
                    "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile,
-                   "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store}
+                   "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store, "pdl": use_pdl}
             if args.launches:
                 if graph not in launches:
                     launches[graph] = launch_stats(runner, sched, graph, iters=min(iters, 10))
@@ -195,7 +199,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
             rows.append(row)
             extra = (f"{row['launches']:>9.0f}{row['step_launches']:>7.0f}{row['kernel_ms']:>9.3f}{row['gap_ms']:>8.3f}"
                      if args.launches else "")
-            print(f"{name:<14}{kv_dtype:>9}{page_size:>5}{rope_store:>9}{bs:>5}{ctx:>7}{mode:>11}{step_ms:>10.3f}"
+            print(f"{name:<14}{kv_dtype:>9}{page_size:>5}{rope_store:>9}{use_pdl:>4}{bs:>5}{ctx:>7}{mode:>11}{step_ms:>10.3f}"
                   f"{fwd_ms:>10.3f}{floor_ms:>9.3f}{extra}", flush=True)
         if f"{bs}:{ctx}" in (args.profile or []):
             profile_steps(runner, sched)
@@ -209,11 +213,12 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     gc.collect()
     torch.cuda.empty_cache()
     TritonAttentionBackend.fuse_rope_store = None
+    pdl.ENABLED = True
     return rows, meta
 
 
 def print_comparison(rows: list[dict]) -> None:
-    """Per (model, bs, context, mode): each kv dtype / page size / rope store against the first one run."""
+    """Per (model, bs, context, mode): each kv dtype / page size / rope store / PDL against the first one run."""
     base: dict[tuple, float] = {}
     for r in rows:
         key = (r["model"], r["bs"], r["context"], r["mode"])
@@ -222,7 +227,8 @@ def print_comparison(rows: list[dict]) -> None:
             continue
         launches = f", {r['launches']:.0f} launches" if "launches" in r else ""
         print(f"{r['model']:<14}bs {r['bs']:>4} ctx {r['context']:>5} {r['mode']:<10} kv {r['kv_cache_dtype']:<9} "
-              f"page {r['page_size']:>3} rope+store {r['rope_store']}: {r['ms_per_step']:.3f} ms{launches}, "
+              f"page {r['page_size']:>3} rope+store {r['rope_store']} pdl {r['pdl']}: {r['ms_per_step']:.3f} ms"
+              f"{launches}, "
               f"{base[key] / r['ms_per_step']:.3f}x of the first configuration")
 
 
@@ -239,6 +245,8 @@ def main() -> None:
     ap.add_argument("--page-size", nargs="+", type=int, default=[1], help="e.g. 1 16: one pass each")
     ap.add_argument("--rope-store", nargs="+", default=["fused"], choices=["fused", "unfused"],
                     help="rotary fused with the KV store or not (Triton backend): one pass each")
+    ap.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
+                    help="Programmatic Dependent Launch for the Triton kernels (Hopper): one pass each")
     ap.add_argument("--no-launches", dest="launches", action="store_false",
                     help="skip the launch count and gap columns (torch.profiler over a few steps per row)")
     ap.add_argument("--modes", nargs="+", default=["eager", "graph", "graph-sync"],
@@ -250,7 +258,7 @@ def main() -> None:
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'model':<14}{'kv':>9}{'page':>5}{'rope+st':>9}{'bs':>5}{'ctx':>7}{'mode':>11}{'ms/step':>10}"
+    print(f"{'model':<14}{'kv':>9}{'page':>5}{'rope+st':>9}{'pdl':>4}{'bs':>5}{'ctx':>7}{'mode':>11}{'ms/step':>10}"
           f"{'fwd ms':>10}{'floor':>9}" + (f"{'launches':>9}{'step':>7}{'kern ms':>9}{'gap ms':>8}" if args.launches
                                             else ""))
     rows, meta = [], {}
@@ -258,9 +266,10 @@ def main() -> None:
         for kv in args.kv_cache_dtype:
             for page in args.page_size:
                 for rope in args.rope_store:
-                    r, m = bench_model(name, args, bw, kv, page, rope)
-                    rows += r
-                    meta[f"{name}/{kv}/page{page}/{rope}"] = m
+                    for use_pdl in args.pdl:
+                        r, m = bench_model(name, args, bw, kv, page, rope, use_pdl)
+                        rows += r
+                        meta[f"{name}/{kv}/page{page}/{rope}/pdl-{use_pdl}"] = m
     print_comparison(rows)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,

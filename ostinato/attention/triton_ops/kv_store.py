@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 
 @triton.jit
 def round_to_fp8(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, MAX: tl.constexpr):
@@ -27,8 +29,11 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # one program per token: all its heads at once
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)
@@ -71,10 +76,12 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     if kv_fp8 is not None:
         assert k_buf.dtype == torch.uint8 and k_scale is not None and v_scale is not None
         fp8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}[kv_fp8]
+    pdl = pdl_enabled(k)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_buf, v_buf, loc, loc if k_scale is None else k_scale, loc if v_scale is None else v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=fp8,
+        PDL=pdl, launch_pdl=pdl,
     )

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ostinato.attention.triton_ops.kv_store import round_to_fp8
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 from ostinato.layers.triton_ops.rotary import norm_rotate
 
 
@@ -40,7 +41,11 @@ def _rope_store_kernel(
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks: tl.constexpr = (NUM_Q_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -120,6 +125,7 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     block_half = triton.next_power_of_2(head_dim // 2)
     block_h = min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 512 // block_half))
     grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
+    pdl = pdl_enabled(q)
     _rope_store_kernel[grid](
         positions, loc, q, k, v, q_out, k_buf, v_buf, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,  # unread without the norm
@@ -128,7 +134,7 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         q_out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         cos_sin_cache.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
-        BLOCK_HALF=block_half, HAS_NORM=has_norm, KV_FP8=fp8,
+        BLOCK_HALF=block_half, HAS_NORM=has_norm, KV_FP8=fp8, PDL=pdl, launch_pdl=pdl,
         num_warps=4 if block_h * block_half >= 256 else 1,
     )
     return q_out

@@ -6,10 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 
 @triton.jit
 def _conv_step_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, b_ptr, out_ptr, D, stride_x, stride_out,
-                      stride_s_slot, stride_s_d, HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
+                      stride_s_slot, stride_s_d, HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -42,8 +48,10 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, we
     assert x.stride(-1) == 1 and conv_state.stride(-1) == 1 and weight.is_contiguous() and K >= 2
     out = torch.empty(b, D, dtype=weight.dtype, device=x.device)
     block = 256
+    pdl = pdl_enabled(x)
     _conv_step_kernel[(b, triton.cdiv(D, block))](
         x, conv_state, slots, weight, weight if bias is None else bias, out, D, x.stride(0), out.stride(0),
         conv_state.stride(0), conv_state.stride(1), HAS_BIAS=bias is not None, K=K, BLOCK_D=block,
+        PDL=pdl, launch_pdl=pdl,
     )
     return out

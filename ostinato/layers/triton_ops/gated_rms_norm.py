@@ -6,10 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 
 @triton.jit
 def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, stride_out, eps,
-                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                           GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs = tl.program_id(1) * GROUP + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < GROUP
@@ -29,6 +34,8 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     assert y.stride(-1) == 1 and z.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == dtype
     out = torch.empty(T, inter, dtype=dtype, device=y.device)
     group = inter // groups
+    pdl = pdl_enabled(y)
     _gated_rms_norm_kernel[(T, groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), float(eps),
-                                        GROUP=group, BLOCK=triton.next_power_of_2(group))
+                                        GROUP=group, BLOCK=triton.next_power_of_2(group), PDL=pdl,
+                                        launch_pdl=pdl)
     return out

@@ -9,13 +9,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 
 @triton.jit
 def _rms_norm_kernel(
     X, Residual, W, Out, New_residual,
     stride_x, stride_r, stride_o, stride_nr, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -42,10 +47,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if x2.shape[0] == 0:
         return
     block = triton.next_power_of_2(n)
+    pdl = pdl_enabled(x)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out2, nr2,
         x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), n, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        PDL=pdl, launch_pdl=pdl,
     )
 
 

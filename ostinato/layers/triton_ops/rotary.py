@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -63,8 +65,11 @@ def _rotary_kernel(
     Positions, Q, K, Cos_sin, QW, KW,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks: tl.constexpr = (NUM_Q_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -97,12 +102,14 @@ def _rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     block_half = triton.next_power_of_2(head_dim // 2)
     block_h = min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 512 // block_half))
     grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
+    pdl = pdl_enabled(q)
     _rotary_kernel[grid](
         positions, q, k, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,  # unread without the norm
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_NORM=has_norm, num_warps=4 if block_h * block_half >= 256 else 1,
+        PDL=pdl, launch_pdl=pdl,
     )
 
 

@@ -8,9 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -28,8 +33,10 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(n))
+    pdl = pdl_enabled(x)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4 if block >= 512 else 1, PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 MAX_M = 16
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -47,7 +49,7 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, PEEL: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,7 +64,21 @@ def _skinny_fma_kernel(
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
+    k_first = 0
+    if PEEL:  # the first whole W tile (none if k_full is 0: masked to zeros, adding 0) loaded before PDL's wait
+        k_first = tl.minimum(k_full, BLOCK_K)
+        first = offs_k < k_first
+        w0 = tl.load(w_ptrs, mask=first, other=0.0).to(tl.float32)
+        if GATED:
+            u0 = tl.load(u_ptrs, mask=first, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x = tl.load(x_ptrs, mask=m_mask & first, other=0.0).to(tl.float32)
+        acc += x * w0
+        if GATED:
+            acc_u += x * u0
+    for k in tl.range(k_first, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0).to(tl.float32)
         acc += x * tl.load(w_ptrs + k).to(tl.float32)
         if GATED:
@@ -84,7 +100,7 @@ def _skinny_fma_kernel(
 def _skinny_dot_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    K_SPLIT: tl.constexpr, GATED: tl.constexpr,
+    K_SPLIT: tl.constexpr, GATED: tl.constexpr, PEEL: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
     # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
@@ -101,7 +117,21 @@ def _skinny_dot_kernel(
     acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
+    k_first = 0
+    if PEEL:  # as in the FMA kernel: the first whole W tile before PDL's wait
+        k_first = tl.minimum(k_full, BLOCK_K)
+        first = offs_k < k_first
+        w0 = tl.load(w_ptrs, mask=first, other=0.0)
+        if GATED:
+            u0 = tl.load(u_ptrs, mask=first, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x = tl.load(x_ptrs, mask=m_mask & first, other=0.0)
+        acc = tl.dot(x, tl.trans(w0, (0, 2, 1)), acc)
+        if GATED:
+            acc_u = tl.dot(x, tl.trans(u0, (0, 2, 1)), acc_u)
+    for k in tl.range(k_first, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k), (0, 2, 1)), acc)
         if GATED:
@@ -231,7 +261,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, gate
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig | None,
-            gated: bool = False) -> None:
+            gated: bool = False, peel: bool = False) -> None:
+    """`peel`: run the first K tile ahead of the loop, as PDL does (on for PDL; the CPU tests set it, to
+    compare the peeled kernel with the plain one in Triton's interpreter, where PDL's wait does not exist)."""
     (m, k), n = x.shape, out.shape[1]  # gated: n = I, half of weight's rows
     if m == 0 or n == 0:
         return
@@ -241,8 +273,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
     cfg = config or config_for(m, n, k, _num_sms(x.device), gated)
     grid = (triton.cdiv(n, cfg.block_n),)
     args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    pdl = pdl_enabled(x)
     meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                GATED=gated, PEEL=peel or pdl, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
     assert cfg.m_pad >= m
     if cfg.use_dot:
         assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16

@@ -11,13 +11,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 
 @triton.jit
 def _ssm_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_ptr, cu_ptr, a_ptr, d_ptr, dtb_ptr,
                      dt_min, dt_max, stride_x, stride_dt, stride_b, stride_c, stride_y,
                      stride_s_slot, stride_s_h, stride_s_p,
                      HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr, DECODE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, DECODE: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
@@ -66,11 +71,12 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor
     R = T if cu_seqlens is None else cu_seqlens.shape[0] - 1
     block_p = min(16, triton.next_power_of_2(head_dim))
     grid = (R, num_heads, triton.cdiv(head_dim, block_p))
+    pdl = pdl_enabled(x)
     _ssm_scan_kernel[grid](
         x, dt, B, C, y, state, slots, slots if cu_seqlens is None else cu_seqlens, A_log, D, dt_bias,
         float(dt_min), float(dt_max), x.stride(0), dt.stride(0), B.stride(0), C.stride(0), y.stride(0),
         state.stride(0), state.stride(1), state.stride(2),
         HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N),
-        DECODE=cu_seqlens is None,
+        DECODE=cu_seqlens is None, PDL=pdl, launch_pdl=pdl,
     )
     return y

@@ -1,0 +1,38 @@
+"""Programmatic Dependent Launch (PDL, Hopper and later) for the Triton kernels of a decode step.
+
+A decode step is a chain of a few hundred short kernels, and each kernel boundary costs the tail of one kernel
+plus the launch and ramp-up of the next. With PDL a kernel may start while the kernel before it is still
+finishing: its programs get resident, do what needs nothing from earlier kernels (a GEMV loads its first tile
+of weights), and then wait. Measured on an H200 (`benchmarks/bench_pdl.py`): 0.3-0.7 us less per kernel in a
+CUDA graph.
+
+The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL: tl.constexpr`:
+- every program calls `gdc_wait()` before it reads anything an earlier kernel wrote and before it writes
+  anything (an earlier kernel may still be reading the buffer); only weights and other tensors no kernel of
+  the step writes may be read before it. `gdc_wait` returns once the previous grid has completed and its
+  writes are visible, and that grid completed only after its own wait: so all earlier kernels are done;
+- right after the wait it calls `gdc_launch_dependents()`, which lets the next kernel's programs be scheduled
+  (they spin in their own wait). It never makes the next kernel's wait return early.
+A kernel that is not launched with PDL (cuBLAS, torch ops) simply waits for its predecessor as usual.
+
+On the CPU (Triton's interpreter) and before Hopper the flag is off and the kernels are the plain ones: the
+CPU tests run the same code minus the wait. `OSTINATO_PDL=0` turns it off (for comparison: the GPU test and
+`bench_decode.py --pdl` run both ways and compare outputs bit for bit).
+"""
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("OSTINATO_PDL", "1") != "0"
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether kernels working on `t` launch with PDL: a CUDA tensor on Hopper or later, and not switched off."""
+    return ENABLED and t.is_cuda and _supported(t.get_device())

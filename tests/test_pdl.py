@@ -1,0 +1,50 @@
+"""Programmatic Dependent Launch (layers/triton_ops/pdl.py): whether it is on, and, on a Hopper GPU, that a
+model's decode with PDL gives the bits it gives without (a kernel reading before its wait would read a stale
+activation or the previous step's, and the logprobs would differ). The CPU twin of the one kernel whose code
+changes shape under PDL, the skinny GEMM's peeled first tile, is in test_skinny_gemm.py."""
+
+import pytest
+import torch
+
+from ostinato import LLM, SamplingParams
+from ostinato.layers.triton_ops import pdl
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def test_off_for_cpu_tensors_and_when_switched_off(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert not pdl.enabled(torch.empty(1))
+    if HOPPER:
+        assert pdl.enabled(torch.empty(1, device="cuda"))
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        assert not pdl.enabled(torch.empty(1, device="cuda"))
+
+
+def generate(model: str, prompts: list[dict]) -> list:
+    llm = LLM(model, load_format="dummy", max_total_tokens=40_000, max_running_requests=16,
+              cuda_graph_bs=[1, 2, 4, 8, 16], disable_radix_cache=True)
+    try:
+        greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+                              use_tqdm=False)
+        sampled = llm.generate(prompts, [SamplingParams(temperature=0.6, top_p=0.9, max_tokens=24, ignore_eos=True,
+                                                        seed=i, logprobs=2) for i in range(len(prompts))],
+                               use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in greedy + sampled]
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (or later) GPU")
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-0.6b", "granite-4.0-h-1b"])
+def test_decode_with_pdl_gives_the_bits_without(model, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, 30_000, (int(n),), generator=gen).tolist()}
+               for n in (5, 130, 47, 600, 9, 260)]
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        runs[on] = generate(model, prompts)
+    for i, (off, on) in enumerate(zip(runs[False], runs[True], strict=True)):
+        assert off[0] == on[0], f"request {i}: tokens differ with PDL"
+        assert off[1] == on[1], f"request {i}: logprobs differ with PDL"
