@@ -199,7 +199,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
             rows.append(row)
             extra = (f"{row['launches']:>9.0f}{row['step_launches']:>7.0f}{row['kernel_ms']:>9.3f}{row['gap_ms']:>8.3f}"
                      if args.launches else "")
-            print(f"{name:<14}{kv_dtype:>9}{page_size:>5}{rope_store:>9}{use_pdl:>4}{bs:>5}{ctx:>7}{mode:>11}{step_ms:>10.3f}"
+            print(f"{name:<14}{kv_dtype:>9}{page_size:>5}{rope_store:>9}{use_pdl:>4}{bs:>5}{ctx:>7}{mode:>11}"
+                  f"{step_ms:>10.3f}"
                   f"{fwd_ms:>10.3f}{floor_ms:>9.3f}{extra}", flush=True)
         if f"{bs}:{ctx}" in (args.profile or []):
             profile_steps(runner, sched)

@@ -1,7 +1,7 @@
 """Programmatic Dependent Launch (layers/triton_ops/pdl.py): whether it is on, and, on a Hopper GPU, that a
 model's decode with PDL gives the bits it gives without (a kernel reading before its wait would read a stale
-activation or the previous step's, and the logprobs would differ). The CPU twin of the one kernel whose code
-changes shape under PDL, the skinny GEMM's peeled first tile, is in test_skinny_gemm.py."""
+activation or the previous step's, and the logprobs would differ). Under PDL a kernel only waits first: the
+CPU tests run the same kernels, without the wait, in Triton's interpreter."""
 
 import pytest
 import torch

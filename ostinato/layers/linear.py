@@ -3,7 +3,9 @@
 At a few rows a linear layer is a read of its weight. cuBLAS reads the o_proj / down_proj shapes at
 1.4-2.4 TB/s at M = 1 (few CTAs, or split-K plus a reduce kernel); the skinny kernel at 1.8-3.3 on an H200
 (`benchmarks/bench_skinny_gemm.py`). It loses on wide outputs (gate_up, N = 8 K: 0.86-0.99x), and on
-qkv-shaped ones (N = 1.5 K) once M > 4, so those stay on cuBLAS. The choice depends only on shapes, so a
+qkv-shaped ones (N = 1.5 K) once M > 4, so those stay on cuBLAS. Granite-4.0-H's Mamba in_proj (N = 4.2 K) it
+takes at M <= 2 (1.01x and 1.13x, 0.93x at M = 4), where it also keeps the step's chain of Programmatic
+Dependent Launches unbroken (`triton_ops/pdl.py`). The choice depends only on shapes, so a
 captured graph keeps the one it made at capture.
 """
 
@@ -18,8 +20,9 @@ GATED_MAX_M = 4  # the gated kernel's FMA path; its tensor-core path (M > 4) is 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
     """Whether x [m, k] @ W [n, k]^T is faster on the skinny kernel than on cuBLAS (measured shapes:
-    N x K = 2048 x 2048, 2048 x 8192 at M <= 16 faster; 3072 x 2048 faster at M <= 4; 16384 x 2048 never)."""
-    return m <= 16 and (n <= k or (m <= 4 and n <= 2 * k))
+    N x K = 2048 x 2048, 2048 x 8192 at M <= 16 faster; 3072 x 2048 faster at M <= 4; 6448 x 1536 at M <= 2;
+    16384 x 2048 never)."""
+    return m <= 16 and (n <= k or (m <= 4 and n <= 2 * k) or (m <= 2 and n <= 5 * k))
 
 
 def _cuda_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

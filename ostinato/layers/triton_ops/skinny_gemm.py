@@ -49,7 +49,7 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    GATED: tl.constexpr, PEEL: tl.constexpr = False, PDL: tl.constexpr = False,
+    GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,21 +64,10 @@ def _skinny_fma_kernel(
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    k_first = 0
-    if PEEL:  # the first whole W tile (none if k_full is 0: masked to zeros, adding 0) loaded before PDL's wait
-        k_first = tl.minimum(k_full, BLOCK_K)
-        first = offs_k < k_first
-        w0 = tl.load(w_ptrs, mask=first, other=0.0).to(tl.float32)
-        if GATED:
-            u0 = tl.load(u_ptrs, mask=first, other=0.0).to(tl.float32)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        x = tl.load(x_ptrs, mask=m_mask & first, other=0.0).to(tl.float32)
-        acc += x * w0
-        if GATED:
-            acc_u += x * u0
-    for k in tl.range(k_first, k_full, BLOCK_K, num_stages=NUM_STAGES):
+    if PDL:  # layers/triton_ops/pdl.py: x is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0).to(tl.float32)
         acc += x * tl.load(w_ptrs + k).to(tl.float32)
         if GATED:
@@ -100,7 +89,7 @@ def _skinny_fma_kernel(
 def _skinny_dot_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    K_SPLIT: tl.constexpr, GATED: tl.constexpr, PEEL: tl.constexpr = False, PDL: tl.constexpr = False,
+    K_SPLIT: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
     # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
@@ -117,21 +106,10 @@ def _skinny_dot_kernel(
     acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    k_first = 0
-    if PEEL:  # as in the FMA kernel: the first whole W tile before PDL's wait
-        k_first = tl.minimum(k_full, BLOCK_K)
-        first = offs_k < k_first
-        w0 = tl.load(w_ptrs, mask=first, other=0.0)
-        if GATED:
-            u0 = tl.load(u_ptrs, mask=first, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        x = tl.load(x_ptrs, mask=m_mask & first, other=0.0)
-        acc = tl.dot(x, tl.trans(w0, (0, 2, 1)), acc)
-        if GATED:
-            acc_u = tl.dot(x, tl.trans(u0, (0, 2, 1)), acc_u)
-    for k in tl.range(k_first, k_full, BLOCK_K, num_stages=NUM_STAGES):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k), (0, 2, 1)), acc)
         if GATED:
@@ -261,9 +239,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, gate
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig | None,
-            gated: bool = False, peel: bool = False) -> None:
-    """`peel`: run the first K tile ahead of the loop, as PDL does (on for PDL; the CPU tests set it, to
-    compare the peeled kernel with the plain one in Triton's interpreter, where PDL's wait does not exist)."""
+            gated: bool = False) -> None:
     (m, k), n = x.shape, out.shape[1]  # gated: n = I, half of weight's rows
     if m == 0 or n == 0:
         return
@@ -275,8 +251,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
     args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     pdl = pdl_enabled(x)
     meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                GATED=gated, PEEL=peel or pdl, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                GATED=gated, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert cfg.m_pad >= m
     if cfg.use_dot:
         assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16
