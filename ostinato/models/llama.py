@@ -12,7 +12,6 @@ Qwen3's q/k norm) fused with the KV store, attention, o_proj GEMM, add+norm, gat
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -26,7 +25,7 @@ from ostinato.layers.parallel_linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    gather_logits,
+    float_logits,
 )
 from ostinato.layers.rotary import RotaryEmbedding
 
@@ -132,12 +131,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits; with `out`, cast straight into it (one pass, no float32 temporary)."""
+        """float32 logits; with `out`, written into it (see `float_logits`)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = gather_logits(F.linear(hidden, weight), self.config.vocab_size)  # tp: every rank's slice
-        if out is None:
-            return logits.float()
-        return out.copy_(logits)
+        return float_logits(hidden, weight, self.config.vocab_size, out)
 
     # HF checkpoint name fragment -> (our fused parameter, shard index) for fused projections
     _stacked = {
