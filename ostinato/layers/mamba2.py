@@ -36,7 +36,6 @@ from ostinato.layers.mamba_tables import MambaStepTables, step_tables
 MAMBA_OP_NAME = "ostinato::mamba_mixer"
 MAMBA_SPLIT_OPS = [MAMBA_OP_NAME]  # for the piecewise-graph splitter: ops whose state lives outside the graph
 SSD_CHUNK = 64  # the Triton SSD kernels' chunk length (the torch reference takes the config's)
-FUSE_CONV_STEP = True  # decode at <= 2 rows: the conv step in in_proj's launch (`in_proj_with_conv_step`)
 
 
 # ---------------------------------------------------------------------------- torch reference pieces
@@ -340,7 +339,7 @@ def in_proj_with_conv_step(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_s
     and the request windows shifted, for `mamba_mixer(..., conv_applied=True)`. One launch fewer a Mamba layer
     (the conv step alone took ~2.4 us at bs 1 on an H200). None where it does not apply (CPU, an extend or mixed
     step, torch.compile tracing, more rows): then in_proj runs alone and the mixer convolves."""
-    if not x.is_cuda or torch.compiler.is_compiling() or x.dim() != 2 or not FUSE_CONV_STEP:
+    if not x.is_cuda or torch.compiler.is_compiling() or x.dim() != 2:
         return None
     from ostinato.attention.forward_batch import ForwardMode
     from ostinato.layers.linear import prefers_skinny

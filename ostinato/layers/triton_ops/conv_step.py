@@ -21,17 +21,18 @@ def _conv_step_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, b_ptr, out_ptr, D, stri
     mask = offs < D
     slot = tl.load(slot_ptr + r)
     s_base = state_ptr + slot * stride_s_slot + offs * stride_s_d
-    # window = [state[0], ..., state[K-2], x]; out = sum_k window[k] * w[:, k], summed in window order (the
-    # fused in_proj + conv step, skinny_gemm._conv_window / _conv_step_epilogue, sums alike: the same bits)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for k in tl.static_range(K - 1):
-        s = tl.load(s_base + k, mask=mask, other=0.0)
-        acc += s.to(tl.float32) * tl.load(w_ptr + offs * K + k, mask=mask, other=0.0).to(tl.float32)
-        if k > 0:
-            tl.store(s_base + k - 1, s, mask=mask)  # shift left: the window minus its oldest input
     x = tl.load(x_ptr + r * stride_x + offs, mask=mask, other=0.0)
-    acc += x.to(tl.float32) * tl.load(w_ptr + offs * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
-    tl.store(s_base + K - 2, x.to(state_ptr.dtype.element_ty), mask=mask)
+    # window = [state[0], ..., state[K-2], x]; out = sum_k window[k] * w[:, k]
+    acc = x.to(tl.float32) * tl.load(w_ptr + offs * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    prev = tl.load(s_base, mask=mask, other=0.0)
+    for k in tl.static_range(K - 1):
+        cur = prev
+        if k + 1 < K - 1:
+            prev = tl.load(s_base + k + 1, mask=mask, other=0.0)
+        else:
+            prev = x.to(cur.dtype)
+        acc += cur.to(tl.float32) * tl.load(w_ptr + offs * K + k, mask=mask, other=0.0).to(tl.float32)
+        tl.store(s_base + k, prev, mask=mask)  # shift left: the window minus its oldest input
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     out = acc / (1.0 + tl.exp(-acc))

@@ -46,14 +46,12 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _conv_window(offs_m, offs_n, M, Slots, State, CW, conv_start, conv_dim, stride_ss, stride_sd,
-                 BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, CONV_K: tl.constexpr):
-    """The Mamba2 decode conv step's first part (`conv_step.py`'s arithmetic, in its order) for the output columns
-    [conv_start, conv_start + conv_dim) among offs_n: each row's stored window State[Slots[m], ch, :] times the
-    first K-1 taps, summed in window order, and the window shifted left in place (its last entry is written in
-    `_conv_step_epilogue`). It needs nothing of the GEMV, so it runs before the K loop and its loads overlap the
-    weights'. Each column is this program's alone: no other program reads its window. Returns (is_conv [BLOCK_N],
-    mask [M_PAD, BLOCK_N], window pointers, partial sums)."""
+def _conv_step_epilogue(y, offs_m, offs_n, M, Slots, State, CW, CB, conv_start, conv_dim, stride_ss, stride_sd,
+                        dtype: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr):
+    """The Mamba2 decode conv step (`conv_step.py`'s arithmetic, in its order) on the output columns
+    [conv_start, conv_start + conv_dim) of y [M_PAD, BLOCK_N] (float32 sums): each row's column, as stored in
+    `dtype`, joins its request's stored window State[Slots[m], ch, :] (shifted in place); returns y with those
+    columns replaced by silu(conv). Each column is this program's alone, so no other program reads its state."""
     ch = offs_n - conv_start
     is_conv = (ch >= 0) & (ch < conv_dim)
     ch = tl.where(is_conv, ch, 0)
@@ -61,24 +59,17 @@ def _conv_window(offs_m, offs_n, M, Slots, State, CW, conv_start, conv_dim, stri
     slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
     mask = m_ok[:, None] & is_conv[None, :]
     base = State + slot[:, None] * stride_ss + ch[None, :] * stride_sd
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for k in tl.static_range(CONV_K - 1):
-        s = tl.load(base + k, mask=mask, other=0.0)
-        acc += s.to(tl.float32) * tl.load(CW + ch * CONV_K + k, mask=is_conv, other=0.0).to(tl.float32)[None, :]
-        if k > 0:
-            tl.store(base + k - 1, s, mask=mask)
-    return is_conv, mask, base, acc
-
-
-@triton.jit
-def _conv_step_epilogue(y, is_conv, mask, base, acc, offs_n, conv_start, CW, CB, dtype: tl.constexpr,
-                        CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr):
-    """The conv step's second part: y [M_PAD, BLOCK_N] (float32 sums) as stored in `dtype` is the window's new
-    last entry; returns y with the conv columns replaced by silu(conv)."""
-    ch = tl.where(is_conv, offs_n - conv_start, 0)
     x = y.to(dtype)
-    acc += x.to(tl.float32) * tl.load(CW + ch * CONV_K + (CONV_K - 1), mask=is_conv, other=0.0).to(tl.float32)[None, :]
-    tl.store(base + CONV_K - 2, x.to(base.dtype.element_ty), mask=mask)
+    acc = x.to(tl.float32) * tl.load(CW + ch * CONV_K + (CONV_K - 1), mask=is_conv, other=0.0).to(tl.float32)[None, :]
+    prev = tl.load(base, mask=mask, other=0.0)
+    for k in tl.static_range(CONV_K - 1):
+        cur = prev
+        if k + 1 < CONV_K - 1:
+            prev = tl.load(base + k + 1, mask=mask, other=0.0)
+        else:
+            prev = x.to(cur.dtype)
+        acc += cur.to(tl.float32) * tl.load(CW + ch * CONV_K + k, mask=is_conv, other=0.0).to(tl.float32)[None, :]
+        tl.store(base + k, prev, mask=mask)
     if CONV_BIAS:
         acc += tl.load(CB + ch, mask=is_conv, other=0.0).to(tl.float32)[None, :]
     return tl.where(is_conv[None, :], acc / (1.0 + tl.exp(-acc)), y)
@@ -108,9 +99,6 @@ def _skinny_fma_kernel(
     if PDL:  # layers/triton_ops/pdl.py: x is the previous kernel's output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if CONV:
-        is_conv, c_mask, c_base, c_acc = _conv_window(offs_m, offs_n, M, Slots, State, CW, conv_start, conv_dim,
-                                                      stride_ss, stride_sd, BLOCK_N, M_PAD, CONV_K)
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0).to(tl.float32)
         acc += x * tl.load(w_ptrs + k).to(tl.float32)
@@ -126,8 +114,8 @@ def _skinny_fma_kernel(
     if GATED:
         y = _silu_mul(y, tl.sum(acc_u, axis=2), Out.dtype.element_ty)
     if CONV:
-        y = _conv_step_epilogue(y, is_conv, c_mask, c_base, c_acc, offs_n, conv_start, CW, CB, Out.dtype.element_ty,
-                                CONV_K, CONV_BIAS)
+        y = _conv_step_epilogue(y, offs_m, offs_n, M, Slots, State, CW, CB, conv_start, conv_dim, stride_ss,
+                                stride_sd, Out.dtype.element_ty, CONV_K, CONV_BIAS)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
