@@ -41,36 +41,6 @@ def test_graph_replay_gives_the_eager_tokens(granite, n):
     granite.engine.check_memory_leak()
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_in_proj_with_the_conv_step_gives_the_unfused_tokens(granite, n, monkeypatch):
-    """At <= 2 decode rows in_proj runs the conv step in its epilogue (`in_proj_with_conv_step`): the same bits as
-    in_proj, then the mixer's conv step (eager both ways; a replay of the fused graphs is the test above)."""
-    from ostinato.models import granite_hybrid
-
-    runner = granite.engine.runner
-    prompts = _prompts(runner.vocab_size, n, seed=10 + n)
-    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
-    graphs, runner.graph_runner = runner.graph_runner, None
-    fused_calls = []
-    fused_fn = granite_hybrid.in_proj_with_conv_step
-
-    def counted(*args):
-        out = fused_fn(*args)
-        fused_calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(granite_hybrid, "in_proj_with_conv_step", counted)
-    try:
-        fused = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in granite.generate(prompts, sp, use_tqdm=False)]
-        monkeypatch.setattr(granite_hybrid, "in_proj_with_conv_step", lambda *a: None)
-        unfused = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
-                   for o in granite.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        runner.graph_runner = graphs
-    assert any(fused_calls) and fused == unfused  # the decode steps took the fused launch
-    granite.engine.check_memory_leak()
-
-
 def test_chunked_prefill_continues_the_state(granite):
     """The same prompt, prefilled whole and cut into chunks (by a smaller chunk budget): same tokens."""
     runner = granite.engine.runner

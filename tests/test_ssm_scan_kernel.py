@@ -228,33 +228,6 @@ def test_conv_step_kernel_matches_torch(bias):
     assert torch.equal(state[[1, 3]], untouched)
 
 
-# in_proj and the decode conv step in one skinny GEMM launch: the bits of skinny_linear then conv_step on the
-# xBC columns, the same windows after; z / dt columns untouched by the conv; rows M = 1, 2, 4 (a padded graph row
-# on the sink slot among them); conv state in the model dtype and in float32
-@pytest.mark.parametrize("m,state_dtype,bias", [(1, torch.float16, True), (2, torch.float32, False),
-                                                (4, torch.float16, False)])
-def test_in_proj_with_conv_step_equals_in_proj_then_conv_step(m, state_dtype, bias):
-    from ostinato.layers.triton_ops.conv_step import conv_step
-    from ostinato.layers.triton_ops.skinny_gemm import ConvStep, skinny_linear, skinny_linear_conv_step
-
-    g = torch.Generator().manual_seed(m)
-    hidden, inter, conv_dim, heads, K = 48, 40, 72, 6, 4  # N = 158: columns of z, xBC and dt in mixed tiles
-    x = torch.randn(m, hidden, generator=g).half().to(DEVICE)
-    w = (torch.randn(inter + conv_dim + heads, hidden, generator=g) * 0.2).half().to(DEVICE)
-    cw = torch.randn(conv_dim, K, generator=g).half().to(DEVICE)
-    cb = torch.randn(conv_dim, generator=g).half().to(DEVICE) if bias else None
-    state = torch.randn(6, conv_dim, K - 1, generator=g).to(state_dtype).to(DEVICE)
-    slots = torch.tensor([4, 0, 5, 0][:m], device=DEVICE)
-    ref_state = state.clone()
-    ref = skinny_linear(x, w)
-    ref[:, inter : inter + conv_dim] = conv_step(ref[:, inter : inter + conv_dim], ref_state, slots, cw, cb)
-    got = skinny_linear_conv_step(x, w, ConvStep(state, slots, cw, cb, inter))
-    real = [0] if m == 4 else list(range(m))  # m = 4: rows 1 and 3 share slot 0, as padded rows share the sink
-    assert torch.equal(got[real], ref[real]) and torch.equal(state[[4, 5, 1]], ref_state[[4, 5, 1]])
-    assert torch.equal(got[:, :inter], ref[:, :inter]) and torch.equal(got[:, inter + conv_dim :],
-                                                                         ref[:, inter + conv_dim :])
-
-
 @pytest.mark.parametrize("bias,dtype", [(True, torch.float32), (False, torch.bfloat16)])
 def test_conv_extend_kernel_matches_torch(bias, dtype):
     """The varlen extend conv against the torch gather conv: requests of 1 and 2 tokens (fewer than K-1: the

@@ -198,15 +198,12 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                         A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, num_heads: int, head_dim: int,
                         groups: int, state_size: int, chunk: int, eps: float, dt_min: float, dt_max: float,
                         slots: torch.Tensor, extend_lens: list[int] | None, use_triton: bool = False,
-                        tables: MambaStepTables | None = None, conv_applied: bool = False) -> torch.Tensor:
+                        tables: MambaStepTables | None = None) -> torch.Tensor:
     """The mixer over a batch: `extend_lens` per request for an extend, None for a decode (one token each).
     `use_triton`: the SSM recurrence, the decode conv step and the gated norm run in Triton kernels.
     `tables` (an extend only): a captured step's layout (layers/mamba_tables.py), which then replaces
     `extend_lens` and `slots`: Triton launches at the tables' bounds, or on the CPU the same requests (the
-    padding one included) through the torch path. `conv_applied` (a Triton decode only): zxbcdt's xBC columns
-    are already silu(conv) and the windows shifted (`in_proj_with_conv_step`)."""
-    if conv_applied and (extend_lens is not None or not use_triton):
-        raise ValueError("conv_applied: only a decode step through the Triton kernels takes a fused conv step")
+    padding one included) through the torch path."""
     if tables is not None and extend_lens is not None and not use_triton:
         extend_lens, slots, tables = tables.lens(), tables.slots[: tables.num_reqs], None
     inter = num_heads * head_dim
@@ -217,8 +214,7 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         from ostinato.layers.triton_ops.conv_step import conv_step  # lazily: see triton_ops' docstring
         from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
-        conv_out = xbc if conv_applied else conv_step(xbc, conv_state, slots, conv_weight, conv_bias)
-        x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
+        x, Bm, Cm = conv_step(xbc, conv_state, slots, conv_weight, conv_bias).split([inter, gn, gn], dim=-1)
         y = ssm_scan(x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim, groups)
     elif extend_lens is None:
         conv_out, new_conv = causal_conv_step(xbc, conv_state[slots], conv_weight, conv_bias)
@@ -300,10 +296,9 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
 def mamba_mixer(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_weight: torch.Tensor,
                 conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
                 norm_weight: torch.Tensor, num_heads: int, head_dim: int, groups: int, state_size: int, chunk: int,
-                eps: float, dt_min: float, dt_max: float, conv_applied: bool = False) -> torch.Tensor:
+                eps: float, dt_min: float, dt_max: float) -> torch.Tensor:
     """zxbcdt [T, I + conv_dim + H] -> [T, I]; conv_state [slots, conv_dim, K-1] and ssm_state
-    [slots, H, P, N] are this layer's views of the MambaPool, updated at the batch's Mamba slots.
-    `conv_applied`: a decode step's in_proj already ran the conv step (`in_proj_with_conv_step`)."""
+    [slots, H, P, N] are this layer's views of the MambaPool, updated at the batch's Mamba slots."""
     from ostinato.attention.forward_batch import ForwardMode
 
     batch = _batch()
@@ -319,36 +314,11 @@ def mamba_mixer(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch
     # output is zeros (never read, see graphs/piecewise)
     out = mamba_mixer_forward(zxbcdt[:real], conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                               norm_weight, num_heads, head_dim, groups, state_size, chunk, eps, dt_min, dt_max,
-                              batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda, tables=tables,
-                              conv_applied=conv_applied)
+                              batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda, tables=tables)
     return out if real == padded else F.pad(out, (0, 0, 0, padded - real))
 
 
 @mamba_mixer.register_fake
 def _(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, num_heads, head_dim,
-      groups, state_size, chunk, eps, dt_min, dt_max, conv_applied=False):
+      groups, state_size, chunk, eps, dt_min, dt_max):
     return zxbcdt.new_empty(zxbcdt.shape[0], num_heads * head_dim)
-
-
-def in_proj_with_conv_step(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_state: torch.Tensor,
-                           conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                           intermediate: int) -> torch.Tensor | None:
-    """A CUDA decode step's in_proj with the conv step in the same launch, where the skinny kernel takes in_proj
-    (at most 2 rows, `layers/linear.prefers_skinny`): zxbcdt with its xBC columns (after the `intermediate` z
-    columns) already silu(conv)
-    and the request windows shifted, for `mamba_mixer(..., conv_applied=True)`. One launch fewer a Mamba layer
-    (the conv step alone took ~2.4 us at bs 1 on an H200). None where it does not apply (CPU, an extend or mixed
-    step, torch.compile tracing, more rows): then in_proj runs alone and the mixer convolves."""
-    if not x.is_cuda or torch.compiler.is_compiling() or x.dim() != 2:
-        return None
-    from ostinato.attention.forward_batch import ForwardMode
-    from ostinato.layers.linear import prefers_skinny
-    from ostinato.layers.triton_ops import skinny_gemm
-
-    batch = _batch()
-    if batch.mode is not ForwardMode.DECODE or batch.mamba_slots is None:
-        return None
-    if not (prefers_skinny(x.shape[0], *in_proj_weight.shape) and skinny_gemm.conv_step_fusable(x, in_proj_weight)):
-        return None
-    conv = skinny_gemm.ConvStep(conv_state, batch.mamba_slots, conv_weight, conv_bias, intermediate)
-    return skinny_gemm.skinny_linear_conv_step(x, in_proj_weight, conv)

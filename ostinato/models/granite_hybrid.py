@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 from ostinato.attention.base import AttentionSpec
 from ostinato.attention.op import attention
 from ostinato.layers.linear import Linear, gate_up_silu
-from ostinato.layers.mamba2 import in_proj_with_conv_step, mamba_mixer
+from ostinato.layers.mamba2 import mamba_mixer
 from ostinato.layers.norm import RMSNorm
 from ostinato.mem.mamba_pool import MambaPool
 
@@ -92,17 +92,9 @@ class Mamba2Mixer(nn.Module):
         self.ssm_state: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        conv_weight = self.conv1d.weight.squeeze(1)
-        zxbcdt = None
-        if self.in_proj.bias is None:  # a CUDA decode step at <= 2 rows: in_proj and the conv step in one launch
-            zxbcdt = in_proj_with_conv_step(x, self.in_proj.weight, self.conv_state, conv_weight, self.conv1d.bias,
-                                            self.intermediate)
-        conv_applied = zxbcdt is not None
-        if zxbcdt is None:
-            zxbcdt = self.in_proj(x)
-        y = mamba_mixer(zxbcdt, self.conv_state, self.ssm_state, conv_weight, self.conv1d.bias, self.dt_bias,
-                        self.A_log, self.D, self.norm.weight, self.num_heads, self.head_dim, self.groups,
-                        self.state_size, self.chunk, self.eps, self.dt_min, self.dt_max, conv_applied)
+        y = mamba_mixer(self.in_proj(x), self.conv_state, self.ssm_state, self.conv1d.weight.squeeze(1),
+                        self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, self.num_heads,
+                        self.head_dim, self.groups, self.state_size, self.chunk, self.eps, self.dt_min, self.dt_max)
         return self.out_proj(y)
 
 

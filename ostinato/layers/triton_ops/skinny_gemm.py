@@ -46,42 +46,10 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _conv_step_epilogue(y, offs_m, offs_n, M, Slots, State, CW, CB, conv_start, conv_dim, stride_ss, stride_sd,
-                        dtype: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr):
-    """The Mamba2 decode conv step (`conv_step.py`'s arithmetic, in its order) on the output columns
-    [conv_start, conv_start + conv_dim) of y [M_PAD, BLOCK_N] (float32 sums): each row's column, as stored in
-    `dtype`, joins its request's stored window State[Slots[m], ch, :] (shifted in place); returns y with those
-    columns replaced by silu(conv). Each column is this program's alone, so no other program reads its state."""
-    ch = offs_n - conv_start
-    is_conv = (ch >= 0) & (ch < conv_dim)
-    ch = tl.where(is_conv, ch, 0)
-    m_ok = offs_m < M
-    slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
-    mask = m_ok[:, None] & is_conv[None, :]
-    base = State + slot[:, None] * stride_ss + ch[None, :] * stride_sd
-    x = y.to(dtype)
-    acc = x.to(tl.float32) * tl.load(CW + ch * CONV_K + (CONV_K - 1), mask=is_conv, other=0.0).to(tl.float32)[None, :]
-    prev = tl.load(base, mask=mask, other=0.0)
-    for k in tl.static_range(CONV_K - 1):
-        cur = prev
-        if k + 1 < CONV_K - 1:
-            prev = tl.load(base + k + 1, mask=mask, other=0.0)
-        else:
-            prev = x.to(cur.dtype)
-        acc += cur.to(tl.float32) * tl.load(CW + ch * CONV_K + k, mask=is_conv, other=0.0).to(tl.float32)[None, :]
-        tl.store(base + k, prev, mask=mask)
-    if CONV_BIAS:
-        acc += tl.load(CB + ch, mask=is_conv, other=0.0).to(tl.float32)[None, :]
-    return tl.where(is_conv[None, :], acc / (1.0 + tl.exp(-acc)), y)
-
-
-@triton.jit
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
-    Slots, State, CW, CB, conv_start, conv_dim, stride_ss, stride_sd,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    GATED: tl.constexpr, PDL: tl.constexpr = False, CONV: tl.constexpr = False, CONV_K: tl.constexpr = 4,
-    CONV_BIAS: tl.constexpr = False,
+    GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,9 +81,6 @@ def _skinny_fma_kernel(
     y = tl.sum(acc, axis=2)
     if GATED:
         y = _silu_mul(y, tl.sum(acc_u, axis=2), Out.dtype.element_ty)
-    if CONV:
-        y = _conv_step_epilogue(y, offs_m, offs_n, M, Slots, State, CW, CB, conv_start, conv_dim, stride_ss,
-                                stride_sd, Out.dtype.element_ty, CONV_K, CONV_BIAS)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
@@ -273,18 +238,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, gate
         raise ValueError(f"out.stride(1) must be 1 (rows contiguous), got strides {out.stride()}")
 
 
-class ConvStep(NamedTuple):
-    """The Mamba2 decode conv step that skinny_linear_conv_step applies to columns [start, start + D) of its
-    output: conv_state [slots, D, K-1] (updated in place at `slots` [M]), weight [D, K], bias [D] or None."""
-    state: torch.Tensor
-    slots: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    start: int
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig | None,
-            gated: bool = False, conv: ConvStep | None = None) -> None:
+            gated: bool = False) -> None:
     (m, k), n = x.shape, out.shape[1]  # gated: n = I, half of weight's rows
     if m == 0 or n == 0:
         return
@@ -295,12 +250,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
     grid = (triton.cdiv(n, cfg.block_n),)
     args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     pdl = pdl_enabled(x)
-    if conv is None:
-        conv_args: tuple = (x, x, x, x, 0, 0, 0, 0)  # unread
-    else:
-        assert not cfg.use_dot and conv.state.stride(2) == 1 and conv.weight.is_contiguous()
-        conv_args = (conv.slots, conv.state, conv.weight, conv.weight if conv.bias is None else conv.bias,
-                     conv.start, conv.state.shape[1], conv.state.stride(0), conv.state.stride(1))
     meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
                 GATED=gated, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert cfg.m_pad >= m
@@ -308,11 +257,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
         assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16
         # one K slice a warp, each >= 16 (the MMA's K)
         _skinny_dot_kernel[grid](*args, **meta, K_SPLIT=min(cfg.num_warps, cfg.block_k // 16))
-    elif conv is None:
-        _skinny_fma_kernel[grid](*args, *conv_args, **meta)
     else:
-        _skinny_fma_kernel[grid](*args, *conv_args, **meta, CONV=True, CONV_K=conv.weight.shape[1],
-                                 CONV_BIAS=conv.bias is not None)
+        _skinny_fma_kernel[grid](*args, **meta)
 
 
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -372,25 +318,4 @@ def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
     _launch(x, weight, out, config, gated=True)
-    return out
-
-
-def conv_step_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether skinny_linear_conv_step takes (x, weight): the FMA kernel's row counts (M <= 4) on the GPU."""
-    return supports(x, weight) and x.shape[0] <= 4
-
-
-def skinny_linear_conv_step(x: torch.Tensor, weight: torch.Tensor, conv: ConvStep) -> torch.Tensor:
-    """skinny_linear(x, weight) [M, N] with the Mamba2 decode conv step applied to its columns
-    [conv.start, conv.start + D): those come out as silu(conv) of the request's stored window and the new value
-    (the value rounded to x's dtype, as `conv_step` reads it from a stored in_proj output), and the window is
-    shifted in place. The same bits as skinny_linear followed by `conv_step` on those columns, in one launch."""
-    _check(x, weight, None)
-    if x.shape[0] > 4:
-        raise ValueError(f"x.shape[0] (M = {x.shape[0]}) must be at most 4 for the fused conv step")
-    if not 0 <= conv.start <= weight.shape[0] - conv.state.shape[1]:
-        raise ValueError(f"conv.start ({conv.start}) + conv_dim ({conv.state.shape[1]}) must fit in N "
-                         f"({weight.shape[0]})")
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, None, conv=conv)
     return out
