@@ -37,8 +37,9 @@ def _decode_stage1_kernel(
     V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
     BITS_FACTOR: tl.constexpr = 1.0, WHOLE_BLOCKS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait; the next kernel is let in
-        tl.extra.cuda.gdc_wait()  # only after the key loop (below), as its waiting programs slowed this one
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,8 +105,6 @@ def _decode_stage1_kernel(
                 V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8,
             )
 
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     nonempty = l_i > 0
     out = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -161,8 +160,9 @@ def _decode_stage1_kv_group_kernel(
     against V as [keys x heads, HEAD_DIM]. The zeros cost tensor-core work, which is not the limit here; the
     softmax's work is no longer on padding rows. V is widened before it is reshaped, so it reaches the dot's
     layout as 16-bit values."""
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait; the next kernel is let in
-        tl.extra.cuda.gdc_wait()  # only after the key loop (below), as its waiting programs slowed this one
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_group = tl.program_id(1)
     split = tl.program_id(2)
@@ -211,8 +211,6 @@ def _decode_stage1_kv_group_kernel(
                 q, acc, m_i, l_i, n0, end, K_buf, V_buf, req_row, head0, stride_kbs, stride_vbs, offs_c, onehot,
                 qk_scale, ROWS, HEAD_DIM, KV_PER_PROG, BLOCK_N, PAGE, KV_FP8, PRECISION, MASK_N=True)
 
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     nonempty = l_i > 0
     out = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))

@@ -12,10 +12,8 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   anything (an earlier kernel may still be reading the buffer): ours call it first thing. It returns once the
   previous grid has completed and its writes are visible, and that grid completed only after its own wait:
   so all earlier kernels are done;
-- after the wait it calls `gdc_launch_dependents()`, which lets the next kernel's programs be scheduled (they
-  then wait on the SMs beside this kernel's). It never makes the next kernel's wait return early. Short kernels
-  call it right after the wait; the split-KV decode kernel calls it after its key loop, because the waiting
-  programs of the next kernel slowed its 1-warp fp8 programs (bs 32, context 4096: 2.02 -> 2.62 ms a step).
+- right after the wait it calls `gdc_launch_dependents()`, which lets the next kernel's programs be scheduled
+  (they spin in their own wait). It never makes the next kernel's wait return early.
 A kernel that is not launched with PDL (cuBLAS, torch ops) simply waits for its predecessor as usual.
 
 On the CPU (Triton's interpreter) and before Hopper the flag is off and the kernels are the plain ones: the
