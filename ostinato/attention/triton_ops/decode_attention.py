@@ -331,6 +331,10 @@ def decode_attention(
     v_scale = mid_lse if v_scale is None else v_scale
     per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group else 1
     pdl = pdl_enabled(q)
+    # stage 1 over an fp8 cache launches without PDL: with it, its programs ran slower (bs 32, context 4096:
+    # 2.01 -> 2.62 ms a step, `bench_decode.py --kv-cache-dtype fp8_e4m3 --pdl off on`), whether it let the next
+    # kernel in at its start or after its key loop
+    pdl1 = pdl and not fp8
     if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(bs, num_kv_heads // per_prog, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,
@@ -339,7 +343,7 @@ def decode_attention(
             mid_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, KV_PER_PROG=per_prog, BLOCK_N=block_n,
             PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
             FP16_DOT=bool(fp16_dot and fp8 and q.dtype != torch.float32), WHOLE_BLOCKS=bool(whole_blocks),
-            PRECISION=precision, PDL=pdl, launch_pdl=pdl,
+            PRECISION=precision, PDL=pdl1, launch_pdl=pdl1,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:
@@ -353,7 +357,7 @@ def decode_attention(
             BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
             FP16_DOT=bool((fp16_dot or cvt_bits) and fp8 and q.dtype != torch.float32),
             V_CVT=bool(v_cvt and fp8), CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
-            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), PDL=pdl, launch_pdl=pdl,
+            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), PDL=pdl1, launch_pdl=pdl1,
             num_warps=num_warps, num_stages=num_stages,
         )
     _decode_stage2_kernel[(bs, num_heads)](
