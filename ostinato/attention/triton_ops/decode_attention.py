@@ -35,11 +35,8 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
     V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
-    BITS_FACTOR: tl.constexpr = 1.0, WHOLE_BLOCKS: tl.constexpr = False, PDL: tl.constexpr = False,
+    BITS_FACTOR: tl.constexpr = 1.0, WHOLE_BLOCKS: tl.constexpr = False,
 ):
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,7 +147,7 @@ def _decode_stage1_kv_group_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    PRECISION: tl.constexpr,
 ):
     """Stage 1 for KV_PER_PROG consecutive KV heads per program, so all GROUP * KV_PER_PROG rows of the dots are
     real query heads (one KV head fills only GROUP of the 16 rows a dot needs). The heads of a slot are
@@ -160,9 +157,6 @@ def _decode_stage1_kv_group_kernel(
     against V as [keys x heads, HEAD_DIM]. The zeros cost tensor-core work, which is not the limit here; the
     softmax's work is no longer on padding rows. V is widened before it is reshaped, so it reaches the dot's
     layout as 16-bit values."""
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_group = tl.program_id(1)
     split = tl.program_id(2)
@@ -330,11 +324,10 @@ def decode_attention(
     k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
     v_scale = mid_lse if v_scale is None else v_scale
     per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group else 1
+    # stage 1 launches without PDL (layers/triton_ops/pdl.py), stage 2 with it: with PDL stage 1's programs ran
+    # slower at long contexts (Llama-3.2-1B, bs 32, context 4096: fp8 cache 2.01 -> 2.62 ms a step, bf16 2.16 ->
+    # 2.26), and at bs 1 it gained nothing measurable (0.948 against 0.952 ms)
     pdl = pdl_enabled(q)
-    # stage 1 over an fp8 cache launches without PDL: with it, its programs ran slower (bs 32, context 4096:
-    # 2.01 -> 2.62 ms a step, `bench_decode.py --kv-cache-dtype fp8_e4m3 --pdl off on`), whether it let the next
-    # kernel in at its start or after its key loop
-    pdl1 = pdl and not fp8
     if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(bs, num_kv_heads // per_prog, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,
@@ -343,7 +336,7 @@ def decode_attention(
             mid_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, KV_PER_PROG=per_prog, BLOCK_N=block_n,
             PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
             FP16_DOT=bool(fp16_dot and fp8 and q.dtype != torch.float32), WHOLE_BLOCKS=bool(whole_blocks),
-            PRECISION=precision, PDL=pdl1, launch_pdl=pdl1,
+            PRECISION=precision,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:
@@ -357,8 +350,8 @@ def decode_attention(
             BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
             FP16_DOT=bool((fp16_dot or cvt_bits) and fp8 and q.dtype != torch.float32),
             V_CVT=bool(v_cvt and fp8), CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
-            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), PDL=pdl1, launch_pdl=pdl1,
-            num_warps=num_warps, num_stages=num_stages,
+            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), num_warps=num_warps,
+            num_stages=num_stages,
         )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o, mid_lse, num_kv_splits, out,

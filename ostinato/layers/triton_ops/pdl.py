@@ -14,8 +14,8 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   so all earlier kernels are done;
 - right after the wait it calls `gdc_launch_dependents()`, which lets the next kernel's programs be scheduled
   (they spin in their own wait). It never makes the next kernel's wait return early.
-A kernel that is not launched with PDL (cuBLAS, torch ops, and the split-KV decode kernel over an fp8 cache,
-which ran slower with it) simply waits for its predecessor as usual.
+A kernel that is not launched with PDL (cuBLAS, torch ops, and stage 1 of the split-KV decode kernel, whose
+programs ran slower with it at long contexts) simply waits for its predecessor as usual.
 
 On the CPU (Triton's interpreter) and before Hopper the flag is off and the kernels are the plain ones: the
 CPU tests run the same code minus the wait. `OSTINATO_PDL=0` turns it off. `tests/test_pdl.py` checks on the GPU
