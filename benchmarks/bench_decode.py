@@ -149,14 +149,17 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
 
 
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
-                page_size: int = 1, rope_store: str = "fused", use_pdl: str = "on") -> tuple[list[dict], dict]:
+                page_size: int = 1, rope_store: str = "fused", use_pdl: str | None = None) -> tuple[list[dict], dict]:
     need = max(bs * (ctx + page_size) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
                        enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs,
                        kv_cache_dtype=kv_dtype, page_size=page_size)
     TritonAttentionBackend.fuse_rope_store = rope_store == "fused"  # read at each forward, so also by the capture
-    pdl.ENABLED = use_pdl == "on"  # read at each kernel launch, so also by the capture
+    pdl_before = pdl.ENABLED
+    if use_pdl is not None:  # else as OSTINATO_PDL set it
+        pdl.ENABLED = use_pdl == "on"  # read at each kernel launch, so also by the capture
+    use_pdl = "on" if pdl.ENABLED else "off"
     runner = ModelRunner(eargs, load_model_source(name, "dummy"))
     gc.collect()
     gc.freeze()  # as EngineCore does after start-up: no collection walks the model's objects mid-timing
@@ -206,7 +209,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
             profile_steps(runner, sched)
         for r in reqs:
             runner.kv_manager.release(r.req_pool_idx, r.kv_len)
-    meta = {"capture_seconds": gr.capture_seconds, "graph_memory_GiB": gr.graph_memory_bytes / 2**30,
+    meta = {"pdl": use_pdl, "capture_seconds": gr.capture_seconds, "graph_memory_GiB": gr.graph_memory_bytes / 2**30,
             "batch_sizes": gr.batch_sizes}
     runner.shutdown()
     del runner
@@ -214,7 +217,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     gc.collect()
     torch.cuda.empty_cache()
     TritonAttentionBackend.fuse_rope_store = None
-    pdl.ENABLED = True
+    pdl.ENABLED = pdl_before
     return rows, meta
 
 
@@ -246,8 +249,9 @@ def main() -> None:
     ap.add_argument("--page-size", nargs="+", type=int, default=[1], help="e.g. 1 16: one pass each")
     ap.add_argument("--rope-store", nargs="+", default=["fused"], choices=["fused", "unfused"],
                     help="rotary fused with the KV store or not (Triton backend): one pass each")
-    ap.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
-                    help="Programmatic Dependent Launch for the Triton kernels (Hopper): one pass each")
+    ap.add_argument("--pdl", nargs="+", default=[None], choices=["on", "off"],
+                    help="Programmatic Dependent Launch for the Triton kernels (Hopper): one pass each "
+                    "(default: as OSTINATO_PDL sets it, on)")
     ap.add_argument("--no-launches", dest="launches", action="store_false",
                     help="skip the launch count and gap columns (torch.profiler over a few steps per row)")
     ap.add_argument("--modes", nargs="+", default=["eager", "graph", "graph-sync"],
@@ -270,7 +274,7 @@ def main() -> None:
                     for use_pdl in args.pdl:
                         r, m = bench_model(name, args, bw, kv, page, rope, use_pdl)
                         rows += r
-                        meta[f"{name}/{kv}/page{page}/{rope}/pdl-{use_pdl}"] = m
+                        meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}"] = m
     print_comparison(rows)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,
