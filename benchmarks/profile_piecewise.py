@@ -1,8 +1,11 @@
 """Where piecewise graphs spend their time: the start-up (cProfile of building the runner: trace, compile,
 warm-up, capture) and one extend step of N tokens (torch.profiler: GPU kernel time by kind, beside the wall
-time), eager vs piecewise-eager vs piecewise-inductor vs the full extend graph.
+time), eager vs piecewise-eager vs piecewise-inductor vs the full extend graph. With --host, also the host
+side of each path: the host milliseconds a step takes to issue (no sync), a cProfile of its functions, and
+the host cost of single launches (a torch op, a Triton kernel, a one-kernel graph replay, a custom op call).
 
 python benchmarks/profile_piecewise.py --model llama-3.2-1b --tokens 2048 256 --out /tmp/pw-profile.json
+python benchmarks/profile_piecewise.py --skip-startup --host --tokens 2048 256 16
 """
 
 import argparse
@@ -11,6 +14,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -71,6 +75,76 @@ def startup_profile(runner, compiler: str, max_tokens: int) -> tuple[PiecewiseGr
                "tottime": t2.getvalue()[-4000:]}
 
 
+def host_ms(fn, iters: int = 20) -> float:
+    """Median host milliseconds to issue one call of `fn` (no sync inside the timed region: the GPU's queue
+    absorbs the launches, so this is what the host spends, whatever the GPU does)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_profile(fn, calls: int = 20) -> str:
+    """cProfile of `calls` calls of `fn`: the functions by own time (the host's cost centres)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(28)
+    return s.getvalue()[-7000:]
+
+
+def launch_costs() -> dict[str, float]:
+    """Host microseconds per call of single launches, each issued 2,000 times back to back."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _touch(X, A1, A2, A3, A4, A5, A6, A7, A8, A9, s1, s2, s3, s4, s5, s6, s7, s8, N: tl.constexpr,
+               M: tl.constexpr):
+        pid = tl.program_id(0)
+        tl.store(X + pid, tl.load(X + pid) + 1.0)
+
+    x = torch.zeros(64, device="cuda")
+    ints = [torch.zeros(64, dtype=torch.int32, device="cuda") for _ in range(9)]
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        x.add_(1)
+    calls = {
+        "torch_add_": lambda: x.add_(1),
+        "torch_empty": lambda: torch.empty(64, device="cuda"),
+        "triton_18_args": lambda: _touch[(1,)](x, *ints, 1, 2, 3, 4, 5, 6, 7, 8, N=4, M=2),
+        "graph_replay": g.replay,
+        "custom_op_linear_gemv": lambda: torch.ops.ostinato.linear(x[None], x[None]),
+    }
+    out = {}
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        out[name] = (time.perf_counter() - t) / 2000 * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def mixed_profile(runner, piecewise: PiecewiseGraphRunner, decoders: int, context: int, prompt: int) -> list[dict]:
     """A mixed step (`decoders` requests with `context` cached tokens each, one token each, plus a `prompt`-token
     chunk) through piecewise and eager, against its parts run apart (the prompt alone through the full extend
@@ -126,6 +200,7 @@ def main() -> None:
     ap.add_argument("--decoders", type=int, default=32, help="mixed step: decoding requests")
     ap.add_argument("--context", type=int, default=8000, help="mixed step: each decoding request's cached tokens")
     ap.add_argument("--prompt", type=int, default=2000, help="mixed step: the prefill chunk's tokens")
+    ap.add_argument("--host", action="store_true", help="host ms to issue each path, cProfiles, launch costs")
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_total_tokens=args.decoders * (args.context + 8)
               + 8192, chunked_prefill_size=2048, extend_cuda_graph_max_tokens=2048,
@@ -154,9 +229,15 @@ def main() -> None:
         with torch.inference_mode():
             for name, fn in paths.items():
                 row = {"tokens": n, "path": name, "wall_ms": time_ms(fn, 20), **kernel_profile(fn)}
+                if args.host:
+                    row["host_ms"] = host_ms(fn)
+                    if name in ("eager", "extend_graph", "piecewise_eager") and n == min(args.tokens):
+                        row["host_profile"] = host_profile(fn)
+                        print(f"host profile {n} {name} (20 calls):\n{row['host_profile']}")
                 report["steps"].append(row)
                 kinds = " ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(row["kernel_us_by_kind"].items()))
-                print(f"{n:5} {name:20} wall {row['wall_ms']:.2f} ms, kernels {row['kernel_us'] / 1e3:.2f} ms "
+                host = f", host {row['host_ms']:.2f} ms" if "host_ms" in row else ""
+                print(f"{n:5} {name:20} wall {row['wall_ms']:.2f} ms{host}, kernels {row['kernel_us'] / 1e3:.2f} ms "
                       f"({row['launches']:.0f} launches): {kinds}")
         for r in reqs:
             runner.kv_manager.release(r.req_pool_idx, r.kv_len)
@@ -166,6 +247,9 @@ def main() -> None:
                 print(f"top kernels {n} {row['path']}:")
                 for name, us in row["top"]:
                     print(f"   {us:9.1f} us  {name}")
+    if args.host:
+        report["launch_costs_us"] = launch_costs()
+        print("host us per launch:", {k: round(v, 2) for k, v in report["launch_costs_us"].items()})
     report["mixed"] = mixed_profile(runner, pieces["eager"], args.decoders, args.context, args.prompt)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -45,6 +45,8 @@ def poison(graphs, gen):
         for piece in graphs.pieces:
             for buf in piece.static_bufs.values():
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 1e3)
+        if graphs.attn_out is not None:
+            graphs.attn_out.copy_(torch.randn(graphs.attn_out.shape, generator=gen) * 1e3)
 
 
 def test_sizes():
@@ -57,7 +59,7 @@ def test_split_gives_one_piece_more_than_attention_calls(graphs):
     split = graphs.backend.splits[0]
     assert split.num_split_calls == TINY["num_hidden_layers"]
     assert graphs.num_pieces == TINY["num_hidden_layers"] + 1
-    # each piece after the first reads one attention output, copied into a static buffer before replays
+    # each piece after the first reads one attention output (from the runner's fixed buffer: see below)
     assert [len(split.volatile_args[n]) for n in split.piece_names] == [0, 1, 1, 1]
     # the middle layers' pieces are one function of their arguments (weights included): compiled once, and
     # the replays below check that sharing it gives each layer its own result
@@ -65,6 +67,29 @@ def test_split_gives_one_piece_more_than_attention_calls(graphs):
     runnables = [p.runnable for p in graphs.pieces]
     assert runnables[1] is runnables[2] and len({id(r) for r in runnables}) == 3
     assert all(sorted(p.entries) == [8, 24, 64, 96] for p in graphs.pieces)
+
+
+def test_store_inside_pieces_attention_between_them(graphs):
+    """Rotary and the K/V store are captured inside the pieces; only the attention runs between them, as a plain
+    call of its function (no dispatcher), writing into the runner's buffer that the next piece reads in place."""
+    from ostinato.attention.op import attention_impl
+
+    split = graphs.backend.splits[0]
+    pieces = [p.runnable for p in graphs.pieces]  # eager compiler: the FX pieces themselves
+    between = [getattr(split.module, n.target) for n in split.module.graph.nodes
+               if n.op == "call_module" and n.target not in split.piece_names]
+    stores = [n for p in pieces for n in p.graph.nodes if n.target is torch.ops.ostinato.rope_store.default]
+    assert len(stores) == TINY["num_hidden_layers"]
+    calls = [n.target for sub in between for n in sub.graph.nodes if n.op == "call_function"]
+    assert calls.count(attention_impl) == len(between) == TINY["num_hidden_layers"]
+    assert not any(isinstance(t, torch._ops.OpOverload) for t in calls)
+    assert graphs.attn_out is not None and graphs.attn_out.shape == (96, 64)
+    for piece in graphs.pieces:  # no static copy of an attention output: the captured argument is attn_out itself
+        assert not piece.static_bufs
+        for entry in piece.entries.values():
+            for static in entry.static.values():
+                assert static.untyped_storage().data_ptr() == graphs.attn_out.untyped_storage().data_ptr()
+                assert static.shape[0] == entry.num_tokens
 
 
 @pytest.mark.parametrize("lens,prefix_lens", [([9, 30, 20], [0, 0, 0]), ([13, 1, 40, 7], [5, 0, 17, 3]),
@@ -88,6 +113,7 @@ def test_replay_equals_eager(tiny_llm, graphs, lens, prefix_lens):
     for a, b in zip(kv, kv_eager, strict=True):
         torch.testing.assert_close(a[1:], b[1:], rtol=0, atol=0)  # padded tokens wrote only the sink slot 0
     assert (graphs.out_cache_loc[batch.num_tokens: graphs.padded_size(batch.num_tokens)] == PAD_SLOT).all()
+    assert len(graphs.backend.splits) == 1  # no batch made dynamo trace the forward again
     release(runner, reqs)
 
 

@@ -57,23 +57,46 @@ class AttentionBackend(abc.ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec",
                 batch: ForwardBatch, rope: "Rope | None" = None) -> torch.Tensor:
-        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; stores k/v at batch.out_cache_loc first. With `rope`, q and k
-        come before rotary and are rotated here (the unfused path: the reference of the fused one)."""
-        q = q.view(-1, layer.num_heads, layer.head_dim)
+        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]: `store`, then `attend`."""
+        return self.attend(self.store(q, k, v, layer, batch, rope), layer, batch)
+
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec", batch: ForwardBatch,
+              rope: "Rope | None" = None) -> torch.Tensor:
+        """Writes k/v [T, Hkv*D] at batch.out_cache_loc and returns q [T, H*D] as `attend` takes it. With `rope`, q
+        and k come before rotary and are rotated here (the unfused path: the reference of the fused one), and
+        the returned q is a new tensor; without it, q itself.
+
+        It reads only q, k, v, the positions and batch.out_cache_loc, so a captured graph may hold it (piecewise
+        graphs capture it inside their pieces: graphs/piecewise.py)."""
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
         if rope is not None:
-            q, k = rope.rotated(q, k)
-        self.kv_cache.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+            q, k = rope.rotated(q.view(-1, layer.num_heads, layer.head_dim), k)
+            q = q.view(-1, layer.num_heads * layer.head_dim)
+        self.store_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        return q
+
+    def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, Hkv, D] (rotated) into the cache at `loc`."""
+        self.kv_cache.set_kv_buffer(layer_id, loc, k, v)
+
+    def attend(self, q: torch.Tensor, layer: "AttentionSpec", batch: ForwardBatch,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H*D] (rotated, its K/V stored) -> [T, H*D]. `out` (extend only): a [T, H*D] tensor to write into
+        instead of a new one (piecewise graphs hand a buffer of fixed address, so no copy precedes the next
+        piece's replay)."""
+        q = q.view(-1, layer.num_heads, layer.head_dim)
         if batch.mode is ForwardMode.DECODE:
+            assert out is None, "attend: `out` is for extend steps"
             o = self.forward_decode(q, layer, batch)
         else:
-            o = self.forward_extend(q, layer, batch)
+            o = self.forward_extend(q, layer, batch, None if out is None else out.view(q.shape))
         return o.reshape(-1, layer.num_heads * layer.head_dim)
 
     @abc.abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer: "AttentionSpec", batch: ForwardBatch) -> torch.Tensor:
-        """q [T, H, D] -> [T, H, D]: causal over the cached prefix plus the new tokens."""
+    def forward_extend(self, q: torch.Tensor, layer: "AttentionSpec", batch: ForwardBatch,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D] (into `out` when given): causal over the cached prefix plus the new tokens."""
 
     @abc.abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: "AttentionSpec", batch: ForwardBatch) -> torch.Tensor:

@@ -36,8 +36,9 @@ class TorchAttentionBackend(AttentionBackend):
         """K/V at `slots` in `dtype` (an fp8 cache is dequantized on the fly: no full-precision copy of it)."""
         return self.kv_cache.read_kv(layer.layer_id, slots, dtype)
 
-    def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty_like(q) if out is None else out
         start = 0
         for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu,
                                             strict=True)):

@@ -192,23 +192,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.init_forward_metadata_capture(bs, req_pool_indices, seq_lens)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionSpec,
-                batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch,
+              rope: Rope | None = None) -> torch.Tensor:
+        fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
+        if rope is None or not fuse or self.kv_store != "fused":
+            return super().store(q, k, v, layer, batch, rope)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
-        fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
-        if rope is not None and fuse and self.kv_store == "fused":
-            q = self.rope_store_kv(layer.layer_id, batch.out_cache_loc, q, k, v, rope)
-        else:
-            if rope is not None:
-                q, k = rope.rotated(q, k)
-            self.store_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        if batch.mode is ForwardMode.DECODE:
-            o = self.forward_decode(q, layer, batch)
-        else:
-            o = self.forward_extend(q, layer, batch)
-        return o.reshape(-1, layer.num_heads * layer.head_dim)
+        q = self.rope_store_kv(layer.layer_id, batch.out_cache_loc, q, k, v, rope)
+        return q.view(-1, layer.num_heads * layer.head_dim)
 
     def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         cache = self.kv_cache
@@ -234,8 +227,9 @@ class TritonAttentionBackend(AttentionBackend):
         return dict(k_buf=k_buf, v_buf=v_buf, page_size=self.page_size, kv_fp8=self.kv_fp8,
                     k_scale=cache.k_scale(layer_id), v_scale=cache.v_scale(layer_id))
 
-    def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         if self.decode_tail:  # rows past the real tokens (a piecewise graph's padding) are never read
             rows = slice(self.tail_start, self.tail_start + self.decode_tail)
             self._decode(q[rows], out[rows], layer, self.tail_req_pool_indices, self.tail_seq_lens,

@@ -12,8 +12,7 @@ import torch.distributed as dist
 from ostinato.distributed.parallel_state import one_shot_all_reduce, tp_group, tp_size
 
 
-@torch.library.custom_op("ostinato::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
+def all_reduce_impl(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the ranks, in a new tensor (the row-parallel layers' partial outputs)."""
     one_shot = one_shot_all_reduce()
     if one_shot is not None and one_shot.eligible(x):  # decided by size and dtype: alike on every rank
@@ -23,13 +22,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+all_reduce = torch.library.custom_op("ostinato::all_reduce", all_reduce_impl, mutates_args=())
+
+
 @all_reduce.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("ostinato::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor) -> torch.Tensor:
+def all_gather_impl(x: torch.Tensor) -> torch.Tensor:
     """[n, k] shards -> [n, k * tp_size], rank r's shard in columns [r*k, (r+1)*k) (vocab-parallel logits)."""
     x = x.contiguous()
     size = tp_size()
@@ -39,6 +40,9 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     else:  # gloo has no all_gather_into_tensor
         dist.all_gather(list(out.unbind(0)), x, group=tp_group())
     return out.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
+
+
+all_gather = torch.library.custom_op("ostinato::all_gather", all_gather_impl, mutates_args=())
 
 
 @all_gather.register_fake

@@ -12,9 +12,14 @@ rows, the pieces are row-wise, and the rows past T are never read (the logits ar
 request's last real token).
 
 Per piece and size a `SizeEntry` holds the captured graph, the static arguments it reads, and its output.
-Arguments a split op produced (the attention output: a fresh tensor every run) are copied into a static
-buffer before each replay; the other arguments (parameters, the runner's static input buffers, earlier
-pieces' outputs) have fixed addresses already.
+Arguments a split op produced are copied into a static buffer before each replay, unless the op wrote them
+at a fixed address already: attention writes its output into the runner's `attn_out` buffer (handed over in
+the forward context), which the next piece then reads in place. The other arguments (parameters, the
+runner's static input buffers, earlier pieces' outputs) have fixed addresses already.
+
+Rotary and the K/V store (`ostinato::rope_store`) run inside the pieces: they read the positions and the KV
+slots from the runner's static buffers. Only the attention itself runs between them, called as the plain
+function behind the op (compile_backend's `register_split_op(..., direct=)`).
 
 Weak outputs (CUDA only): a piece's output lives in the graph pool. Holding it would keep that block
 reserved forever; holding only a non-owning alias (a tensor over the same pointer built from a storage
@@ -71,6 +76,7 @@ class _RunState:
     # capture); the hundreds after it (pieces x sizes) skip that, and capture() empties them once at the end
     free_memory: bool = True
     graph_seconds: float = 0.0  # time inside Graph.capture (sync, begin, the piece, end and instantiate)
+    fixed_storage: int = 0  # data pointer of the storage split ops write into in place (the runner's attn_out)
 
 
 _state = _RunState()
@@ -144,7 +150,8 @@ class PieceRuntime:
             return self._capture(_state.num_tokens, list(args))
         assert entry is not None, f"{self.name}: no graph captured at {_state.num_tokens} tokens"
         for i, static in entry.static.items():
-            if args[i] is not static:
+            # an argument at the captured address (same token count, so the same shape) is read in place
+            if args[i] is not static and args[i].data_ptr() != static.data_ptr():
                 static.copy_(args[i])
         entry.graph.replay()
         return entry.output
@@ -161,11 +168,14 @@ class PieceRuntime:
 
     def _capture(self, num_tokens: int, args: list):
         for i in self.volatile:
+            if _state.fixed_storage and args[i].untyped_storage().data_ptr() == _state.fixed_storage:
+                continue  # written at a fixed address by its split op: the static argument is the tensor itself
             static = self._static_arg(i, args[i], num_tokens)
             static.copy_(args[i])
             args[i] = static
-        # only the static buffers are kept: the other arguments are parameters, the runner's inputs, or earlier
-        # pieces' outputs, which must stay weak (on CUDA the graph itself keeps nothing of `run`)
+        # only the static buffers (and views of the fixed buffer) are kept: the other arguments are parameters, the
+        # runner's inputs, or earlier pieces' outputs, which must stay weak (on CUDA the graph itself keeps nothing
+        # of `run`)
         entry = SizeEntry(num_tokens, Graph(self.device), {i: args[i] for i in self.volatile})
 
         def run() -> None:
@@ -230,6 +240,10 @@ class PiecewiseGraphRunner:
         self.capture_seconds = 0.0  # the rest: warm-ups (the first run included) and captures at every size
         self.num_graphs = 0
         self.graph_memory_bytes = 0
+        # every attention layer writes its [T, H*D] output here (when all have the same width); see _RunState
+        widths = {spec.num_heads * spec.head_dim for spec in model.attention_specs.values()}
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.attn_out = torch.empty(n, widths.pop(), dtype=dtype, device=dev) if len(widths) == 1 else None
         self.capture()
 
     def _make_runtime(self, name: str, index: int, num_pieces: int, runnable, volatile: list[int]) -> PieceRuntime:
@@ -263,12 +277,14 @@ class PiecewiseGraphRunner:
             self.mamba_tables.fill(batch.extend_seq_lens_cpu, batch.mamba_slots, num_tokens)
             batch = dataclasses.replace(batch, mamba_tables=self.mamba_tables)
         _state.phase, _state.num_tokens = phase, num_tokens
+        out = self.attn_out
+        _state.fixed_storage = 0 if out is None else out.untyped_storage().data_ptr()
         try:
-            with forward_context(backend, batch, self.runner.model.attention_specs):
+            with forward_context(backend, batch, self.runner.model.attention_specs, out):
                 backend.init_forward_metadata(batch)
                 return self.forward_fn(batch.input_ids, batch.positions)
         finally:
-            _state.phase, _state.num_tokens = None, 0
+            _state.phase, _state.num_tokens, _state.fixed_storage = None, 0, 0
 
     @torch.inference_mode()
     def capture(self) -> None:

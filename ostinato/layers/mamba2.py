@@ -292,8 +292,7 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
     return gated_rms_norm(y.reshape(y.shape[0], inter), z, norm_weight, groups, eps, zxbcdt.dtype)
 
 
-@torch.library.custom_op(MAMBA_OP_NAME, mutates_args=("conv_state", "ssm_state"))
-def mamba_mixer(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_weight: torch.Tensor,
+def mamba_mixer_impl(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_weight: torch.Tensor,
                 conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
                 norm_weight: torch.Tensor, num_heads: int, head_dim: int, groups: int, state_size: int, chunk: int,
                 eps: float, dt_min: float, dt_max: float) -> torch.Tensor:
@@ -316,6 +315,9 @@ def mamba_mixer(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch
                               norm_weight, num_heads, head_dim, groups, state_size, chunk, eps, dt_min, dt_max,
                               batch.mamba_slots, extend_lens, use_triton=zxbcdt.is_cuda, tables=tables)
     return out if real == padded else F.pad(out, (0, 0, 0, padded - real))
+
+
+mamba_mixer = torch.library.custom_op(MAMBA_OP_NAME, mamba_mixer_impl, mutates_args=("conv_state", "ssm_state"))
 
 
 @mamba_mixer.register_fake

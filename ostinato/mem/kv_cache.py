@@ -89,6 +89,12 @@ class MHATokenToKVPool(KVCache):
         """The buffers as stored (uint8 for fp8): what the Triton kernels read and write."""
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    def layer_of(self, k_store_buffer: torch.Tensor) -> int:
+        """The layer whose K buffer (as `get_store_buffer` gives it) this is."""
+        if not hasattr(self, "_layer_by_ptr"):
+            self._layer_by_ptr = {buf.data_ptr(): i for i, buf in enumerate(self.k_buffer)}
+        return self._layer_by_ptr[k_store_buffer.data_ptr()]
+
     def quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x / scale, saturated to the fp8 range and rounded to nearest even, as the stored bytes."""
         m = fp8_max(self.dtype)
