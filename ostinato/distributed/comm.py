@@ -22,10 +22,10 @@ def all_reduce_impl(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-all_reduce = torch.library.custom_op("ostinato::all_reduce", all_reduce_impl, mutates_args=())
+all_reduce_op = torch.library.custom_op("ostinato::all_reduce", all_reduce_impl, mutates_args=())
 
 
-@all_reduce.register_fake
+@all_reduce_op.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
@@ -42,9 +42,18 @@ def all_gather_impl(x: torch.Tensor) -> torch.Tensor:
     return out.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 
-all_gather = torch.library.custom_op("ostinato::all_gather", all_gather_impl, mutates_args=())
+all_gather_op = torch.library.custom_op("ostinato::all_gather", all_gather_impl, mutates_args=())
 
 
-@all_gather.register_fake
+@all_gather_op.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] * tp_size()))
+
+
+# eager calls skip the ops' dispatch (tens of microseconds of host time each); torch.compile sees the opaque ops
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return (all_reduce_op if torch.compiler.is_compiling() else all_reduce_impl)(x)
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    return (all_gather_op if torch.compiler.is_compiling() else all_gather_impl)(x)

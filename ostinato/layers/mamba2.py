@@ -7,10 +7,11 @@ request in place, at the request's Mamba slot (`ForwardBatch.mamba_slots`):
   chunked SSD scan starts from the stored state, so a prompt cut into chunks gives what one pass gives;
 - DECODE: one conv-state shift and one state update per request, batched, no data-dependent shape
   (capturable; padded rows of a graph point at the sink slot).
-Like `ostinato::attention`, the op is opaque to torch.compile: `MAMBA_SPLIT_OPS` names it for piecewise graphs,
-which either split at it (it then runs eagerly between the pieces, on the real rows) or, with eager pieces,
-capture it inside them: the step's layout then comes from tables at fixed addresses (`mamba_tables.py`) and the
-extend kernels launch at the tables' bounds.
+Like `ostinato::attention`, the op is opaque to torch.compile (eager calls run its function directly).
+Piecewise graphs register it as a split op (graphs/compile_backend.py) and either split at it (it then runs
+eagerly between the pieces, on the real rows) or, with eager pieces, capture it inside them: the step's layout
+then comes from tables at fixed addresses (`mamba_tables.py`) and the extend kernels launch at the tables'
+bounds.
 
 On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs the varlen
 conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.py`), a decode the conv step
@@ -34,7 +35,6 @@ import torch.nn.functional as F
 from ostinato.layers.mamba_tables import MambaStepTables, step_tables
 
 MAMBA_OP_NAME = "ostinato::mamba_mixer"
-MAMBA_SPLIT_OPS = [MAMBA_OP_NAME]  # for the piecewise-graph splitter: ops whose state lives outside the graph
 SSD_CHUNK = 64  # the Triton SSD kernels' chunk length (the torch reference takes the config's)
 
 
@@ -317,10 +317,16 @@ def mamba_mixer_impl(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: 
     return out if real == padded else F.pad(out, (0, 0, 0, padded - real))
 
 
-mamba_mixer = torch.library.custom_op(MAMBA_OP_NAME, mamba_mixer_impl, mutates_args=("conv_state", "ssm_state"))
+mamba_mixer_op = torch.library.custom_op(MAMBA_OP_NAME, mamba_mixer_impl, mutates_args=("conv_state", "ssm_state"))
 
 
-@mamba_mixer.register_fake
+@mamba_mixer_op.register_fake
 def _(zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, num_heads, head_dim,
       groups, state_size, chunk, eps, dt_min, dt_max):
     return zxbcdt.new_empty(zxbcdt.shape[0], num_heads * head_dim)
+
+
+def mamba_mixer(*args) -> torch.Tensor:
+    """`ostinato::mamba_mixer` (its arguments as mamba_mixer_impl's): the opaque op under torch.compile, its function
+    called directly otherwise (no dispatch)."""
+    return (mamba_mixer_op if torch.compiler.is_compiling() else mamba_mixer_impl)(*args)
