@@ -360,9 +360,9 @@ class ModelRunner:
     def extend_path(self, batch: ForwardBatch) -> str:
         """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager".
 
-        The full extend graph wherever it can run: on an H200 it beat the piecewise graphs at every size from 1
-        to 2048 tokens (benchmarks/bench_extend.py, inductor pieces: 1.2-8.4 ms against 2.8-8.8 for
-        Llama-3.2-1B), whose eager attention between 17 pieces costs ~1.6 ms of host time per step. Piecewise
+        The full extend graph wherever it can run: it beat the piecewise graphs at every size from 1 to 2048
+        tokens (benchmarks/bench_extend.py, H100, Llama-3.2-1B: 1.4-8.8 ms against 2.1-9.3 for inductor pieces),
+        which still issue 17 graphs and an eager attention launch per layer (~2.5 ms of host time). Piecewise
         takes what the full graph cannot: more requests than it captured, other attention backends, and mixed
         steps: their decoding rows take the split-KV decode kernel beside the extend kernel
         (TritonAttentionBackend), where the full graph's one extend launch would walk each decoding row's whole
