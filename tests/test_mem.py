@@ -82,6 +82,10 @@ def test_kv_pool_roundtrip(dtype):
     torch.testing.assert_close(kb[loc].float(), k.to(dtype).float())
     torch.testing.assert_close(vb[loc].float(), v.to(dtype).float())
     assert pool.bytes() == 2 * 3 * 32 * 2 * 8 * (1 if dtype == torch.float8_e4m3fn else dtype.itemsize)
+    # the rope + store op finds its layer by its K buffer
+    assert [pool.layer_of(pool.get_store_buffer(i)[0]) for i in (2, 0, 1)] == [2, 0, 1]
+    with pytest.raises(KeyError):
+        pool.layer_of(pool.get_store_buffer(1)[1])  # a V buffer is no layer's K buffer
 
 
 @pytest.mark.parametrize("page", [1, 4])

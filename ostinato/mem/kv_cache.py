@@ -55,6 +55,10 @@ class KVCache(abc.ABC):
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
     @abc.abstractmethod
+    def layer_of(self, k_store_buffer: torch.Tensor) -> int:
+        """The layer of a K buffer, by identity: the rope + store op takes the buffer, not the layer id."""
+
+    @abc.abstractmethod
     def bytes(self) -> int: ...
 
 
@@ -77,6 +81,7 @@ class MHATokenToKVPool(KVCache):
         shape = (size, head_num, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=device) for _ in range(layer_num)]
         self.v_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=device) for _ in range(layer_num)]
+        self._layer_by_ptr = {buf.data_ptr(): i for i, buf in enumerate(self.k_buffer)}
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.dtype) if self.store_dtype != self.dtype else t
@@ -91,8 +96,6 @@ class MHATokenToKVPool(KVCache):
 
     def layer_of(self, k_store_buffer: torch.Tensor) -> int:
         """The layer whose K buffer (as `get_store_buffer` gives it) this is."""
-        if not hasattr(self, "_layer_by_ptr"):
-            self._layer_by_ptr = {buf.data_ptr(): i for i, buf in enumerate(self.k_buffer)}
         return self._layer_by_ptr[k_store_buffer.data_ptr()]
 
     def quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
