@@ -71,6 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.graph_mode = False
         self.graph_max_bs = 0
         self.num_kv_heads = kv_cache.get_kv_buffer(0)[0].shape[1]
+        self._kv_args_by_layer: dict[int, dict] = {}
         cuda = self.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 132
 
@@ -204,28 +205,31 @@ class TritonAttentionBackend(AttentionBackend):
         return q.view(-1, layer.num_heads * layer.head_dim)
 
     def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        cache = self.kv_cache
         if self.kv_store != "fused":
-            cache.set_kv_buffer(layer_id, loc, k, v)
+            self.kv_cache.set_kv_buffer(layer_id, loc, k, v)
             return
-        k_buf, v_buf = cache.get_store_buffer(layer_id)
-        store_kv(k_buf, v_buf, loc, k, v, self.kv_fp8, cache.k_scale(layer_id), cache.v_scale(layer_id))
+        a = self._kv_args(layer_id)
+        store_kv(a["k_buf"], a["v_buf"], loc, k, v, self.kv_fp8, a["k_scale"], a["v_scale"])
 
     def rope_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       rope: Rope) -> torch.Tensor:
         """Rotates pre-rope q [T, H, D] and k, stores k and v at `loc`: one launch. Returns the rotated q."""
-        cache = self.kv_cache
-        k_buf, v_buf = cache.get_store_buffer(layer_id)
-        return rope_store_kv(rope.positions, q, k, v, rope.cos_sin, k_buf, v_buf, loc, rope.q_norm_weight,
-                             rope.k_norm_weight, rope.eps, self.kv_fp8, cache.k_scale(layer_id),
-                             cache.v_scale(layer_id))
+        a = self._kv_args(layer_id)
+        return rope_store_kv(rope.positions, q, k, v, rope.cos_sin, a["k_buf"], a["v_buf"], loc, rope.q_norm_weight,
+                             rope.k_norm_weight, rope.eps, self.kv_fp8, a["k_scale"], a["v_scale"])
 
     def _kv_args(self, layer_id: int) -> dict:
-        """The cache as the kernels read it: stored bytes, page size, fp8 dtype and scales."""
-        cache = self.kv_cache
-        k_buf, v_buf = cache.get_store_buffer(layer_id)
-        return dict(k_buf=k_buf, v_buf=v_buf, page_size=self.page_size, kv_fp8=self.kv_fp8,
-                    k_scale=cache.k_scale(layer_id), v_scale=cache.v_scale(layer_id))
+        """The cache as the kernels read it: stored bytes, page size, fp8 dtype and scales. Built once per layer
+        (the buffers and the scale views never move; scales are updated in place), since every eager launch of a
+        layer needs them and each view costs the host microseconds."""
+        args = self._kv_args_by_layer.get(layer_id)
+        if args is None:
+            cache = self.kv_cache
+            k_buf, v_buf = cache.get_store_buffer(layer_id)
+            args = dict(k_buf=k_buf, v_buf=v_buf, page_size=self.page_size, kv_fp8=self.kv_fp8,
+                        k_scale=cache.k_scale(layer_id), v_scale=cache.v_scale(layer_id))
+            self._kv_args_by_layer[layer_id] = args
+        return args
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch,
                        out: torch.Tensor | None = None) -> torch.Tensor:
