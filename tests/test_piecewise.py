@@ -117,6 +117,23 @@ def test_replay_equals_eager(tiny_llm, graphs, lens, prefix_lens):
     release(runner, reqs)
 
 
+def test_output_buffer_of_another_shape_or_dtype_is_left_alone(tiny_llm):
+    """Attention writes into the forward context's buffer only where it fits the layer: otherwise a fresh output."""
+    from ostinato.attention.op import forward_context
+
+    runner = tiny_llm.engine.runner
+    sched, reqs = extend_batch(runner, [list(range(5, 25)), list(range(40, 47))], [0, 0])
+    batch = runner.prepare(sched)
+    ref = runner.forward(batch).clone()
+    for buf in (torch.full((64, 64), float("nan"), dtype=torch.float64), torch.full((64, 32), float("nan"))):
+        with torch.inference_mode(), forward_context(runner.backend, batch, runner.model.attention_specs, buf):
+            runner.backend.init_forward_metadata(batch)
+            logits = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions)[batch.logits_indices])
+        torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+        assert torch.isnan(buf).all()
+    release(runner, reqs)
+
+
 def test_past_the_range_runs_eagerly(tiny_llm, graphs):
     runner = tiny_llm.engine.runner
     sched, reqs = extend_batch(runner, [list(range(100)), list(range(3))], [0, 0])

@@ -70,10 +70,10 @@ def attention_impl(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     layer = _ctx.layers[layer_id]
     if k is not None:
         q = backend.store(q, k, v, layer, batch)
-    out = None
-    if _ctx.attn_out is not None and batch.mode is not ForwardMode.DECODE:
-        out = _ctx.attn_out[: q.shape[0]]
-    return backend.attend(q, layer, batch, out)
+    out = _ctx.attn_out
+    if out is not None and (batch.mode is ForwardMode.DECODE or out.dtype != q.dtype or out.shape[1] != q.shape[1]):
+        out = None  # not an extend step of piecewise graphs, or not this layer's shape: a fresh output
+    return backend.attend(q, layer, batch, None if out is None else out[: q.shape[0]])
 
 
 # Two registered custom ops, opaque to torch.compile. The rope + K/V store reads only what a captured graph can

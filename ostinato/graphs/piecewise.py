@@ -242,8 +242,7 @@ class PiecewiseGraphRunner:
         self.graph_memory_bytes = 0
         # every attention layer writes its [T, H*D] output here (when all have the same width); see _RunState
         widths = {spec.num_heads * spec.head_dim for spec in model.attention_specs.values()}
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        self.attn_out = torch.empty(n, widths.pop(), dtype=dtype, device=dev) if len(widths) == 1 else None
+        self.attn_out = torch.empty(n, widths.pop(), dtype=runner.dtype, device=dev) if len(widths) == 1 else None
         self.capture()
 
     def _make_runtime(self, name: str, index: int, num_pieces: int, runnable, volatile: list[int]) -> PieceRuntime:

@@ -19,6 +19,7 @@ class TokenResolver(Protocol):
 class GraphHost(Protocol):
     args: EngineArgs
     device: torch.device
+    dtype: torch.dtype  # the model's activations
     model: Any  # a models/ CausalLM: forward(ids, positions), compute_logits(hidden, out=), attention_specs
     compiled_forward: Callable[..., torch.Tensor]  # model.forward, or its torch.compile
     backend: AttentionBackend
