@@ -47,10 +47,25 @@ def current_batch() -> ForwardBatch:
     return _ctx.batch
 
 
-def _context() -> tuple[AttentionBackend, ForwardBatch]:
-    if _ctx.backend is None or _ctx.batch is None:
+def _backend() -> AttentionBackend:
+    if _ctx.backend is None:
         raise RuntimeError("ostinato attention ops called outside forward_context()")
-    return _ctx.backend, _ctx.batch
+    return _ctx.backend
+
+
+def _context() -> tuple[AttentionBackend, ForwardBatch]:
+    backend = _backend()
+    if _ctx.batch is None:
+        raise RuntimeError("ostinato attention ops called outside forward_context()")
+    return backend, _ctx.batch
+
+
+def _rope_store(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                cos_sin: torch.Tensor, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                eps: float) -> torch.Tensor:
+    backend, batch = _context()
+    rope = Rope(positions, cos_sin, q_norm_weight, k_norm_weight, eps)
+    return backend.store(q, k, v, _ctx.layers[layer_id], batch, rope)
 
 
 def rope_store_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, positions: torch.Tensor,
@@ -59,9 +74,8 @@ def rope_store_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Rotates q and k (by the fp32 table `cos_sin`, after the optional per-head RMSNorm), stores k and v at the
     batch's KV slots of the layer whose K cache is `k_cache`, and returns the rotated q as a new tensor (the
     inputs are not written)."""
-    backend, batch = _context()
-    layer = _ctx.layers[backend.kv_cache.layer_of(k_cache)]
-    return backend.store(q, k, v, layer, batch, Rope(positions, cos_sin, q_norm_weight, k_norm_weight, eps))
+    layer_id = _backend().kv_cache.layer_of(k_cache)
+    return _rope_store(layer_id, q, k, v, positions, cos_sin, q_norm_weight, k_norm_weight, eps)
 
 
 def attention_impl(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int) -> torch.Tensor:
@@ -107,12 +121,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, 
     Under torch.compile the two steps are the custom ops above; run eagerly, their functions are called
     directly (a custom op's dispatch costs the host tens of microseconds a call on the GPU machines)."""
     compiling = torch.compiler.is_compiling()
-    if positions is not None:
-        store = rope_store_op if compiling else rope_store_impl
-        # read from the backend only: traced code that touched `_ctx.batch` would make dynamo guard on each batch
-        if _ctx.backend is None:
-            raise RuntimeError("ostinato attention ops called outside forward_context()")
-        k_cache = _ctx.backend.kv_cache.get_store_buffer(layer_id)[0]
-        q = store(q, k, v, k_cache, positions, cos_sin, q_norm_weight, k_norm_weight, eps)
+    if positions is not None and compiling:
+        # traced code reads the backend only: touching `_ctx.batch` would make dynamo guard on each batch
+        k_cache = _backend().kv_cache.get_store_buffer(layer_id)[0]
+        q = rope_store_op(q, k, v, k_cache, positions, cos_sin, q_norm_weight, k_norm_weight, eps)
+        k = v = None
+    elif positions is not None:
+        q = _rope_store(layer_id, q, k, v, positions, cos_sin, q_norm_weight, k_norm_weight, eps)
         k = v = None
     return (attention_op if compiling else attention_impl)(q, k, v, layer_id)

@@ -292,10 +292,11 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
     return gated_rms_norm(y.reshape(y.shape[0], inter), z, norm_weight, groups, eps, zxbcdt.dtype)
 
 
-def mamba_mixer_impl(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_weight: torch.Tensor,
-                conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
-                norm_weight: torch.Tensor, num_heads: int, head_dim: int, groups: int, state_size: int, chunk: int,
-                eps: float, dt_min: float, dt_max: float) -> torch.Tensor:
+def mamba_mixer_impl(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                     conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor,
+                     A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, num_heads: int, head_dim: int,
+                     groups: int, state_size: int, chunk: int, eps: float, dt_min: float,
+                     dt_max: float) -> torch.Tensor:
     """zxbcdt [T, I + conv_dim + H] -> [T, I]; conv_state [slots, conv_dim, K-1] and ssm_state
     [slots, H, P, N] are this layer's views of the MambaPool, updated at the batch's Mamba slots."""
     from ostinato.attention.forward_batch import ForwardMode
