@@ -25,11 +25,17 @@ PROMPTS = [
 ]
 NUM_CLIENTS = 64
 MAX_TOKENS = 24
+# A give-up client's answer: long enough that it cannot be ready within GIVE_UP_S even on a fast CPU (the tiny
+# model decodes one request at ~1 ms a step at best, so this is ~2 s of work against a 1 s wait)
+LONG_ANSWER = 2000
+GIVE_UP_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_path):
-    s = Server(tmp_path_factory.mktemp("server-load") / "server.log", [tiny_llama_path], threads=1)
+    # room for the give-up clients' long answers (LONG_ANSWER tokens each) beside the streams
+    s = Server(tmp_path_factory.mktemp("server-load") / "server.log",
+               [tiny_llama_path, "--max-model-len", "2048", "--max-total-tokens", "16384"], threads=1)
     yield s
     assert s.stop() == 0, s.log()
 
@@ -69,7 +75,8 @@ async def stream(http: httpx.AsyncClient, prompt: str, disconnect_after: int | N
 async def gone_before_answer(http: httpx.AsyncClient, prompt: str) -> tuple[str, str]:
     """A non-streaming client that stops waiting (closes its connection) long before the answer is ready."""
     with pytest.raises(httpx.ReadTimeout):
-        await http.post("/v1/completions", json={**body(prompt, False), "max_tokens": 300}, timeout=1.0)
+        await http.post("/v1/completions", json={**body(prompt, False), "max_tokens": LONG_ANSWER},
+                        timeout=GIVE_UP_S)
     return "", "disconnected"
 
 
