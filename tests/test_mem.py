@@ -53,10 +53,22 @@ def test_leak_check_catches_a_held_page_and_slot():
     kv = make(8, 1)
     slot = kv.req_pool.alloc()
     kv.extend(slot, 0, 3)
-    with pytest.raises(RuntimeError, match="leak"):
-        kv.check_all_free()
+    for deep in (False, True):  # the counts alone catch a held page
+        with pytest.raises(RuntimeError, match="leak"):
+            kv.check_all_free(deep)
     kv.release(slot, 3)
     kv.check_all_free()
+
+
+def test_only_the_deep_leak_check_finds_a_page_free_twice():
+    """A page freed twice and one lost balance the counts: the O(1) idle check passes, the deep one does not."""
+    kv = make(8, 1)
+    a = kv.allocator
+    free = a.free_pages.clone()
+    a.free_pages = torch.cat([free[:-1], free[:1]])  # the last page lost, the first listed twice
+    kv.check_all_free(deep=False)
+    with pytest.raises(RuntimeError, match="free list twice"):
+        kv.check_all_free(deep=True)
 
 
 def test_request_pool_exhaustion_and_double_free():

@@ -148,3 +148,23 @@ def test_scheduler_with_prefix_cache_shares_evicts_retracts_and_frees(page):
     assert cache.hit_tokens > 0
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens for r in reqs)
     cache.check_all_free()
+
+
+def test_idle_check_counts_and_deep_check_find_a_page_both_free_and_cached():
+    """The O(1) idle check (counts) catches a page held by nobody; a page both on the free list and in the tree,
+    with another one lost so the counts balance, passes it and is caught by the deep check."""
+    rng = random.Random(7)
+    kv = KVManager(ReqToTokenPool(4, 64, "cpu"), TokenToKVPoolAllocator(64, 1, "cpu"))
+    cache = PrefixCache(kv)
+    cache.tree.insert([rng.randrange(100) for _ in range(8)], kv.allocator.alloc_pages(8))
+    cache.check_all_free(deep=True)
+    lost = kv.allocator.alloc_pages(1)  # held by no request and not in the tree
+    for deep in (False, True):
+        with pytest.raises(RuntimeError, match="KV leak"):
+            cache.check_all_free(deep)
+    cached = cache.tree.all_slots()[:1]
+    kv.allocator.free_pages_(cached)  # a cached page now free as well; with `lost` gone the counts balance
+    assert lost is not None
+    cache.check_all_free(deep=False)
+    with pytest.raises(RuntimeError, match="corrupt"):
+        cache.check_all_free(deep=True)

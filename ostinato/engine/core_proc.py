@@ -22,6 +22,8 @@ from ostinato.multimodal.inputs import mm_from_wire
 
 logger = logging.getLogger("ostinato.engine")
 
+IDLE_CHECK_AFTER_MS = 200  # idle this long (no input), the engine runs its deep KV leak check
+
 
 def run_engine_core(args: dict[str, Any], input_addr: str, output_addr: str) -> None:
     """Process entry point (multiprocessing spawn): load the model, report ready, serve until shutdown."""
@@ -83,12 +85,20 @@ class EngineLoop:
 
     def run(self) -> None:
         self._send_stats()  # a fresh server reports its real KV and slot totals before the first request
+        checked = True  # the deep leak check has run since the engine last went idle
         while True:
-            if not self.core.has_unfinished() and not self.inp.poll(1000):
-                if os.getppid() != self.parent:
-                    logger.warning("parent process gone: engine core exits")
-                    return
-                continue
+            if not self.core.has_unfinished():
+                # the step that went idle checked the counts; the deep check waits until no request has come
+                # for a while, so that it never holds up one arriving just after the others finished
+                if not self.inp.poll(IDLE_CHECK_AFTER_MS if not checked else 1000):
+                    if not checked and not self.core.args.disable_leak_check:
+                        self.core.check_memory_leak(deep=True)
+                    checked = True
+                    if os.getppid() != self.parent:
+                        logger.warning("parent process gone: engine core exits")
+                        return
+                    continue
+                checked = False
             if not self._drain():
                 return
             self._send_stats(self.core.step())

@@ -1,0 +1,78 @@
+"""The engine-core process's loop (engine/core_proc.EngineLoop) over real ZMQ sockets, with a stand-in core: the
+deep KV leak check runs once the engine has been idle a while, never on the step that goes idle."""
+
+import threading
+import time
+import types
+
+import zmq
+
+from ostinato.engine import core_proc, ipc
+from ostinato.sampling_params import SamplingParams
+
+
+class FakeCore:
+    """Records the loop's calls; a request "runs" for one step."""
+
+    def __init__(self) -> None:
+        self.args = types.SimpleNamespace(disable_leak_check=False)
+        self.pending = 0
+        self.calls: list[tuple[str, float]] = []
+        self.step_counts = self.step_tokens = self.step_seconds = {}
+
+    def has_unfinished(self) -> bool:
+        return self.pending > 0
+
+    def add_request(self, rid, prompt_ids, params, mm=None) -> None:
+        self.pending += 1
+
+    def step(self) -> list:
+        self.calls.append(("step", time.monotonic()))
+        self.pending = 0
+        return []
+
+    def check_memory_leak(self, deep: bool = True) -> None:
+        self.calls.append(("deep" if deep else "counts", time.monotonic()))
+
+
+def test_deep_leak_check_waits_for_idle(monkeypatch):
+    monkeypatch.setattr(core_proc, "IDLE_CHECK_AFTER_MS", 100)
+    monkeypatch.setattr(core_proc.EngineLoop, "stats", lambda self: {})
+    ctx = zmq.Context()
+    send, inp = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    out, recv = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    inp.bind("inproc://in")
+    send.connect("inproc://in")
+    recv.bind("inproc://out")
+    out.connect("inproc://out")
+    core = FakeCore()
+    loop = core_proc.EngineLoop(core, inp, out)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        add = (ipc.ADD, "r0", [1, 2, 3], ipc.params_to_dict(SamplingParams(max_tokens=1)))
+        send.send(ipc.pack(add))
+        deadline = time.monotonic() + 10
+        while not any(c == "deep" for c, _ in core.calls) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kinds = [c for c, _ in core.calls]
+        assert kinds == ["step", "deep"], kinds
+        # the check came IDLE_CHECK_AFTER_MS after the step that went idle, not on it
+        assert core.calls[1][1] - core.calls[0][1] >= 0.09
+        # a request arriving within the wait defers the check: it runs once, after the engine is idle again
+        send.send(ipc.pack(add))
+        time.sleep(0.05)
+        send.send(ipc.pack(add))
+        deadline = time.monotonic() + 10
+        while [c for c, _ in core.calls].count("deep") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [c for c, _ in core.calls] == ["step", "deep", "step", "step", "deep"], core.calls
+        time.sleep(0.3)
+        assert [c for c, _ in core.calls].count("deep") == 2, "the check ran again with nothing new"
+    finally:
+        send.send(ipc.pack((ipc.SHUTDOWN,)))
+        thread.join(10)
+        for s in (send, inp, out, recv):
+            s.close(linger=0)
+        ctx.term()
+    assert not thread.is_alive()
