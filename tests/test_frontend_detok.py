@@ -260,3 +260,37 @@ def test_two_http_processes(tmp_path, tiny_llama_path):
         assert "server stopped" in server.log()
     finally:
         server.stop(timeout=10)
+
+
+def test_listen_sockets_spread_connections_and_refuse_a_taken_port():
+    """The HTTP processes' sockets (one SO_REUSEPORT group): a burst of connections reaches every socket, not
+    just the first to accept; a second group on the same port (another server of ours) is refused by name."""
+    import socket
+
+    from ostinato.entrypoints.openai.api_workers import listen_sockets
+
+    socks = listen_sockets("127.0.0.1", 0, 1)  # a free port, then the group on it
+    port = socks[0].getsockname()[1]
+    socks[0].close()
+    socks = listen_sockets("127.0.0.1", port, 4)
+    clients = []
+    try:
+        with pytest.raises(ValueError, match=f"port: cannot listen on 127.0.0.1:{port}"):
+            listen_sockets("127.0.0.1", port, 2)
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+        counts = []
+        for s in socks:
+            s.setblocking(False)
+            n = 0
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                n += 1
+            counts.append(n)
+        assert sum(counts) == 64 and min(counts) >= 4, counts  # P(a socket gets < 4 of 64 by hash) ~ 1e-5
+    finally:
+        for s in socks + clients:
+            s.close()

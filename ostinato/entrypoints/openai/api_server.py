@@ -292,12 +292,12 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
     loop = asyncio.get_running_loop()
     names = ns.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     count = ns.api_server_count
-    sock = metrics_dir = None
-    if count > 1:  # every HTTP process accepts on one listening socket, made (and its port taken) here first
+    socks, metrics_dir = [None], None
+    if count > 1:  # every HTTP process accepts on its own socket of one port, all made (the port taken) here first
         from ostinato.entrypoints.openai import api_workers
         from ostinato.entrypoints.openai.metrics import enable_multiprocess_metrics
 
-        sock = api_workers.listen_socket(ns.host, ns.port)
+        socks = api_workers.listen_sockets(ns.host, ns.port, count)
         metrics_dir = enable_multiprocess_metrics()
     metrics = ServerMetrics(names[0])
     hooks = EngineClientHooks(on_stats=metrics.on_stats, on_finished=metrics.on_finished)
@@ -327,7 +327,7 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
     workers = None
     try:
         if count > 1:
-            workers = api_workers.Workers.start(ns, client, sock)
+            workers = api_workers.Workers.start(ns, client, socks[1:])
             t = time.perf_counter()
             try:
                 if not await _unless_stopped(workers.wait_ready()):
@@ -343,7 +343,7 @@ async def _serve(ns: argparse.Namespace, args: EngineArgs) -> int:
         procs = {**http, **client.processes}
         logger.info("%d processes: %s; %s", len(procs),
                     ", ".join(f"{name} (pid {pid})" for name, pid in procs.items()), http_stack())
-        code = await serve_app(ns, client, metrics, hooks, names, sock, workers)
+        code = await serve_app(ns, client, metrics, hooks, names, socks[0], workers)
     finally:
         if workers is not None:
             await asyncio.to_thread(workers.stop, ns.graceful_shutdown_timeout + 5.0)
@@ -395,8 +395,9 @@ def http_stack() -> str:
 
 async def serve_app(ns: argparse.Namespace, client: AsyncEngineClient, metrics: ServerMetrics,
                     hooks: EngineClientHooks, names: list[str], sock: Any = None, workers: Any = None) -> int:
-    """Serve HTTP until SIGINT / SIGTERM or the engine's death (then 503s for a grace period). `sock`: a
-    listening socket shared with other HTTP processes (`workers`, which get each signal too). Returns 1 if a
+    """Serve HTTP until SIGINT / SIGTERM or the engine's death (then 503s for a grace period). `sock`: this
+    process's listening socket of a port shared with other HTTP processes (`workers`, which get each signal
+    too). Returns 1 if a
     worker died, else 0."""
     loop = asyncio.get_running_loop()
     serving = OpenAIServing(client, names, ns.max_n, ns.max_choices_in_engine)

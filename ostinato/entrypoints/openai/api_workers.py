@@ -1,12 +1,13 @@
-"""`--api-server-count N`: N HTTP processes on one listening socket, all talking to one engine core.
+"""`--api-server-count N`: N HTTP processes on one port (a listening socket each, SO_REUSEPORT), all talking to one
+engine core.
 
-The first HTTP process (the one started by `ostinato serve`) binds the socket, starts the engine and the
+The first HTTP process (the one started by `ostinato serve`) binds the sockets, starts the engine and the
 detokenizer process (which routes each request's outputs to the HTTP process whose index its id starts
-with), then spawns the N - 1 others with the socket, the engine's limits and the ZMQ endpoints. Each
+with), then spawns the N - 1 others, each with its socket, the engine's limits and the ZMQ endpoints. Each
 reports on its pipe when it is ready (linked to the engine) and starts accepting only on the first
 process's "go", sent once all are ready: so /health answers only when all N serve (a benchmark that starts
 at the first 200 would otherwise run while some are still starting). The kernel
-hands each new connection to whichever process accepts it first, so a busy process takes fewer. Every
+spreads new connections over the sockets by a hash of the client's address (`listen_sockets`). Every
 process keeps its own request metrics in prometheus_client's multiprocess files, so /metrics from any of
 them sums all; the engine's counts are fed by the first one only.
 
@@ -39,19 +40,32 @@ logger = logging.getLogger("ostinato.serve")
 START_TIMEOUT_S = 600.0  # an HTTP process imports the server's modules (and loads the tokenizer) in a few seconds
 
 
-def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A TCP socket listening on host:port, to be shared by every HTTP process."""
+def listen_sockets(host: str, port: int, count: int, backlog: int = 2048) -> list[socket.socket]:
+    """`count` TCP sockets listening on host:port, one per HTTP process, in one SO_REUSEPORT group: the kernel
+    spreads new connections over them by a hash of the client's address and port. (On one shared socket, the
+    process that woke first accepted a whole burst of connections: 28 / 18 / 16 / 2 of 64 over 4 processes,
+    and a client keeps its connections, so the busiest process stayed the busiest.) The port is first taken
+    without SO_REUSEPORT, so that a port in use (by another server of ours too) fails here, by name."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"port: cannot listen on {host}:{port}: {e}") from None
-    sock.listen(backlog)
-    sock.set_inheritable(True)
-    return sock
+
+    def bind(reuse_port: bool) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise ValueError(f"port: cannot listen on {host}:{port}: {e}") from None
+        return sock
+
+    bind(reuse_port=False).close()
+    socks = [bind(reuse_port=True) for _ in range(count)]
+    for sock in socks:
+        sock.listen(backlog)
+        sock.set_inheritable(True)
+    return socks
 
 
 @dataclass
@@ -75,14 +89,18 @@ class Workers:
         self._stopping = False
 
     @classmethod
-    def start(cls, ns: argparse.Namespace, client: AsyncEngineClient, sock: socket.socket) -> Workers:
+    def start(cls, ns: argparse.Namespace, client: AsyncEngineClient, socks: list[socket.socket]) -> Workers:
+        """`socks`: the listening sockets of processes 1..N-1 (`listen_sockets`' after the first's), each handed to
+        its process and closed here (a socket left open here, its process gone, would queue connections that
+        nobody accepts)."""
         ctx = multiprocessing.get_context("spawn")
         procs, pipes = [], []
-        for i in range(1, ns.api_server_count):
+        for i, sock in enumerate(socks, start=1):
             spec = WorkerSpec(ns, client.info, client.endpoints[i], client.processes, i, ns.api_server_count)
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=run_worker, args=(spec, sock, theirs), name=f"ostinato-http-{i}")
-            p.start()
+            p.start()  # (the socket is duplicated for the child as it is pickled: closing ours now is safe)
+            sock.close()
             theirs.close()  # the child holds its own copy
             procs.append(p)
             pipes.append(ours)
