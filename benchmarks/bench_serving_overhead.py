@@ -289,10 +289,11 @@ def online(args, prompts: list[list[int]]) -> dict:
     return rows
 
 
-def compare(args, off: dict, on: dict, count: int | None) -> list[dict]:
-    """Offline against online per concurrency (`count`: the server's HTTP processes, when --api-server-counts)."""
+def compare(args, off: dict, on: dict, count: int | None, variant: str | None = None) -> list[dict]:
+    """Offline against online per concurrency (`count`: the server's HTTP processes, when --api-server-counts;
+    `variant`: the label of a --server-variants entry)."""
     rows = []
-    tag = {} if count is None else {"api_server_count": count}
+    tag = ({} if count is None else {"api_server_count": count}) | ({} if variant is None else {"variant": variant})
     for c in args.concurrency:
         if c == 1:
             x, y = statistics.median(off["decode_step_ms"]), on[1]["tpot_ms"]["mean"]
@@ -315,7 +316,8 @@ def compare(args, off: dict, on: dict, count: int | None) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     def label(r: dict) -> str:
-        n = f"N{r['api_server_count']}" if "api_server_count" in r else ""
+        n = " ".join(x for x in (f"N{r['api_server_count']}" if "api_server_count" in r else "",
+                                 r.get("variant", "")) if x)
         return f"{n:>3} {r['concurrency']:>5}"
 
     print(f"\n{'conc':>9} {'metric':<18} {'offline':>10} {'online':>10} {'ratio':>7}  within 10%")
@@ -352,6 +354,9 @@ def main() -> None:
     ap.add_argument("--api-server-counts", type=int, nargs="+", default=None,
                     help="run the online phase once per count, with --api-server-count N added to --server-args "
                          "(one offline phase for all)")
+    ap.add_argument("--server-variants", nargs="+", default=None, metavar="LABEL=ARGS",
+                    help="run the online phase once per variant (and per --api-server-counts entry), with ARGS "
+                         "added to --server-args, e.g. mixed='--enable-mixed-chunk' (one offline phase for all)")
     ap.add_argument("--client-procs", type=int, default=1,
                     help="processes of the streaming client at concurrency > 1 (each runs 1/K of the streams)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving-overhead-<device>.json)")
@@ -372,13 +377,17 @@ def main() -> None:
         with open(path) as f:
             off = json.load(f)
     counts = args.api_server_counts or [None]
+    variants = [v.split("=", 1) for v in args.server_variants] if args.server_variants else [(None, "")]
     on_by, rows = {}, []
     server_args = args.server_args
     for count in counts:
-        if count is not None:
-            args.server_args = f"{server_args} --api-server-count {count}"
-        on_by[count] = online(args, off["prompts"])
-        rows += compare(args, off, on_by[count], count)
+        for label, extra in variants:
+            args.server_args = " ".join(x for x in (server_args, extra) if x)
+            if count is not None:
+                args.server_args += f" --api-server-count {count}"
+            key = " ".join(x for x in (f"N{count}" if count is not None else None, label) if x)
+            on_by[key] = online(args, off["prompts"])
+            rows += compare(args, off, on_by[key], count, label)
     args.server_args = server_args
     print_rows(rows)
     report = {"device": off["device"], "torch": off["torch"],
@@ -386,8 +395,8 @@ def main() -> None:
               "config": {k: v for k, v in vars(args).items() if not k.startswith("phase")},
               "engine_flags": engine_flags(args), "offline_decode_step_ms": off["decode_step_ms"],
               "offline_output_tok_s": off["output_tok_s"],
-              "online": ({str(c): r for c, r in on_by[None].items()} if counts == [None] else
-                         {f"N{n}": {str(c): r for c, r in on.items()} for n, on in on_by.items()}),
+              "online": ({str(c): r for c, r in on_by[""].items()} if list(on_by) == [""] else
+                         {key: {str(c): r for c, r in on.items()} for key, on in on_by.items()}),
               "comparison": rows}
     write_report(report, args.out or os.path.join(RESULTS, f"serving-overhead-{off['device_tag']}.json"))
 
