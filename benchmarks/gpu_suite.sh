@@ -10,7 +10,8 @@
 #                                          the VLM encoder and TTFT, VLM TTFT through the server with ViT
 #                                          graphs off/on (needs the wheels), Granite-4.0-H decode and offline
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
-#   bash benchmarks/gpu_suite.sh serving   serving overhead (needs the .whl wheels carried)
+#   bash benchmarks/gpu_suite.sh serving   serving overhead at concurrency 1 / 64 / 256, mixed chunk off / on
+#                                          (needs the .whl wheels carried)
 #   bash benchmarks/gpu_suite.sh piecewise piecewise GPU tests, start-up split (cold / warm cache), extend steps
 #   bash benchmarks/gpu_suite.sh mixed     ITL under prefill pressure (mixed chunk off / on), TTFT through
 #                                          `ostinato serve` with piecewise on / off (the server needs the wheels)
@@ -86,8 +87,12 @@ LLM('llama-3.2-1b', load_format='dummy')  # default sizes: logs capture time and
 " 2>&1 | grep -E "captured|KV pool|memory:" | tee "$OUT/startup.log"
   ;;
 serving)
+  # issue 18's shape: four HTTP processes, the client in four processes; mixed chunk off and on after one
+  # offline phase
   timeout 500 python benchmarks/bench_serving_overhead.py --model llama-3.2-1b --load-format dummy --dtype bfloat16 \
-      --out "$OUT/serving-overhead.json" 2>&1 | quiet | tail -20 | tee "$OUT/serving-overhead.log"
+      --concurrency 1 64 256 --num-prompts 1024 --api-server-counts 4 --client-procs 4 \
+      --server-variants plain= mixed=--enable-mixed-chunk \
+      --out "$OUT/serving-overhead.json" 2>&1 | quiet | tail -30 | tee "$OUT/serving-overhead.log"
   ;;
 piecewise)
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_piecewise_gpu.py 2>&1 | quiet | tail -15 \
