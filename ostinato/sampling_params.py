@@ -14,6 +14,13 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what an int field may hold: the engine's messages carry int64
+
+
+def _is_int64(x: object) -> bool:
+    return _is_int(x) and INT64_MIN <= x <= INT64_MAX
+
+
 class SamplingParamsTypeError(TypeError, ValueError):
     """A field of the wrong type. A TypeError, and a ValueError too, so callers that map ValueErrors to
     "bad request" (the server, the CLI) report it like any other invalid value."""
@@ -84,13 +91,15 @@ class SamplingParams:
         check(real("repetition_penalty") > 0.0, "repetition_penalty must be > 0", self.repetition_penalty)
         check(real("temperature") >= 0.0, "temperature must be >= 0", self.temperature)
         check(0.0 < real("top_p") <= 1.0, "top_p must be in (0, 1]", self.top_p)
-        check(_is_int(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 (disabled) or >= 1", self.top_k)
+        check(_is_int64(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 (disabled) or in [1, 2**63 - 1]",
+              self.top_k)
         check(0.0 <= real("min_p") <= 1.0, "min_p must be in [0, 1]", self.min_p)
-        check(self.seed is None or _is_int(self.seed), "seed must be an int or None", self.seed)
+        check(self.seed is None or _is_int64(self.seed), "seed must be None or an int in [-2**63, 2**63 - 1]",
+              self.seed)
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings", self.stop)
         check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids must be ints >= 0",
+            all(_is_int64(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be ints in [0, 2**63 - 1]",
             self.stop_token_ids,
         )
         flag("ignore_eos")

@@ -168,6 +168,10 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, AUTH, 400, "at most 20", "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, AUTH, 400, "non-empty strings", "stop"),
     ("/v1/completions", {"prompt": "hi", "seed": "abc"}, AUTH, 400, "valid integer", "seed"),
+    # ints past int64 (the engine's messages carry int64) are refused by name, not a 500 from the IPC layer
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, AUTH, 400, "[-2**63, 2**63 - 1]", "seed"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**70}, AUTH, 400, "top_k must be", "top_k"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, AUTH, 400, "[0, 2**63 - 1]", "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, AUTH, 400, "not supported", "echo"),
     ("/v1/completions", {"prompt": ""}, AUTH, 400, "must not be empty", "prompt"),
     ("/v1/completions", {"prompt": [1, 49152]}, AUTH, 400, "outside the vocabulary", "prompt"),
