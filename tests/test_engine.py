@@ -103,6 +103,8 @@ BAD_INPUTS = [
     ({"prompt_token_ids": [1, 49152]}, GREEDY, "prompt_token_ids"),
     ({"prompt_token_ids": [-1]}, GREEDY, "prompt_token_ids"),
     ("hello", SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
+    ("hello \ud800", GREEDY, "prompt: not valid Unicode"),  # a lone surrogate: no tokenizer takes it
+    ({"prompt": "x\udc00"}, GREEDY, "prompt: not valid Unicode"),
 ]
 
 
@@ -147,6 +149,8 @@ def test_unknown_path_and_architecture(tmp_path):
     ([{"role": "banana", "content": "hi"}], "messages[0].role: unknown role 'banana'"),
     ([{"role": "user", "content": 5}], "messages[0].content: expected a string"),
     ([[{"role": "user", "content": "hi"}], []], "messages[1]: must not be empty"),
+    ([{"role": "user", "content": "a\ud800"}], "messages[0].content: not valid Unicode"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], "messages[0].content[0].text: not valid"),
 ])
 def test_chat_bad_messages_raise_value_error(llm, messages, fragment):
     with pytest.raises(ValueError) as e:

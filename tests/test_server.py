@@ -187,6 +187,11 @@ BAD_INPUTS = [
      "needs logprobs", "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": 5}, AUTH, 400,
      "", "stream_options"),
+    # a lone UTF-16 surrogate escape (valid JSON, not valid Unicode): a 400 naming where, not a tokenizer's 500
+    ("/v1/completions", '{"prompt": "hi \\ud800"}', AUTH, 400, "not valid Unicode", "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": '
+                             '[{"type": "text", "text": "\\udfff"}]}]}', AUTH, 400, "lone UTF-16 surrogate",
+     "messages[1].content[0].text"),
     ("/completions", {"max_tokens": 3}, AUTH, 400, "Field required", "prompts"),
     ("/completions", {"prompts": []}, AUTH, 400, "must not be empty", "prompts"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, AUTH, 404, "does not exist", "model"),
@@ -206,6 +211,22 @@ def test_bad_input(server, path, body, headers, status, fragment, param):
     assert set(err) == {"message", "type", "param", "code"}
     assert fragment in err["message"]
     assert err["param"] == param
+
+
+def test_null_fields_and_escaped_emoji_are_accepted(server):
+    """What OpenAI's schema allows is not refused: null for n / stream / echo / logprobs (the defaults), and a
+    surrogate pair escape (json.dumps writes an emoji that way) beside the lone ones refused above."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi \U0001F600", "n": None, "stream": None, "echo": None, "max_tokens": 2,
+                             "temperature": None, "stop": None, "seed": None, "logprobs": None}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \U0001F600"}], "n": None,
+                                  "stream": None, "logprobs": None, "max_tokens": 2}),
+    ):
+        raw = json.dumps(body)  # ensure_ascii: the emoji as \ud83d\ude00
+        assert "\\ud83d\\ude00" in raw
+        r = httpx.post(server.url + path, headers={"Content-Type": "application/json", **AUTH}, content=raw, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 1
 
 
 def test_client_errors_map_to_openai_exceptions(server, client):

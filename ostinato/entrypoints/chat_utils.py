@@ -5,6 +5,15 @@ from typing import Any
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+def check_unicode(text: str, where: str) -> None:
+    """Raise ValueError naming `where` if `text` holds a lone UTF-16 surrogate ('\\ud800', or a JSON escape of
+    one): not text that UTF-8, or any tokenizer, takes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: not valid Unicode (a lone surrogate at index {e.start})") from None
+
+
 def check_role(role: object, where: str) -> None:
     if role not in CHAT_ROLES:
         raise ValueError(f"{where}.role: unknown role {role!r} (allowed: {', '.join(CHAT_ROLES)})")
@@ -33,6 +42,10 @@ def check_conversation(messages: Any, where: str = "messages") -> None:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise ValueError(f"{at}.content[{j}]: expected a content part dict with a 'type'")
-        elif not isinstance(content, str):
+                if isinstance(part.get("text"), str):
+                    check_unicode(part["text"], f"{at}.content[{j}].text")
+        elif isinstance(content, str):
+            check_unicode(content, f"{at}.content")
+        else:
             raise ValueError(f"{at}.content: expected a string or a list of content parts, "
                              f"got {type(content).__name__}")

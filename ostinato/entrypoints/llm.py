@@ -9,7 +9,7 @@ from tqdm import tqdm
 from ostinato.config import EngineArgs
 from ostinato.engine.engine_core import EngineCore
 from ostinato.engine.output_processor import OutputProcessor
-from ostinato.entrypoints.chat_utils import check_conversation
+from ostinato.entrypoints.chat_utils import check_conversation, check_unicode
 from ostinato.loader import load_model_source
 from ostinato.multimodal.processor import chat_images, make_image_input_processor
 from ostinato.outputs import RequestOutput
@@ -128,6 +128,7 @@ class LLM:
                 raise ValueError("prompt: text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            check_unicode(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt), None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -92,6 +93,28 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# a JSON escape of a UTF-16 surrogate: json.loads makes a lone one a str that no tokenizer (nor UTF-8) takes
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate(obj: Any, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first string in `obj` holding a lone surrogate, else None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if (where := lone_surrogate(v, f"{path}.{k}" if path else str(k))) is not None:
+                return where
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            if isinstance(v, str | dict | list) and (where := lone_surrogate(v, f"{path}[{i}]")) is not None:
+                return where
+    return None
+
+
 def parse_json(raw: bytes, model: type[M]) -> M:
     """JSON -> the request model; OpenAIError 400 naming the field. Runs on the serving worker thread."""
     try:
@@ -100,6 +123,9 @@ def parse_json(raw: bytes, model: type[M]) -> M:
         raise OpenAIError(400, f"Malformed JSON in the request body: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "The request body must be a JSON object", code="invalid_json")
+    if SURROGATE_ESCAPE.search(raw) and (where := lone_surrogate(data)) is not None:
+        raise OpenAIError(400, f"{where}: not valid Unicode (a lone UTF-16 surrogate escape, \\ud800-\\udfff)",
+                          param=where, code="invalid_value")
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -6,7 +6,7 @@ schemas check types and shapes. Unknown fields are ignored, as OpenAI and vLLM d
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from ostinato.entrypoints.chat_utils import CHAT_ROLES
 from ostinato.entrypoints.openai.errors import OpenAIError
@@ -17,12 +17,23 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# fields that OpenAI's schema lets be null, meaning the default (some clients send null for every field they do
+# not set); the defaults are the fields' own below
+NULL_DEFAULTS = {"n": 1, "stream": False, "echo": False, "logprobs": False}
+
+
+def _null_is_default(value: Any, info: ValidationInfo) -> Any:
+    return NULL_DEFAULTS[info.field_name] if value is None else value
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
 class SamplingFields(OpenAIModel):
     """Fields shared by the generation endpoints; the extras (top_k, min_p, ignore_eos, ...) are vLLM's."""
+
+    _null_n_stream = field_validator("n", "stream", mode="before")(_null_is_default)
 
     model: str | None = None
     n: int = 1
@@ -110,6 +121,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    _null_echo = field_validator("echo", mode="before")(_null_is_default)
+
     def check_supported(self) -> None:
         super().check_supported()
         for name, bad in (("echo", self.echo), ("suffix", self.suffix)):
@@ -157,6 +170,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+    _null_logprobs = field_validator("logprobs", mode="before")(_null_is_default)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
