@@ -174,7 +174,10 @@ class OpenAIServing:
         for p in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
             if isinstance(p, str):
                 self.check_chars(len(p), "prompt")
-        prompts = await self.run_blocking(self._completion_prompts, req.prompt)
+        if isinstance(req.prompt, list) and not any(isinstance(p, str) for p in req.prompt):
+            prompts = self._completion_prompts(req.prompt)  # token ids: nothing to tokenize, no thread hop
+        else:
+            prompts = await self.run_blocking(self._completion_prompts, req.prompt)
         rename = {"prompt_token_ids": "prompt"}
         params = self.sampling_params(req, prompts, req.max_tokens, req.logprobs, rename)
         self.check_alive()
