@@ -77,3 +77,13 @@ def test_deep_leak_check_waits_for_idle(monkeypatch):
             s.close(linger=0)
         ctx.term()
     assert not thread.is_alive()
+
+
+def test_sampling_params_survive_the_wire():
+    """params_to_dict (shallow, not dataclasses.asdict) -> msgpack -> params_from_dict gives equal params."""
+    import dataclasses
+
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=-3, stop=["a", "bc"], stop_token_ids=[7, 9],
+                       max_tokens=11, min_tokens=2, logprobs=3, ignore_eos=True)
+    assert ipc.params_to_dict(p) == dataclasses.asdict(p)
+    assert ipc.params_from_dict(ipc.unpack(ipc.pack(ipc.params_to_dict(p)))) == p

@@ -29,8 +29,12 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return dataclasses.asdict(params)
+    # shallow (dataclasses.asdict deep-copies every list): the dict is packed at once and never kept
+    return {name: getattr(params, name) for name in _PARAM_FIELDS}
 
 
 def params_from_dict(d: dict[str, Any]) -> SamplingParams:
