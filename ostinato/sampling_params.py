@@ -8,6 +8,7 @@ import numbers
 from dataclasses import dataclass
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's threshold)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def _is_int(x: object) -> bool:
@@ -54,9 +55,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> a bias added to its logit before sampling (OpenAI's logit_bias; -100 bans a token, +100
+    # all but forces it); token ids are checked against the vocabulary with the engine's limits
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.stop = [] if self.stop is None else _str_list("stop", self.stop)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingParamsTypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            self.logit_bias = dict(self.logit_bias) or None
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, list | tuple):
@@ -117,6 +125,12 @@ class SamplingParams:
         )
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
             flag(name)
+        for token, bias in (self.logit_bias or {}).items():
+            check(_is_int64(token) and token >= 0, "logit_bias: keys must be token ids (ints >= 0)", token)
+            ok = isinstance(bias, numbers.Real) and not isinstance(bias, bool) and math.isfinite(bias)
+            check(ok and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                  f"logit_bias: values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (token {token})",
+                  bias)
 
     @property
     def is_greedy(self) -> bool:

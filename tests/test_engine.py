@@ -105,6 +105,7 @@ BAD_INPUTS = [
     ("hello", SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
     ("hello \ud800", GREEDY, "prompt: not valid Unicode"),  # a lone surrogate: no tokenizer takes it
     ({"prompt": "x\udc00"}, GREEDY, "prompt: not valid Unicode"),
+    ("hello", SamplingParams(max_tokens=2, logit_bias={49152: 5.0}), "logit_bias: token id 49152 is outside"),
 ]
 
 
@@ -165,3 +166,17 @@ def test_generate_sampling_params_of_the_wrong_type(llm):
         llm.generate(["hi"], [{"temperature": 0}], use_tqdm=False)
     with pytest.raises(ValueError, match="temperature must be finite"):
         llm.generate(["hi"], SamplingParams(temperature=float("inf")), use_tqdm=False)
+
+
+def test_logit_bias_through_the_engine(llm):
+    """logit_bias in a batch beside requests without one: a banned token never comes (greedy picks the runner-up
+    each step), a forced one always does, and the unbiased request gives its usual tokens."""
+    prompt = {"prompt_token_ids": [1, 504, 3458, 282, 4649, 314]}
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    banned = sorted(set(plain[:8]))
+    ban = SamplingParams(temperature=0.0, max_tokens=24, logit_bias={t: -100.0 for t in banned})
+    force = SamplingParams(temperature=0.7, max_tokens=8, seed=3, logit_bias={1234: 100.0})
+    outs = llm.generate([prompt, prompt, prompt], [ban, force, GREEDY], use_tqdm=False)
+    assert not set(outs[0].outputs[0].token_ids) & set(banned), (banned, outs[0].outputs[0].token_ids)
+    assert outs[1].outputs[0].token_ids == [1234] * 8
+    assert outs[2].outputs[0].token_ids == plain

@@ -248,3 +248,37 @@ def test_no_host_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out.cpu(), run(logits.cpu(), params, list(range(8)), [0] * 8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_is_added_before_sampling(device):
+    """logit_bias: a row's draw equals the draw from its logits with the biases added by hand (greedy and
+    sampled rows, same seeds), rows without one are untouched, the precomputed argmax is not used, and the
+    logits tensor itself (a graph's output buffer) is left as it was."""
+    from ostinato.runner.sampler import sample_tensors
+
+    b, v = 6, 3000
+    logits = rand_logits(b, v, 11).to(device)
+    before = logits.clone()
+    top = logits.argmax(-1).tolist()
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={top[0]: -100.0}),  # the greedy pick banned
+        SamplingParams(temperature=0.0, logit_bias={5: 100.0, top[1]: -3.5}),  # token 5 forced
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9, logit_bias={17: 40.0, top[3]: -100.0}),
+        SamplingParams(temperature=1.0, top_k=50),
+        SamplingParams(temperature=1.0, logit_bias={top[5]: 2.5}),
+    ]
+    seeds, steps = [3, 1, 4, 1, 5, 9], [0, 2, 7, 1, 8, 2]
+    t = SamplingTensors.from_params(params, seeds, steps, v, device)
+    marker = torch.full((b,), 7, device=device)
+    got = sample_tensors(logits, t, marker).ids
+    biased = before.clone()
+    for row, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            biased[row, token] += bias
+    plain = [SamplingParams(**{**vars(p), "logit_bias": None}) for p in params]
+    want = run(biased, plain, seeds, steps)
+    assert torch.equal(got, want)
+    assert got[0] != top[0] and got[1] == 5 and got[2] == top[2] and got[3] != top[3]
+    assert torch.equal(logits, before)

@@ -23,6 +23,7 @@ VLLM_DEFAULTS = dict(
     skip_special_tokens=True,
     spaces_between_special_tokens=True,
     include_stop_str_in_output=False,
+    logit_bias=None,
 )
 
 
@@ -82,6 +83,12 @@ def test_clone_and_replace():
         (dict(stop_token_ids=[1, "2"]), "stop_token_ids must be"),
         (dict(stop_token_ids=[-1]), "stop_token_ids must be"),
         (dict(stop_token_ids=[2**70]), "stop_token_ids must be ints in [0, 2**63 - 1]"),
+        (dict(logit_bias={5: 101}), "logit_bias: values must be numbers in [-100, 100] (token 5), got 101"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias: values must be"),
+        (dict(logit_bias={5: "1"}), "logit_bias: values must be"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias: keys must be token ids"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias: keys must be token ids"),
+        (dict(logit_bias=[5]), "logit_bias must be a dict"),
         (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
         (dict(min_tokens=-1), "min_tokens must be >= 0, got -1"),
         (dict(min_tokens=20), "min_tokens must be <= max_tokens (16), got 20"),

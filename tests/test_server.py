@@ -192,6 +192,10 @@ BAD_INPUTS = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": '
                              '[{"type": "text", "text": "\\udfff"}]}]}', AUTH, 400, "lone UTF-16 surrogate",
      "messages[1].content[0].text"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, AUTH, 400, "keys must be token ids", "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, AUTH, 400, "in [-100, 100]", "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"49152": 1}}, AUTH,
+     400, "outside the vocabulary", "logit_bias"),
     ("/completions", {"max_tokens": 3}, AUTH, 400, "Field required", "prompts"),
     ("/completions", {"prompts": []}, AUTH, 400, "must not be empty", "prompts"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, AUTH, 404, "does not exist", "model"),
@@ -227,6 +231,25 @@ def test_null_fields_and_escaped_emoji_are_accepted(server):
         r = httpx.post(server.url + path, headers={"Content-Type": "application/json", **AUTH}, content=raw, timeout=60)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 1
+
+
+def test_logit_bias_through_the_client(client, smollm_path):
+    """OpenAI's logit_bias (token ids as string keys): +100 forces a token at every position, -100 on the
+    greedy picks makes greedy take others, in completions and chat."""
+    from ostinato.loader import load_model_source
+
+    tok = load_model_source(smollm_path).tokenizer
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    picks = tok.encode(plain, add_special_tokens=False)
+    banned = client.completions.create(**kw, logit_bias={str(t): -100 for t in picks}).choices[0].text
+    assert not set(tok.encode(banned, add_special_tokens=False)) & set(picks), (plain, banned)
+    x = tok.encode(" Paris", add_special_tokens=False)[0]
+    forced = client.completions.create(**kw, logit_bias={str(x): 100}).choices[0].text
+    assert forced == tok.decode([x] * 6), forced
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0.8, seed=1, logit_bias={str(x): 100})
+    assert chat.choices[0].message.content == tok.decode([x] * 4)
 
 
 def test_client_errors_map_to_openai_exceptions(server, client):

@@ -38,5 +38,8 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, limits
         )
     if params.repetition_penalty != 1.0:
         raise ValueError("repetition_penalty: not supported by this engine yet (leave it at 1.0)")
+    bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
     if params.logprobs is not None and params.logprobs > min(MAX_LOGPROBS, vocab):
         raise ValueError(f"logprobs: at most {min(MAX_LOGPROBS, vocab)} top logprobs, got {params.logprobs}")

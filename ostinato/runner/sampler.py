@@ -69,6 +69,8 @@ class SamplingTensors:
     output_counts: Tensor | None = None  # float32 [B, V]: occurrences of each token in the row's output so far
     # logprobs: per row, how many top alternatives to return (None: no logprobs for the row); None when no row asks
     num_logprobs: list[int | None] | None = None
+    # logit_bias, flattened over the rows that have one: (row, token id, bias); None when no row has one
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
     def fused_ok(self) -> bool:
@@ -122,7 +124,18 @@ class SamplingTensors:
             frequency_penalties=put([p.frequency_penalty for p in params], torch.float32) if penalized else None,
             output_counts=token_counts(output_token_ids, vocab_size, put) if penalized else None,
             num_logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
+            logit_bias=bias_entries(params, put),
         )
+
+
+def bias_entries(params: list[SamplingParams], put) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The batch's logit_bias as three flat tensors (row, token id, bias), or None when no row has one."""
+    entries = [(row, token, bias) for row, p in enumerate(params) if p.logit_bias
+               for token, bias in p.logit_bias.items()]
+    if not entries:
+        return None
+    rows, tokens, biases = zip(*entries, strict=True)
+    return put(list(rows), torch.int64), put(list(tokens), torch.int64), put(list(biases), torch.float32)
 
 
 def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, put=None) -> Tensor:
@@ -140,12 +153,19 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, put=None) 
 
 
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
-    """OpenAI's presence/frequency penalties: logit - frequency * count - presence * (count > 0), in fp32."""
-    if t.output_counts is None:
-        return logits
-    counts = t.output_counts
-    return (logits.float() - t.frequency_penalties[:, None] * counts
-            - t.presence_penalties[:, None] * (counts > 0).float())
+    """OpenAI's presence/frequency penalties: logit - frequency * count - presence * (count > 0), in fp32;
+    then the logit_bias entries added. `logits` itself is never written (it can be a graph's output buffer):
+    with neither, it is returned as is."""
+    x = logits
+    if t.output_counts is not None:
+        counts = t.output_counts
+        x = (logits.float() - t.frequency_penalties[:, None] * counts
+             - t.presence_penalties[:, None] * (counts > 0).float())
+    if t.logit_bias is not None:
+        x = x.float().clone() if x is logits else x
+        rows, tokens, biases = t.logit_bias
+        x.index_put_((rows, tokens), biases, accumulate=True)
+    return x
 
 
 # per sampled token: (its logprob, its rank in the vocabulary (1 = most likely), top-k ids, top-k logprobs)
@@ -215,8 +235,9 @@ class SampledTensors:
 
 
 def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SampledTensors:
-    """Penalties, `sample`, then the requested logprobs, all on the device (no sync).
-    `argmax`: the logits' argmax when already computed (a decode graph computes it); unused under penalties."""
+    """Penalties and logit_bias, `sample`, then the requested logprobs, all on the device (no sync).
+    `argmax`: the logits' argmax when already computed (a decode graph computes it); unused under penalties or
+    a logit_bias."""
     x = apply_penalties(logits, t)
     ids = sample(x, t, argmax if x is logits else None)
     penalized = t.output_counts is not None

@@ -66,9 +66,6 @@ class SamplingFields(OpenAIModel):
     best_of: int | None = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias: not supported by this server", param="logit_bias",
-                              code="unsupported_value")
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
             if getattr(self, name) is not None:
                 _unsupported(name, "structured output is not supported by this server")
@@ -99,7 +96,21 @@ class SamplingFields(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias keys are token ids written as strings."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise OpenAIError(400, f"logit_bias: keys must be token ids (integers), got {key!r}",
+                                  param="logit_bias", code="invalid_value") from None
+        return out
 
     @property
     def include_usage(self) -> bool:
