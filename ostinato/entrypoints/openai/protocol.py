@@ -196,6 +196,9 @@ class ChatCompletionRequest(SamplingFields):
             if m.role not in CHAT_ROLES:
                 raise OpenAIError(400, f"messages[{i}].role: unknown role {m.role!r} (allowed: "
                                        f"{', '.join(CHAT_ROLES)})", param=f"messages[{i}].role", code="invalid_value")
+            if m.content is None and m.role != "assistant":  # (OpenAI's assistant turn may carry tool calls only)
+                raise OpenAIError(400, f"messages[{i}].content: missing (required for a {m.role} message)",
+                                  param=f"messages[{i}].content", code="invalid_value")
 
     def num_chars(self) -> int:
         """Characters of the messages' strings (what the chat template gets from the client)."""
