@@ -159,6 +159,12 @@ def test_chat_bad_messages_raise_value_error(llm, messages, fragment):
     assert fragment in str(e.value)
 
 
+def test_generate_prompts_of_the_wrong_type(llm):
+    for bad in (5, None, b"hi"):
+        with pytest.raises(ValueError, match="prompts: expected a prompt"):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+
+
 def test_generate_sampling_params_of_the_wrong_type(llm):
     with pytest.raises(ValueError, match=r"sampling_params: expected a SamplingParams .* got dict"):
         llm.generate(["hi"], {"temperature": 0}, use_tqdm=False)

@@ -65,6 +65,9 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        elif not isinstance(prompts, list | tuple):
+            raise ValueError(f"prompts: expected a prompt (a string or a dict with 'prompt_token_ids') or a list of "
+                             f"them, got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
