@@ -32,3 +32,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (the first sample's, n > 1)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else the token and the top
+    # alternatives (vLLM's form)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

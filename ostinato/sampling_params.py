@@ -58,6 +58,9 @@ class SamplingParams:
     # token id -> a bias added to its logit before sampling (OpenAI's logit_bias; -100 bans a token, +100
     # all but forces it); token ids are checked against the vocabulary with the engine's limits
     logit_bias: dict[int, float] | None = None
+    # per prompt token after the first: its logprob and the top `prompt_logprobs` alternatives (vLLM's); such a
+    # request's prompt is computed whole (no prefix-cache hit)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = [] if self.stop is None else _str_list("stop", self.stop)
@@ -122,6 +125,11 @@ class SamplingParams:
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             "logprobs must be None or an int >= 0",
             self.logprobs,
+        )
+        check(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            "prompt_logprobs must be None or an int >= 0",
+            self.prompt_logprobs,
         )
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
             flag(name)

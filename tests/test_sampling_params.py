@@ -24,6 +24,7 @@ VLLM_DEFAULTS = dict(
     spaces_between_special_tokens=True,
     include_stop_str_in_output=False,
     logit_bias=None,
+    prompt_logprobs=None,
 )
 
 

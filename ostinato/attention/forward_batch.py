@@ -37,6 +37,9 @@ class ForwardBatch:
     # hybrid models in a piecewise-graph step: the step's layout at fixed addresses (layers.mamba_tables), which
     # the captured mixer reads instead of extend_seq_lens_cpu and mamba_slots
     mamba_tables: Any = None
+    # EXTEND with prompt logprobs: (rows of input_ids whose next token is a prompt token, those tokens) int64
+    # tensors, and k (top alternatives); the step then runs eagerly, whatever graphs exist
+    prompt_lp: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @property
     def num_tokens(self) -> int:

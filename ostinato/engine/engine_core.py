@@ -22,6 +22,19 @@ from ostinato.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def record_prompt_logprobs(req: Request, start: int, entries: list[TokenLogprobs]) -> None:
+    """Store a step's prompt-logprob entries (positions start, start+1, ...: the logprobs of prompt tokens
+    start+1, ...) in the request, each cut to its own top-k; positions already there (a retracted request's
+    recompute) are skipped."""
+    if not entries or req.prompt_logprobs_sent:
+        return
+    got = req.prompt_logprobs = req.prompt_logprobs or []
+    k = req.params.prompt_logprobs
+    for pos, (chosen, rank, top_ids, top_lps) in enumerate(entries, start):
+        if pos == len(got):
+            got.append((chosen, rank, top_ids[:k], top_lps[:k]))
+
+
 @dataclass
 class EngineCoreOutput:
     rid: str
@@ -30,6 +43,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
+    # with the request's first output, when it asked for prompt logprobs: one entry per prompt token after the
+    # first (its logprob and rank, the top alternatives)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 def eos_token_ids(source: ModelSource) -> frozenset[int]:
@@ -116,6 +132,8 @@ class EngineCore:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         if mm is not None and not self.runner.is_multimodal:
             raise ValueError(f"multi_modal_data: {type(self.runner.model).__name__} takes no images")
+        if params.prompt_logprobs is not None and self.tp is not None:
+            raise ValueError("prompt_logprobs: not supported with tensor parallelism yet")
         req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids, mm=mm)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -170,6 +188,9 @@ class EngineCore:
         """Wait for a launched step's tokens; append them and finish the requests they stop."""
         result = sampled.result()
         logprobs = result.logprobs or [None] * len(sched.reqs)
+        if result.prompt_logprobs is not None:
+            for req, start, entries in zip(sched.reqs, sched.prefix_lens, result.prompt_logprobs, strict=True):
+                record_prompt_logprobs(req, start, entries)
         outputs = []
         for req, token, lp, emits in zip(sched.reqs, result.token_ids, logprobs, sched.sample_mask, strict=True):
             if not emits or req.is_finished:  # finished (stopped, aborted) after this step was launched
@@ -177,6 +198,8 @@ class EngineCore:
             req.resolve_pending(token)
             out = EngineCoreOutput(req.rid, [token], logprobs=None if lp is None else [lp],
                                    num_cached_tokens=req.num_cached_tokens)
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs or [], True
             if req.finish_reason is not None:
                 self.scheduler.finish(req, req.finish_reason)
                 self.requests.pop(req.rid, None)

@@ -41,5 +41,7 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, limits
     bad = next((t for t in params.logit_bias or () if t >= vocab), None)
     if bad is not None:
         raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
-    if params.logprobs is not None and params.logprobs > min(MAX_LOGPROBS, vocab):
-        raise ValueError(f"logprobs: at most {min(MAX_LOGPROBS, vocab)} top logprobs, got {params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > min(MAX_LOGPROBS, vocab):
+            raise ValueError(f"{name}: at most {min(MAX_LOGPROBS, vocab)} top logprobs, got {k}")

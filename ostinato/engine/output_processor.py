@@ -30,6 +30,7 @@ class RequestState:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first output, when params.prompt_logprobs
     # what the latest `process` call added
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -51,6 +52,12 @@ class RequestState:
             logprobs = [logprob_dict(tokenizer, tok, lp) for tok, lp in pairs]
         return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
                                 self.cumulative_logprob, logprobs)
+
+
+def prompt_logprob_dicts(tokenizer, prompt_token_ids: list[int],
+                         entries: list[TokenLogprobs]) -> list[dict[int, Logprob] | None]:
+    """vLLM's RequestOutput.prompt_logprobs: None for the first prompt token, then each token's dict."""
+    return [None] + [logprob_dict(tokenizer, tok, lp) for tok, lp in zip(prompt_token_ids[1:], entries, strict=False)]
 
 
 def decode_tokens(tokenizer, ids: list[int]) -> list[str]:
@@ -99,6 +106,8 @@ class OutputProcessor:
             state.token_ids.extend(out.new_token_ids)
             if out.num_cached_tokens is not None:
                 state.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
             state.delta_token_ids.extend(out.new_token_ids)
             if state.logprobs is not None and out.logprobs:
                 state.logprobs.extend(out.logprobs)

@@ -91,7 +91,8 @@ class PrefixCache:
         req.kv_len = req.cached_len = 0
         if self.tree is None:
             return
-        n = min(req.seq_len - 1, self._known_len(req))
+        # prompt logprobs need the logits of every prompt position: nothing is taken from the cache then
+        n = 0 if req.wants_prompt_logprobs else min(req.seq_len - 1, self._known_len(req))
         values, node = self.tree.match_values(cache_key(req, n))
         m = sum(len(v) for v in values)
         if m:  # written with the other admissions' rows by flush_rows

@@ -39,6 +39,20 @@ class Request:
     cached_len: int = 0
     last_node: Any = None
     num_cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
+    # params.prompt_logprobs: prompt token i+1's logprob entry at index i, filled chunk by chunk; handed out
+    # with the request's first output
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are still to be computed (the prefix cache must not skip any of it)."""
+        return (self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                and len(self.prompt_logprobs or ()) < len(self.prompt_token_ids) - 1)
+
+    def prompt_logprob_targets(self, start: int, n: int) -> list[int]:
+        """The prompt tokens that positions start .. start+n-1 predict (those still inside the prompt)."""
+        return self.prompt_token_ids[start + 1 : min(start + n + 1, len(self.prompt_token_ids))]
 
     @property
     def seq_len(self) -> int:

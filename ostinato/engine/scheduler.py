@@ -109,7 +109,13 @@ class Scheduler:
         assert loc is not None  # pages were checked above
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
-        return ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, loc, [r.kv_len == r.seq_len for r in reqs])
+        batch = ScheduledBatch(ForwardMode.EXTEND, reqs, prefix, lens, loc, [r.kv_len == r.seq_len for r in reqs])
+        wanting = [r for r in reqs if r.wants_prompt_logprobs]
+        if wanting:
+            batch.prompt_lp_targets = [r.prompt_logprob_targets(s, n) if r.wants_prompt_logprobs else []
+                                       for r, s, n in zip(reqs, prefix, lens, strict=True)]
+            batch.prompt_lp_k = max(r.params.prompt_logprobs for r in wanting)
+        return batch
 
     # ---------------------------------------------------------------- decode
     def _schedule_decode(self) -> ScheduledBatch | None:

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from ostinato.config import EngineArgs
 from ostinato.engine.engine_core import EngineCore
-from ostinato.engine.output_processor import OutputProcessor
+from ostinato.engine.output_processor import OutputProcessor, prompt_logprob_dicts
 from ostinato.entrypoints.chat_utils import check_conversation, check_unicode
 from ostinato.loader import load_model_source
 from ostinato.multimodal.processor import chat_images, make_image_input_processor
@@ -169,6 +169,9 @@ class LLM:
                     results[parent].outputs[j] = state.completion(j)
                     if j == 0:
                         results[parent].num_cached_tokens = state.num_cached_tokens
+                        if state.prompt_logprobs is not None:
+                            results[parent].prompt_logprobs = prompt_logprob_dicts(
+                                self.tokenizer, state.prompt_token_ids, state.prompt_logprobs)
                     bar.update(1)
             processor.process(self.engine.step())  # flush abort acknowledgements
         except BaseException:
@@ -185,4 +188,5 @@ class LLM:
 
 def _child_params(sp: SamplingParams, j: int) -> SamplingParams:
     seed = None if sp.seed is None else sp.seed + j
-    return dataclasses.replace(sp, n=1, seed=seed)
+    # the prompt's logprobs are the same for every sample: the first one computes them
+    return dataclasses.replace(sp, n=1, seed=seed, prompt_logprobs=sp.prompt_logprobs if j == 0 else None)

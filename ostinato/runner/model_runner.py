@@ -32,12 +32,13 @@ from ostinato.models.registry import model_class
 from ostinato.runner.hybrid import is_hybrid, make_mamba_pool
 from ostinato.runner.mm_batch import EncoderStats, build_mm_forward
 from ostinato.runner.next_tokens import PENDING_TOKEN, NextTokenBuffer
-from ostinato.runner.sampler import SampledTensors, SamplingTensors, sample_tensors
+from ostinato.runner.sampler import SampledTensors, SamplingTensors, compute_logprobs, sample_tensors
 from ostinato.runner.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_TOKENS = 16384
+PROMPT_LP_ROWS = 512  # prompt-logprob rows whose logits are computed at once
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -324,6 +325,14 @@ class ModelRunner:
         if any(r.num_pending for r in reqs):  # mixed step under overlap scheduling
             token_rows = [row for row, n in zip(req_rows, sched.extend_lens, strict=True) for _ in range(n)]
             self.next_tokens.resolve_(tokens[0], self._to_device([token_rows])[0])
+        prompt_lp = None
+        if sched.prompt_lp_targets is not None:  # request i's first new token sits at row ends[i] - n_i + 1
+            rows = [end - n + 1 + j for end, n, targets in zip(ends, sched.extend_lens, sched.prompt_lp_targets,
+                                                               strict=True) for j in range(len(targets))]
+            targets = [t for ts in sched.prompt_lp_targets for t in ts]
+            if rows:
+                lp = self._to_device([rows, targets])
+                prompt_lp = (lp[0], lp[1], sched.prompt_lp_k)
         return ForwardBatch(
             mode=sched.mode, batch_size=len(reqs), input_ids=tokens[0], positions=tokens[1],
             req_pool_indices=per_req[0], seq_lens=per_req[1], out_cache_loc=out_cache_loc,
@@ -333,19 +342,22 @@ class ModelRunner:
             mm=build_mm_forward(self.model, reqs, sched.prefix_lens, sched.extend_lens, dev, self.encoder_stats,
                                 self.vit_graph_runner.encode if self.vit_graph_runner is not None else None)
             if self.is_multimodal else None,
+            prompt_lp=prompt_lp,
         )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [bs, vocab] (float32) at each request's last token."""
+        """Logits [bs, vocab] (float32) at each request's last token. With `batch.prompt_lp`, the step runs
+        eagerly and also leaves the prompt tokens' logprobs in `self._prompt_lp`."""
         self._argmax = None
+        self._prompt_lp = None
         if self.mamba_pool is not None and batch.mamba_slots is None:
             batch.mamba_slots = self.req_to_token_pool.mamba_slots(batch.req_pool_indices)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)  # the graph resolves pending input ids itself
             self._argmax = self.graph_runner.argmax[: batch.batch_size]
             return logits
-        path = self.extend_path(batch)
+        path = self.extend_path(batch) if batch.prompt_lp is None else "eager"
         if path == "extend_graph":
             return self.extend_graph_runner.replay(batch)
         if path == "piecewise":
@@ -355,7 +367,17 @@ class ModelRunner:
         with forward_context(self.backend, batch, self.model.attention_specs):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions, **({"mm": batch.mm} if batch.mm is not None else {}))
+        if batch.prompt_lp is not None:
+            self._prompt_lp = self._prompt_logprobs(hidden, *batch.prompt_lp)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+                         k: int) -> tuple[torch.Tensor, ...]:
+        """compute_logprobs of `targets` from the logits at `rows`, PROMPT_LP_ROWS rows at a time (a 2,048-token
+        prompt's logits over a 150k vocabulary would be 1.2 GB at once)."""
+        parts = [compute_logprobs(self.model.compute_logits(hidden[rows[i : i + PROMPT_LP_ROWS]]),
+                                  targets[i : i + PROMPT_LP_ROWS], k) for i in range(0, len(rows), PROMPT_LP_ROWS)]
+        return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
 
     def extend_path(self, batch: ForwardBatch) -> str:
         """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager".
@@ -390,6 +412,10 @@ class ModelRunner:
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
         sampled = sample_tensors(logits, tensors, self._argmax)
         self.next_tokens.store_(batch.sample_slots, sampled.ids)
+        if self._prompt_lp is not None:
+            sampled.prompt_logprobs = self._prompt_lp
+            sampled.prompt_lp_counts = [len(t) for t in sched.prompt_lp_targets]
+            sampled.prompt_lp_k = sched.prompt_lp_k
         return sampled.copy_to_host()
 
     def step(self, sched: ScheduledBatch) -> SampledTensors:

@@ -176,6 +176,8 @@ TokenLogprobs = tuple[float, int, list[int], list[float]]
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # per row; None when no row asked for logprobs
+    # per row, the logprobs of the prompt tokens its new positions predicted (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[list[TokenLogprobs]] | None = None
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -201,6 +203,11 @@ class SampledTensors:
     num_logprobs: list[int | None] | None
     penalized: bool  # some row had presence/frequency penalties (the engine reads such a step back at once)
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
+    # prompt logprobs (chosen, ranks, top ids, top logprobs) over the step's prompt-logprob positions, in batch
+    # order; prompt_lp_counts[i]: how many are row i's; prompt_lp_k: the top alternatives computed
+    prompt_logprobs: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    prompt_lp_counts: list[int] | None = None
+    prompt_lp_k: int = 0
 
     def copy_to_host(self) -> SampledTensors:
         """Copies, not views: `ids` can be a graph's static argmax, which the next replay overwrites."""
@@ -215,6 +222,8 @@ class SampledTensors:
         self.ids = host(self.ids)
         if self.logprobs is not None:
             self.logprobs = tuple(host(t) for t in self.logprobs)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = tuple(host(t) for t in self.prompt_logprobs)
         if cuda:
             self.done = torch.cuda.Event()
             self.done.record()
@@ -223,15 +232,27 @@ class SampledTensors:
     def result(self) -> SamplerOutput:
         if self.done is not None:
             self.done.synchronize()
+        prompt = self._prompt_result()
         if self.logprobs is None:
-            return SamplerOutput(self.ids.tolist())
+            return SamplerOutput(self.ids.tolist(), prompt_logprobs=prompt)
         ids_l = self.ids.tolist()
         chosen_l, ranks_l, top_ids_l, top_lps_l = (t.tolist() for t in self.logprobs)
         logprobs: list[TokenLogprobs | None] = [
             None if n is None else (chosen_l[i], ranks_l[i], top_ids_l[i][:n], top_lps_l[i][:n])
             for i, n in enumerate(self.num_logprobs)
         ]
-        return SamplerOutput(ids_l, logprobs)
+        return SamplerOutput(ids_l, logprobs, prompt)
+
+    def _prompt_result(self) -> list[list[TokenLogprobs]] | None:
+        if self.prompt_logprobs is None:
+            return None
+        chosen, ranks, top_ids, top_lps = (t.tolist() for t in self.prompt_logprobs)
+        entries = list(zip(chosen, ranks, top_ids, top_lps, strict=True))
+        out, start = [], 0
+        for n in self.prompt_lp_counts:
+            out.append([(c, r, list(i), list(v)) for c, r, i, v in entries[start : start + n]])
+            start += n
+        return out
 
 
 def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SampledTensors:

@@ -32,3 +32,7 @@ class ScheduledBatch:
     extend_lens: list[int]  # tokens computed this pass per request
     out_cache_loc: torch.Tensor  # slots for the new tokens, in batch order
     sample_mask: list[bool]  # whether the pass reaches the request's last token (so it samples the next)
+    # EXTEND with prompt logprobs: per request, the prompt tokens its new positions predict ([] for most), and
+    # the most top alternatives any of them asks for; None when no request of the step wants them
+    prompt_lp_targets: list[list[int]] | None = None
+    prompt_lp_k: int = 0
