@@ -67,12 +67,12 @@ def test_deltas_stop_strings_and_passthrough(tok):
         by_rid = {r[0]: r for r in out[1]}
         assert by_rid["gone"] == ["gone", [t], None, None, None, 0]  # unknown: as the engine sent it
         plain = by_rid["plain"]
-        assert plain[1] == [t] and plain[4] == [lp] and plain[5] == 2 and len(plain) == 7
-        texts["plain"].append(plain[6])
+        assert plain[1] == [t] and plain[4] == [lp] and plain[5] == 2 and plain[6] is None and len(plain) == 8
+        texts["plain"].append(plain[7])
         if plain[2] is not None:
             finished["plain"] = plain[2]
         if "stop" in by_rid:
-            texts["stop"].append(by_rid["stop"][6])
+            texts["stop"].append(by_rid["stop"][7])
             if by_rid["stop"][2] is not None:
                 finished["stop"] = (by_rid["stop"][2], by_rid["stop"][3])
         aborted += to_abort
@@ -106,7 +106,7 @@ def test_routes_rows_to_their_http_process(tok, with_tokenizer):
     text = tok.decode(ids[:1])
     for r in got[0][1] + got[2][1]:
         assert r[:4] == [r[0], [ids[0]], None, None] and not r[4] and r[5] == 0
-        assert r[6:] == ([text] if with_tokenizer else [])
+        assert r[6:] == ([None, text] if with_tokenizer else [])  # (prompt logprobs: none asked for)
     # a step with rows for process 1 only still tells the first the counts
     sends, _ = d.on_output(wire((ipc.OUTPUTS, [["1:c-0", [5], "length", None, None, 0]], {"running": 0})))
     assert sorted(front for front, _ in sends) == [0, 1]
@@ -144,7 +144,7 @@ def test_process_relays_both_ways(tok):
         for t in ids:
             engine_out.send(ipc.pack((ipc.OUTPUTS, [["r", [t], None, None, None, 0]], {})))
             (row,) = ipc.unpack(front_out.recv())[1]
-            text += row[6]
+            text += row[7]
             if row[2] is not None:
                 break
         assert row[2:4] == ["stop", " fox"] and text == "The quick brown"

@@ -172,7 +172,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, AUTH, 400, "[-2**63, 2**63 - 1]", "seed"),
     ("/v1/completions", {"prompt": "hi", "top_k": 2**70}, AUTH, 400, "top_k must be", "top_k"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, AUTH, 400, "[0, 2**63 - 1]", "stop_token_ids"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, AUTH, 400, "not supported", "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, AUTH, 400, "not supported", "suffix"),
     ("/v1/completions", {"prompt": ""}, AUTH, 400, "must not be empty", "prompt"),
     ("/v1/completions", {"prompt": [1, 49152]}, AUTH, 400, "outside the vocabulary", "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, AUTH, 400, "max_model_len=512", "max_tokens"),
@@ -253,6 +253,37 @@ def test_logit_bias_through_the_client(client, smollm_path):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0.8, seed=1, logit_bias={str(x): 100})
     assert chat.choices[0].message.content == tok.decode([x] * 4)
+
+
+def test_echo_with_logprobs_as_lm_eval_asks(client, hf_model):
+    """`echo` with `logprobs` (lm-evaluation-harness's loglikelihood request: token ids, max_tokens 1): the
+    prompt's tokens come back with their logprobs (null for the first), matching transformers' float32
+    log_softmax; the text is the prompt's plus the completion's; streaming gives the same."""
+    import torch
+
+    ids = [504, 3458, 282, 4649, 314, 1392, 9054, 30, 2050, 44, 991, 4321]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1 : len(ids)], want, strict=True)) < 1e-3
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+
+    prompt = "The capital of France is"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(**{**kw, "echo": False})
+    echoed = client.completions.create(**kw)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text and echoed.choices[0].logprobs is None
+    with_lp = client.completions.create(**kw, logprobs=1).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, logprobs=1, stream=True) if c.choices]
+    assert chunks[0].text.startswith(prompt)
+    assert "".join(c.text for c in chunks) == with_lp.text == echoed.choices[0].text
+    streamed = [x for c in chunks for x in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed == with_lp.logprobs.token_logprobs
+    assert len(streamed) == len(with_lp.logprobs.tokens) > 4
 
 
 def test_client_errors_map_to_openai_exceptions(server, client):

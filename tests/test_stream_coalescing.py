@@ -23,3 +23,11 @@ def test_finished_delta_and_errors_are_not_merged_over():
     err = RuntimeError("engine died")
     out = coalesce_deltas([delta(0, 1, "stop"), delta(0, 2), err, delta(0, 3), delta(0, 4)])
     assert out[0].token_ids == [1] and out[1].token_ids == [2] and out[2] is err and out[3].token_ids == [3, 4]
+
+
+def test_the_first_deltas_prompt_logprobs_survive_a_merge():
+    first = delta(0, 1)
+    first.prompt_logprobs = [(-1.0, 2, [5], [-0.5])]
+    out = coalesce_deltas([first, delta(0, 2), delta(1, 3)])
+    assert out[0].token_ids == [1, 2] and out[0].prompt_logprobs == [(-1.0, 2, [5], [-0.5])]
+    assert out[1].prompt_logprobs is None

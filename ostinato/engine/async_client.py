@@ -83,6 +83,7 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the choice's first delta, when asked for
 
 
 @dataclass
@@ -152,7 +153,8 @@ def run_engine_core(args: dict[str, Any], input_addr: str, output_addr: str) -> 
 
 def coalesce_deltas(items: list[ChoiceDelta | BaseException]) -> list[ChoiceDelta | BaseException]:
     """Merge each run of consecutive deltas of one choice into one delta (text, token ids and logprobs
-    concatenated in order; the finish of the last). An exception ends merging and keeps its place."""
+    concatenated in order; the finish of the last; the prompt logprobs, which only a choice's first delta has,
+    kept). An exception ends merging and keeps its place."""
     if len(items) == 1:
         return items
     out: list[ChoiceDelta | BaseException] = []
@@ -162,7 +164,8 @@ def coalesce_deltas(items: list[ChoiceDelta | BaseException]) -> list[ChoiceDelt
                 and last.finish_reason is None):
             out[-1] = ChoiceDelta(last.index, last.text + item.text, last.token_ids + item.token_ids,
                                   last.logprobs + item.logprobs, item.finish_reason, item.stop_reason,
-                                  last.num_prompt_tokens, item.num_cached_tokens)
+                                  last.num_prompt_tokens, item.num_cached_tokens,
+                                  last.prompt_logprobs if last.prompt_logprobs is not None else item.prompt_logprobs)
         else:
             out.append(item)
     return out
@@ -481,8 +484,9 @@ class AsyncEngineClient:
             self._dead_reason = f"the engine core failed: {msg[1]}"
 
     def _on_outputs(self, rows: list, stats: dict[str, int]) -> None:
-        """One engine step: rows [rid, new ids, finish, stop, logprobs, cached tokens(, text delta)]; the text
-        is there when the detokenizer process made the row (ipc.encode_outputs' rows have none)."""
+        """One engine step: rows [rid, new ids, finish, stop, logprobs, cached tokens, prompt logprobs(, text
+        delta)]; the text is there when the detokenizer process made the row (ipc.encode_outputs' rows have
+        none)."""
         now = time.monotonic()
         children = self._children
         for row in rows:
@@ -496,8 +500,9 @@ class AsyncEngineClient:
             t.num_tokens += len(ids)
             if cached is not None:
                 child.num_cached_tokens = cached
-            child.queue.put_nowait(ChoiceDelta(child.index, row[6] if len(row) > 6 else "", ids, row[4] or [],
-                                               finish, row[3], t.num_prompt_tokens, child.num_cached_tokens))
+            child.queue.put_nowait(ChoiceDelta(child.index, row[7] if len(row) > 7 else "", ids, row[4] or [],
+                                               finish, row[3], t.num_prompt_tokens, child.num_cached_tokens,
+                                               row[6] if len(row) > 6 else None))
             if finish is not None:
                 rid = row[0]
                 del children[rid]

@@ -86,14 +86,14 @@ class Detokenizer:
         return [(i, (ipc.OUTPUTS, rs, msg[2] if i == 0 else None)) for i, rs in by_front.items()], to_abort
 
     def detokenize(self, rows: list[list[Any]]) -> tuple[list[list[Any]], list[str]]:
-        """Engine rows -> rows with the text delta appended (ipc.decode_outputs' order + text), and the ids
+        """Engine rows -> rows with the text delta appended (ipc.encode_outputs' order + text), and the ids
         of requests a stop string ended (to abort in the engine)."""
         states = self.processor.states
         known = [r for r in rows if r[0] in states]
         out = [r for r in rows if r[0] not in states]  # not ours (any more): passed through
         updated, to_abort = self.processor.process(ipc.decode_outputs(known))
         out += [[s.rid, s.delta_token_ids, s.finish_reason, s.stop_reason, s.delta_logprobs, s.num_cached_tokens,
-                 s.delta_text] for s in updated]
+                 s.delta_prompt_logprobs, s.delta_text] for s in updated]
         return out, to_abort
 
 

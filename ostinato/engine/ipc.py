@@ -3,7 +3,9 @@
 front end -> engine: ("add", rid, prompt_token_ids, sampling_params_dict[, mm_inputs_dict]) | ("abort", [rid, ...])
     | ("shutdown",)
 engine -> front end: {"type": "ready", ...limits and pool sizes} | {"type": "startup_error", "message"} once;
-then ("outputs", [output_row, ...], stats_dict) per step | ("rejected", rid, message) | ("dead", message)
+then ("outputs", [output_row, ...], stats_dict) per step | ("rejected", rid, message) | ("dead", message).
+An output row: rid, new ids, finish reason, stop reason, logprobs, cached tokens, prompt logprobs; the
+detokenizer process appends the text delta.
 """
 
 import dataclasses
@@ -42,14 +44,14 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
 
 
 def encode_outputs(outputs: "list[EngineCoreOutput]") -> list[list[Any]]:
-    return [[o.rid, o.new_token_ids, o.finish_reason, o.stop_reason, o.logprobs, o.num_cached_tokens]
-            for o in outputs]
+    return [[o.rid, o.new_token_ids, o.finish_reason, o.stop_reason, o.logprobs, o.num_cached_tokens,
+             o.prompt_logprobs] for o in outputs]
 
 
 def decode_outputs(rows: list[list[Any]]) -> "list[EngineCoreOutput]":
     from ostinato.engine.engine_core import EngineCoreOutput  # (the detokenizer process imports it at start)
 
-    return [EngineCoreOutput(rid, ids, finish, stop, lps, cached) for rid, ids, finish, stop, lps, cached in rows]
+    return [EngineCoreOutput(*row[:7]) for row in rows]
 
 
 def engine_sockets(input_addr: str, output_addr: str, linger_ms: int) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:

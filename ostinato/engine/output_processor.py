@@ -35,6 +35,7 @@ class RequestState:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    delta_prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def text(self) -> str:
@@ -102,12 +103,13 @@ class OutputProcessor:
                 continue
             if out.rid not in updated:
                 state.delta_text, state.delta_token_ids, state.delta_logprobs = "", [], []
+                state.delta_prompt_logprobs = None
                 updated[out.rid] = state
             state.token_ids.extend(out.new_token_ids)
             if out.num_cached_tokens is not None:
                 state.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None:
-                state.prompt_logprobs = out.prompt_logprobs
+                state.prompt_logprobs = state.delta_prompt_logprobs = out.prompt_logprobs
             state.delta_token_ids.extend(out.new_token_ids)
             if state.logprobs is not None and out.logprobs:
                 state.logprobs.extend(out.logprobs)

@@ -136,9 +136,8 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix)):
-            if bad:
-                raise OpenAIError(400, f"{name}: not supported by this server", param=name, code="unsupported_value")
+        if self.suffix:
+            raise OpenAIError(400, "suffix: not supported by this server", param="suffix", code="unsupported_value")
 
 
 class TextPart(OpenAIModel):

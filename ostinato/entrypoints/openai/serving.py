@@ -41,6 +41,7 @@ class _Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
 
@@ -178,8 +179,11 @@ class OpenAIServing:
             prompts = self._completion_prompts(req.prompt)  # token ids: nothing to tokenize, no thread hop
         else:
             prompts = await self.run_blocking(self._completion_prompts, req.prompt)
-        rename = {"prompt_token_ids": "prompt"}
+        rename = {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
         params = self.sampling_params(req, prompts, req.max_tokens, req.logprobs, rename)
+        if req.echo and req.logprobs is not None:  # the prompt's tokens get logprobs too
+            params.prompt_logprobs = req.logprobs
+        echo = self._echo_texts(req.prompt, prompts) if req.echo else None
         self.check_alive()
         rid = f"cmpl-{uuid.uuid4().hex}"
         gen = self.client.generate(rid, prompts, params, self.max_choices_in_engine)
@@ -187,14 +191,43 @@ class OpenAIServing:
         n_prompt = sum(len(p) for p in prompts)
         if req.stream:
             return self._sse(gen, self._stream_completions(gen, head, n_prompt, req.logprobs is not None,
-                                                           req.include_usage, params.n))
+                                                           req.include_usage, params.n, echo, prompts))
         choices = await self._collect(gen, rename)
-        return {**head, "choices": [
-            {"index": i, "text": c.text, "finish_reason": c.finish_reason,
-             "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0) if req.logprobs is not None else None}
-            for i, c in sorted(choices.items())
-        ], "usage": usage(n_prompt, sum(len(c.token_ids) for c in choices.values()),
-                          cached_tokens({i: c.num_cached_tokens for i, c in choices.items()}, params.n))}
+        out = []
+        for i, c in sorted(choices.items()):
+            text, lp = c.text, None
+            if req.logprobs is not None:
+                lp = self._completion_logprobs(c.token_ids, c.logprobs, len(echo[i // params.n]) if echo else 0)
+            if echo:
+                text = echo[i // params.n] + text
+                if lp is not None:
+                    lp = self._join_logprobs(self._prompt_logprobs(prompts[i // params.n], c.prompt_logprobs), lp)
+            out.append({"index": i, "text": text, "finish_reason": c.finish_reason, "logprobs": lp})
+        return {**head, "choices": out, "usage": usage(
+            n_prompt, sum(len(c.token_ids) for c in choices.values()),
+            cached_tokens({i: c.num_cached_tokens for i, c in choices.items()}, params.n))}
+
+    def _echo_texts(self, prompt: str | list, prompts: list[list[int]]) -> list[str]:
+        """`echo`: each prompt as text, as the client sent it (token ids decoded)."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if self.tokenizer is None:
+            return ["" for _ in prompts]
+        return [self.tokenizer.decode(p) for p in prompts]
+
+    def _prompt_logprobs(self, prompt_ids: list[int], entries: list[TokenLogprobs] | None) -> dict[str, Any]:
+        """`echo` with `logprobs`: the prompt's part of the legacy logprobs object (null for its first token)."""
+        part = self._completion_logprobs(prompt_ids[1:], entries or [], 0)
+        first = decode_tokens(self.tokenizer, prompt_ids[:1])
+        return {"tokens": first + part["tokens"], "token_logprobs": [None, *part["token_logprobs"]],
+                "top_logprobs": [None, *part["top_logprobs"]],
+                "text_offset": [0] + [o + len(first[0]) for o in part["text_offset"]]}
+
+    @staticmethod
+    def _join_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -222,7 +255,9 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def _stream_completions(self, gen: AsyncIterator[ChoiceDelta], head: dict[str, Any], n_prompt: int,
-                                  logprobs: bool, include_usage: bool, n: int = 1) -> AsyncIterator[str]:
+                                  logprobs: bool, include_usage: bool, n: int = 1, echo: list[str] | None = None,
+                                  prompts: list[list[int]] | None = None) -> AsyncIterator[str]:
+        """`echo`: each choice's first chunk starts with its prompt's text (and, with logprobs, its part)."""
         fmt = ChunkFormat(head)
         n_out = 0
         offsets: dict[int, int] = {}
@@ -232,12 +267,19 @@ class OpenAIServing:
             cached[d.index] = d.num_cached_tokens
             if not d.token_ids and not d.text and d.finish_reason is None:
                 continue
+            first = echo is not None and d.index not in offsets
+            text = echo[d.index // n] + d.text if first else d.text
             if not logprobs:
-                yield fmt.text(d.index, d.text, d.finish_reason)
+                offsets.setdefault(d.index, 0)
+                yield fmt.text(d.index, text, d.finish_reason)
                 continue
+            if first:
+                offsets[d.index] = len(echo[d.index // n])
             lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets.get(d.index, 0))
+            if first:
+                lp = self._join_logprobs(self._prompt_logprobs(prompts[d.index // n], d.prompt_logprobs), lp)
             offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
-            yield fmt.choice({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
+            yield fmt.choice({"index": d.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason})
         if include_usage:
             yield fmt.usage(n_prompt, n_out, cached_tokens(cached, n))
 
@@ -386,6 +428,8 @@ class OpenAIServing:
                 c.text += d.text
                 c.token_ids += d.token_ids
                 c.logprobs += d.logprobs
+                if d.prompt_logprobs is not None:
+                    c.prompt_logprobs = d.prompt_logprobs
                 c.finish_reason = d.finish_reason
                 c.num_cached_tokens = d.num_cached_tokens
         except EngineDeadError as e:
