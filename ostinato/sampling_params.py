@@ -36,6 +36,42 @@ def _str_list(name: str, value: object) -> list:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict or its JSON
+    text), any JSON object, a regular expression, one of a list of strings, or an EBNF grammar. The engine
+    compiles it with xgrammar and masks every step's logits to the tokens it allows."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        set_ += ["json_object"] if self.json_object is True else []
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, grammar, got "
+                             f"{set_ or 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"structured_outputs.json: a JSON schema (dict or JSON text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice: a non-empty list of non-empty strings, got {self.choice!r}")
+
+    def key(self) -> tuple:
+        """Hashable, for the compiled-grammar cache."""
+        import json
+
+        spec = json.dumps(self.json, sort_keys=True) if isinstance(self.json, dict) else self.json
+        return spec, self.json_object, self.regex, tuple(self.choice or ()), self.grammar
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0
@@ -61,9 +97,15 @@ class SamplingParams:
     # per prompt token after the first: its logprob and the top `prompt_logprobs` alternatives (vLLM's); such a
     # request's prompt is computed whole (no prefix-cache hit)
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = [] if self.stop is None else _str_list("stop", self.stop)
+        if isinstance(self.structured_outputs, dict):  # (as it crosses to the engine process)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsTypeError("structured_outputs must be a StructuredOutputsParams, got "
+                                          f"{self.structured_outputs!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise SamplingParamsTypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")

@@ -2,6 +2,7 @@
 not, stop strings, n with seeds, logprobs, usage, the Tokn batch endpoint, API key, and a table of bad inputs."""
 
 import json
+import re
 
 import httpx
 import openai
@@ -199,6 +200,17 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, AUTH, 400, "in [-100, 100]", "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"49152": 1}}, AUTH,
      400, "outside the vocabulary", "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+     AUTH, 400, "response_format.type: one of text, json_object, json_schema", "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, AUTH, 400,
+     "a JSON schema object is required", "response_format"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "("}, AUTH, 400, "the regex constraint does not compile",
+     "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "b"}, AUTH, 400,
+     "give one structured-output constraint", "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, AUTH, 400,
+     "exactly one of", "structured_outputs"),
     ("/completions", {"max_tokens": 3}, AUTH, 400, "Field required", "prompts"),
     ("/completions", {"prompts": []}, AUTH, 400, "must not be empty", "prompts"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, AUTH, 404, "does not exist", "model"),
@@ -284,6 +296,28 @@ def test_echo_with_logprobs_as_lm_eval_asks(client, hf_model):
     streamed = [x for c in chunks for x in c.logprobs.token_logprobs]
     assert streamed[0] is None and streamed == with_lp.logprobs.token_logprobs
     assert len(streamed) == len(with_lp.logprobs.tokens) > 4
+
+
+def test_structured_outputs_through_the_client(client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's guided_choice / structured_outputs, through
+    the official client, streaming and not: the outputs obey their constraints."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=80, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+                                  extra_body={"guided_choice": [" yes", " no"]})
+    assert r.choices[0].text in (" yes", " no") and r.choices[0].finish_reason == "stop"
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A year?"}], stream=True, max_tokens=10,
+        extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}}) if c.choices)
+    assert re.fullmatch("(19|20)[0-9]{2}", text), text
+    r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=40,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content.lstrip().startswith("{")
 
 
 def test_client_errors_map_to_openai_exceptions(server, client):

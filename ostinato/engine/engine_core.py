@@ -14,6 +14,7 @@ from ostinato.engine.limits import EngineLimits, validate_request
 from ostinato.engine.prefix_cache import PrefixCache
 from ostinato.engine.request import Request, RequestStatus
 from ostinato.engine.scheduler import ScheduledBatch, Scheduler
+from ostinato.engine.structured import GrammarCompiler, accept
 from ostinato.engine.tp_workers import start_runner
 from ostinato.loader import ModelSource
 from ostinato.runner.sampler import SampledTensors, TokenLogprobs
@@ -71,6 +72,8 @@ class EngineCore:
                                    self.runner.chunked_prefill_size, cache, args.schedule_policy,
                                    args.enable_mixed_chunk)
         self.eos_token_ids = eos_token_ids(source)
+        self.tokenizer = None if args.skip_tokenizer_init else source.tokenizer
+        self._grammars: GrammarCompiler | None = None  # made at the first request with structured outputs
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._aborted: list[EngineCoreOutput] = []
@@ -134,9 +137,24 @@ class EngineCore:
             raise ValueError(f"multi_modal_data: {type(self.runner.model).__name__} takes no images")
         if params.prompt_logprobs is not None and self.tp is not None:
             raise ValueError("prompt_logprobs: not supported with tensor parallelism yet")
-        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids, mm=mm)
+        grammar = self._grammar(params) if params.structured_outputs is not None else None
+        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids, mm=mm, grammar=grammar)
         self.requests[rid] = req
         self.scheduler.add(req)
+
+    def _grammar(self, params: SamplingParams):
+        """The request's grammar matcher; ValueError naming the field (no tokenizer, no xgrammar, tensor
+        parallelism, or a constraint that does not compile)."""
+        if self.tp is not None:
+            raise ValueError("structured_outputs: not supported with tensor parallelism yet")
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: needs the model's tokenizer (the engine runs without one)")
+            try:
+                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
+            except ImportError:
+                raise ValueError("structured_outputs: needs the xgrammar package (pip install xgrammar)") from None
+        return self._grammars.matcher(params.structured_outputs)
 
     def abort(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
@@ -196,6 +214,10 @@ class EngineCore:
             if not emits or req.is_finished:  # finished (stopped, aborted) after this step was launched
                 continue
             req.resolve_pending(token)
+            if req.grammar is not None and req.finish_reason is None:
+                req.finish_reason = accept(req.grammar, token)
+                if req.finish_reason == "abort":
+                    logger.error("request %s: token %d breaks its structured output constraint", req.rid, token)
             out = EngineCoreOutput(req.rid, [token], logprobs=None if lp is None else [lp],
                                    num_cached_tokens=req.num_cached_tokens)
             if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:

@@ -36,7 +36,10 @@ _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
     # shallow (dataclasses.asdict deep-copies every list): the dict is packed at once and never kept
-    return {name: getattr(params, name) for name in _PARAM_FIELDS}
+    d = {name: getattr(params, name) for name in _PARAM_FIELDS}
+    if params.structured_outputs is not None:
+        d["structured_outputs"] = dataclasses.asdict(params.structured_outputs)
+    return d
 
 
 def params_from_dict(d: dict[str, Any]) -> SamplingParams:

@@ -43,6 +43,7 @@ class Request:
     # with the request's first output
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    grammar: Any = None  # params.structured_outputs: its xgrammar GrammarMatcher (engine/structured.py)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

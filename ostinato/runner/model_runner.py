@@ -405,9 +405,11 @@ class ModelRunner:
         if any(r.params.has_penalties for r in reqs):
             outputs = [r.output_token_ids if r.params.has_penalties else [] for r in reqs]
             assert PENDING_TOKEN not in itertools.chain(*outputs), "penalties need every earlier output known"
+        grammars = [getattr(r, "grammar", None) for r in reqs]  # structured outputs' matchers (engine requests)
         tensors = SamplingTensors.from_params(
             [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs],
             self.vocab_size, self.device, output_token_ids=outputs,
+            grammars=grammars if any(g is not None for g in grammars) else None,
         )
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
         sampled = sample_tensors(logits, tensors, self._argmax)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -71,6 +72,10 @@ class SamplingTensors:
     num_logprobs: list[int | None] | None = None
     # logit_bias, flattened over the rows that have one: (row, token id, bias); None when no row has one
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
+    # structured outputs: the constrained rows and their allowed-token bitmask (int32 [rows, ceil(V / 32)],
+    # runner/grammar_mask.py); None when no row is constrained
+    grammar_rows: list[int] | None = None
+    token_bitmask: Tensor | None = None
 
     @property
     def fused_ok(self) -> bool:
@@ -86,8 +91,10 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         output_token_ids: Sequence[Sequence[int]] | None = None,
+        grammars: Sequence[Any] | None = None,
     ) -> SamplingTensors:
-        """`output_token_ids` (each row's generated tokens so far) is needed only when a row has a penalty."""
+        """`output_token_ids` (each row's generated tokens so far) is needed only when a row has a penalty;
+        `grammars`: per row, the xgrammar matcher of a request with structured outputs, else None."""
         device = torch.device(device)
         top_ks = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in params]
         rand = [p for p in params if not p.is_greedy]
@@ -107,6 +114,12 @@ class SamplingTensors:
         penalized = any(p.has_penalties for p in params)
         if penalized and output_token_ids is None:
             raise ValueError("output_token_ids: needed for presence/frequency penalties")
+        grammar_rows = [i for i, g in enumerate(grammars or ()) if g is not None] or None
+        bitmask = None
+        if grammar_rows is not None:
+            from ostinato.runner.grammar_mask import fill_bitmask
+
+            bitmask = fill_bitmask([grammars[i] for i in grammar_rows], vocab_size).to(device, non_blocking=True)
         return cls(
             temperatures=put_sampling([p.temperature for p in params], torch.float32),
             top_ks=put_sampling(top_ks, torch.int64),
@@ -125,6 +138,8 @@ class SamplingTensors:
             output_counts=token_counts(output_token_ids, vocab_size, put) if penalized else None,
             num_logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
             logit_bias=bias_entries(params, put),
+            grammar_rows=grammar_rows,
+            token_bitmask=bitmask,
         )
 
 
@@ -154,8 +169,8 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, put=None) 
 
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
     """OpenAI's presence/frequency penalties: logit - frequency * count - presence * (count > 0), in fp32;
-    then the logit_bias entries added. `logits` itself is never written (it can be a graph's output buffer):
-    with neither, it is returned as is."""
+    then the logit_bias entries added, then the structured outputs' masks. `logits` itself is never written
+    (it can be a graph's output buffer): with none of these, it is returned as is."""
     x = logits
     if t.output_counts is not None:
         counts = t.output_counts
@@ -165,6 +180,11 @@ def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
         x = x.float().clone() if x is logits else x
         rows, tokens, biases = t.logit_bias
         x.index_put_((rows, tokens), biases, accumulate=True)
+    if t.token_bitmask is not None:
+        from ostinato.runner.grammar_mask import apply_bitmask
+
+        x = x.float().clone() if x is logits else x
+        apply_bitmask(x, t.token_bitmask, t.grammar_rows)
     return x
 
 
@@ -201,7 +221,9 @@ class SampledTensors:
     ids: Tensor  # int64 [B]
     logprobs: tuple[Tensor, Tensor, Tensor, Tensor] | None  # chosen, ranks, top ids, top logprobs
     num_logprobs: list[int | None] | None
-    penalized: bool  # some row had presence/frequency penalties (the engine reads such a step back at once)
+    # some row had presence/frequency penalties or structured outputs: the next step needs this one's tokens on
+    # the host (for the counts, for the next mask), so the engine reads it back at once
+    penalized: bool
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
     # prompt logprobs (chosen, ranks, top ids, top logprobs) over the step's prompt-logprob positions, in batch
     # order; prompt_lp_counts[i]: how many are row i's; prompt_lp_k: the top alternatives computed
@@ -261,7 +283,7 @@ def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = N
     a logit_bias."""
     x = apply_penalties(logits, t)
     ids = sample(x, t, argmax if x is logits else None)
-    penalized = t.output_counts is not None
+    penalized = t.output_counts is not None or t.token_bitmask is not None
     if t.num_logprobs is None:
         return SampledTensors(ids, None, None, penalized)
     k = max(n for n in t.num_logprobs if n is not None)

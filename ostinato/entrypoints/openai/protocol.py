@@ -6,11 +6,11 @@ schemas check types and shapes. Unknown fields are ignored, as OpenAI and vLLM d
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, field_validator
 
 from ostinato.entrypoints.chat_utils import CHAT_ROLES
 from ostinato.entrypoints.openai.errors import OpenAIError
-from ostinato.sampling_params import SamplingParams
+from ostinato.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIModel(BaseModel):
@@ -55,22 +55,19 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
-    # accepted by vLLM, refused here until structured output and beam search exist (never silently dropped)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    _structured_field: str | None = PrivateAttr(default=None)
+    # refused here until beam search exists (never silently dropped)
     use_beam_search: Any = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                _unsupported(name, "structured output is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            _unsupported("response_format", "only {'type': 'text'} is supported (no structured output yet)")
         if self.use_beam_search:
             _unsupported("use_beam_search", "beam search is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
@@ -97,7 +94,43 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
+            structured_outputs=self._structured_outputs(),
         )
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that named the request's structured-output constraint (after sampling_params())."""
+        return self._structured_field
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint the request names, from whichever field names it; OpenAIError naming the field."""
+        given = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                        "guided_grammar", "structured_outputs")
+                 if getattr(self, name) is not None}
+        rf = self.response_format
+        kind = rf.get("type", "text") if isinstance(rf, dict) else None
+        if rf is not None and kind != "text":
+            given["response_format"] = rf
+        if not given:
+            return None
+        self._structured_field = next(iter(given))
+        if len(given) > 1:
+            raise OpenAIError(400, f"{', '.join(given)}: give one structured-output constraint, not several",
+                              param=next(iter(given)), code="invalid_value")
+        (name, value), = given.items()
+        try:
+            if name == "response_format":
+                return response_format_constraint(value)
+            if name == "structured_outputs":
+                if not isinstance(value, dict):
+                    raise ValueError(f"structured_outputs: an object, got {value!r}")
+                return StructuredOutputsParams(**value)
+            return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+        except (ValueError, TypeError) as e:
+            message = str(e)
+            if not message.startswith(name):
+                message = f"{name}: {message}"
+            raise OpenAIError(400, message, param=name, code="invalid_value") from None
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's logit_bias keys are token ids written as strings."""
@@ -115,6 +148,20 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def response_format_constraint(rf: dict[str, Any]) -> StructuredOutputsParams:
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema"}}."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema: a JSON schema object is required")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"response_format.type: one of text, json_object, json_schema, got {kind!r}")
 
 
 def _unsupported(name: str, why: str) -> None:

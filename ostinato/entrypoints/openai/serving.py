@@ -159,6 +159,8 @@ class OpenAIServing:
                 validate_request(ids, params, self.limits)
         except ValueError as e:
             raise from_value_error(e, rename) from None
+        if req.structured_field is not None:  # the engine's compile errors name the field the client used
+            rename["structured_outputs"] = req.structured_field
         return params
 
     def encode_text(self, text: str, param: str) -> list[int]:
