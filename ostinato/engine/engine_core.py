@@ -151,7 +151,8 @@ class EngineCore:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs: needs the model's tokenizer (the engine runs without one)")
             try:
-                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
+                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+                                                 sorted(self.eos_token_ids) or None)
             except ImportError:
                 raise ValueError("structured_outputs: needs the xgrammar package (pip install xgrammar)") from None
         return self._grammars.matcher(params.structured_outputs)

@@ -21,11 +21,13 @@ _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 class GrammarCompiler:
     """Compiles constraints for one model; xgrammar's compiler caches what it compiled."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
+        """`stop_token_ids`: the tokens that end generation (the engine's EOS ids); a complete constraint lets
+        any of them through (default: what xgrammar reads off the tokenizer)."""
         import xgrammar as xgr
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info)
 
     def matcher(self, spec: StructuredOutputsParams) -> Any:
