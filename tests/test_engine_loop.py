@@ -87,3 +87,80 @@ def test_sampling_params_survive_the_wire():
                        max_tokens=11, min_tokens=2, logprobs=3, ignore_eos=True)
     assert ipc.params_to_dict(p) == dataclasses.asdict(p)
     assert ipc.params_from_dict(ipc.unpack(ipc.pack(ipc.params_to_dict(p)))) == p
+
+
+class CompilingCore(FakeCore):
+    """Grammars compile slowly (on the loop's worker thread); "bad" ones do not compile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: list[tuple[str, object, float]] = []
+
+    def validate(self, prompt_ids, params) -> None:
+        pass
+
+    def compile_grammar(self, params):
+        time.sleep(0.3)
+        if params.structured_outputs.regex == "bad":
+            raise ValueError("structured_outputs: the regex constraint does not compile: bad")
+        return f"matcher<{params.structured_outputs.regex}>"
+
+    def add_request(self, rid, prompt_ids, params, mm=None, grammar=None) -> None:
+        self.added.append((rid, grammar, time.monotonic()))
+        super().add_request(rid, prompt_ids, params, mm)
+
+    def abort(self, rid) -> None:
+        self.calls.append((f"abort {rid}", time.monotonic()))
+
+
+def test_grammars_compile_off_the_loop(monkeypatch):
+    """A request with structured outputs joins once its grammar is compiled, on a worker thread: a plain request
+    sent after it is served meanwhile; a constraint that does not compile is rejected; one aborted while
+    compiling never joins."""
+    from ostinato.sampling_params import StructuredOutputsParams
+
+    monkeypatch.setattr(core_proc.EngineLoop, "stats", lambda self: {})
+    ctx = zmq.Context()
+    send, inp = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    out, recv = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    inp.bind("inproc://in2")
+    send.connect("inproc://in2")
+    recv.bind("inproc://out2")
+    out.connect("inproc://out2")
+    core = CompilingCore()
+    thread = threading.Thread(target=core_proc.EngineLoop(core, inp, out).run, daemon=True)
+    thread.start()
+
+    def add(rid: str, regex: str | None) -> None:
+        so = StructuredOutputsParams(regex=regex) if regex else None
+        send.send(ipc.pack((ipc.ADD, rid, [1, 2], ipc.params_to_dict(SamplingParams(max_tokens=1,
+                                                                                  structured_outputs=so)))))
+
+    try:
+        t0 = time.monotonic()
+        add("slow", "[0-9]+")
+        add("plain", None)
+        add("bad", "bad")
+        add("gone", "[a-z]")
+        send.send(ipc.pack((ipc.ABORT, ["gone"])))
+        deadline = time.monotonic() + 10
+        while len(core.added) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rejected = []
+        while recv.poll(2000):
+            msg = ipc.unpack(recv.recv())
+            if msg[0] == ipc.REJECTED:
+                rejected.append(msg[1:])
+                break
+        time.sleep(0.5)  # "gone" would have compiled by now
+        names = [(rid, g) for rid, g, _ in core.added]
+        assert names == [("plain", None), ("slow", "matcher<[0-9]+>")], names
+        assert core.added[0][2] - t0 < 0.25 <= core.added[1][2] - t0  # plain did not wait for the compile
+        assert rejected == [["bad", "structured_outputs: the regex constraint does not compile: bad"]]
+    finally:
+        send.send(ipc.pack((ipc.SHUTDOWN,)))
+        thread.join(10)
+        for s in (send, inp, out, recv):
+            s.close(linger=0)
+        ctx.term()
+    assert not thread.is_alive()

@@ -25,6 +25,7 @@ VLLM_DEFAULTS = dict(
     include_stop_str_in_output=False,
     logit_bias=None,
     prompt_logprobs=None,
+    structured_outputs=None,
 )
 
 

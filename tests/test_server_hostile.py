@@ -93,13 +93,14 @@ def test_text_longer_than_any_context_is_refused_before_tokenizing(server):
 
 BAD = [
     ({"n": MAX_N + 1}, "n", f"at most {MAX_N}"),
-    ({"guided_json": {"type": "object"}}, "guided_json", "structured output"),
-    ({"guided_regex": "[a-z]+"}, "guided_regex", "structured output"),
-    ({"guided_choice": ["a", "b"]}, "guided_choice", "structured output"),
-    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "structured output"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
-     "structured output"),
+    # structured outputs are served (tests/test_structured_outputs.py); constraints that cannot be are refused
+    ({"guided_json": {"type": "nonsense"}}, "guided_json", "the json constraint does not compile"),
+    ({"guided_regex": "[a-z"}, "guided_regex", "the regex constraint does not compile"),
+    ({"guided_choice": []}, "guided_choice", "a non-empty list"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar", "the grammar constraint does not compile"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "one of text, json_object, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "a JSON schema object is required"),
     ({"use_beam_search": True}, "use_beam_search", "beam search"),
     ({"best_of": 3}, "best_of", "best_of == n"),
     ({"messages": [{"role": "banana", "content": "hi"}]}, "messages[0].role", "allowed: system, user"),

@@ -2,7 +2,9 @@
 
 The loop never waits on the front end: it drains whatever requests and aborts have arrived, runs one
 step and pushes that step's outputs (with the scheduler and KV-pool counts) without blocking. When idle it
-blocks on its input for up to a second at a time, and exits if its parent is gone.
+blocks on its input for up to a second at a time, and exits if its parent is gone. A request with structured
+outputs has its grammar compiled on a worker thread (a large JSON schema takes xgrammar 0.1-0.3 s, which would
+stall every running request) and joins the scheduler when it is ready.
 """
 
 import contextlib
@@ -10,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -23,6 +26,7 @@ from ostinato.multimodal.inputs import mm_from_wire
 logger = logging.getLogger("ostinato.engine")
 
 IDLE_CHECK_AFTER_MS = 200  # idle this long (no input), the engine runs its deep KV leak check
+COMPILE_POLL_MS = 2  # while only grammar compiles are pending: how often the loop looks for finished ones
 
 
 def run_engine_core(args: dict[str, Any], input_addr: str, output_addr: str) -> None:
@@ -82,11 +86,26 @@ class EngineLoop:
         self.core, self.inp, self.out = core, inp, out
         self.parent = os.getppid()
         self.last_stats: dict[str, int | float] | None = None
+        # requests with structured outputs whose grammar is compiling: rid -> (future, prompt ids, params, mm)
+        self.compiling: dict[str, tuple[Future, list[int], Any, Any]] = {}
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="ostinato-grammar")
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
         self._send_stats()  # a fresh server reports its real KV and slot totals before the first request
         checked = True  # the deep leak check has run since the engine last went idle
         while True:
+            self._admit_compiled()
+            if self.compiling and not self.core.has_unfinished():  # only compiles pending: look again soon
+                checked = False
+                if self.inp.poll(COMPILE_POLL_MS) and not self._drain():
+                    return
+                continue
             if not self.core.has_unfinished():
                 # the step that went idle checked the counts; the deep check waits until no request has come
                 # for a while, so that it never holds up one arriving just after the others finished
@@ -121,16 +140,33 @@ class EngineLoop:
             if kind == ipc.ADD:
                 _, rid, prompt_ids, params, *mm = msg  # mm: the images of a vision request (multimodal.inputs)
                 try:
-                    self.core.add_request(rid, prompt_ids, ipc.params_from_dict(params),
-                                          mm=mm_from_wire(mm[0]) if mm else None)
+                    params = ipc.params_from_dict(params)
+                    mm = mm_from_wire(mm[0]) if mm else None
+                    if params.structured_outputs is not None:
+                        self.core.validate(prompt_ids, params)  # the cheap checks answer at once
+                        future = self._compiler.submit(self.core.compile_grammar, params)
+                        self.compiling[rid] = (future, prompt_ids, params, mm)
+                    else:
+                        self.core.add_request(rid, prompt_ids, params, mm=mm)
                 except (ValueError, TypeError) as e:
                     self.out.send(ipc.pack((ipc.REJECTED, rid, str(e))), zmq.NOBLOCK)
             elif kind == ipc.ABORT:
                 for rid in msg[1]:
-                    self.core.abort(rid)
+                    if self.compiling.pop(rid, None) is None:  # (a compiling one is dropped when it is done)
+                        self.core.abort(rid)
             elif kind == ipc.SHUTDOWN:
                 logger.info("engine core shutting down")
                 return False
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled join the scheduler; those whose constraint did not compile are
+        rejected, as a bad request is at once."""
+        for rid in [rid for rid, (future, *_) in self.compiling.items() if future.done()]:
+            future, prompt_ids, params, mm = self.compiling.pop(rid)
+            try:
+                self.core.add_request(rid, prompt_ids, params, mm=mm, grammar=future.result())
+            except (ValueError, TypeError) as e:
+                self.out.send(ipc.pack((ipc.REJECTED, rid, str(e))), zmq.NOBLOCK)
 
     def stats(self) -> dict[str, int | float]:
         core = self.core

@@ -127,8 +127,11 @@ class EngineCore:
         """Raise ValueError naming the field and the limit; changes nothing."""
         validate_request(prompt_token_ids, params, self.limits)
 
-    def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams, mm=None) -> None:
-        """`mm`: the request's MultiModalInputs (images), for a vision model."""
+    def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams, mm=None,
+                    grammar=None) -> None:
+        """`mm`: the request's MultiModalInputs (images), for a vision model. `grammar`: its structured-output
+        matcher when already compiled (`compile_grammar`, the engine process does it off its loop); else it is
+        compiled here."""
         if rid in self.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -137,14 +140,15 @@ class EngineCore:
             raise ValueError(f"multi_modal_data: {type(self.runner.model).__name__} takes no images")
         if params.prompt_logprobs is not None and self.tp is not None:
             raise ValueError("prompt_logprobs: not supported with tensor parallelism yet")
-        grammar = self._grammar(params) if params.structured_outputs is not None else None
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.compile_grammar(params)
         req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids, mm=mm, grammar=grammar)
         self.requests[rid] = req
         self.scheduler.add(req)
 
-    def _grammar(self, params: SamplingParams):
-        """The request's grammar matcher; ValueError naming the field (no tokenizer, no xgrammar, tensor
-        parallelism, or a constraint that does not compile)."""
+    def compile_grammar(self, params: SamplingParams):
+        """The request's structured-output matcher; ValueError naming the field (no tokenizer, no xgrammar,
+        tensor parallelism, or a constraint that does not compile). Not thread-safe: one thread at a time."""
         if self.tp is not None:
             raise ValueError("structured_outputs: not supported with tensor parallelism yet")
         if self._grammars is None:
