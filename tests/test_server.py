@@ -217,6 +217,12 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi"}, {}, 401, "API key", None),
     ("/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer wrong"}, 401, "API key", None),
     ("/completions", {"prompts": ["hi"]}, {"Authorization": "wrong"}, 401, "API key", None),
+    ("/tokenize", {"prompt": "hi"}, {}, 401, "API key", None),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, AUTH, 400, "give one of them",
+     "prompt"),
+    ("/tokenize", {}, AUTH, 400, "give one of them", "prompt"),
+    ("/detokenize", {"tokens": [1, 49152]}, AUTH, 400, "outside the vocabulary", "tokens"),
+    ("/detokenize", {"tokens": "abc"}, AUTH, 400, "valid list", "tokens"),
 ]
 
 
@@ -318,6 +324,23 @@ def test_structured_outputs_through_the_client(client):
     r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=40,
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_tokenize_and_detokenize(server, client, smollm_path):
+    """vLLM's /tokenize (a prompt, or chat messages through the template) and /detokenize: the ids generation
+    takes, and back; the chat form's count is the prompt_tokens a chat completion reports."""
+    from ostinato.loader import load_model_source
+
+    tok = load_model_source(smollm_path).tokenizer
+    text = "The capital of France is Paris."
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text}, headers=AUTH, timeout=30).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, headers=AUTH, timeout=30).json()
+    assert back == {"prompt": tok.decode(r["tokens"])}
+    msgs = [{"role": "user", "content": "Hi there"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}, headers=AUTH, timeout=30).json()
+    used = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1).usage.prompt_tokens
+    assert r["count"] == used
 
 
 def test_client_errors_map_to_openai_exceptions(server, client):

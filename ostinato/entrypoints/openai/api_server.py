@@ -34,7 +34,13 @@ from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, E
 from ostinato.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES, check_serve_args
 from ostinato.entrypoints.openai.errors import OpenAIError, engine_dead, error_body, from_validation_error
 from ostinato.entrypoints.openai.metrics import ServerMetrics
-from ostinato.entrypoints.openai.protocol import BatchRequest, ChatCompletionRequest, CompletionRequest
+from ostinato.entrypoints.openai.protocol import (
+    BatchRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from ostinato.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("ostinato.serve")
@@ -44,6 +50,9 @@ ENGINE_DEATH_GRACE_S = 3.0  # after the engine dies, keep answering 503 this lon
 
 
 # ---------------------------------------------------------------------------- the app
+PROTECTED_PATHS = ("/completions", "/tokenize", "/detokenize")  # with every /v1 path: the API key's
+
+
 class ApiKeyMiddleware:
     """401 in OpenAI's format unless the bearer token matches (the API paths only; /health and /metrics stay
     open). The scheme is case-insensitive (RFC 7235): `bearer KEY` works too."""
@@ -54,7 +63,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path == "/completions"):
+        if scope["type"] == "http" and (path.startswith("/v1") or path in PROTECTED_PATHS):
             scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
                 body = error_body("Invalid or missing API key (expected `Authorization: Bearer <key>`)",
@@ -303,7 +312,14 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_key: str | Non
     async def batch(request: Request) -> Response:
         return await respond(request, serving.batch(await parse_body(request, BatchRequest)))
 
-    routes = {"/v1/completions": completions, "/v1/chat/completions": chat, "/completions": batch}
+    async def tokenize(request: Request) -> Response:
+        return await respond(request, serving.tokenize(await parse_body(request, TokenizeRequest)))
+
+    async def detokenize(request: Request) -> Response:
+        return await respond(request, serving.detokenize(await parse_body(request, DetokenizeRequest)))
+
+    routes = {"/v1/completions": completions, "/v1/chat/completions": chat, "/completions": batch,
+              "/tokenize": tokenize, "/detokenize": detokenize}
     for path, handler in routes.items():  # (what DirectRoutes does not take, a GET say, gets FastAPI's answer)
         app.add_route(path, handler, methods=["POST"])
     direct = DirectRoutes(app, routes)

@@ -265,3 +265,25 @@ class BatchRequest(SamplingFields):
 
     prompts: list[str]
     max_tokens: int = 16
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's `POST /tokenize`: a prompt, or chat messages (templated as /v1/chat/completions would)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError(400, "prompt, messages: give one of them", param="prompt", code="invalid_value")
+
+
+class DetokenizeRequest(OpenAIModel):
+    """vLLM's `POST /detokenize`: token ids -> text."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -25,7 +25,9 @@ from ostinato.entrypoints.openai.protocol import (
     BatchRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
 )
 from ostinato.sampling_params import SamplingParams
 
@@ -403,6 +405,36 @@ class OpenAIServing:
         return out
 
     # ------------------------------------------------------------------ POST /completions (Tokn's batch shape)
+    # ------------------------------------------------------------------ /tokenize, /detokenize (vLLM's)
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """Token ids of a prompt, or of chat messages after the chat template (what generation would take)."""
+        self.check_model(req.model)
+        req.check()
+        if req.messages is not None:
+            chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                                         chat_template_kwargs=req.chat_template_kwargs)
+            chat.check_supported()
+            self.check_chars(chat.num_chars(), "messages")
+            ids = await self.run_blocking(self._chat_prompt, chat)
+        else:
+            self.check_chars(len(req.prompt), "prompt")
+            if self.tokenizer is None:
+                raise OpenAIError(400, "prompt: this model has no tokenizer", param="prompt", code="invalid_value")
+            ids = await self.run_blocking(lambda: self.tokenizer.encode(req.prompt,
+                                                                        add_special_tokens=req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise OpenAIError(400, "tokens: this model has no tokenizer", param="tokens", code="invalid_value")
+        vocab = self.limits.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens",
+                              code="invalid_value")
+        return {"prompt": await self.run_blocking(self.tokenizer.decode, req.tokens)}
+
     async def batch(self, req: BatchRequest) -> dict[str, str]:
         self.check_model(req.model)
         req.check_supported()
