@@ -324,6 +324,14 @@ def test_structured_outputs_through_the_client(client):
     r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=40,
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.content.lstrip().startswith("{")
+    # logprobs beside a mask: the alternatives it rules out have logprob -inf, which JSON cannot carry
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=4, temperature=0,
+                                  logprobs=5, extra_body={"guided_choice": [" yes", " no"]})
+    tops = [v for alts in r.choices[0].logprobs.top_logprobs for v in alts.values()]
+    assert min(tops) == -9999.0 and all(v <= 0 for v in tops)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"guided_regex": "[0-9]"})
+    assert min(t.logprob for c in r.choices[0].logprobs.content for t in c.top_logprobs) == -9999.0
 
 
 def test_tokenize_and_detokenize(server, client, smollm_path):

@@ -49,6 +49,12 @@ class _Choice:
 
 
 _json = json.JSONEncoder(ensure_ascii=False).encode
+MIN_LOGPROB = -9999.0  # what a -inf logprob (a token masked out: structured outputs, logit_bias) is sent as, as vLLM
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf."""
+    return max(logprob, MIN_LOGPROB)
 
 
 def sse(obj: Any) -> str:
@@ -291,13 +297,13 @@ class OpenAIServing:
         tokens = decode_tokens(self.tokenizer, token_ids)
         top, offsets = [], []
         for tok, text, (chosen, _, ids, vals) in zip(token_ids, tokens, lps, strict=False):
-            alts = dict(zip(decode_tokens(self.tokenizer, ids), vals, strict=True))
+            alts = dict(zip(decode_tokens(self.tokenizer, ids), map(finite, vals), strict=True))
             if tok not in ids:
-                alts.setdefault(text, chosen)
+                alts.setdefault(text, finite(chosen))
             top.append(alts)
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp[0] for lp in lps], "top_logprobs": top,
+        return {"tokens": tokens, "token_logprobs": [finite(lp[0]) for lp in lps], "top_logprobs": top,
                 "text_offset": offsets}
 
     # ------------------------------------------------------------------ /v1/chat/completions
@@ -396,7 +402,7 @@ class OpenAIServing:
 
     def _chat_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs]) -> list[dict[str, Any]]:
         def entry(text: str, lp: float) -> dict[str, Any]:
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": finite(lp), "bytes": list(text.encode("utf-8"))}
 
         out = []
         for text, (chosen, _, ids, vals) in zip(decode_tokens(self.tokenizer, token_ids), lps, strict=False):
