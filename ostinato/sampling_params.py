@@ -102,7 +102,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = [] if self.stop is None else _str_list("stop", self.stop)
         if isinstance(self.structured_outputs, dict):  # (as it crosses to the engine process)
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError:  # an unknown or non-string key
+                raise SamplingParamsTypeError("structured_outputs: the fields are json, json_object, regex, choice, "
+                                              f"grammar; got {self.structured_outputs!r}") from None
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise SamplingParamsTypeError("structured_outputs must be a StructuredOutputsParams, got "
                                           f"{self.structured_outputs!r}")
