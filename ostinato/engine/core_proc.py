@@ -167,6 +167,10 @@ class EngineLoop:
                 self.core.add_request(rid, prompt_ids, params, mm=mm, grammar=future.result())
             except (ValueError, TypeError) as e:
                 self.out.send(ipc.pack((ipc.REJECTED, rid, str(e))), zmq.NOBLOCK)
+            except Exception as e:  # an unforeseen compile failure costs this request, not the engine
+                logger.exception("request %s: compiling its structured-output constraint failed", rid)
+                self.out.send(ipc.pack((ipc.REJECTED, rid, f"structured_outputs: {type(e).__name__}: {e}")),
+                              zmq.NOBLOCK)
 
     def stats(self) -> dict[str, int | float]:
         core = self.core

@@ -159,6 +159,8 @@ class EngineCore:
                                                  sorted(self.eos_token_ids) or None)
             except ImportError:
                 raise ValueError("structured_outputs: needs the xgrammar package (pip install xgrammar)") from None
+            except Exception as e:  # a tokenizer xgrammar cannot read: the request fails, not the engine
+                raise ValueError(f"structured_outputs: xgrammar cannot use this model's tokenizer: {e}") from None
         return self._grammars.matcher(params.structured_outputs)
 
     def abort(self, rid: str) -> None:
