@@ -1,6 +1,7 @@
 """The engine-core process's loop (engine/core_proc.EngineLoop) over real ZMQ sockets, with a stand-in core: the
 deep KV leak check runs once the engine has been idle a while, never on the step that goes idle."""
 
+import contextlib
 import threading
 import time
 import types
@@ -35,9 +36,10 @@ class FakeCore:
         self.calls.append(("deep" if deep else "counts", time.monotonic()))
 
 
-def test_deep_leak_check_waits_for_idle(monkeypatch):
-    monkeypatch.setattr(core_proc, "IDLE_CHECK_AFTER_MS", 300)
-    monkeypatch.setattr(core_proc.EngineLoop, "stats", lambda self: {})
+@contextlib.contextmanager
+def running_loop(core):
+    """core_proc.EngineLoop over `core` on a thread, between in-process ZMQ sockets: yields (send, recv), the
+    front end's ends; sends SHUTDOWN at the end and checks the loop stopped."""
     ctx = zmq.Context()
     send, inp = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     out, recv = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -45,11 +47,24 @@ def test_deep_leak_check_waits_for_idle(monkeypatch):
     send.connect("inproc://in")
     recv.bind("inproc://out")
     out.connect("inproc://out")
-    core = FakeCore()
-    loop = core_proc.EngineLoop(core, inp, out)
-    thread = threading.Thread(target=loop.run, daemon=True)
+    thread = threading.Thread(target=core_proc.EngineLoop(core, inp, out).run, daemon=True)
     thread.start()
     try:
+        yield send, recv
+    finally:
+        send.send(ipc.pack((ipc.SHUTDOWN,)))
+        thread.join(10)
+        for sock in (send, inp, out, recv):
+            sock.close(linger=0)
+        ctx.term()
+    assert not thread.is_alive()
+
+
+def test_deep_leak_check_waits_for_idle(monkeypatch):
+    monkeypatch.setattr(core_proc, "IDLE_CHECK_AFTER_MS", 300)
+    monkeypatch.setattr(core_proc.EngineLoop, "stats", lambda self: {})
+    core = FakeCore()
+    with running_loop(core) as (send, _):
         add = (ipc.ADD, "r0", [1, 2, 3], ipc.params_to_dict(SamplingParams(max_tokens=1)))
         send.send(ipc.pack(add))
         deadline = time.monotonic() + 10
@@ -70,13 +85,6 @@ def test_deep_leak_check_waits_for_idle(monkeypatch):
         assert [c for c, _ in core.calls] == ["step", "deep", "step", "step", "deep"], core.calls
         time.sleep(0.5)
         assert [c for c, _ in core.calls].count("deep") == 2, "the check ran again with nothing new"
-    finally:
-        send.send(ipc.pack((ipc.SHUTDOWN,)))
-        thread.join(10)
-        for s in (send, inp, out, recv):
-            s.close(linger=0)
-        ctx.term()
-    assert not thread.is_alive()
 
 
 def test_sampling_params_survive_the_wire():
@@ -120,23 +128,14 @@ def test_grammars_compile_off_the_loop(monkeypatch):
     from ostinato.sampling_params import StructuredOutputsParams
 
     monkeypatch.setattr(core_proc.EngineLoop, "stats", lambda self: {})
-    ctx = zmq.Context()
-    send, inp = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    out, recv = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    inp.bind("inproc://in2")
-    send.connect("inproc://in2")
-    recv.bind("inproc://out2")
-    out.connect("inproc://out2")
     core = CompilingCore()
-    thread = threading.Thread(target=core_proc.EngineLoop(core, inp, out).run, daemon=True)
-    thread.start()
+    with running_loop(core) as (send, recv):
 
-    def add(rid: str, regex: str | None) -> None:
-        so = StructuredOutputsParams(regex=regex) if regex else None
-        send.send(ipc.pack((ipc.ADD, rid, [1, 2], ipc.params_to_dict(SamplingParams(max_tokens=1,
-                                                                                  structured_outputs=so)))))
+        def add(rid: str, regex: str | None) -> None:
+            so = StructuredOutputsParams(regex=regex) if regex else None
+            send.send(ipc.pack((ipc.ADD, rid, [1, 2], ipc.params_to_dict(SamplingParams(max_tokens=1,
+                                                                                      structured_outputs=so)))))
 
-    try:
         t0 = time.monotonic()
         add("slow", "[0-9]+")
         add("plain", None)
@@ -157,10 +156,3 @@ def test_grammars_compile_off_the_loop(monkeypatch):
         assert names == [("plain", None), ("slow", "matcher<[0-9]+>")], names
         assert core.added[0][2] - t0 < 0.25 <= core.added[1][2] - t0  # plain did not wait for the compile
         assert rejected == [["bad", "structured_outputs: the regex constraint does not compile: bad"]]
-    finally:
-        send.send(ipc.pack((ipc.SHUTDOWN,)))
-        thread.join(10)
-        for s in (send, inp, out, recv):
-            s.close(linger=0)
-        ctx.term()
-    assert not thread.is_alive()
