@@ -304,7 +304,7 @@ def test_echo_with_logprobs_as_lm_eval_asks(client, hf_model):
     assert len(streamed) == len(with_lp.logprobs.tokens) > 4
 
 
-def test_structured_outputs_through_the_client(client):
+def test_structured_outputs_through_the_client(server, client):
     """OpenAI's response_format (json_schema, json_object) and vLLM's guided_choice / structured_outputs, through
     the official client, streaming and not: the outputs obey their constraints."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -332,6 +332,11 @@ def test_structured_outputs_through_the_client(client):
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0, logprobs=True,
                                        top_logprobs=3, extra_body={"guided_regex": "[0-9]"})
     assert min(t.logprob for c in r.choices[0].logprobs.content for t in c.top_logprobs) == -9999.0
+    # a constraint that does not compile, in a stream (already begun: an error chunk), named as the client did
+    raw = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "guided_regex": "[a-"}).text
+    err = json.loads(raw.split("\n\n")[0].removeprefix("data: "))["error"]
+    assert err["param"] == "guided_regex" and "does not compile" in err["message"] and raw.endswith("[DONE]\n\n")
 
 
 def test_tokenize_and_detokenize(server, client, smollm_path):

@@ -201,7 +201,7 @@ class OpenAIServing:
         n_prompt = sum(len(p) for p in prompts)
         if req.stream:
             return self._sse(gen, self._stream_completions(gen, head, n_prompt, req.logprobs is not None,
-                                                           req.include_usage, params.n, echo, prompts))
+                                                           req.include_usage, params.n, echo, prompts), rename)
         choices = await self._collect(gen, rename)
         out = []
         for i, c in sorted(choices.items()):
@@ -251,15 +251,17 @@ class OpenAIServing:
         return prompts
 
     @staticmethod
-    async def _sse(gen: AsyncIterator[ChoiceDelta], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """`chunks`, then an error chunk if the engine died or rejected the request, then [DONE]."""
+    async def _sse(gen: AsyncIterator[ChoiceDelta], chunks: AsyncIterator[str],
+                   rename: dict[str, str] | None = None) -> AsyncIterator[str]:
+        """`chunks`, then an error chunk if the engine died or rejected the request (its field renamed as the
+        client named it), then [DONE]."""
         try:
             async for chunk in chunks:
                 yield chunk
         except EngineDeadError as e:
             yield sse(engine_dead(str(e)).body())
         except RequestRejected as e:
-            yield sse(from_value_error(e).body())
+            yield sse(from_value_error(e, rename).body())
         finally:
             await gen.aclose()  # aborts unfinished choices at once, even when the client went away mid-send
         yield "data: [DONE]\n\n"
@@ -322,7 +324,8 @@ class OpenAIServing:
         gen = self.client.generate(rid, [prompt], params, self.max_choices_in_engine, mm_wire)
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-            return self._sse(gen, self._stream_chat(gen, head, len(prompt), params.n, req.logprobs, req.include_usage))
+            return self._sse(gen, self._stream_chat(gen, head, len(prompt), params.n, req.logprobs,
+                                                    req.include_usage), rename)
         choices = await self._collect(gen, rename)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
         return {**head, "choices": [
