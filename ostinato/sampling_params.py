@@ -63,13 +63,6 @@ class StructuredOutputsParams:
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"structured_outputs.choice: a non-empty list of non-empty strings, got {self.choice!r}")
 
-    def key(self) -> tuple:
-        """Hashable, for the compiled-grammar cache."""
-        import json
-
-        spec = json.dumps(self.json, sort_keys=True) if isinstance(self.json, dict) else self.json
-        return spec, self.json_object, self.regex, tuple(self.choice or ()), self.grammar
-
 
 @dataclass
 class SamplingParams:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ostinato import SamplingParams
-from ostinato.runner.sampler import SamplingTensors, apply_penalties, compute_logprobs, sample_batch, token_counts
+from ostinato.runner.sampler import SamplingTensors, adjust_logits, compute_logprobs, sample_batch, token_counts
 
 V = 11
 
@@ -47,7 +47,7 @@ def test_token_counts_match_counter():
 
 def test_penalties_match_reference():
     logits, outputs, params = toy_batch()
-    got = apply_penalties(logits, tensors(params, outputs))
+    got = adjust_logits(logits, tensors(params, outputs))
     for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
         ref = ref_penalize(logits[i].tolist(), out, p.presence_penalty, p.frequency_penalty)
         assert got[i].tolist() == pytest.approx(ref, abs=1e-6)
@@ -62,7 +62,7 @@ def test_penalties_skipped_when_unused_and_needed_when_used():
     logits, outputs, _ = toy_batch()
     plain = [SamplingParams(temperature=0)] * 5
     t = SamplingTensors.from_params(plain, list(range(5)), [0] * 5, V, "cpu")
-    assert t.output_counts is None and apply_penalties(logits, t) is logits
+    assert t.output_counts is None and adjust_logits(logits, t) is logits
     with pytest.raises(ValueError, match="output_token_ids"):
         SamplingTensors.from_params([SamplingParams(presence_penalty=1.0)], [0], [0], V, "cpu")
 

@@ -417,7 +417,6 @@ class ModelRunner:
         if self._prompt_lp is not None:
             sampled.prompt_logprobs = self._prompt_lp
             sampled.prompt_lp_counts = [len(t) for t in sched.prompt_lp_targets]
-            sampled.prompt_lp_k = sched.prompt_lp_k
         return sampled.copy_to_host()
 
     def step(self, sched: ScheduledBatch) -> SampledTensors:

@@ -72,9 +72,8 @@ class SamplingTensors:
     num_logprobs: list[int | None] | None = None
     # logit_bias, flattened over the rows that have one: (row, token id, bias); None when no row has one
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
-    # structured outputs: the constrained rows and their allowed-token bitmask (int32 [rows, ceil(V / 32)],
-    # runner/grammar_mask.py); None when no row is constrained
-    grammar_rows: list[int] | None = None
+    # structured outputs: each row's allowed tokens (int32 [B, ceil(V / 32)], runner/grammar_mask.py; all for an
+    # unconstrained row); None when no row is constrained
     token_bitmask: Tensor | None = None
 
     @property
@@ -114,12 +113,11 @@ class SamplingTensors:
         penalized = any(p.has_penalties for p in params)
         if penalized and output_token_ids is None:
             raise ValueError("output_token_ids: needed for presence/frequency penalties")
-        grammar_rows = [i for i, g in enumerate(grammars or ()) if g is not None] or None
         bitmask = None
-        if grammar_rows is not None:
+        if grammars is not None:
             from ostinato.runner.grammar_mask import fill_bitmask
 
-            bitmask = fill_bitmask([grammars[i] for i in grammar_rows], vocab_size).to(device, non_blocking=True)
+            bitmask = fill_bitmask(grammars, vocab_size).to(device, non_blocking=True)
         return cls(
             temperatures=put_sampling([p.temperature for p in params], torch.float32),
             top_ks=put_sampling(top_ks, torch.int64),
@@ -138,7 +136,6 @@ class SamplingTensors:
             output_counts=token_counts(output_token_ids, vocab_size, put) if penalized else None,
             num_logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
             logit_bias=bias_entries(params, put),
-            grammar_rows=grammar_rows,
             token_bitmask=bitmask,
         )
 
@@ -167,24 +164,24 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, put=None) 
     return counts[:, :vocab_size]
 
 
-def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
-    """OpenAI's presence/frequency penalties: logit - frequency * count - presence * (count > 0), in fp32;
-    then the logit_bias entries added, then the structured outputs' masks. `logits` itself is never written
-    (it can be a graph's output buffer): with none of these, it is returned as is."""
+def adjust_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """The logits sampled from: OpenAI's presence/frequency penalties (logit - frequency * count - presence *
+    (count > 0)), then the logit_bias entries added, then the structured outputs' masks, in fp32. `logits`
+    itself is never written (it can be a graph's output buffer): with none of these, it is returned as is."""
     x = logits
     if t.output_counts is not None:
         counts = t.output_counts
         x = (logits.float() - t.frequency_penalties[:, None] * counts
              - t.presence_penalties[:, None] * (counts > 0).float())
+    elif t.logit_bias is not None or t.token_bitmask is not None:
+        x = logits.float().clone()
     if t.logit_bias is not None:
-        x = x.float().clone() if x is logits else x
         rows, tokens, biases = t.logit_bias
         x.index_put_((rows, tokens), biases, accumulate=True)
     if t.token_bitmask is not None:
         from ostinato.runner.grammar_mask import apply_bitmask
 
-        x = x.float().clone() if x is logits else x
-        apply_bitmask(x, t.token_bitmask, t.grammar_rows)
+        apply_bitmask(x, t.token_bitmask)
     return x
 
 
@@ -226,10 +223,9 @@ class SampledTensors:
     penalized: bool
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
     # prompt logprobs (chosen, ranks, top ids, top logprobs) over the step's prompt-logprob positions, in batch
-    # order; prompt_lp_counts[i]: how many are row i's; prompt_lp_k: the top alternatives computed
+    # order; prompt_lp_counts[i]: how many are row i's
     prompt_logprobs: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
     prompt_lp_counts: list[int] | None = None
-    prompt_lp_k: int = 0
 
     def copy_to_host(self) -> SampledTensors:
         """Copies, not views: `ids` can be a graph's static argmax, which the next replay overwrites."""
@@ -268,20 +264,19 @@ class SampledTensors:
     def _prompt_result(self) -> list[list[TokenLogprobs]] | None:
         if self.prompt_logprobs is None:
             return None
-        chosen, ranks, top_ids, top_lps = (t.tolist() for t in self.prompt_logprobs)
-        entries = list(zip(chosen, ranks, top_ids, top_lps, strict=True))
+        entries = list(zip(*(t.tolist() for t in self.prompt_logprobs), strict=True))
         out, start = [], 0
         for n in self.prompt_lp_counts:
-            out.append([(c, r, list(i), list(v)) for c, r, i, v in entries[start : start + n]])
+            out.append(entries[start : start + n])
             start += n
         return out
 
 
 def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SampledTensors:
-    """Penalties and logit_bias, `sample`, then the requested logprobs, all on the device (no sync).
-    `argmax`: the logits' argmax when already computed (a decode graph computes it); unused under penalties or
-    a logit_bias."""
-    x = apply_penalties(logits, t)
+    """`adjust_logits`, `sample`, then the requested logprobs, all on the device (no sync).
+    `argmax`: the logits' argmax when already computed (a decode graph computes it); unused when the logits
+    were adjusted."""
+    x = adjust_logits(logits, t)
     ids = sample(x, t, argmax if x is logits else None)
     penalized = t.output_counts is not None or t.token_bitmask is not None
     if t.num_logprobs is None:

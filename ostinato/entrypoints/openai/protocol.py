@@ -6,7 +6,7 @@ schemas check types and shapes. Unknown fields are ignored, as OpenAI and vLLM d
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from ostinato.entrypoints.chat_utils import CHAT_ROLES
 from ostinato.entrypoints.openai.errors import OpenAIError
@@ -62,7 +62,6 @@ class SamplingFields(OpenAIModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    _structured_field: str | None = PrivateAttr(default=None)
     # refused here until beam search exists (never silently dropped)
     use_beam_search: Any = None
     best_of: int | None = None
@@ -97,23 +96,27 @@ class SamplingFields(OpenAIModel):
             structured_outputs=self._structured_outputs(),
         )
 
-    @property
-    def structured_field(self) -> str | None:
-        """The field that named the request's structured-output constraint (after sampling_params())."""
-        return self._structured_field
-
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """The one constraint the request names, from whichever field names it; OpenAIError naming the field."""
+    def _structured_given(self) -> dict[str, Any]:
+        """The fields that name a structured-output constraint, with their values."""
         given = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
                                                         "guided_grammar", "structured_outputs")
                  if getattr(self, name) is not None}
         rf = self.response_format
-        kind = rf.get("type", "text") if isinstance(rf, dict) else None
-        if rf is not None and kind != "text":
+        if rf is not None and (rf.get("type", "text") if isinstance(rf, dict) else None) != "text":
             given["response_format"] = rf
+        return given
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that names the request's structured-output constraint (the engine's errors say
+        "structured_outputs"), or None."""
+        return next(iter(self._structured_given()), None)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint the request names, from whichever field names it; OpenAIError naming the field."""
+        given = self._structured_given()
         if not given:
             return None
-        self._structured_field = next(iter(given))
         if len(given) > 1:
             raise OpenAIError(400, f"{', '.join(given)}: give one structured-output constraint, not several",
                               param=next(iter(given)), code="invalid_value")
@@ -227,10 +230,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-
-    _null_logprobs = field_validator("logprobs", mode="before")(_null_is_default)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+
+    _null_logprobs = field_validator("logprobs", mode="before")(_null_is_default)
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -211,7 +211,7 @@ class OpenAIServing:
             if echo:
                 text = echo[i // params.n] + text
                 if lp is not None:
-                    lp = self._join_logprobs(self._prompt_logprobs(prompts[i // params.n], c.prompt_logprobs), lp)
+                    lp = self._join_logprobs(self._echo_logprobs(prompts[i // params.n], c.prompt_logprobs), lp)
             out.append({"index": i, "text": text, "finish_reason": c.finish_reason, "logprobs": lp})
         return {**head, "choices": out, "usage": usage(
             n_prompt, sum(len(c.token_ids) for c in choices.values()),
@@ -227,7 +227,7 @@ class OpenAIServing:
             return ["" for _ in prompts]
         return [self.tokenizer.decode(p) for p in prompts]
 
-    def _prompt_logprobs(self, prompt_ids: list[int], entries: list[TokenLogprobs] | None) -> dict[str, Any]:
+    def _echo_logprobs(self, prompt_ids: list[int], entries: list[TokenLogprobs] | None) -> dict[str, Any]:
         """`echo` with `logprobs`: the prompt's part of the legacy logprobs object (null for its first token)."""
         part = self._completion_logprobs(prompt_ids[1:], entries or [], 0)
         first = decode_tokens(self.tokenizer, prompt_ids[:1])
@@ -272,26 +272,28 @@ class OpenAIServing:
         """`echo`: each choice's first chunk starts with its prompt's text (and, with logprobs, its part)."""
         fmt = ChunkFormat(head)
         n_out = 0
-        offsets: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # per choice: the text sent so far (logprobs' text_offset); a key once begun
         cached: dict[int, int] = {}
         async for d in gen:
             n_out += len(d.token_ids)
             cached[d.index] = d.num_cached_tokens
             if not d.token_ids and not d.text and d.finish_reason is None:
                 continue
-            first = echo is not None and d.index not in offsets
-            text = echo[d.index // n] + d.text if first else d.text
-            if not logprobs:
-                offsets.setdefault(d.index, 0)
-                yield fmt.text(d.index, text, d.finish_reason)
+            if echo is None and not logprobs:  # the common chunk: nothing to track
+                yield fmt.text(d.index, d.text, d.finish_reason)
                 continue
+            first = echo is not None and d.index not in offsets
+            prefix = echo[d.index // n] if first else ""
+            offset = offsets.get(d.index, 0) + len(prefix)
+            offsets[d.index] = offset + len(d.text)
+            if not logprobs:
+                yield fmt.text(d.index, prefix + d.text, d.finish_reason)
+                continue
+            lp = self._completion_logprobs(d.token_ids, d.logprobs, offset)
             if first:
-                offsets[d.index] = len(echo[d.index // n])
-            lp = self._completion_logprobs(d.token_ids, d.logprobs, offsets.get(d.index, 0))
-            if first:
-                lp = self._join_logprobs(self._prompt_logprobs(prompts[d.index // n], d.prompt_logprobs), lp)
-            offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
-            yield fmt.choice({"index": d.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason})
+                lp = self._join_logprobs(self._echo_logprobs(prompts[d.index // n], d.prompt_logprobs), lp)
+            yield fmt.choice({"index": d.index, "text": prefix + d.text, "logprobs": lp,
+                              "finish_reason": d.finish_reason})
         if include_usage:
             yield fmt.usage(n_prompt, n_out, cached_tokens(cached, n))
 
@@ -413,7 +415,6 @@ class OpenAIServing:
             out.append({**entry(text, chosen), "top_logprobs": alts})
         return out
 
-    # ------------------------------------------------------------------ POST /completions (Tokn's batch shape)
     # ------------------------------------------------------------------ /tokenize, /detokenize (vLLM's)
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """Token ids of a prompt, or of chat messages after the chat template (what generation would take)."""
@@ -444,6 +445,7 @@ class OpenAIServing:
                               code="invalid_value")
         return {"prompt": await self.run_blocking(self.tokenizer.decode, req.tokens)}
 
+    # ------------------------------------------------------------------ POST /completions (Tokn's batch shape)
     async def batch(self, req: BatchRequest) -> dict[str, str]:
         self.check_model(req.model)
         req.check_supported()
