@@ -221,6 +221,8 @@ BAD_INPUTS = [
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, AUTH, 400, "give one of them",
      "prompt"),
     ("/tokenize", {}, AUTH, 400, "give one of them", "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     AUTH, 400, "text only", "messages"),
     ("/detokenize", {"tokens": [1, 49152]}, AUTH, 400, "outside the vocabulary", "tokens"),
     ("/detokenize", {"tokens": "abc"}, AUTH, 400, "valid list", "tokens"),
 ]

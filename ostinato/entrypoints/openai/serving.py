@@ -424,6 +424,9 @@ class OpenAIServing:
             chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                                          chat_template_kwargs=req.chat_template_kwargs)
             chat.check_supported()
+            if any(m.has_images for m in chat.messages):  # (their tokens come from the image processor)
+                raise OpenAIError(400, "messages: /tokenize takes text only, not image_url parts", param="messages",
+                                  code="invalid_value")
             self.check_chars(chat.num_chars(), "messages")
             ids = await self.run_blocking(self._chat_prompt, chat)
         else:
