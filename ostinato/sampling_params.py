@@ -46,6 +46,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # JSON (json, json_object) without whitespace between its tokens (vLLM's option): otherwise the grammar
+    # allows any, and a model can spend its tokens on it
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -62,6 +65,9 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"structured_outputs.choice: a non-empty list of non-empty strings, got {self.choice!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace: a boolean, got "
+                             f"{self.disable_any_whitespace!r}")
 
 
 @dataclass

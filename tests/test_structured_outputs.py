@@ -38,7 +38,7 @@ def test_constraints_hold_greedy_and_sampled(llm):
     convs = [ask("Is Paris in France? Answer yes or no."), ask("Give me a phone number."),
              ask("Describe a person with pets as JSON."), ask("Describe your favourite city."),
              ask("Pick a fruit."), ask("Describe a person with pets as JSON."),
-             ask("Give me a JSON object about a dog.")]
+             ask("Give me a JSON object about a dog."), ask("Describe a person with pets as JSON.")]
     params = [
         SamplingParams(temperature=0, max_tokens=8, structured_outputs=S(choice=["yes", "no"])),
         SamplingParams(temperature=0, max_tokens=16, structured_outputs=S(regex=r"\(0[1-9]\) [0-9]{3}-[0-9]{4}")),
@@ -48,6 +48,7 @@ def test_constraints_hold_greedy_and_sampled(llm):
                        structured_outputs=S(choice=["apple", "banana split", "cherry"])),
         SamplingParams(temperature=0.8, seed=2, max_tokens=120, structured_outputs=S(json=json.dumps(SCHEMA))),
         SamplingParams(temperature=0, max_tokens=48, structured_outputs=S(json_object=True)),
+        SamplingParams(temperature=0, max_tokens=120, structured_outputs=S(json=SCHEMA, disable_any_whitespace=True)),
     ]
     outs = llm.chat(convs, params, use_tqdm=False)
     first = [o.outputs[0] for o in outs]
@@ -64,6 +65,10 @@ def test_constraints_hold_greedy_and_sampled(llm):
         assert isinstance(json.loads(obj.text), dict)
     else:  # out of tokens: what there is must still be the start of a JSON object
         assert obj.finish_reason == "length" and obj.text.lstrip().startswith("{")
+    tight = first[7]  # no whitespace but the one space after each separator (xgrammar's ", " and ": ")
+    assert tight.finish_reason == "stop", tight.text
+    check_schema(json.loads(tight.text))
+    assert tight.text == json.dumps(json.loads(tight.text), ensure_ascii=False)
 
 
 @pytest.mark.parametrize("spec,fragment", [
@@ -82,6 +87,7 @@ def test_bad_constraints_are_value_errors_and_leave_nothing(llm, spec, fragment)
     (dict(), "exactly one of"), (dict(regex="a", choice=["b"]), "exactly one of"),
     (dict(choice=[]), "structured_outputs.choice"), (dict(json=5), "structured_outputs.json"),
     (dict(regex=""), "structured_outputs.regex"),
+    (dict(json_object=True, disable_any_whitespace="yes"), "structured_outputs.disable_any_whitespace"),
 ])
 def test_bad_specs(spec, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):

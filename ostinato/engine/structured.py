@@ -40,12 +40,12 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs: the {field} constraint does not compile: {why}") from None
 
     def _compile_fn(self, spec: StructuredOutputsParams):
-        c = self._compiler
+        c, ws = self._compiler, not spec.disable_any_whitespace
         if spec.json is not None:
             schema = json.dumps(spec.json) if isinstance(spec.json, dict) else spec.json
-            return "json", lambda: c.compile_json_schema(schema)
+            return "json", lambda: c.compile_json_schema(schema, any_whitespace=ws)
         if spec.json_object:  # OpenAI's json_object: an object (the builtin JSON grammar allows any value)
-            return "json_object", lambda: c.compile_json_schema('{"type": "object"}')
+            return "json_object", lambda: c.compile_json_schema('{"type": "object"}', any_whitespace=ws)
         if spec.regex is not None:
             return "regex", lambda: c.compile_regex(spec.regex)
         if spec.choice is not None:
