@@ -47,13 +47,14 @@ def smollm_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def llm():
-    """SmolLM2 fp32 on the CPU with a KV pool small enough that 16 chat requests force retraction."""
+def llm(smollm_path):
+    """SmolLM2 fp32 on the CPU with a KV pool small enough that 16 chat requests force retraction (skipped, as
+    smollm_path is, on a GPU machine without it)."""
     from ostinato import LLM
 
     # the prefix cache is off here: these tests size the pool to force retraction, which shared prefixes would
     # avoid; tests/test_prefix_cache_engine.py switches it on where it is the subject
-    return LLM(dtype="float32", device="cpu", max_total_tokens=1024, chunked_prefill_size=48, page_size=4,
+    return LLM(smollm_path, dtype="float32", device="cpu", max_total_tokens=1024, chunked_prefill_size=48, page_size=4,
                max_running_requests=16, disable_radix_cache=True)
 
 

@@ -89,13 +89,16 @@ class Request:
     def resolve_pending(self, token: int) -> None:
         """The oldest pending token arrived: put it in place and check stops. A request that stops here drops
         the later pending tokens (steps launched before the stop was known; their results are ignored)."""
-        i = len(self.output_token_ids) - self.num_pending
-        self.output_token_ids[i] = token
+        out = self.output_token_ids
+        n = len(out) - self.num_pending + 1  # outputs known, this one included
+        out[n - 1] = token
         self.num_pending -= 1
-        self.check_stop_token(i + 1)
-        if self.finish_reason is not None and self.num_pending:
-            del self.output_token_ids[i + 1 :]
-            self.num_pending = 0
+        p = self.params
+        if n >= p.min_tokens and (token in self.eos_token_ids or token in p.stop_token_ids) or n >= p.max_tokens:
+            self.check_stop_token(n)  # (the common case, no stop, skips the call: this runs per request and step)
+            if self.finish_reason is not None and self.num_pending:
+                del out[n:]
+                self.num_pending = 0
 
     @property
     def can_sample_more(self) -> bool:

@@ -52,8 +52,11 @@ class Scheduler:
         budget = self.chunked_prefill_size
         reqs, prefix, lens = [], [], []
         taken = 0  # pages promised to the requests above; taken from the pool in one go at the end
-        # a request cut by the last chunk continues first, then new ones in arrival order
-        partial = [r for r in self.running if self._pending(r) > 1]
+        # a request cut by the last chunk continues first, then new ones in arrival order (_pending inlined: this
+        # pass over the running requests runs every step)
+        partial = [r for r in self.running if len(r.prompt_token_ids) + len(r.output_token_ids) - r.kv_len > 1]
+        if not partial and not self.waiting:
+            return None
         decoding = len(self.running) - len(partial)
         # mixed chunk: the decoding requests ride along as 1-token extends, inside the token budget
         mixed = [r for r in self.running if self._pending(r) == 1 and r.can_sample_more] \
@@ -122,7 +125,8 @@ class Scheduler:
         # a decoding request has exactly one token without K/V: its last output (or, when a chunk
         # stopped one short, its last prompt token)
         # (overlap scheduling: one whose pending outputs already reach max_tokens will finish; skip it)
-        decoding = [r for r in self.running if r.seq_len - r.kv_len == 1 and r.can_sample_more]
+        decoding = [r for r in self.running if len(r.prompt_token_ids) + len(r.output_token_ids) - r.kv_len == 1
+                    and len(r.output_token_ids) < r.params.max_tokens]  # (seq_len, can_sample_more inlined)
         if not decoding:
             return None
         p = self.kv.page_size

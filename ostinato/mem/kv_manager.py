@@ -30,7 +30,17 @@ class KVManager:
 
     def extend_decode(self, req_slots: list[int], kv_lens: list[int]) -> torch.Tensor | None:
         """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`)."""
-        return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens])
+        if self.page_size > 1:
+            return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens])
+        # page 1 (extend_batch's arithmetic, short-cut: this runs every decode step): a page per request
+        loc = self.allocator.alloc_pages(len(req_slots))
+        if loc is None:
+            return None
+        table = self.req_pool.req_to_token
+        rows, cols = to_device([np.asarray(req_slots, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)],
+                               table.device)
+        table[rows, cols] = loc.to(torch.int32)
+        return loc
 
     def extend_batch(self, req_slots: list[int], cur_lens: list[int], new_lens: list[int]) -> torch.Tensor | None:
         """Slots for tokens [cur_lens[i], new_lens[i]) of request row `req_slots[i]`, concatenated in request
