@@ -294,3 +294,21 @@ def test_listen_sockets_spread_connections_and_refuse_a_taken_port():
     finally:
         for s in socks + clients:
             s.close()
+
+
+def test_api_server_count_defaults_to_a_quarter_of_the_cores(monkeypatch):
+    import argparse
+
+    from ostinato.entrypoints.openai import cli_args
+
+    for cores, want in ((2, 1), (7, 1), (8, 2), (16, 4), (128, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        ns = argparse.Namespace(api_server_count=None, max_request_body_bytes=1, max_n=1, max_choices_in_engine=None)
+        cli_args.check_serve_args(ns)
+        assert ns.api_server_count == want, cores
+    ns = argparse.Namespace(api_server_count=3, max_request_body_bytes=1, max_n=1, max_choices_in_engine=None)
+    cli_args.check_serve_args(ns)  # asked for: kept
+    assert ns.api_server_count == 3
+    ns.api_server_count = 0
+    with pytest.raises(ValueError, match="api_server_count must be >= 1"):
+        cli_args.check_serve_args(ns)

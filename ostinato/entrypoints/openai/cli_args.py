@@ -1,6 +1,7 @@
 """Flags of `ostinato serve` (kept free of the server's imports, so building the CLI stays cheap)."""
 
 import argparse
+import os
 
 from ostinato.config import EngineArgs
 
@@ -27,14 +28,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-choices-in-engine", type=int, default=None,
                    help="most choices (n x prompts) of one /v1 request in the engine at once, the rest follow as "
                         "those finish, so one request cannot take every slot (default: max_running_requests / 4)")
-    p.add_argument("--api-server-count", type=int, default=1,
+    p.add_argument("--api-server-count", type=int, default=None,
                    help="HTTP processes sharing the port, all talking to one engine (more: more streamed tokens per "
-                        "second before the front end, not the engine, sets the pace)")
+                        "second before the front end, not the engine, sets the pace; default: a quarter of the "
+                        "cores, 1 to 4)")
     EngineArgs.add_cli_args(p)
 
 
+def default_api_server_count() -> int:
+    """HTTP processes where none were asked for: a quarter of the cores this process may use, 1 to 4 (4 on a
+    16-core GPU host, 1 on a 2-core machine). One HTTP process saturates at a few hundred concurrent streams,
+    where four keep the engine's batch full (README, Serve); the engine core and the detokenizer take cores too."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores // 4))
+
+
 def check_serve_args(ns: argparse.Namespace) -> None:
-    """Raise ValueError naming the flag (before anything starts)."""
+    """Raise ValueError naming the flag (before anything starts); fill in the defaults that depend on the machine."""
+    if ns.api_server_count is None:
+        ns.api_server_count = default_api_server_count()
     for name in ("max_request_body_bytes", "max_n", "max_choices_in_engine", "api_server_count"):
         value = getattr(ns, name)
         if value is not None and value < 1:
