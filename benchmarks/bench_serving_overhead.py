@@ -13,7 +13,8 @@ input and output lengths, greedy, ignore_eos.
 CPU: python benchmarks/bench_serving_overhead.py --input-len 32 --output-len 16 --num-prompts 16 \\
          --concurrency 1 8 --single-prompts 2
 GPU: python benchmarks/bench_serving_overhead.py --model llama-3.2-1b --load-format dummy --dtype bfloat16
-     (several HTTP processes: add --server-args "--disable-uvicorn-access-log --api-server-count 4"; with
+     (the server takes its default HTTP process count, a quarter of the cores; to set it, add --server-args
+     "--disable-uvicorn-access-log --api-server-count 4"; with
      --client-procs K the streaming client runs in K processes, each with 1/K of the streams, so that at high
      concurrency it, not the server, is not the limit; --api-server-counts 1 4: one online phase per count,
      after one offline phase)
