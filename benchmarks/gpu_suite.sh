@@ -20,20 +20,25 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 part=${1:-tests}
-quiet() { grep -vE "it/s\]|Generating|Capturing|Compiling"; }
+quiet() { grep --line-buffered -vE "it/s\]|Generating|Capturing|Compiling"; }
+# a group's whole output goes to $OUT/<name>.full.log as it comes (a call cut short still brings back what ran),
+# and its last lines to $OUT/<name>.log and the terminal
+keep() { tee "$OUT/$1.full.log" | tail -"$2" | tee "$OUT/$1.log"; }
 case "$part" in
 tests)
-  # test_gpu.py (both models against transformers) runs apart: with it the list took over 330 s on an H100 host
+  # test_gpu.py (both models against transformers) runs apart: with it the list took over 330 s on an H100 host.
+  # The three parts below can take up to 590 s together: give this group a device call of its own
+  # (test_sampling_features_gpu.py's structured-output test needs the xgrammar wheel carried, else it skips)
   timeout 240 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
       tests/test_layer_kernels.py tests/test_fused_sample.py tests/test_sampler.py tests/test_decode_graph.py \
       tests/test_extend_graph.py tests/test_decode_compile.py tests/test_fp8_kv.py tests/test_shutdown.py \
       tests/test_gpu_prefix.py tests/test_skinny_gemm.py tests/test_rope_store.py tests/test_fp8_decode_variants.py \
-      tests/test_logits.py \
-      -s 2>&1 | quiet | tail -40 | tee "$OUT/tests-core.log"
+      tests/test_logits.py tests/test_sampling_features_gpu.py \
+      -s 2>&1 | quiet | keep tests-core 40
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_piecewise_gpu.py tests/test_ssm_scan_kernel.py \
       tests/test_granite_hybrid_gpu.py tests/test_vlm.py -k "gpu or cuda or GPU or Cuda or kernel" 2>&1 | quiet \
-      | tail -30 | tee "$OUT/tests-features.log"
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_pdl.py 2>&1 | quiet | tail -5 | tee "$OUT/tests-pdl.log"
+      | keep tests-features 30
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_pdl.py 2>&1 | quiet | keep tests-pdl 5
   ;;
 tests-models)
   timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -s 2>&1 | quiet | tail -30 \
