@@ -104,8 +104,9 @@ class SamplingParams:
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             except TypeError:  # an unknown or non-string key
-                raise SamplingParamsTypeError("structured_outputs: the fields are json, json_object, regex, choice, "
-                                              f"grammar; got {self.structured_outputs!r}") from None
+                fields = ", ".join(f.name for f in dataclasses.fields(StructuredOutputsParams))
+                raise SamplingParamsTypeError(f"structured_outputs: the fields are {fields}; got "
+                                              f"{self.structured_outputs!r}") from None
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise SamplingParamsTypeError("structured_outputs must be a StructuredOutputsParams, got "
                                           f"{self.structured_outputs!r}")
