@@ -1,5 +1,5 @@
-"""The engine's per-step host work: a decode step's slots (page 1, the page counts vectorized) match what extending
-each request by one token gives, and sampling inputs are reused between decode steps of the same rows only."""
+"""The engine's per-step host shortcuts give what the general paths give: the page-1 decode slot allocation, and the
+sampling inputs reused between decode steps of the same rows."""
 
 import random
 from types import SimpleNamespace

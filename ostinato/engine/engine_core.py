@@ -17,6 +17,7 @@ from ostinato.engine.scheduler import ScheduledBatch, Scheduler
 from ostinato.engine.structured import GrammarCompiler, accept
 from ostinato.engine.tp_workers import start_runner
 from ostinato.loader import ModelSource
+from ostinato.runner.next_tokens import PENDING_TOKEN
 from ostinato.runner.sampler import SampledTensors, TokenLogprobs
 from ostinato.sampling_params import SamplingParams
 
@@ -191,8 +192,9 @@ class EngineCore:
         if sched is not None:
             launched = sched, (self.runner if self.tp is None else self.tp).step(sched)
             for req, emits in zip(sched.reqs, sched.sample_mask, strict=True):
-                if emits:
-                    req.add_pending()
+                if emits:  # (Request.add_pending, inlined: once per request and step)
+                    req.output_token_ids.append(PENDING_TOKEN)
+                    req.num_pending += 1
         if self._in_flight is not None:
             outputs += self._read_back(*self._in_flight)
         self._in_flight = launched
@@ -227,8 +229,7 @@ class EngineCore:
                 req.finish_reason = accept(req.grammar, token)
                 if req.finish_reason == "abort":
                     logger.error("request %s: token %d breaks its structured output constraint", req.rid, token)
-            out = EngineCoreOutput(req.rid, [token], logprobs=None if lp is None else [lp],
-                                   num_cached_tokens=req.num_cached_tokens)
+            out = EngineCoreOutput(req.rid, [token], None, None, None if lp is None else [lp], req.num_cached_tokens)
             if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs or [], True
             if req.finish_reason is not None:

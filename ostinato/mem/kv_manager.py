@@ -30,7 +30,17 @@ class KVManager:
 
     def extend_decode(self, req_slots: list[int], kv_lens: list[int]) -> torch.Tensor | None:
         """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`)."""
-        return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens])
+        if self.page_size > 1:
+            return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens])
+        # page 1 (extend_batch's arithmetic, short-cut: this runs every decode step): a page per request
+        loc = self.allocator.alloc_pages(len(req_slots))
+        if loc is None:
+            return None
+        table = self.req_pool.req_to_token
+        rows, cols = to_device([np.asarray(req_slots, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)],
+                               table.device)
+        table[rows, cols] = loc.to(torch.int32)
+        return loc
 
     def extend_batch(self, req_slots: list[int], cur_lens: list[int], new_lens: list[int]) -> torch.Tensor | None:
         """Slots for tokens [cur_lens[i], new_lens[i]) of request row `req_slots[i]`, concatenated in request
@@ -39,18 +49,19 @@ class KVManager:
         A fixed handful of device ops whatever the number of requests (the per-token index arithmetic is done
         on the host and copied over once): a step that admits 256 prompts costs what one costs."""
         p = self.page_size
-        cur, new = np.asarray(cur_lens, dtype=np.int64), np.asarray(new_lens, dtype=np.int64)
-        pages = -(-new // p) - -(-cur // p)  # per request, as pages_needed (numpy: this runs every decode step)
-        new_pages = self.allocator.alloc_pages(int(pages.sum()))
+        counts = [self.pages_needed(c, n) for c, n in zip(cur_lens, new_lens, strict=True)]
+        new_pages = self.allocator.alloc_pages(sum(counts))
         if new_pages is None:
             return None
         table = self.req_pool.req_to_token
+        cur = np.asarray(cur_lens, dtype=np.int64)
         slots = np.asarray(req_slots, dtype=np.int64)
-        req_of, pos = token_positions(cur, new - cur)
+        req_of, pos = token_positions(cur, np.asarray(new_lens, dtype=np.int64) - cur)
         host = [slots[req_of], pos]
         if p > 1:
             partial = cur % p != 0  # a request whose last page is partly filled fills it first
             # the page of each token: an index into [new pages..., the partly filled last pages...]
+            pages = np.asarray(counts, dtype=np.int64)
             new_first = np.cumsum(pages) - pages
             rank = np.cumsum(partial) - 1  # a partial request's place among them
             page_of = pos // p - (cur // p)[req_of]  # 0 = the page holding the request's current end
