@@ -50,6 +50,16 @@ class StructuredOutputsParams:
     # allows any, and a model can spend its tokens on it
     disable_any_whitespace: bool = False
 
+    @classmethod
+    def from_dict(cls, d: dict) -> StructuredOutputsParams:
+        """From a JSON object (the server's `structured_outputs`, the engine's messages); an unknown key is an
+        error that lists the fields."""
+        try:
+            return cls(**d)
+        except TypeError:  # an unknown or non-string key
+            fields = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise SamplingParamsTypeError(f"structured_outputs: the fields are {fields}; got {d!r}") from None
+
     def __post_init__(self) -> None:
         set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         set_ += ["json_object"] if self.json_object is True else []
@@ -101,12 +111,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = [] if self.stop is None else _str_list("stop", self.stop)
         if isinstance(self.structured_outputs, dict):  # (as it crosses to the engine process)
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError:  # an unknown or non-string key
-                fields = ", ".join(f.name for f in dataclasses.fields(StructuredOutputsParams))
-                raise SamplingParamsTypeError(f"structured_outputs: the fields are {fields}; got "
-                                              f"{self.structured_outputs!r}") from None
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise SamplingParamsTypeError("structured_outputs must be a StructuredOutputsParams, got "
                                           f"{self.structured_outputs!r}")

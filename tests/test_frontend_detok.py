@@ -310,5 +310,5 @@ def test_api_server_count_defaults_to_a_quarter_of_the_cores(monkeypatch):
     cli_args.check_serve_args(ns)  # asked for: kept
     assert ns.api_server_count == 3
     ns.api_server_count = 0
-    with pytest.raises(ValueError, match="api_server_count must be >= 1"):
+    with pytest.raises(ValueError, match="--api-server-count must be >= 1"):
         cli_args.check_serve_args(ns)

@@ -50,4 +50,4 @@ def check_serve_args(ns: argparse.Namespace) -> None:
     for name in ("max_request_body_bytes", "max_n", "max_choices_in_engine", "api_server_count"):
         value = getattr(ns, name)
         if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

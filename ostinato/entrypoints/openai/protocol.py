@@ -127,7 +127,7 @@ class SamplingFields(OpenAIModel):
             if name == "structured_outputs":
                 if not isinstance(value, dict):
                     raise ValueError(f"structured_outputs: an object, got {value!r}")
-                return StructuredOutputsParams(**value)
+                return StructuredOutputsParams.from_dict(value)
             return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
         except (ValueError, TypeError) as e:
             message = str(e)
