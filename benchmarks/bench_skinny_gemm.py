@@ -9,6 +9,12 @@ max |skinny - torch|, `ref` the largest |y|.
 
 python benchmarks/bench_skinny_gemm.py [--out PATH] [--sweep]
 --sweep also times variants of each heuristic config (one field changed at a time); takes minutes.
+
+python benchmarks/bench_skinny_gemm.py --prenorm --shapes 3072x2048 8192x2048g 4096x1024 6448x1536 --ms 1 2
+--prenorm times a norm and its projection as the model runs them: fused_add_rms_norm then the skinny kernel
+(two launches) against skinny_norm_linear (one) at prenorm_config's tiles, per shape and M <= 2; a `g` after a
+shape is the gated gate_up form (N the output width I, W [2I, K]). With --sweep, also the fused kernel at
+config_for's tiles and wider ones.
 """
 
 import argparse
@@ -21,7 +27,17 @@ import torch
 import torch.nn.functional as F
 from common import RESULTS, copy_bandwidth, device_tag, write_report
 
-from ostinato.layers.triton_ops.skinny_gemm import MAX_M, SkinnyConfig, config_for, skinny_linear
+from ostinato.layers.norm import fused_add_rms_norm
+from ostinato.layers.triton_ops.skinny_gemm import (
+    MAX_M,
+    PRENORM_MAX_M,
+    SkinnyConfig,
+    config_for,
+    prenorm_config,
+    skinny_gate_up_silu,
+    skinny_linear,
+    skinny_norm_linear,
+)
 
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (N, K)
 MS = [1, 2, 4, 8, 16, 32]
@@ -121,6 +137,46 @@ def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: flo
     return rows
 
 
+def bench_prenorm(shape: str, ms: list[int], args: argparse.Namespace, bw: float, device: torch.device) -> list[dict]:
+    gated = shape.endswith("g")
+    n, k = (int(v) for v in shape.rstrip("g").split("x"))
+    rows_w = 2 * n if gated else n
+    dtype = getattr(torch, args.dtype)
+    props = torch.cuda.get_device_properties(device)
+    gen = torch.Generator(device).manual_seed(n + k)
+    w_bytes = rows_w * k * torch.finfo(dtype).bits // 8
+    need = max(2, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / w_bytes))
+    copies = min(c for c in range(1, args.calls + 1) if args.calls % c == 0 and (c >= need or c == args.calls))
+    weights = [(torch.randn(rows_w, k, generator=gen, device=device) / k**0.5).to(dtype) for _ in range(copies)]
+    norm_w = torch.ones(k, dtype=dtype, device=device)
+    project = skinny_gate_up_silu if gated else skinny_linear
+    rows = []
+    for m in [m for m in ms if m <= PRENORM_MAX_M]:
+        x, residual = (torch.randn(m, k, generator=gen, device=device).to(dtype) for _ in range(2))
+        ws = [weights[i % copies] for i in range(args.calls)]
+
+        def pair(w, x=x, residual=residual):
+            h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-6)
+            return project(h, w)
+
+        cfg = prenorm_config(m, n, k, props.multi_processor_count, gated)
+        row = {"N": n, "K": k, "M": m, "gated": gated, "dtype": args.dtype, "weight_bytes": w_bytes,
+               "config": cfg._asdict(), "pair_us": graph_us([functools.partial(pair, w) for w in ws], args.reps),
+               "plain_us": graph_us([functools.partial(project, x, w) for w in ws], args.reps)}
+        plain = config_for(m, n, k, props.multi_processor_count, gated)  # the tiles of the GEMV alone
+        configs = [cfg] + ([c for c in (plain, cfg._replace(block_n=cfg.block_n * 2, block_k=max(16, cfg.block_k // 2)),
+                                        cfg._replace(block_n=cfg.block_n * 2)) if c != cfg] if args.sweep else [])
+        for i, c in enumerate(configs):
+            calls = [functools.partial(skinny_norm_linear, x, w, 1e-6, residual, gated=gated, config=c) for w in ws]
+            row["fused_us" if i == 0 else f"fused_us {short(c)}"] = graph_us(calls, args.reps)
+        rows.append(row)
+        extra = "".join(f"  {key[9:]} {v:.2f}" for key, v in row.items() if key.startswith("fused_us "))
+        print(f"{shape:>12}{m:>4}  norm+gemv {row['pair_us']:7.2f} us  fused {row['fused_us']:7.2f} us  "
+              f"gemv alone {row['plain_us']:7.2f} us ({w_bytes / row['plain_us'] / 1e6:.2f} TB/s)  {short(cfg)}"
+              f"{extra}", flush=True)
+    return rows
+
+
 def print_row(r: dict) -> None:
     line = f"{r['N']:>6}x{r['K']:<6}{r['M']:>4}{r['torch_us']:>9.2f}{r['torch_TBps']:>7.2f}"
     if "skinny_us" in r:
@@ -140,14 +196,22 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="back-to-back calls in each captured graph")
     ap.add_argument("--reps", type=int, default=50, help="graph replays timed (median)")
     ap.add_argument("--sweep", action="store_true", help="also time variants of each heuristic config")
+    ap.add_argument("--prenorm", action="store_true", help="norm + projection against the fused kernel (M <= 2)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/skinny-gemm-<device>.json)")
     args = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name(device)}, {args.dtype})")
+    if args.prenorm:
+        with torch.inference_mode():
+            rows = [r for shape in args.shapes for r in bench_prenorm(shape, args.ms, args, bw, device)]
+        report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                  "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12, "rows": rows}
+        write_report(report, args.out or os.path.join(RESULTS, f"skinny-prenorm-{device_tag(device)}.json"))
+        return
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     print(f"{'N x K':<13}{'M':>4}{'torch us':>9}{'TB/s':>7}{'skinny':>9}{'TB/s':>7}{'speed':>8}{'copy':>6}"
           f"{'err':>9}{'ref':>7}  config")
     rows = []

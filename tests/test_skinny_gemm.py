@@ -420,3 +420,183 @@ def test_gate_up_silu_layer(monkeypatch, m, fused):
     x = randn(gen, m, 2048, dtype=torch.bfloat16) * 2048**-0.5
     torch.testing.assert_close(linear.gate_up_silu(layer, x), silu_and_mul(layer(x)), atol=2e-2, rtol=3e-2)
     assert bool(calls) == fused
+
+
+# ---------------------------------------------------------------- skinny_norm_linear (the RMSNorm folded in)
+def prenorm_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int, gated: bool = False):
+    """x and residual O(1) (as a residual stream is), a norm weight around 1, W scaled so outputs are O(1)."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    x, residual = randn(gen, m, k, dtype=dtype), randn(gen, m, k, dtype=dtype)
+    norm_w = (1 + 0.3 * randn(gen, k, dtype=torch.float32)).to(dtype)
+    w = (randn(gen, (2 if gated else 1) * n, k, dtype=torch.float32) * k**-0.5).to(dtype)
+    return x, residual, norm_w, w
+
+
+def prenorm_reference(x, residual, norm_w, w, eps, gated):
+    """float64 norm and projection of the row the kernel sees: x + residual rounded to the dtype."""
+    s = (x if residual is None else (x.float() + residual.float()).to(x.dtype)).double()
+    h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_w.double()
+    y = h @ w.double().T
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y, s.to(x.dtype)
+
+
+def folded(w: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
+    """W with the norm's weight multiplied into its columns, as norm_linear.fold_norm_weight leaves it."""
+    return w * norm_w[None, :]
+
+
+def check_prenorm(m, n, k, dtype, seed, gated, config=None, with_residual=True):
+    from ostinato.layers.triton_ops.skinny_gemm import skinny_norm_linear
+
+    x, residual, norm_w, w = prenorm_inputs(m, n, k, dtype, seed, gated)
+    residual = residual if with_residual else None
+    out, new_residual = skinny_norm_linear(x, folded(w, norm_w), 1e-6, residual, gated=gated, config=config)
+    # the reference uses the folded weights too: the kernel is checked, the fold's rounding of W separately
+    want, want_residual = prenorm_reference(x, residual, torch.ones_like(norm_w), folded(w, norm_w), 1e-6, gated)
+    assert out.shape == want.shape and out.dtype == dtype
+    # the normalised row stays fp32 (the unfused pair rounds it to the dtype): the output's rounding, plus the
+    # gate's and up's for the gated form
+    tol = GATE_UP_TOL[dtype] if gated else TOL[dtype]
+    torch.testing.assert_close(out.double(), want, atol=tol[0], rtol=tol[1])
+    assert torch.equal(new_residual, want_residual)  # x + residual, rounded once, written by one program
+    if not with_residual:
+        assert new_residual is x
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_residual", [True, False])
+# K = 200: the masked tail tile only; K = 50: rows not 16-byte aligned
+@pytest.mark.parametrize("n,k", [(37, 200), (19, 50)])
+def test_prenorm_small(m, gated, with_residual, n, k):
+    check_prenorm(m, n, k, torch.float16, seed=m * 100 + n + k, gated=gated, with_residual=with_residual)
+
+
+# several full K tiles through the pipeline (the residual stored tile by tile), then the masked tail
+@pytest.mark.parametrize("m,config", [
+    (1, SkinnyConfig(1, 4, 32, False, 4, 3)),
+    (2, SkinnyConfig(2, 8, 64, False, 4, 2)),
+    (2, SkinnyConfig(4, 2, 16, False, 2, 1)),
+])
+@pytest.mark.parametrize("gated", [False, True])
+def test_prenorm_k_tiles(m, config, gated):
+    check_prenorm(m, 45, 200, torch.float16, seed=m, gated=gated, config=config)
+
+
+def test_prenorm_matches_unfused_pair():
+    """Against what the model ran before the fold: fused_add_rms_norm with its weight, then skinny_linear /
+    skinny_gate_up_silu on the bare W. They differ by roundings only (of the normalised row, of W * norm_w):
+    half the outputs the same bits or an ulp apart, none off by more than the fp16 rounding of an O(1) value."""
+    from ostinato.layers.norm import fused_add_rms_norm_torch
+    from ostinato.layers.triton_ops.skinny_gemm import skinny_norm_linear
+
+    for gated in (False, True):
+        x, residual, norm_w, w = prenorm_inputs(2, 40, 256, torch.float16, seed=5, gated=gated)
+        h, new_residual = fused_add_rms_norm_torch(x, residual, norm_w, 1e-6)
+        unfused = silu_and_mul_torch(skinny_linear(h, w)) if gated else skinny_linear(h, w)
+        out, got_residual = skinny_norm_linear(x, folded(w, norm_w), 1e-6, residual, gated=gated)
+        assert torch.equal(got_residual, new_residual)
+        torch.testing.assert_close(out, unfused, atol=3e-3, rtol=3e-3)
+        assert ulps(out, unfused).median() <= 1
+
+
+def test_prenorm_bad_inputs():
+    from ostinato.layers.triton_ops.skinny_gemm import skinny_norm_linear
+
+    x, residual, _, w = prenorm_inputs(2, 8, 32, torch.float16, seed=0)
+    cases = [
+        ({"x": torch.cat([x, x])[:3], "residual": None}, r"x.shape\[0\] \(M = 3\) must be at most 2"),
+        ({"residual": residual[:1]}, r"residual.shape must equal x.shape"),
+        ({"residual": residual.float()}, r"residual.dtype"),
+        ({"config": SkinnyConfig(16, 16, 32, True, 4, 3)}, r"config.use_dot must be False"),
+    ]
+    for change, message in cases:
+        kwargs = {"x": x, "weight": w, "eps": 1e-6, "residual": residual, **change}
+        with pytest.raises(ValueError, match=message):
+            skinny_norm_linear(**kwargs)
+
+
+def test_fold_norm_weight():
+    """The fold keeps the layer's map: norm then projection before and after agree to the weight's rounding."""
+    from ostinato.layers.linear import Linear
+    from ostinato.layers.norm import RMSNorm
+    from ostinato.layers.norm_linear import fold_norm_weight, norm_linear
+
+    gen = torch.Generator().manual_seed(3)
+    norm, proj = RMSNorm(64, 1e-6), Linear(64, 48, bias=False)
+    norm.weight.data = 1 + 0.3 * torch.randn(64, generator=gen)
+    proj.weight.data = torch.randn(48, 64, generator=gen)
+    x, residual = torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    want, want_residual = norm_linear(norm, proj, x, residual)
+    fold_norm_weight(norm, proj)
+    assert norm.weight_folded and (norm.weight == 1).all()
+    got, got_residual = norm_linear(norm, proj, x, residual)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_residual, want_residual)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2])
+# Llama-3.2-1B's qkv and gate_up, Qwen3-0.6B's qkv, Granite-4.0-H-1B's in_proj and MLP gate_up
+@pytest.mark.parametrize("n,k,gated", [(3072, 2048, False), (8192, 2048, True), (4096, 1024, False),
+                                       (6448, 1536, False), (4096, 1536, True)])
+def test_prenorm_real(m, dtype, n, k, gated):
+    check_prenorm(m, n, k, dtype, seed=m + n, gated=gated)
+
+
+@cuda
+@pytest.mark.parametrize("m,gated", [(1, False), (2, True)])
+def test_prenorm_cuda_graph(m, gated):
+    from ostinato.layers.triton_ops.skinny_gemm import skinny_norm_linear
+
+    with torch.inference_mode():
+        x, residual, _, w = prenorm_inputs(m, 2048, 2048, torch.bfloat16, seed=m, gated=gated)
+        outs = []
+        graph = captured(lambda: outs.append(skinny_norm_linear(x, w, 1e-6, residual, gated=gated)))
+        x2, r2, _, _ = prenorm_inputs(m, 2048, 2048, torch.bfloat16, seed=m + 100, gated=gated)
+        x.copy_(x2)
+        residual.copy_(r2)
+        graph.replay()
+        out, new_residual = outs[-1]
+        want, want_residual = skinny_norm_linear(x, w, 1e-6, residual, gated=gated)
+        assert torch.equal(out, want) and torch.equal(new_residual, want_residual)
+
+
+@cuda
+@pytest.mark.parametrize("m,fused", [(1, True), (2, True), (3, False)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_linear_layers(monkeypatch, m, fused, gated):
+    """layers/norm_linear after the fold: the fused kernel at <= 2 rows, the norm and the projection apart above;
+    both within the dtype's rounding of the float64 reference, the residual stream exact; under torch.compile
+    the same."""
+    from ostinato.layers import norm_linear
+    from ostinato.layers.linear import Linear
+    from ostinato.layers.norm import RMSNorm
+    from ostinato.layers.triton_ops import skinny_gemm
+
+    calls = []
+    real = skinny_gemm.skinny_norm_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_norm_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fn = norm_linear.norm_gate_up_silu if gated else norm_linear.norm_linear
+    x, residual, norm_w, w = prenorm_inputs(m, 2048, 2048, torch.bfloat16, seed=m, gated=gated)
+    norm = RMSNorm(2048, 1e-6).cuda().to(torch.bfloat16)
+    norm.weight.data = norm_w.clone()
+    proj = Linear(2048, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+    proj.weight.data = w.clone()
+    norm_linear.fold_norm_weight(norm, proj)
+    with torch.inference_mode():
+        out, new_residual = fn(norm, proj, x, residual)
+        assert bool(calls) == fused
+        compiled = torch.compile(lambda a, b: fn(norm, proj, a, b), fullgraph=True, dynamic=False)
+        out_c, res_c = compiled(x, residual)
+    want, want_residual = prenorm_reference(x, residual, norm_w, w, 1e-6, gated)
+    tol = (3e-2, 3e-2)  # bf16: the rounding of W * norm_w, and the unfused path's of the normalised row
+    torch.testing.assert_close(out.double(), want, atol=tol[0], rtol=tol[1])
+    assert torch.equal(new_residual, want_residual)
+    torch.testing.assert_close(out_c, out, atol=tol[0], rtol=tol[1])
+    assert torch.equal(res_c, new_residual)

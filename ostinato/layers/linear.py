@@ -25,7 +25,7 @@ def prefers_skinny(m: int, n: int, k: int) -> bool:
     return m <= 16 and (n <= k or (m <= 4 and n <= 2 * k) or (m <= 2 and n <= 5 * k))
 
 
-def _cuda_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if prefers_skinny(x.shape[0], *weight.shape):
         from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
@@ -34,20 +34,20 @@ def _cuda_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _cuda_gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def cuda_gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= GATED_MAX_M:
         from ostinato.layers.triton_ops import skinny_gemm
 
         if skinny_gemm.supports_gate_up(x, weight):
             return skinny_gemm.skinny_gate_up_silu(x, weight)
-    return silu_and_mul(_cuda_linear(x, weight))
+    return silu_and_mul(cuda_linear(x, weight))
 
 
 # Under torch.compile the choice between the skinny kernel and cuBLAS happens inside an opaque op, at run time:
 # a branch on the row count in traced code would make dynamo guard on it, and with the token dimension dynamic
 # (piecewise graphs) re-trace the whole model at every threshold crossed (three traces per start-up).
-linear_op = torch.library.custom_op("ostinato::linear", _cuda_linear, mutates_args=())
-gate_up_silu_op = torch.library.custom_op("ostinato::gate_up_silu", _cuda_gate_up_silu, mutates_args=())
+linear_op = torch.library.custom_op("ostinato::linear", cuda_linear, mutates_args=())
+gate_up_silu_op = torch.library.custom_op("ostinato::gate_up_silu", cuda_gate_up_silu, mutates_args=())
 
 
 @linear_op.register_fake
@@ -63,7 +63,7 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.bias is None and x.dim() == 2:
-            return (linear_op if torch.compiler.is_compiling() else _cuda_linear)(x, self.weight)
+            return (linear_op if torch.compiler.is_compiling() else cuda_linear)(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -71,5 +71,5 @@ def gate_up_silu(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(gate_up(x)) for the MLP's fused gate/up layer: at decode sizes on the GPU one kernel that
     applies the activation to its accumulators, instead of a GEMM, a [M, 2I] round trip and a second kernel."""
     if x.is_cuda and gate_up.bias is None and x.dim() == 2:
-        return (gate_up_silu_op if torch.compiler.is_compiling() else _cuda_gate_up_silu)(x, gate_up.weight)
+        return (gate_up_silu_op if torch.compiler.is_compiling() else cuda_gate_up_silu)(x, gate_up.weight)
     return silu_and_mul(gate_up(x))

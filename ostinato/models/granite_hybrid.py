@@ -21,6 +21,7 @@ from ostinato.attention.op import attention
 from ostinato.layers.linear import Linear, gate_up_silu
 from ostinato.layers.mamba2 import mamba_mixer
 from ostinato.layers.norm import RMSNorm
+from ostinato.layers.norm_linear import fold_norm_weight, norm_gate_up_silu, norm_linear
 from ostinato.mem.mamba_pool import MambaPool
 
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")  # the legacy and the current transformers name
@@ -59,7 +60,10 @@ class GraniteAttention(nn.Module):
                                        float(config.attention_multiplier))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after qkv_proj (the layer runs that one fused with its norm)."""
         q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : -self.kv_size], qkv[:, -self.kv_size :]
         return self.o_proj(attention(q, k, v, self.layer_id))
 
@@ -92,7 +96,11 @@ class Mamba2Mixer(nn.Module):
         self.ssm_state: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = mamba_mixer(self.in_proj(x), self.conv_state, self.ssm_state, self.conv1d.weight.squeeze(1),
+        return self.mix(self.in_proj(x))
+
+    def mix(self, zxbcdt: torch.Tensor) -> torch.Tensor:
+        """Everything after in_proj (the layer runs that one fused with its norm)."""
+        y = mamba_mixer(zxbcdt, self.conv_state, self.ssm_state, self.conv1d.weight.squeeze(1),
                         self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, self.num_heads,
                         self.head_dim, self.groups, self.state_size, self.chunk, self.eps, self.dt_min, self.dt_max)
         return self.out_proj(y)
@@ -132,13 +140,16 @@ class GraniteHybridLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, scaled by residual_multiplier once folded (or the scaled
         embeddings, residual None)."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
+        x = x if residual is None else self.scaled(x)
+        if self.mamba is not None:
+            zxbcdt, residual = norm_linear(self.input_layernorm, self.mamba.in_proj, x, residual)
+            x = self.mamba.mix(zxbcdt)
         else:
-            x, residual = self.input_layernorm(self.scaled(x), residual)
-        x = self.mamba(x) if self.mamba is not None else self.self_attn(x)
-        x, residual = self.post_attention_layernorm(self.scaled(x), residual)
-        return self.shared_mlp(x), residual
+            qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+            x = self.self_attn.attend(qkv)
+        x, residual = norm_gate_up_silu(self.post_attention_layernorm, self.shared_mlp.input_linear, self.scaled(x),
+                                        residual)
+        return self.shared_mlp.output_linear(x), residual
 
     def scaled(self, branch_out: torch.Tensor) -> torch.Tensor:
         """A branch output as it joins the residual stream (already scaled once folded into the weights)."""
@@ -185,9 +196,13 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         return self.norm(self.layers[-1].scaled(x), residual)[0]
 
     def after_load(self) -> None:
-        """Once the weights are in (checkpoint or dummy): fold the residual multiplier into them."""
+        """Once the weights are in (checkpoint or dummy): fold the residual multiplier into them, and each layer's
+        two norm weights into the projections after them (layers/norm_linear.py)."""
         for layer in self.layers:
             layer.fold_residual_multiplier()
+            branch = layer.mamba.in_proj if layer.mamba is not None else layer.self_attn.qkv_proj
+            fold_norm_weight(layer.input_layernorm, branch)
+            fold_norm_weight(layer.post_attention_layernorm, layer.shared_mlp.input_linear)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

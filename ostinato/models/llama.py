@@ -19,6 +19,7 @@ from ostinato.attention.base import AttentionSpec
 from ostinato.attention.op import attention
 from ostinato.layers.linear import gate_up_silu
 from ostinato.layers.norm import RMSNorm
+from ostinato.layers.norm_linear import fold_norm_weight, norm_gate_up_silu, norm_linear
 from ostinato.layers.parallel_linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -55,10 +56,13 @@ class DecoderAttention(nn.Module):
                                        self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the qkv projection (the decoder layer runs that one fused with its norm)."""
         # strided views into the qkv output (row stride q_size + 2 * kv_size), never copied: both attention
         # backends read them through their strides. Sliced, not split: autograd forbids in-place writes to
         # split()'s views, and the CPU graph stand-in replays outside inference mode.
-        qkv = self.qkv_proj(x)
         q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : -self.kv_size], qkv[:, -self.kv_size :]
         if positions.dim() == 1:  # plain RoPE: the attention op rotates q and k, fused with its KV store where it can
             norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
@@ -95,13 +99,10 @@ class DecoderLayer(nn.Module):
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's MLP output (or the embeddings, with residual None for the first layer);
         returns this layer's MLP output and the residual stream it still has to be added to."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        x = self.self_attn.attend(positions, qkv)
+        x, residual = norm_gate_up_silu(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
+        return self.mlp.down_proj(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,6 +141,13 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+
+    def after_load(self) -> None:
+        """Once the weights are in (checkpoint or dummy): each layer's two norm weights into the projections after
+        them, so that at decode sizes the norms run inside those GEMVs (layers/norm_linear.py)."""
+        for layer in self.layers:
+            fold_norm_weight(layer.input_layernorm, layer.self_attn.qkv_proj)
+            fold_norm_weight(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raise if a parameter of ours was never written."""

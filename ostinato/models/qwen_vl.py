@@ -84,6 +84,9 @@ class _QwenVL(nn.Module):
         self.language_model.load_weights(text_weights())
         self.visual.load_weights(vision)
 
+    def after_load(self) -> None:
+        self.language_model.after_load()
+
 
 class Qwen2_5_VLForConditionalGeneration(_QwenVL):
     text_cls = Qwen2ForCausalLM

@@ -46,10 +46,22 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
+def _prenorm_tile(x, r_ptrs, ro_ptrs, mask, ss, store, HAS_RES: tl.constexpr):
+    """One K tile of the pre-norm: x (plus the residual, rounded to x's dtype as HF adds residuals, and stored
+    where `store`) -> (the fp32 row, the sums of squares so far)."""
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(ro_ptrs, x, mask=mask & store)
+    x = x.to(tl.float32)
+    return x, ss + x * x
+
+
+@triton.jit
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
+    R, R_out, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    GATED: tl.constexpr, PDL: tl.constexpr = False,
+    GATED: tl.constexpr, PRENORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,24 +75,45 @@ def _skinny_fma_kernel(
     u_ptrs = W + (rows + N) * stride_wn + offs_k
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # PRENORM: x is rms_norm(x + R), applied on the fly (the norm's weight is folded into W). Every program walks
+    # all of K, so each sums the row's squares itself and scales its sums by the inverse RMS after the loop (fp32
+    # throughout: no rounding of the normalised row); program 0 alone writes x + R to R_out
+    r_ptrs = R + offs_m[:, None, None] * stride_rm + offs_k
+    ro_ptrs = R_out + offs_m[:, None, None] * stride_rom + offs_k
+    ss = tl.zeros((M_PAD, 1, BLOCK_K), dtype=tl.float32)
+    store = (offs_m * 0 + tl.program_id(0) == 0)[:, None, None]  # a tensor: the interpreter masks with no scalar
     k_full = K - K % BLOCK_K
     if PDL:  # layers/triton_ops/pdl.py: x is the previous kernel's output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
-        x = tl.load(x_ptrs + k, mask=m_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
+        if PRENORM:
+            x, ss = _prenorm_tile(x, r_ptrs + k, ro_ptrs + k, m_mask, ss, store, HAS_RES)
+        else:
+            x = x.to(tl.float32)
         acc += x * tl.load(w_ptrs + k).to(tl.float32)
         if GATED:
             acc_u += x * tl.load(u_ptrs + k).to(tl.float32)
     if k_full < K:
         k_mask = offs_k < K - k_full
-        x = tl.load(x_ptrs + k_full, mask=m_mask & k_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs + k_full, mask=m_mask & k_mask, other=0.0)
+        if PRENORM:
+            x, ss = _prenorm_tile(x, r_ptrs + k_full, ro_ptrs + k_full, m_mask & k_mask, ss, store, HAS_RES)
+        else:
+            x = x.to(tl.float32)
         acc += x * tl.load(w_ptrs + k_full, mask=k_mask, other=0.0).to(tl.float32)
         if GATED:
             acc_u += x * tl.load(u_ptrs + k_full, mask=k_mask, other=0.0).to(tl.float32)
     y = tl.sum(acc, axis=2)
+    if PRENORM:
+        inv_rms = tl.rsqrt(tl.sum(ss, axis=2) / K + eps)  # [M_PAD, 1]
+        y *= inv_rms
     if GATED:
-        y = _silu_mul(y, tl.sum(acc_u, axis=2), Out.dtype.element_ty)
+        u = tl.sum(acc_u, axis=2)
+        if PRENORM:
+            u *= inv_rms
+        y = _silu_mul(y, u, Out.dtype.element_ty)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
@@ -238,8 +271,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, gate
         raise ValueError(f"out.stride(1) must be 1 (rows contiguous), got strides {out.stride()}")
 
 
+class PreNorm(NamedTuple):
+    """The RMSNorm a skinny call applies to x first, its weight folded into W: x <- rms_norm(x + residual), and
+    x + residual written to residual_out (both None: no residual add)."""
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig | None,
-            gated: bool = False) -> None:
+            gated: bool = False, prenorm: PreNorm | None = None) -> None:
     (m, k), n = x.shape, out.shape[1]  # gated: n = I, half of weight's rows
     if m == 0 or n == 0:
         return
@@ -254,11 +295,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
                 GATED=gated, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert cfg.m_pad >= m
     if cfg.use_dot:
-        assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16
+        assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16 and prenorm is None
         # one K slice a warp, each >= 16 (the MMA's K)
         _skinny_dot_kernel[grid](*args, **meta, K_SPLIT=min(cfg.num_warps, cfg.block_k // 16))
+        return
+    if prenorm is None:
+        norm_args = (x, x, 0, 0, 0.0)  # unread
     else:
-        _skinny_fma_kernel[grid](*args, **meta)
+        r = x if prenorm.residual is None else prenorm.residual
+        r_out = x if prenorm.residual_out is None else prenorm.residual_out
+        norm_args = (r, r_out, r.stride(0), r_out.stride(0), prenorm.eps)
+    _skinny_fma_kernel[grid](*args, *norm_args, **meta, PRENORM=prenorm is not None,
+                             HAS_RES=prenorm is not None and prenorm.residual is not None)
 
 
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -319,3 +367,47 @@ def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
         out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
     _launch(x, weight, out, config, gated=True)
     return out
+
+
+PRENORM_MAX_M = 2  # the FMA kernel's (the tl.dot one feeds x to the MMA unscaled); at M = 4 the fused GEMVs were
+# slower than the norm and the GEMV apart (H100, bench_decode.py: Llama-3.2-1B bs 4 1.50 against 1.29 ms a step)
+
+
+def prenorm_config(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> SkinnyConfig:
+    """config_for's tiles, widened where the pre-norm's extra reads would weigh: every program reads x and the
+    residual from L2 for each of its K tiles, so a program of few W rows is taken wider (block_n doubled,
+    block_k halved: the same W bytes a tile) until those reads are at most a quarter of its W reads. H100,
+    `bench_skinny_gemm.py --prenorm --sweep`: Llama-3.2-1B's qkv at M = 1 8.29 -> 6.09 us (4 -> 8 rows), Qwen3-0.6B's
+    at M = 2 5.82 -> 4.94 us (8 -> 16); Llama's at M = 2 6.58 -> 6.95 us, the one measured loss."""
+    cfg = config_for(m, n, k, num_sms, gated)
+    rows = 2 if gated else 1
+    while 4 * 2 * cfg.m_pad > rows * cfg.block_n and cfg.block_k > 16:
+        cfg = cfg._replace(block_n=cfg.block_n * 2, block_k=cfg.block_k // 2)
+    return cfg
+
+
+def skinny_norm_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+                       gated: bool = False, config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RMSNorm before a linear layer, folded into it: h = rms_norm(x + residual), then (h @ weight^T, or
+    silu_and_mul of it when `gated`) -> (out, x + residual), or (out, x) with no residual. `weight` holds the
+    norm's weight already (W * norm_weight, column by column: layers/norm_linear.fold_norm_weight). One launch
+    instead of the norm's and the GEMV's. The normalised row is never rounded to the dtype (the unfused pair
+    rounds it), so results agree with rms_norm + skinny_linear to the dtype's rounding, not bit for bit.
+    x [M, K] with M <= PRENORM_MAX_M, residual [M, K] in x's dtype."""
+    _check(x, weight, None, gated=gated)
+    m, k = x.shape
+    if m > PRENORM_MAX_M:
+        raise ValueError(f"x.shape[0] (M = {m}) must be at most {PRENORM_MAX_M} with a pre-norm")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual.shape must equal x.shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        _check_like_x("residual", residual, x)
+        if residual.stride(1) != 1 and k > 1:
+            raise ValueError(f"residual.stride(1) must be 1 (rows contiguous), got strides {residual.stride()}")
+    if config is not None and config.use_dot:
+        raise ValueError("config.use_dot must be False with a pre-norm (the FMA kernel applies it)")
+    out = torch.empty(m, weight.shape[0] // (2 if gated else 1), dtype=x.dtype, device=x.device)
+    residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    config = config or prenorm_config(m, out.shape[1], k, _num_sms(x.device), gated)
+    _launch(x, weight, out, config, gated, PreNorm(eps, residual, None if residual is None else residual_out))
+    return out, residual_out

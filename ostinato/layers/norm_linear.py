@@ -1,0 +1,103 @@
+"""A decoder layer's RMSNorm folded into the projection that reads its output (qkv or in_proj, gate_up).
+
+At decode batch sizes each norm is a launch of its own that moves a few KB, and between two GEMVs that is
+latency: Qwen3-0.6B's 57 norms took about 96 us of a 1 ms step at bs 1 (H100). Two steps remove it:
+- `fold_norm_weight`, once the weights are in, multiplies the norm's weight into the projection's input columns
+  (W[:, k] * w[k]) and sets the norm's weight to ones, so the projection of the bare normalised row is the same
+  linear map;
+- on the GPU at up to PRENORM_MAX_M rows, where the projection runs on the skinny kernel's FMA path anyway, that
+  kernel applies the norm as it streams x (`triton_ops/skinny_gemm.skinny_norm_linear`). Otherwise, and on the
+  CPU, the norm and the projection run as two ops, as before.
+Both return what the unfused pair returns: (projection output, the residual stream after the add).
+
+A norm is folded only where it is the only reader of its output and the projection a plain or column-parallel
+Linear (every rank holds all of K).
+"""
+
+import torch
+from torch import nn
+
+from ostinato.layers.linear import GATED_MAX_M, cuda_gate_up_silu, cuda_linear, gate_up_silu, prefers_skinny
+from ostinato.layers.norm import RMSNorm
+
+PRENORM_MAX_M = 2  # = skinny_gemm.PRENORM_MAX_M (not imported: triton is loaded lazily)
+
+
+@torch.no_grad()
+def fold_norm_weight(norm: RMSNorm, linear: nn.Linear) -> None:
+    """linear(norm(x)) unchanged as a map, with the norm's weight inside linear's weight and the norm's ones.
+    The product is rounded to the weight's dtype once (bf16: half an ulp of each weight)."""
+    linear.weight.mul_(norm.weight.to(linear.weight.dtype)[None, :])
+    norm.weight.fill_(1.0)
+    norm.weight_folded = True
+
+
+def _fused(x: torch.Tensor, residual: torch.Tensor | None, eps: float, weight: torch.Tensor,
+           gated: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The one-launch form of a folded norm where it applies (a CUDA x of <= PRENORM_MAX_M rows the skinny kernel
+    takes), else None."""
+    m = x.shape[0]
+    if not (x.is_cuda and x.dim() == 2 and 1 <= m <= PRENORM_MAX_M):
+        return None
+    if not (m <= GATED_MAX_M if gated else prefers_skinny(m, *weight.shape)):
+        return None
+    from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
+
+    ok = skinny_gemm.supports_gate_up(x, weight) if gated else skinny_gemm.supports(x, weight)
+    if not ok or (residual is not None and residual.dtype != x.dtype):
+        return None
+    return skinny_gemm.skinny_norm_linear(x, weight, eps, residual, gated=gated)
+
+
+def _add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     folded: bool, weight: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA path with a residual, fused or not (the body of the op torch.compile sees)."""
+    from ostinato.layers.norm import fused_add_rms_norm
+
+    if folded:
+        fused = _fused(x, residual, eps, weight, gated)
+        if fused is not None:
+            return fused
+    h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return (cuda_gate_up_silu(h, weight) if gated else cuda_linear(h, weight)), residual
+
+
+# under torch.compile (piecewise graphs: the row count is dynamic) the choice happens inside an opaque op, as
+# for linear_op
+add_norm_linear_op = torch.library.custom_op("ostinato::add_norm_linear", _add_norm_linear, mutates_args=())
+
+
+@add_norm_linear_op.register_fake
+def _(x, residual, norm_weight, eps, folded, weight, gated):
+    return x.new_empty(x.shape[0], weight.shape[0] // (2 if gated else 1)), torch.empty_like(x)
+
+
+def _norm_project(norm: RMSNorm, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
+                  gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda and linear.bias is None and x.dim() == 2:
+        folded = getattr(norm, "weight_folded", False)
+        if residual is not None:
+            op = add_norm_linear_op if torch.compiler.is_compiling() else _add_norm_linear
+            return op(x, residual, norm.weight, norm.eps, folded, linear.weight, gated)
+        if folded and not torch.compiler.is_compiling():  # the first layer's norm: unfused under compile
+            fused = _fused(x, None, norm.eps, linear.weight, gated)
+            if fused is not None:
+                return fused
+    if residual is None:
+        h, residual = norm(x), x
+    else:
+        h, residual = norm(x, residual)
+    return (gate_up_silu(linear, h) if gated else linear(h)), residual
+
+
+def norm_linear(norm: RMSNorm, linear: nn.Linear, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual); with residual None (the first layer) (linear(norm(x)), x)."""
+    return _norm_project(norm, linear, x, residual, gated=False)
+
+
+def norm_gate_up_silu(norm: RMSNorm, gate_up: nn.Linear, x: torch.Tensor,
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_linear for the MLP's fused gate/up layer, with its activation: (gate_up_silu(gate_up,
+    norm(x + residual)), x + residual)."""
+    return _norm_project(norm, gate_up, x, residual, gated=True)
