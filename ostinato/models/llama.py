@@ -5,8 +5,10 @@ attention op and the forward context know which request each token belongs to. N
 tensor values, so the forward can be compiled and captured.
 
 The layers pass a residual stream: layer(positions, hidden, residual) -> (hidden, residual), where the
-residual add is fused into the next RMSNorm. On CUDA a layer issues: add+norm, qkv GEMM, rotary (with
-Qwen3's q/k norm) fused with the KV store, attention, o_proj GEMM, add+norm, gate_up GEMM, silu_and_mul, down GEMM.
+residual add is fused into the next RMSNorm, and the norm into the projection after it at decode sizes
+(layers/norm_linear.py). On CUDA at bs 1-2 a layer issues: add+norm+qkv GEMV, rotary (with Qwen3's q/k norm) fused
+with the KV store, attention, o_proj GEMV, add+norm+gate_up GEMV with silu_and_mul, down GEMV; at larger batches
+the norms and silu_and_mul are launches of their own.
 """
 
 from collections.abc import Iterable

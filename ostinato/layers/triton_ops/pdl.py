@@ -14,6 +14,12 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   so all earlier kernels are done;
 - right after the wait it calls `gdc_launch_dependents()`, which lets the next kernel's programs be scheduled
   (they spin in their own wait). It never makes the next kernel's wait return early.
+  The exception is the skinny GEMV (`skinny_gemm.py`), which calls it after its K loop, so the next kernel's
+  programs are placed as its own finish. Steps were faster so (H100, `bench_decode.py` with each placement:
+  Llama-3.2-1B bs 1 / 4 1.184 -> 1.122 / 1.282 -> 1.226 ms, Qwen3-0.6B 0.912 -> 0.880 / 1.119 -> 1.031,
+  Granite-4.0-H-1B 1.730 -> 1.687 / 2.141 -> 2.116; bs 32, on cuBLAS, unchanged). Likely cause, not profiled:
+  placed early, the hundreds of programs of a GEMV that follows a GEMV (now that the norms between them are
+  folded in) take SM slots beside the running one's and end up spread unevenly.
 A kernel that is not launched with PDL (cuBLAS, torch ops, and stage 1 of the split-KV decode kernel, whose
 programs ran slower with it at long contexts) simply waits for its predecessor as usual.
 

@@ -85,7 +85,6 @@ def _skinny_fma_kernel(
     k_full = K - K % BLOCK_K
     if PDL:  # layers/triton_ops/pdl.py: x is the previous kernel's output
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
         if PRENORM:
@@ -105,6 +104,8 @@ def _skinny_fma_kernel(
         acc += x * tl.load(w_ptrs + k_full, mask=k_mask, other=0.0).to(tl.float32)
         if GATED:
             acc_u += x * tl.load(u_ptrs + k_full, mask=k_mask, other=0.0).to(tl.float32)
+    if PDL:  # the next kernel's programs only once this one's loads are done (pdl.py: the GEMV exception)
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=2)
     if PRENORM:
         inv_rms = tl.rsqrt(tl.sum(ss, axis=2) / K + eps)  # [M_PAD, 1]
@@ -141,7 +142,6 @@ def _skinny_dot_kernel(
     k_full = K - K % BLOCK_K
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k), (0, 2, 1)), acc)
@@ -153,6 +153,8 @@ def _skinny_dot_kernel(
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k_full, mask=k_mask, other=0.0), (0, 2, 1)), acc)
         if GATED:
             acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k_full, mask=k_mask, other=0.0), (0, 2, 1)), acc_u)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=0)
     if GATED:
         y = _silu_mul(y, tl.sum(acc_u, axis=0), Out.dtype.element_ty)
