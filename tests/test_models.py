@@ -76,6 +76,10 @@ def test_teacher_forced_logits_match_transformers(name, page_size, tmp_path):
     hf = make_hf(name, tmp_path)
     args = EngineArgs(model=str(tmp_path), dtype="float32", device="cpu", max_total_tokens=1024, page_size=page_size)
     runner = ModelRunner(args, load_model_source(args.model))
+    # the (perturbed) norm weights now live in qkv_proj and gate_up_proj (layers/norm_linear.fold_norm_weight)
+    for layer in runner.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            assert norm.weight_folded and torch.equal(norm.weight, torch.ones_like(norm.weight))
     gen = torch.Generator().manual_seed(1)
     total = 128  # past the llama3 original_max_position_embeddings (64), so the scaled bands matter
     seqs = [torch.randint(0, 256, (total,), generator=gen).tolist() for _ in range(3)]

@@ -75,7 +75,7 @@ def _(x, residual, norm_weight, eps, folded, weight, gated):
 def _norm_project(norm: RMSNorm, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
                   gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda and linear.bias is None and x.dim() == 2:
-        folded = getattr(norm, "weight_folded", False)
+        folded = norm.weight_folded
         if residual is not None:
             op = add_norm_linear_op if torch.compiler.is_compiling() else _add_norm_linear
             return op(x, residual, norm.weight, norm.eps, folded, linear.weight, gated)

@@ -21,6 +21,11 @@ silu(x @ W[:I]^T) * (x @ W[I:]^T), [M, I]. Both kernels take it under the conste
 BLOCK_N gate rows and the BLOCK_N up rows I further on, accumulates both from the same x tile, and applies
 silu_and_mul's rounding (gate and up rounded to the dtype, silu rounded, product rounded) before its one
 store: the bits of silu_and_mul(skinny_linear(x, W)) without the [M, 2I] round trip or the second launch.
+
+skinny_norm_linear puts the RMSNorm before the layer (and the residual add before that) into the FMA kernel,
+under the constexpr PRENORM, for M <= 2: each program adds the residual to its x tiles, sums their squares as
+they stream (it walks all of K anyway) and scales its fp32 sums by the inverse RMS after the loop; program 0
+writes x + residual out. The norm's weight is folded into W beforehand (layers/norm_linear.py).
 """
 
 import functools
