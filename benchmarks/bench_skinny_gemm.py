@@ -91,16 +91,24 @@ def short(cfg: SkinnyConfig) -> str:
             f"w{cfg.num_warps} s{cfg.num_stages}")
 
 
+def weight_copies(rows: int, k: int, args: argparse.Namespace, gen: torch.Generator,
+                  device: torch.device) -> tuple[list[torch.Tensor], int]:
+    """Copies of a random W [rows, k] that add up to 3x the L2 cache (so every call reads its W from HBM), their
+    number dividing the calls (the same reuse distance across a replay's end); and W's bytes."""
+    dtype = getattr(torch, args.dtype)
+    w_bytes = rows * k * torch.finfo(dtype).bits // 8
+    need = max(2, math.ceil(3 * getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) / w_bytes))
+    copies = min(c for c in range(1, args.calls + 1) if args.calls % c == 0 and (c >= need or c == args.calls))
+    return [(torch.randn(rows, k, generator=gen, device=device) / k**0.5).to(dtype) for _ in range(copies)], w_bytes
+
+
 def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: float,
                 device: torch.device) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     props = torch.cuda.get_device_properties(device)
     gen = torch.Generator(device).manual_seed(n + k)
-    w_bytes = n * k * torch.finfo(dtype).bits // 8
-    # the same reuse distance across a replay's end: a number of copies that divides the calls
-    need = max(2, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / w_bytes))
-    copies = min(c for c in range(1, args.calls + 1) if args.calls % c == 0 and (c >= need or c == args.calls))
-    weights = [(torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype) for _ in range(copies)]
+    weights, w_bytes = weight_copies(n, k, args, gen, device)
+    copies = len(weights)
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=gen, device=device).to(dtype)
@@ -140,14 +148,11 @@ def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: flo
 def bench_prenorm(shape: str, ms: list[int], args: argparse.Namespace, bw: float, device: torch.device) -> list[dict]:
     gated = shape.endswith("g")
     n, k = (int(v) for v in shape.rstrip("g").split("x"))
-    rows_w = 2 * n if gated else n
     dtype = getattr(torch, args.dtype)
     props = torch.cuda.get_device_properties(device)
     gen = torch.Generator(device).manual_seed(n + k)
-    w_bytes = rows_w * k * torch.finfo(dtype).bits // 8
-    need = max(2, math.ceil(3 * getattr(props, "L2_cache_size", 50 << 20) / w_bytes))
-    copies = min(c for c in range(1, args.calls + 1) if args.calls % c == 0 and (c >= need or c == args.calls))
-    weights = [(torch.randn(rows_w, k, generator=gen, device=device) / k**0.5).to(dtype) for _ in range(copies)]
+    weights, w_bytes = weight_copies(2 * n if gated else n, k, args, gen, device)
+    copies = len(weights)
     norm_w = torch.ones(k, dtype=dtype, device=device)
     project = skinny_gate_up_silu if gated else skinny_linear
     rows = []
