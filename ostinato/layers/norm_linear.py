@@ -44,7 +44,8 @@ def _fused(x: torch.Tensor, residual: torch.Tensor | None, eps: float, weight: t
     from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
     ok = skinny_gemm.supports_gate_up(x, weight) if gated else skinny_gemm.supports(x, weight)
-    if not ok or (residual is not None and residual.dtype != x.dtype):
+    if not ok or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape
+                                             or residual.stride(1) != 1)):
         return None
     return skinny_gemm.skinny_norm_linear(x, weight, eps, residual, gated=gated)
 
