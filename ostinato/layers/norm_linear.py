@@ -5,9 +5,9 @@ latency: Qwen3-0.6B's 57 norms took about 96 us of a 1 ms step at bs 1 (H100). T
 - `fold_norm_weight`, once the weights are in, multiplies the norm's weight into the projection's input columns
   (W[:, k] * w[k]) and sets the norm's weight to ones, so the projection of the bare normalised row is the same
   linear map;
-- on the GPU at up to PRENORM_MAX_M rows, where the projection runs on the skinny kernel's FMA path anyway, that
-  kernel applies the norm as it streams x (`triton_ops/skinny_gemm.skinny_norm_linear`). Otherwise, and on the
-  CPU, the norm and the projection run as two ops, as before.
+- on the GPU at up to skinny_gemm.PRENORM_MAX_M rows, where the projection runs on the skinny kernel's FMA path
+  anyway, that kernel applies the norm as it streams x (`triton_ops/skinny_gemm.skinny_norm_linear`). Otherwise,
+  and on the CPU, the norm and the projection run as two ops, as before.
 Both return what the unfused pair returns: (projection output, the residual stream after the add).
 
 A norm is folded only where it is the only reader of its output and the projection a plain or column-parallel
@@ -19,8 +19,6 @@ from torch import nn
 
 from ostinato.layers.linear import GATED_MAX_M, cuda_gate_up_silu, cuda_linear, gate_up_silu, prefers_skinny
 from ostinato.layers.norm import RMSNorm
-
-PRENORM_MAX_M = 2  # = skinny_gemm.PRENORM_MAX_M (not imported: triton is loaded lazily)
 
 
 @torch.no_grad()
@@ -34,15 +32,16 @@ def fold_norm_weight(norm: RMSNorm, linear: nn.Linear) -> None:
 
 def _fused(x: torch.Tensor, residual: torch.Tensor | None, eps: float, weight: torch.Tensor,
            gated: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The one-launch form of a folded norm where it applies (a CUDA x of <= PRENORM_MAX_M rows the skinny kernel
-    takes), else None."""
-    m = x.shape[0]
-    if not (x.is_cuda and x.dim() == 2 and 1 <= m <= PRENORM_MAX_M):
-        return None
-    if not (m <= GATED_MAX_M if gated else prefers_skinny(m, *weight.shape)):
+    """The one-launch form of a folded norm where it applies (a CUDA x of <= skinny_gemm.PRENORM_MAX_M rows the
+    skinny kernel takes), else None."""
+    if not (x.is_cuda and x.dim() == 2):
         return None
     from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
+    m = x.shape[0]
+    skinny = m <= GATED_MAX_M if gated else prefers_skinny(m, *weight.shape)
+    if not (skinny and 1 <= m <= skinny_gemm.PRENORM_MAX_M):
+        return None
     ok = skinny_gemm.supports_gate_up(x, weight) if gated else skinny_gemm.supports(x, weight)
     if not ok or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape
                                              or residual.stride(1) != 1)):
