@@ -1,5 +1,5 @@
 """The split-KV decode attention kernel alone, bf16 KV vs fp8 (e4m3) KV, over its variants and launch settings
-(Llama-3.2-1B heads: 32 query, 8 KV, dim 64; a shuffled page order, as after churn).
+(Llama-3.2-1B heads: 32 query, 8 KV, dim 64, or --heads H:KV:D; a shuffled page order, as after churn).
 
 For each case (batch:context) and KV dtype it times every setting of the grid below inside a CUDA graph (20
 calls per replay), checks the output against a torch reference, and reports us per call and the KV bytes read
@@ -9,17 +9,24 @@ default), fp16_vcvt (V widened before its layout change), bits (bit-moved fp8 ->
 program; for bf16 too). Split counts come from the backend's two knobs: programs_per_sm (kv_splits_cap's 2)
 and min_tokens_per_split. Settings whose error passes ERR_BOUND are never picked (qk8 usually).
 
-Then the best settings per case are run again at page 16, and the JSON gets "table": an fp8 settings table for
-TritonAttentionBackend.decode_fp8_table (the best fp8 setting of each case, keyed by its batch size).
+Then the best settings per case are run again at page 16, and the JSON gets "table": an fp8 settings table
+(the best fp8 setting of each case, keyed by its batch size).
+
+--robust BS_LIST CTX_LIST runs bf16 and fp8 (fp16 dots) over whole blocks at every batch size x context and
+picks, per KV dtype and batch size, the setting and split knobs with the least geometric-mean slowdown against
+each context's best: TritonAttentionBackend.decode_tables entries, since one captured graph serves every context
+of its batch size. It prints the pick and the backend's current entry side by side.
 
 python benchmarks/bench_decode_attention.py        # ~3 min on an H200 (compiles in parallel first); no new
                                                    # timing starts after --budget-s (210), the JSON says what ran
 python benchmarks/bench_decode_attention.py --smoke   # CPU, Triton's interpreter: tiny cases, checks the script
+python benchmarks/bench_decode_attention.py --heads 16:8:128 --robust 1,4,32,128,256 128,1024,4096  # ~90 s, H100
 """
 
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -35,7 +42,7 @@ from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
     decode_attention,
 )
 
-HEADS, KV_HEADS, DIM = 32, 8, 64
+HEADS, KV_HEADS, DIM = 32, 8, 64  # Llama-3.2-1B; --heads sets them (Qwen3-0.6B: 16:8:128)
 HBM_TBPS = 4.8  # H200
 NUM_SMS = 132
 MAX_SPLITS = 16  # the backend's max_kv_splits: the scratch has this depth, whatever the split count
@@ -71,6 +78,72 @@ def grid(smoke: bool) -> list[dict]:
         if c not in cfgs:
             cfgs.append(dict(c))
     return cfgs
+
+
+def set_heads(spec: str) -> None:
+    """`H:KV:D` (query heads, KV heads, head dim) for every problem this process builds."""
+    global HEADS, KV_HEADS, DIM
+    HEADS, KV_HEADS, DIM = map(int, spec.split(":"))
+
+
+CFG_KEYS = ("variant", "block_n", "num_warps", "num_stages", "whole_blocks")
+
+
+def robust_grid(current: list[dict]) -> list[dict]:
+    """--robust's settings: bf16 and fp8 (fp16 dots) over whole blocks, plus the backend's current entries."""
+    cfgs = [dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True)
+            for v, bn, nw, st in itertools.product(("bf16", "fp16"), (32, 64, 128), (1, 2, 4), (1, 2, 3, 5))]
+    return cfgs + [c for c in current if c not in cfgs]
+
+
+def current_entries(bs_list: list[int]) -> dict[tuple[str, int], dict]:
+    """(kv, bs) -> the backend's table entry for a model of these heads: setting and split knobs."""
+    from ostinato.attention.triton_backend import TritonAttentionBackend as B
+    from ostinato.attention.triton_ops.decode_attention import table_entry
+
+    out = {}
+    for kv, fp8 in (("bf16", False), ("fp8_e4m3", True)):
+        table = B.decode_table_for(DIM, fp8)
+        for bs in bs_list:
+            e = table_entry(table, bs)
+            out[(kv, bs)] = dict(variant=e.get("variant", "bf16"), block_n=e.get("block_n", B.decode_block_n),
+                                 num_warps=e["num_warps"], num_stages=e["num_stages"],
+                                 whole_blocks=e.get("whole_blocks", False),
+                                 knobs=(e.get("programs_per_sm", 2), e.get("min_tokens_per_split",
+                                                                           B.min_tokens_per_split)))
+    return out
+
+
+def robust_tables(rows: list[dict], current: dict) -> tuple[dict, list[dict]]:
+    """Per KV dtype and batch size, the setting and split knobs with the least geometric-mean slowdown against
+    each context's best time: a captured graph serves every context of its batch size with one setting. Also
+    the current entry's slowdowns beside the pick's."""
+    tables, report = {"bf16": {}, "fp8_e4m3": {}}, []
+    for kv in tables:
+        for bs in sorted({r["bs"] for r in rows}):
+            g = [r for r in rows if r["kv"] == kv and r["bs"] == bs and r["rel_err"] <= ERR_BOUND]
+            ctxs = sorted({r["ctx"] for r in g})
+            if not g:
+                continue
+            best = {c: min(r["us"] for r in g if r["ctx"] == c) for c in ctxs}
+            times: dict[tuple, dict[int, float]] = {}
+            for r in g:
+                for knobs in r["split_knobs"]:
+                    times.setdefault((tuple(r[k] for k in CFG_KEYS), tuple(knobs)), {})[r["ctx"]] = r["us"]
+
+            def slowdown(t: dict[int, float], best: dict[int, float] = best) -> float:
+                return math.exp(sum(math.log(t[c] / best[c]) for c in best) / len(best))
+
+            full = {key: t for key, t in times.items() if len(t) == len(ctxs)}
+            (cfg, knobs), t = min(full.items(), key=lambda kt: (slowdown(kt[1]), kt[0][1] != (2, 64)))
+            entry = dict(zip(CFG_KEYS, cfg, strict=True), programs_per_sm=knobs[0], min_tokens_per_split=knobs[1])
+            tables[kv][bs] = entry
+            cur = current.get((kv, bs))
+            cur_t = full.get((tuple(cur[k] for k in CFG_KEYS), tuple(cur["knobs"]))) if cur else None
+            report.append(dict(kv=kv, bs=bs, pick=entry, pick_us=t, best_us=best, pick_slowdown=slowdown(t),
+                               current=cur, current_us=cur_t,
+                               current_slowdown=slowdown(cur_t) if cur_t else None))
+    return tables, report
 
 
 def kv_splits_cap(bs: int, programs_per_sm: int) -> int:
@@ -172,10 +245,11 @@ def time_us(t: dict, cfg: dict, splits: int, iters: int, graphs: bool) -> float:
     return best
 
 
-def _warm_worker(cfgs: list[dict], page: int, tasks, status, current, slot: int) -> None:
+def _warm_worker(cfgs: list[dict], page: int, heads: str, tasks, status, current, slot: int) -> None:
     """A compile process: takes setting indices from `tasks` (None: stop), compiles and runs each once on a tiny
     problem with the real ones' specialization (pointers and strides multiples of 16), so Triton's on-disk
     cache serves the main process. status[i]: 3 while it works on i, then 1 (ok) or 2 (an error: skipped)."""
+    set_heads(heads)  # a spawned process: the module's defaults again
     gen = torch.Generator().manual_seed(0)
     probs = {fp8: setup(2, 64, fp8, page, "cuda", gen) for fp8 in (False, True)}
     while (i := tasks.get()) is not None:
@@ -203,7 +277,8 @@ def warm_all(cfgs: list[dict], page: int, jobs: int, timeout_s: float = 420) -> 
 
     def start(slot: int):
         current[slot] = -1
-        p = ctx.Process(target=_warm_worker, args=(cfgs, page, tasks, status, current, slot), daemon=True)
+        p = ctx.Process(target=_warm_worker, args=(cfgs, page, f"{HEADS}:{KV_HEADS}:{DIM}", tasks, status, current,
+                                                   slot), daemon=True)
         p.start()
         return p
 
@@ -332,10 +407,17 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=210, help="no new timing starts after this many seconds")
     ap.add_argument("--jobs", type=int, default=min(15, max(1, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny cases")
+    ap.add_argument("--heads", default="32:8:64", help="query heads:KV heads:head dim (Qwen3-0.6B: 16:8:128)")
+    ap.add_argument("--robust", nargs=2, metavar=("BS_LIST", "CTX_LIST"), default=None,
+                    help="e.g. 1,4,32,128,256 128,1024,4096: one setting per batch size over all the contexts "
+                         "(a graph serves them all), for the backend's tables")
     ap.add_argument("--out", default=None, help="JSON (default results/decode-attention-fp8-<gpu>.json)")
     a = ap.parse_args()
+    set_heads(a.heads)
     t0 = time.time()
     dev = "cpu" if a.smoke else "cuda"
+    if a.robust:
+        return robust_main(a, dev, t0)
     cases = [tuple(map(int, c.split(":"))) for c in (["2:48", "3:16"] if a.smoke else a.cases)]
     cfgs = grid(a.smoke)
     cfgs = [c for c in cfgs if c in (BF16_DEFAULT, FP8_DEFAULT)] + [c for c in cfgs if c not in (BF16_DEFAULT,
@@ -358,7 +440,7 @@ def main() -> None:
         rows += sweep(cases, cfgs, a.recheck_page, a.iters, not a.smoke, dev, deadline, only=only)
     summary, table = summarize(rows)
     print_summary(summary)
-    print("\nsuggested TritonAttentionBackend.decode_fp8_table (page", a.page, "figures):")
+    print("\nsuggested fp8 entries of TritonAttentionBackend.decode_tables (page", a.page, "figures):")
     for bs, e in sorted(table.items()):
         print(f"    {bs}: dict({', '.join(f'{k}={v!r}' for k, v in e.items())}),")
     bad = [r for r in rows if r["rel_err"] > ERR_BOUND]
@@ -372,6 +454,31 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(dict(device=name, cases=cases, page=a.page, summary=summary, table=table, all=rows), f, indent=1)
     print("wrote", path)
+
+
+def robust_main(a, dev: str, t0: float) -> None:
+    bs_list, ctx_list = ([int(x) for x in v.split(",")] for v in a.robust)
+    cases = [(bs, ctx) for bs in bs_list for ctx in ctx_list]
+    current = current_entries(bs_list)
+    cfgs = robust_grid([{k: c[k] for k in CFG_KEYS} for c in current.values()])
+    if a.smoke:
+        cfgs = [c for c in cfgs if c["block_n"] == 32 and c["num_stages"] == 1 and c["num_warps"] == 1]
+    else:
+        cfgs = warm_all(cfgs, a.page, a.jobs)
+    rows = sweep(cases, cfgs, a.page, a.iters, not a.smoke, dev, t0 + (1e9 if a.smoke else a.budget_s))
+    tables, report = robust_tables(rows, current)
+    for r in report:
+        ctxs = sorted(r["best_us"])
+        fmt = lambda t, ctxs=ctxs: " ".join(f"{t[c]:7.1f}" for c in ctxs) if t else "-"  # noqa: E731
+        print(f"{r['kv']:9} bs {r['bs']:4}  ctx {ctxs}  best {fmt(r['best_us'])}  pick {fmt(r['pick_us'])} "
+              f"({r['pick_slowdown']:.3f}x)  current {fmt(r['current_us'])} "
+              f"({r['current_slowdown'] or float('nan'):.3f}x)  pick: {r['pick']}")
+    name = torch.cuda.get_device_name().replace(" ", "-").lower() if dev == "cuda" else "cpu-smoke"
+    path = a.out or os.path.join(os.path.dirname(__file__), "results", f"decode-attention-robust-{DIM}-{name}.json")
+    with open(path, "w") as f:
+        json.dump(dict(device=name, heads=a.heads, cases=cases, page=a.page, tables=tables, report=report,
+                       all=rows, seconds=round(time.time() - t0)), f, indent=1)
+    print(f"{len(rows)} timings in {time.time() - t0:.0f} s; wrote", path)
 
 
 if __name__ == "__main__":

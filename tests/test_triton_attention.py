@@ -55,6 +55,10 @@ def make_env(page: int, heads: int, kv_heads: int, dim: int, *, dtype=torch.floa
     if small_blocks:  # the interpreter's shapes: several blocks and splits per request
         tri.decode_block_n = tri.extend_block_m = tri.extend_block_n = 16
         tri.min_tokens_per_split = 16
+        # the tuned entries' kernel settings, but these blocks and the default split rule (two programs an SM)
+        tri.decode_table = {bs: {k: v for k, v in e.items()
+                                 if k not in ("block_n", "programs_per_sm", "min_tokens_per_split")}
+                            for bs, e in tri.decode_table.items()}
     spec = AttentionSpec(0, heads, kv_heads, dim, dim**-0.5)
     return Env(KVManager(req_pool, alloc), cache, tri, TorchAttentionBackend(req_pool, cache), spec, gen, device,
                dtype)
@@ -170,12 +174,36 @@ def test_decode_split_cap_follows_batch_size():
     check(env, batch, out, q, atol=1e-4)
 
 
+def test_decode_settings_table_by_head_dim():
+    """The backend reads the table of its KV dtype and head dim (the largest dim at or below its own, else the
+    smallest), and a bf16 entry's blocks and split knobs apply: the output still equals the torch backend's."""
+    tables = TritonAttentionBackend.decode_tables
+    for fp8 in (False, True):
+        dims = sorted(d for f, d in tables if f == fp8)
+        assert TritonAttentionBackend.decode_table_for(dims[0] // 2, fp8) is tables[(fp8, dims[0])]
+        for d in dims:
+            assert TritonAttentionBackend.decode_table_for(d, fp8) is tables[(fp8, d)]
+            assert TritonAttentionBackend.decode_table_for(d + 16, fp8) is tables[(fp8, d)]
+    env = make_env(1, 4, 2, 16, seed=5, small_blocks=False)
+    assert env.tri.decode_table is TritonAttentionBackend.decode_table_for(16, False)
+    env.tri.decode_table = {1: dict(block_n=16, num_warps=1, num_stages=1, whole_blocks=True, programs_per_sm=8,
+                                    min_tokens_per_split=16)}
+    assert env.tri.kv_splits_cap(2) == env.tri.max_kv_splits and env.tri._min_tokens_per_split(2) == 16
+    prefix = [44, 8]
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1, 1])
+    q, k, v = qkv(env, 2)
+    out = run_triton(env, batch, q, k, v)
+    assert env.tri.num_kv_splits.tolist() == [3, 1]
+    check(env, batch, out, q, atol=1e-4)
+
+
 @pytest.mark.parametrize("num_sms", [8, 78, 132])
 def test_padding_to_a_captured_size_keeps_the_split_cap(num_sms):
     """What makes a padded replay bitwise equal to eager: the cap of bs and of its padded size agree."""
     from ostinato.graphs.decode import capture_batch_sizes
 
-    env = make_env(4, 32, 8, 16)
+    env = make_env(4, 32, 8, 16, small_blocks=False)  # the tuned tables' split knobs
     env.tri.num_sms = num_sms
     sizes = capture_batch_sizes(None, 256, 256)
     for bs in range(1, 257):

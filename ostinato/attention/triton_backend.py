@@ -24,29 +24,52 @@ class TritonAttentionBackend(AttentionBackend):
     max_kv_splits = 16  # the grid's split dimension and the scratch depth
     min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
     decode_block_n = 64
-    # The decode kernel's launch settings by batch size: a batch takes the entry of the largest key <= its next
-    # power of two (decode_attention.table_entry), so a padded graph replay and an eager pass agree. From
-    # bench_decode_attention.py's sweep on an H200 (Llama-3.2-1B heads; benchmarks/results/
-    # decode-attention-fp8-h200.json), each entry the best over pages 1 and 16 together. Kernel microseconds,
-    # old default -> entry: bf16 (64-key blocks, decode_block_n) bs 32 x 4096: 100.9 -> 73.9, bs 128: 266 -> 261,
-    # bs 256 x 1024: 144 -> 141; fp8 bs 32 x 4096: 82.5 -> 54.7, bs 128: 259 -> 184, bs 256 x 1024: 142 -> 108.
-    # fp8 entries also name the kernel variant (decode_attention.FP8_DECODE_VARIANTS) and may set the split
-    # knobs: programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's).
-    decode_bf16_table: dict[int, dict] = {
-        1: dict(num_warps=2, num_stages=2, whole_blocks=True),
-        32: dict(num_warps=1, num_stages=5, whole_blocks=True),
-        128: dict(num_warps=1, num_stages=2),
-        256: dict(num_warps=2, num_stages=2, whole_blocks=True),
-    }
-    decode_fp8_table: dict[int, dict] = {
-        # the sweep's best at bs 1 x 128, pages 1 and 16 (4.49 / 4.62 us against bf16's 4.47 / 4.62; the
-        # 128-key entry before it: 5.07): four 32-key splits
-        1: dict(variant="fp16", block_n=32, num_warps=4, num_stages=2, min_tokens_per_split=32),
-        32: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
-        # 3 splits, not kv_splits_cap's 1: end to end at bs 128 x 4096, 5.03 -> 4.29 ms per step (H200,
-        # programs_per_sm 2 / 8 / 16 / 24: 5.03 / 5.18 / 4.29 / 4.55 ms); bs 32 and 256 gained nothing from it
-        128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16),
-        256: dict(variant="fp16", block_n=32, num_warps=1, num_stages=3, whole_blocks=True),
+    # The decode kernel's launch settings, by KV dtype and head dim (decode_table_for), then by batch size: a
+    # batch takes the entry of the largest key <= its next power of two (decode_attention.table_entry), so a
+    # padded graph replay and an eager pass agree. An entry holds the kernel settings (block_n, warps, stages,
+    # whole_blocks; for fp8 the variant, decode_attention.FP8_DECODE_VARIANTS) and may set the split knobs:
+    # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's).
+    # A captured graph serves every context length of its batch size with one entry, so entries are chosen over
+    # contexts 128, 1024 and 4096 together (least geometric-mean slowdown against each context's best:
+    # `bench_decode_attention.py --robust`, H100, benchmarks/results/decode-attention-robust-{64,128}-h100.json).
+    # Head dim 64 (Llama-3.2-1B heads): the bs 4 entries and fp8's bs 1 and 256 from that sweep; the rest from
+    # the H200 sweep at one long context per batch size (decode-attention-fp8-h200.json), which the H100 sweep
+    # put within 8% of its picks. Head dim 128 (Qwen3-0.6B heads) from the H100 sweep; kernel microseconds at
+    # contexts 128 / 1024 / 4096, the dim-64 entry before -> this one: bf16 bs 32 12.6 / 57.8 / 198 -> 8.7 /
+    # 52.5 / 186, bs 128 42.4 / 241 / 918 -> 31.5 / 186 / 716; fp8 bs 4 5.2 / 10.0 / 27.7 -> 5.9 / 8.4 / 15.5.
+    decode_tables: dict[tuple[bool, int], dict[int, dict]] = {
+        (False, 64): {
+            1: dict(num_warps=2, num_stages=2, whole_blocks=True),
+            4: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
+                    min_tokens_per_split=32),
+            32: dict(num_warps=1, num_stages=5, whole_blocks=True),
+            128: dict(num_warps=1, num_stages=2),
+            256: dict(num_warps=2, num_stages=2, whole_blocks=True),
+        },
+        (True, 64): {
+            1: dict(variant="fp16", block_n=64, num_warps=4, num_stages=2, whole_blocks=True),
+            4: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=4,
+                    min_tokens_per_split=32),
+            32: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
+            # 3 splits, not kv_splits_cap's 1: end to end at bs 128 x 4096, 5.03 -> 4.29 ms per step (H200,
+            # programs_per_sm 2 / 8 / 16 / 24: 5.03 / 5.18 / 4.29 / 4.55 ms)
+            128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16),
+            256: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16,
+                      min_tokens_per_split=128),
+        },
+        (False, 128): {
+            1: dict(num_warps=4, num_stages=2, whole_blocks=True),
+            4: dict(num_warps=4, num_stages=2, whole_blocks=True, programs_per_sm=4),
+            32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, min_tokens_per_split=128),
+            128: dict(block_n=32, num_warps=1, num_stages=3, whole_blocks=True),
+        },
+        (True, 128): {
+            # the sweep's pick (128-key blocks) was 12% slower at context 128, faster only past 1024
+            1: dict(variant="fp16", block_n=32, num_warps=4, num_stages=2, min_tokens_per_split=32),
+            4: dict(variant="fp16", block_n=64, num_warps=2, num_stages=3, whole_blocks=True, programs_per_sm=4),
+            32: dict(variant="fp16", block_n=64, num_warps=2, num_stages=5, whole_blocks=True),
+            128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True),
+        },
     }
     extend_block_m = 64
     extend_block_n = 64
@@ -70,10 +93,17 @@ class TritonAttentionBackend(AttentionBackend):
         self.device = req_to_token_pool.req_to_token.device
         self.graph_mode = False
         self.graph_max_bs = 0
-        self.num_kv_heads = kv_cache.get_kv_buffer(0)[0].shape[1]
+        self.num_kv_heads, head_dim = kv_cache.get_kv_buffer(0)[0].shape[1:]
+        self.decode_table = self.decode_table_for(head_dim, self.kv_fp8 is not None)
         self._kv_args_by_layer: dict[int, dict] = {}
         cuda = self.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 132
+
+    @classmethod
+    def decode_table_for(cls, head_dim: int, fp8: bool) -> dict[int, dict]:
+        """The settings table of the largest head dim <= `head_dim` for this KV dtype (else the smallest)."""
+        dims = sorted(d for f, d in cls.decode_tables if f == fp8)
+        return cls.decode_tables[(fp8, max([d for d in dims if d <= head_dim], default=dims[0]))]
 
     def kv_splits_cap(self, bs: int) -> int:
         """Most splits a request gets in a batch of `bs`: enough stage-1 programs (bs x kv heads x splits) for
@@ -84,17 +114,12 @@ class TritonAttentionBackend(AttentionBackend):
         for the default sizes (every power of two is captured), so a padded replay splits each request as
         an eager pass of the same batch does and gives bitwise the same output."""
         bucket = 1 << (max(bs, 1) - 1).bit_length()
-        per_sm = self._fp8_entry(bs).get("programs_per_sm", 2) if self.kv_fp8 is not None else 2
+        per_sm = table_entry(self.decode_table, bs).get("programs_per_sm", 2)
         want = -(-per_sm * self.num_sms // (bucket * self.num_kv_heads))
         return max(1, min(self.max_kv_splits, want))
 
-    def _fp8_entry(self, bs: int) -> dict:
-        return table_entry(self.decode_fp8_table, bs)
-
     def _min_tokens_per_split(self, bs: int) -> int:
-        if self.kv_fp8 is None:
-            return self.min_tokens_per_split
-        return self._fp8_entry(bs).get("min_tokens_per_split", self.min_tokens_per_split)
+        return table_entry(self.decode_table, bs).get("min_tokens_per_split", self.min_tokens_per_split)
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -280,8 +305,7 @@ class TritonAttentionBackend(AttentionBackend):
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
             **self._kv_args(layer.layer_id),
-            **(decode_kwargs(self._fp8_entry(bs)) if self.kv_fp8 is not None
-               else dict(block_n=self.decode_block_n, **table_entry(self.decode_bf16_table, bs))),
+            **(dict(block_n=self.decode_block_n) | decode_kwargs(table_entry(self.decode_table, bs))),
         )
 
 
