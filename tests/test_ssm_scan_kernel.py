@@ -228,10 +228,13 @@ def test_conv_step_kernel_matches_torch(bias):
     assert torch.equal(state[[1, 3]], untouched)
 
 
+@pytest.mark.parametrize("block_t", [4, 16])
 @pytest.mark.parametrize("bias,dtype", [(True, torch.float32), (False, torch.bfloat16)])
-def test_conv_extend_kernel_matches_torch(bias, dtype):
+def test_conv_extend_kernel_matches_torch(bias, dtype, block_t):
     """The varlen extend conv against the torch gather conv: requests of 1 and 2 tokens (fewer than K-1: the
-    stored window shifts), longer ones, scattered slots, D past one block; outputs and the new stored inputs."""
+    stored window shifts), longer ones, scattered slots, D past one block; outputs and the new stored inputs.
+    Token tiles of 4 and 16: tiles with and without a request's first K-1 tokens (which alone read the stored
+    window) in both."""
     from ostinato.layers.mamba2 import causal_conv_varlen, extend_conv_indices
     from ostinato.layers.triton_ops.conv_extend import conv_extend
 
@@ -247,7 +250,7 @@ def test_conv_extend_kernel_matches_torch(bias, dtype):
     ref_state = state.clone()
     ref = causal_conv_varlen(xbc, ref_state, slots, taps, new_rows, w, bb)
     req = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens)).to(DEVICE)
-    out = conv_extend(xbc, state, slots, cu.to(torch.int32), req, w, bb)
+    out = conv_extend(xbc, state, slots, cu.to(torch.int32), req, w, bb, block_t=block_t)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16: rounding
     torch.testing.assert_close(out, ref, **tol)
     assert torch.equal(state, ref_state), "the stored inputs are copies: exact, and only at the batch's slots"

@@ -27,13 +27,19 @@ def _conv_extend_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, req_ptr, w_ptr, b_pt
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    # Only a tile holding one of a request's first K-1 tokens reads stored inputs. The stored window's d stride is
+    # K-1, so its loads are scalar, and masked-off loads still issue: other tiles skip them (one uniform branch)
+    reads_stored = tl.min(tl.where(mask_t, pos, K - 1), axis=0) < K - 1
     for j in tl.static_range(K):
-        q = pos - (K - 1) + j  # the tap's position; < 0: a stored input, at index K-1+q of the window
-        new = (q >= 0)[:, None]
-        v = tl.load(x_ptr + (offs_t - (K - 1) + j).to(tl.int64)[:, None] * stride_x + offs_d[None, :],
-                    mask=mask & new, other=0.0).to(tl.float32)
-        v += tl.load(state_ptr + slot[:, None] * stride_s_slot + offs_d[None, :] * stride_s_d + (K - 1 + q)[:, None],
-                     mask=mask & ~new, other=0.0).to(tl.float32)
+        x_ptrs = x_ptr + (offs_t - (K - 1) + j).to(tl.int64)[:, None] * stride_x + offs_d[None, :]
+        if reads_stored:
+            q = pos - (K - 1) + j  # the tap's position; < 0: a stored input, at index K-1+q of the window
+            new = (q >= 0)[:, None]
+            v = tl.load(x_ptrs, mask=mask & new, other=0.0).to(tl.float32)
+            v += tl.load(state_ptr + slot[:, None] * stride_s_slot + offs_d[None, :] * stride_s_d
+                         + (K - 1 + q)[:, None], mask=mask & ~new, other=0.0).to(tl.float32)
+        else:
+            v = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         acc += v * tl.load(w_ptr + offs_d * K + j, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     out = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_d[None, :],
