@@ -35,6 +35,7 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from common import replay_us  # noqa: E402
 
 from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
     FP8_DECODE_VARIANTS,
@@ -232,17 +233,7 @@ def time_us(t: dict, cfg: dict, splits: int, iters: int, graphs: bool) -> float:
         with torch.cuda.graph(g, stream=stream):
             for _ in range(iters):
                 call(t, cfg, splits)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / iters)
-    return best
+    return replay_us(g, iters)
 
 
 def _warm_worker(cfgs: list[dict], page: int, heads: str, tasks, status, current, slot: int) -> None:

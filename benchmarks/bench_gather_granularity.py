@@ -15,7 +15,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from common import RESULTS, copy_bandwidth, device_tag, write_report
+from common import RESULTS, copy_bandwidth, device_tag, replay_us, write_report
 
 
 @triton.jit
@@ -60,17 +60,7 @@ def time_gather(chunk: int, heads: int, tokens: int, block: int, per_prog: int, 
     with torch.cuda.graph(g):
         for _ in range(iters):
             run()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / iters)
-    return best
+    return replay_us(g, iters, reps=5)
 
 
 def main() -> None:
