@@ -37,6 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
     # put within 8% of its picks. Head dim 128 (Qwen3-0.6B heads) from the H100 sweep; kernel microseconds at
     # contexts 128 / 1024 / 4096, the dim-64 entry before -> this one: bf16 bs 32 12.6 / 57.8 / 198 -> 8.7 /
     # 52.5 / 186, bs 128 42.4 / 241 / 918 -> 31.5 / 186 / 716; fp8 bs 4 5.2 / 10.0 / 27.7 -> 5.9 / 8.4 / 15.5.
+    # Their bs-128 entries serve bs 256 too: they were the sweep's picks there as well.
     decode_tables: dict[tuple[bool, int], dict[int, dict]] = {
         (False, 64): {
             1: dict(num_warps=2, num_stages=2, whole_blocks=True),
