@@ -48,7 +48,7 @@ HBM_TBPS = 4.8  # H200
 NUM_SMS = 132
 MAX_SPLITS = 16  # the backend's max_kv_splits: the scratch has this depth, whatever the split count
 FP8 = torch.float8_e4m3fn
-# the settings today (TritonAttentionBackend): bf16 64-key blocks, 4 warps, 2 stages; fp8 decode_fp8_table
+# the settings before the tables (the full sweep's "default" rows): bf16 64-key blocks, 4 warps, 2 stages; fp8 below
 BF16_DEFAULT = dict(variant="bf16", block_n=64, num_warps=4, num_stages=2, whole_blocks=False)
 FP8_DEFAULT = dict(variant="fp16", block_n=128, num_warps=4, num_stages=3, whole_blocks=False)
 ERR_BOUND = 0.02  # max |out - ref| / max |ref| a setting may have to be picked (bf16-level; qk8 is ~3-4%)
