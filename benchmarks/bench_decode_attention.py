@@ -107,7 +107,8 @@ def current_entries(bs_list: list[int]) -> dict[tuple[str, int], dict]:
         table = B.decode_table_for(DIM, fp8)
         for bs in bs_list:
             e = table_entry(table, bs)
-            out[(kv, bs)] = dict(variant=e.get("variant", "bf16"), block_n=e.get("block_n", B.decode_block_n),
+            out[(kv, bs)] = dict(variant=e.get("variant", "cast" if fp8 else "bf16"),
+                                 block_n=e.get("block_n", B.decode_block_n),
                                  num_warps=e["num_warps"], num_stages=e["num_stages"],
                                  whole_blocks=e.get("whole_blocks", False),
                                  knobs=(e.get("programs_per_sm", 2), e.get("min_tokens_per_split",
