@@ -4,9 +4,9 @@ several, after a warm-up), for each model in one run, with the ratio to the firs
 python benchmarks/bench_prefill.py --models llama-3.2-1b granite-4.0-h-1b --tokens 512 2048   # ~1 min, H200
 
 A hybrid (Mamba) model is timed once per `--ssm-prefill` value, switched through OSTINATO_SSM_PREFILL on the same
-engine (the op reads it per call); its rows say which. The default runs every extend path: `ssd` (what the
-engine picks), `ssd-fused`, `ssd-2pass`, `ssd-torchconv` (the gather conv) and `serial` (the path before the
-SSD kernels: gather conv, token-serial scan).
+engine (the op reads it per call); its rows say which. The default runs every extend path: `ssd` (the
+default), `ssd-torchconv` (the gather conv) and `serial` (the path before the SSD kernels: gather conv,
+token-serial scan). Steps captured in piecewise graphs (the default for up to 2,048 tokens) always take `ssd`.
 
 `--piecewise default off eager inductor` times each model once per extend-graph setting, each on an engine of its
 own: `default` as the engine starts by default (the full extend graph, or piecewise graphs for a hybrid model, which
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "granite-4.0-h-1b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[512, 2048])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--ssm-prefill", nargs="+", default=["ssd", "ssd-fused", "ssd-2pass", "ssd-torchconv", "serial"],
+    ap.add_argument("--ssm-prefill", nargs="+", default=["ssd", "ssd-torchconv", "serial"],
                     help="OSTINATO_SSM_PREFILL values for hybrid models (see layers/mamba2.py)")
     ap.add_argument("--piecewise", nargs="+", default=["default"], choices=["default", "off", "eager", "inductor"],
                     help="extend graphs as by default, off (eager extends), or piecewise with this piece compiler")

@@ -1,44 +1,55 @@
 """The Mamba2 extend pieces of one granite-4.0-h-1b layer (48 heads x 64, state 128, 1 group, conv 4, bf16
-activations), in us per call (triton.testing.do_bench): the token-serial scan kernel (`ssm_scan`) against the
-chunked SSD kernels (`ssd_chunk_scan` fused and `ssd_chunk_scan_2pass`, default configs, then a sweep of
-chunk / block_p / num_warps / state_block for 1 request), the
-torch gather conv against the Triton varlen conv, and the gated norm. `x36` is the per-forward figure
-(36 Mamba layers). `err` is max |y - y_serial| / max |y_serial| from the same starting state (the serial kernel
-is float32 FMAs); `precision=` rows time the float32-operand dots at ieee instead of tf32.
+activations), in GPU us per call (replays of a CUDA graph of 20 calls, as the engine's piecewise graphs run the
+mixer): the token-serial scan kernel (`ssm_scan`) against the chunked SSD kernels (`ssd_chunk_scan`: the
+default, chunks of 128, float32 operands at tf32 and ieee; `--sweep` its knobs on 1 request; for 1 x 2,048 and the
+mixed step, each of its kernels), the torch gather conv against the Triton varlen conv (`--conv-sweep` its tiles),
+and the gated norm. `x36` is the per-forward figure (36 Mamba layers). `err` is max |y - y_serial| / max
+|y_serial| from the same starting state (the serial kernel is float32 FMAs).
 
 `--host` adds what each piece costs the host per call (the launch path, no GPU wait: 16 tokens, so the GPU
 keeps up) and a cProfile of the whole mixer: an eager extend of 36 layers pays it 36 times.
 
-python benchmarks/bench_ssd_scan.py [--no-sweep] [--host] [--out PATH]   # ~2 min on an H200 (--no-sweep: seconds)
+python benchmarks/bench_ssd_scan.py [--sweep] [--conv-sweep] [--host] [--out PATH]   # ~1 min on an H200
 """
 
 import argparse
 import cProfile
 import functools
-import itertools
 import pstats
 import time
 
 import torch
-import triton.testing
-from common import RESULTS, device_tag, kernel_times, write_report
+from common import RESULTS, device_tag, kernel_times, replay_us, write_report
 
-from ostinato.layers.mamba2 import _extend_indices, causal_conv_varlen, mamba_mixer_forward, ssd_chunk_table
+from ostinato.layers.mamba2 import SSD_CHUNK, _extend_indices, causal_conv_varlen, mamba_mixer_forward, ssd_chunk_table
 from ostinato.layers.triton_ops import ssd_scan as ssd_module
 from ostinato.layers.triton_ops.conv_extend import conv_extend
 from ostinato.layers.triton_ops.gated_rms_norm import gated_rms_norm
-from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan, ssd_chunk_scan_2pass
+from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
 from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
 H, P, G, N, K, LAYERS = 48, 64, 1, 128, 4, 36
-CASES = {"1x512": [512], "1x2048": [2048], "8x256": [256] * 8, "2000+32x1": [2000] + [1] * 32}  # last: mixed step
+CASES = {"1x512": [512], "1x2048": [2048], "8x256": [256] * 8, "64x32": [32] * 64,
+         "2000+32x1": [2000] + [1] * 32}  # last: a mixed step
 
 
-def us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=50) * 1e3
+def us(fn, calls: int = 20) -> float:
+    """GPU us per call of `fn`, captured `calls` times in a CUDA graph (as the engine's piecewise graphs run the
+    mixer): no host launch cost, which for the multi-launch forms exceeds their GPU time."""
+    fn()  # compile
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return replay_us(graph, calls)
 
 
-def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
+def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, row) -> None:
     dev = torch.device("cuda")
     inter, gn = H * P, G * N
     conv_dim = inter + 2 * gn
@@ -60,8 +71,9 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
     conv = conv0.clone()
     row(case, "conv: torch gather", us(lambda: causal_conv_varlen(xbc, conv, slots, taps, new_rows, conv_w, conv_b)))
     row(case, "conv: triton varlen", us(lambda: conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b)))
-    if sweep:
-        for bt, bd, w in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (32, 256, 8)]:
+    if sweep or conv_sweep:
+        for bt, bd, w in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (32, 256, 8),
+                          (16, 256, 4), (32, 64, 4), (8, 256, 4), (64, 32, 4)]:
             fn = functools.partial(conv_extend, block_t=bt, block_d=bd, num_warps=w)
             row(case, f"conv: triton varlen block_t={bt} block_d={bd} num_warps={w}",
                 us(lambda fn=fn: fn(xbc, conv, slots, cu, req, conv_w, conv_b)))
@@ -73,39 +85,37 @@ def bench_case(case: str, lens: list[int], sweep: bool, row) -> None:
     scale = y_ref.abs().max().item()
     state = state0.clone()
     row(case, "scan: serial (ssm_scan)", us(lambda: ssm_scan(x, dt, Bm, Cm, state, slots, *args, cu)))
-    configs = [("fused", dict()), ("2pass", dict()), ("fused", dict(precision="ieee")),
-               ("2pass", dict(precision="ieee"))]
+    configs = [dict(), dict(chunk=128), dict(precision="tf32"), dict(precision="ieee")]
     if sweep:
-        configs += [("fused", dict(chunk=c, block_p=b, num_warps=w))
-                    for c, b, w in itertools.product([32, 64], [16, 32], [4, 8])]
-        configs += [("2pass", dict(chunk=c, block_p=b, num_warps=w)) for c, b, w in [(64, 32, 4), (128, 64, 8)]]
-        configs += [("2pass", dict(state_block=sb, state_warps=w))
-                    for sb, w in [((16, 64), 4), ((32, 64), 4), ((32, 128), 8), ((64, 128), 8), ((16, 32), 4),
-                                  ((16, 32), 2), ((32, 32), 2), ((16, 16), 1), ((16, 16), 2)]]
-        configs += [("2pass", dict(block_p=bp, num_warps=w)) for bp, w in [(32, 4), (32, 8), (64, 4), (16, 4)]]
-    if case == "1x2048":  # where the default two-pass form's time goes, kernel by kernel
-        chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, 64))
-        for name, (t, _) in kernel_times(lambda: ssd_chunk_scan_2pass(x, dt, Bm, Cm, state, slots, *args, cu,
-                                                                          chunks)).items():
-            row(case, f"2pass kernel: {name[:40]}", t)
-    for mode, cfg in configs:
+        configs += [dict(chunk=c, num_warps=w, block_m=m)
+                    for c, w, m in [(256, 4, 64), (256, 8, 32), (128, 4, 32), (256, 4, 16), (64, 4, 32)]]
+        configs += [dict(block_p=32, num_warps=w) for w in (4, 8)]
+        configs += [dict(state_block=sb, state_warps=w, block_l=bl)
+                    for sb, w, bl in [((64, 128), 8, 64), ((64, 64), 8, 64), ((32, 64), 4, 64), ((64, 64), 4, 32),
+                                      ((64, 64), 4, 128)]]
+        configs += [dict(carry_block=b) for b in (512, 2048)]
+    if case in ("1x2048", "2000+32x1"):  # where the time goes, kernel by kernel
+        chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, SSD_CHUNK))
+        for name, (t, _) in kernel_times(lambda: ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args, cu,
+                                                                    chunks)).items():
+            row(case, f"ssd kernel: {name[:40]}", t)
+    for cfg in configs:
         kw = {k: v for k, v in cfg.items() if k != "precision"}
-        if mode == "fused":
-            fn = functools.partial(ssd_chunk_scan, **kw)
-        else:
-            chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, kw.get("chunk", 64)))
-            fn = functools.partial(ssd_chunk_scan_2pass, chunks=chunks, **kw)
+        kw.setdefault("chunk", SSD_CHUNK)
+        chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, kw["chunk"]))
+        fn = functools.partial(ssd_chunk_scan, chunks=chunks, **kw)
         ssd_module.DOT_PRECISION = cfg.get("precision", "tf32")
+        ssd_module.SIXTEEN_BIT_DOTS = "precision" not in cfg  # bf16 operands unless a precision is named
         try:
             y = fn(x, dt, Bm, Cm, state0.clone(), slots, *args, cu)
             err = (y - y_ref).abs().max().item() / scale
             t = us(lambda fn=fn: fn(x, dt, Bm, Cm, state, slots, *args, cu))
         except Exception as e:  # a config past the registers / shared memory: say so, go on
-            print(f"{case:>7} ssd {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            print(f"{case:>7} ssd {cfg}: {type(e).__name__}: {str(e)[:120]}")
             continue
         finally:
-            ssd_module.DOT_PRECISION = "tf32"
-        name = f"scan: ssd {mode} " + (" ".join(f"{k}={v}" for k, v in cfg.items()) or "(default)")
+            ssd_module.DOT_PRECISION, ssd_module.SIXTEEN_BIT_DOTS = "tf32", True
+        name = "scan: ssd " + (" ".join(f"{k}={v}" for k, v in cfg.items()) or "(default)")
         row(case, name, t, err=f"{err:.1e}")
     y = y_ref.clone()
     row(case, "gated norm", us(lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16)))
@@ -143,16 +153,15 @@ def host_costs(row) -> None:
     taps, new_rows, cu, req, *chunks = _extend_indices(lens, K, dev)
     x, Bm, Cm = conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b).split([inter, gn, gn], dim=-1)
     args = (A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
-    y = ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args)
+    y = ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args, tuple(chunks))
     mixer = functools.partial(mamba_mixer_forward, zxbcdt, conv, state, conv_w, conv_b, dt_bias, A_log, D, norm_w,
                               H, P, G, N, 256, 1e-5, 0.0, float("inf"), slots, lens, use_triton=True)
     pieces = {
         "host: torch.empty": lambda: torch.empty(T, inter, device=dev),
         "host: conv_extend": lambda: conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b),
-        "host: ssd fused": lambda: ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args),
-        "host: ssd 2pass": lambda: ssd_chunk_scan_2pass(x, dt, Bm, Cm, state, slots, *args, tuple(chunks)),
+        "host: ssd": lambda: ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args, tuple(chunks)),
         "host: gated norm": lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16),
-        "host: mixer (2pass)": mixer,
+        "host: mixer": mixer,
     }
     for name, fn in pieces.items():
         row("1x16", name, host_us(fn))
@@ -167,7 +176,8 @@ def host_costs(row) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="sweep the SSD kernels' knobs")
+    ap.add_argument("--conv-sweep", action="store_true", help="sweep the varlen conv's tiles")
     ap.add_argument("--host", action="store_true", help="also the host cost per call (see the module doc)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -181,7 +191,8 @@ def main() -> None:
     if a.host:
         host_costs(row)
     for case, lens in CASES.items():
-        bench_case(case, lens, not a.no_sweep and case.startswith("1x"), row)
+        one = case.startswith("1x")
+        bench_case(case, lens, a.sweep and one, a.conv_sweep and one, row)
     dev = torch.device("cuda")
     write_report(dict(device=device_tag(dev), shape=dict(heads=H, head_dim=P, groups=G, state=N, conv=K),
                       rows=rows), a.out or f"{RESULTS}/ssd-scan-{device_tag(dev)}.json")

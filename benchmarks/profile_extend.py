@@ -57,6 +57,8 @@ def main() -> None:
                     help="also a cProfile of the first case's step (host time by Python function)")
     ap.add_argument("--running", type=int, default=0,
                     help="requests kept decoding (128-token prompts) while the extends are measured")
+    ap.add_argument("--sort", default="self_cpu_time_total",
+                    help="the first case's op table order (self_device_time_total: the kernels by GPU time)")
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype)
     engine = llm.engine
@@ -89,7 +91,7 @@ def main() -> None:
         print(f"{n:>8} {n * length:>7} {1e3 * statistics.median(eager):>9.2f} {1e3 * statistics.median(walls):>8.2f} "
               f"{gpu_ms:>7.2f} {launches:>9}")
         if first_table is None:
-            first_table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+            first_table = events.table(sort_by=args.sort, row_limit=25, max_name_column_width=70)
     print(first_table)
     if args.cprofile:
         import cProfile

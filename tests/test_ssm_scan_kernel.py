@@ -45,21 +45,19 @@ def reference(conv_out, dt, A_log, D, dt_bias, state0, H, P, G, N, lens, chunk=8
     return torch.cat(ys), torch.stack(states)
 
 
-def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=None, **kw):
-    """ssd: None (the token-serial kernel), "fused" or "2pass" (the chunked SSD kernels)."""
+def run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=False, **kw):
+    """ssd: False (the token-serial kernel) or True (the chunked SSD kernels, at the chunk kw gives)."""
     from ostinato.layers.mamba2 import ssd_chunk_table
-    from ostinato.layers.triton_ops.ssd_scan import CHUNK, ssd_chunk_scan, ssd_chunk_scan_2pass
+    from ostinato.layers.triton_ops.ssd_scan import CHUNK, ssd_chunk_scan
     from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
     inter, gn = H * P, G * N
     args = (conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :], state, slots,
             A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
-    if ssd == "fused":
-        return ssd_chunk_scan(*args, **kw)
-    if ssd == "2pass":
+    if ssd:
         lens = cu.diff().tolist()
         chunks = tuple(t.to(DEVICE) for t in ssd_chunk_table(lens, kw.get("chunk", CHUNK)))
-        return ssd_chunk_scan_2pass(*args, chunks, **kw)
+        return ssd_chunk_scan(*args, chunks, **kw)
     return ssm_scan(conv_out[:, :inter], dt, conv_out[:, inter : inter + gn], conv_out[:, inter + gn :], state, slots,
                     A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
 
@@ -80,14 +78,14 @@ def test_scan_kernel_matches_torch(lens):
 
 
 @pytest.mark.parametrize("lens,P,N,seed,dtype", [
-    ([37], 16, 32, 1, torch.float32),               # 2 full chunks of 16 and a tail of 5; 2pass: N in 2 blocks
+    ([37], 16, 32, 1, torch.float32),               # a full chunk of 32 and a tail of 5; N in 2 state blocks
     ([16, 1, 50, 9, 33], 8, 8, 2, torch.float32),   # a batch: exact chunk, a 1-token request, tails; P, N < blocks
     ([5, 64, 20], 32, 8, 3, torch.bfloat16),        # P over two row blocks of 16; bf16 activations, as served
 ])
-@pytest.mark.parametrize("mode", ["fused", "2pass"])
-def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, mode):
-    """The chunked SSD kernel (chunk 16) equals the torch reference (chunk 8: another chunking), outputs and
-    final states, from random nonzero initial states at scattered slots; the other slots are left alone."""
+def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype):
+    """The chunked SSD kernels (chunks of 32 in row and source blocks of 16, state sums over blocks of 16 tokens,
+    a carry block smaller than a head's state) equal the torch reference (chunk 8: another chunking), outputs
+    and final states, from random nonzero initial states at scattered slots; the other slots are left alone."""
     H, G = 4, 2
     T = sum(lens)
     conv_out, dt, A_log, D, dt_bias, state = make(T, H, P, G, N, 7, dtype, seed=seed)
@@ -96,26 +94,24 @@ def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, mode):
     ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     untouched = state[others].clone()
-    kw = dict(state_block=(16, 16)) if mode == "2pass" else {}  # the state pass: tiles of 16 x 16
-    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=mode, chunk=16, block_p=16,
-                   **kw)
-    tol = dict(atol=1e-4, rtol=1e-4) if not GPU else dict(atol=2e-2, rtol=2e-2)  # GPU: tf32 dots
+    kw = dict(chunk=32, block_m=16, block_p=16, block_l=16, state_block=(16, 16), carry_block=64)
+    y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=True, **kw)
+    tol = dict(atol=1e-4, rtol=1e-4) if not GPU else dict(atol=2e-2, rtol=2e-2)  # GPU: tf32 or bf16 dots
     torch.testing.assert_close(y, ref_y, **tol)
     torch.testing.assert_close(state[slots], ref_s, **tol)
     assert torch.equal(state[others], untouched), "only the batch's slots are written"
 
 
 def float32_dots(monkeypatch) -> None:
-    """The SSD kernel's float32-operand dots in float32 FMAs (the GPU default is tf32), for the tests that compare
-    float32 paths at float32 tolerances."""
+    """The SSD kernels' dots in float32 FMAs (the GPU default is tf32, or 16-bit for 16-bit activations), for the
+    tests that compare float32 paths at float32 tolerances."""
     if GPU:
         from ostinato.layers.triton_ops import ssd_scan
 
         monkeypatch.setattr(ssd_scan, "DOT_PRECISION", "ieee")
 
 
-@pytest.mark.parametrize("mode", ["fused", "2pass"])
-def test_ssd_chunk_kernel_resumes_from_the_stored_state(mode, monkeypatch):
+def test_ssd_chunk_kernel_resumes_from_the_stored_state(monkeypatch):
     """A request's tokens cut in two calls (mid-chunk) give what one call gives: the state carries over."""
     float32_dots(monkeypatch)
     H, P, G, N, n, cut = 2, 16, 1, 16, 45, 21
@@ -123,11 +119,11 @@ def test_ssd_chunk_kernel_resumes_from_the_stored_state(mode, monkeypatch):
     slots = torch.tensor([1], device=DEVICE)
     whole = state.clone()
     y = run_kernel(conv_out, dt, A_log, D, dt_bias, whole, slots, H, P, G, N,
-                   torch.tensor([0, n], dtype=torch.int32, device=DEVICE), ssd=mode, chunk=16)
+                   torch.tensor([0, n], dtype=torch.int32, device=DEVICE), ssd=True, chunk=16)
     ys = []
     for lo, hi in ((0, cut), (cut, n)):
         ys.append(run_kernel(conv_out[lo:hi], dt[lo:hi], A_log, D, dt_bias, state, slots, H, P, G, N,
-                             torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), ssd=mode, chunk=16))
+                             torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), ssd=True, chunk=16))
     torch.testing.assert_close(torch.cat(ys), y, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state, whole, atol=1e-4, rtol=1e-4)
 
@@ -182,14 +178,16 @@ def mixer_inputs(T: int, num_slots: int, seed: int) -> tuple:
     return zxbcdt, args, conv0, ssm0
 
 
-@pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([5, 1, 12], "ssd"), ([70, 1, 2], "ssd-2pass"),
+@pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([5, 1, 12], "ssd"), ([70, 1, 2], "ssd"),
                                                  ([70, 1, 2], "ssd-torchconv"), ([5, 1, 12], "serial")])
 def test_mixer_with_kernel_equals_torch_mixer(extend_lens, kernels, monkeypatch):
     """The whole mixer (conv, SSM, gated norm, state writes at the slots) with and without the kernels, each
-    extend path that OSTINATO_SSM_PREFILL picks (a 70-token request spans two SSD chunks)."""
+    extend path that OSTINATO_SSM_PREFILL picks (a 70-token request spans three SSD chunks of 32)."""
+    from ostinato.layers import mamba2
     from ostinato.layers.mamba2 import mamba_mixer_forward
 
     monkeypatch.setenv("OSTINATO_SSM_PREFILL", kernels)
+    monkeypatch.setattr(mamba2, "SSD_CHUNK", 32)
     float32_dots(monkeypatch)
 
     T = 3 if extend_lens is None else sum(extend_lens)
@@ -271,8 +269,7 @@ def test_gated_rms_norm_kernel_matches_torch(groups):
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([700, 3, 260], "ssd-fused"),
-                                                 ([700, 3, 260], "ssd-2pass"), ([2048], "ssd"),
+@pytest.mark.parametrize("extend_lens,kernels", [(None, "ssd"), ([700, 3, 260], "ssd"), ([2048], "ssd"),
                                                  ([700, 3, 260], "serial")])
 def test_mixer_kernels_at_granite_1b_shapes_bf16(extend_lens, kernels, monkeypatch):
     """The whole mixer, Triton kernels against the torch path, bf16 activations, granite-4.0-h-1b shapes."""
@@ -320,10 +317,12 @@ def test_mixer_through_step_tables_equals_the_plain_mixer(use_triton, monkeypatc
     the programs past the real counts exiting and the state pass's 4 programs per head striding over the 6
     requests, every table entry a step does not fill poisoned. Outputs of the real rows and the requests'
     states equal the torch mixer's on the unpadded batch; other slots are untouched."""
-    from ostinato.layers.mamba2 import SSD_CHUNK, mamba_mixer_forward
+    from ostinato.layers import mamba2
+    from ostinato.layers.mamba2 import mamba_mixer_forward
     from ostinato.layers.mamba_tables import MambaStepTables
 
     float32_dots(monkeypatch)
+    monkeypatch.setattr(mamba2, "SSD_CHUNK", 64)  # the 70-token request spans two chunks
     lens, padded = [70, 1, 2, 5, 9], 96
     real = sum(lens)
     zxbcdt, args, conv0, ssm0 = mixer_inputs(padded, num_slots=9, seed=7)
@@ -333,7 +332,7 @@ def test_mixer_through_step_tables_equals_the_plain_mixer(use_triton, monkeypatc
     conv_ref, ssm_ref = conv0.clone(), ssm0.clone()
     ref = mamba_mixer_forward(zxbcdt[:real], conv_ref, ssm_ref, *args, slots, lens)
 
-    tables = MambaStepTables(max_tokens=128, max_reqs=8, chunk=SSD_CHUNK, device=torch.device(DEVICE))
+    tables = MambaStepTables(max_tokens=128, max_reqs=8, chunk=64, device=torch.device(DEVICE))
     tables.buf.random_(-1000, 1000, generator=g if DEVICE == "cpu" else None)
     tables.fill(lens, slots, padded)
     assert tables.bounds(padded) == (8, 10) and (tables.num_reqs, tables.num_chunks) == (6, 7)

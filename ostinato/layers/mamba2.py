@@ -16,16 +16,12 @@ bounds.
 On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs the varlen
 conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.py`), a decode the conv step
 and the single-step update (`conv_step.py`, `ssm_scan.py`), both the gated norm (`gated_rms_norm.py`).
-The SSD scan has two forms: fused (one program per request, head and row block walks the chunks: one launch)
-and two-pass (the state carry, then every chunk's outputs in parallel: fills the GPU for a few long
-requests); `ssd` takes two-pass for few requests or one of 512 tokens or more, else fused.
-`OSTINATO_SSM_PREFILL` forces a path for comparison: `ssd-fused`, `ssd-2pass`, `ssd-torchconv` (the torch
-gather conv, then `ssd`), `serial` (the torch gather conv and the token-serial scan kernel: the path before
-the SSD kernels).
+The SSD scan's five launches are parallel over the batch's chunks of 256 tokens (see ssd_scan.py).
+`OSTINATO_SSM_PREFILL` forces a path for comparison: `ssd-torchconv` (the torch gather conv, then `ssd`),
+`serial` (the torch gather conv and the token-serial scan kernel: the path before the SSD kernels).
 The SSM math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.
 """
 
-import functools
 import os
 
 import numpy as np
@@ -35,7 +31,8 @@ import torch.nn.functional as F
 from ostinato.layers.mamba_tables import MambaStepTables, step_tables
 
 MAMBA_OP_NAME = "ostinato::mamba_mixer"
-SSD_CHUNK = 64  # the Triton SSD kernels' chunk length (the torch reference takes the config's)
+SSD_CHUNK = 256  # the Triton SSD kernels' chunk length (= triton_ops.ssd_scan.CHUNK; the torch reference takes
+# the config's)
 
 
 # ---------------------------------------------------------------------------- torch reference pieces
@@ -93,9 +90,17 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
 
 
 def ssd_chunk_table(extend_lens: list[int], chunk: int = SSD_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Host int32 chunk metadata of a batch for the two-pass scan: each chunk's request [C] and first token [C],
+    """Host int32 chunk metadata of a batch for the SSD kernels: each chunk's request [C] and first token [C],
     and each request's first chunk [R+1] (from `mamba_tables.step_tables`, which a captured step's tables use)."""
     return _int32(step_tables(extend_lens, chunk), "chunk_req", "chunk_start", "chunk_cu")
+
+
+def ssd_workspace_bytes(chunks: int, num_heads: int, head_dim: int, state_size: int, groups: int,
+                        chunk: int = SSD_CHUNK) -> int:
+    """GPU bytes the SSD kernels' workspace takes for a step of `chunks` chunks (at most): each chunk's own
+    state (float32) and incoming state (float32, or 16-bit: counted at 4 bytes), C . B^T per group (float32),
+    dt and its cumsum (float32)."""
+    return chunks * (2 * num_heads * head_dim * state_size * 4 + groups * chunk * chunk * 4 + 2 * num_heads * chunk * 4)
 
 
 def _int32(tables: dict[str, np.ndarray], *names: str) -> tuple[torch.Tensor, ...]:
@@ -163,7 +168,7 @@ _index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 def _extend_indices(extend_lens: list[int], kernel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them),
-    plus each token's request (int32 [T], for the Triton conv) and the two-pass SSD scan's chunk table:
+    plus each token's request (int32 [T], for the Triton conv) and the SSD kernels' chunk table:
     (taps, new_rows, cu int32, token_req, chunk_req, chunk_start, chunk_cu)."""
     key = (tuple(extend_lens), kernel, device)
     if key not in _index_cache:
@@ -178,13 +183,8 @@ def _extend_indices(extend_lens: list[int], kernel: int, device: torch.device) -
     return _index_cache[key]
 
 
-_SSM_PREFILL = ("ssd", "ssd-fused", "ssd-2pass", "ssd-torchconv", "serial", "torch")
-DEFAULT_SSM_PREFILL = "ssd"  # the chunked SSD kernels: 2.4-2.9x faster than "serial" at 2,048 tokens (H200)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+_SSM_PREFILL = ("ssd", "ssd-torchconv", "serial", "torch")
+DEFAULT_SSM_PREFILL = "ssd"  # the chunked SSD kernels (bench_ssd_scan.py times them against `serial`)
 
 
 def _batch():
@@ -225,9 +225,9 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                                 _heads(Bm, *heads), _heads(Cm, *heads), ssm_state[slots])
         ssm_state.index_copy_(0, slots, new_state.to(ssm_state.dtype))
         y = y + D.float()[:, None] * x.float()
-    elif tables is not None:  # a captured step: the tables' device layout, grids at their bounds, always two-pass
+    elif tables is not None:  # a captured step: the tables' device layout, grids at their bounds
         from ostinato.layers.triton_ops.conv_extend import conv_extend
-        from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan_2pass
+        from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
 
         reqs, chunks = tables.bounds(zxbcdt.shape[0])
         v, step_slots = tables.views, tables.slots[:reqs]
@@ -235,10 +235,10 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         conv_out = conv_extend(xbc, conv_state, step_slots, cu, v["token_req"][: zxbcdt.shape[0]], conv_weight,
                                conv_bias, counts=tables.counts)
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
-        y = ssd_chunk_scan_2pass(x, dt, Bm, Cm, ssm_state, step_slots, A_log, D, dt_bias, dt_min, dt_max, num_heads,
+        y = ssd_chunk_scan(x, dt, Bm, Cm, ssm_state, step_slots, A_log, D, dt_bias, dt_min, dt_max, num_heads,
                                  head_dim, groups, cu, (v["chunk_req"][:chunks], v["chunk_start"][:chunks],
                                                         v["chunk_cu"][: reqs + 1]),
-                                 chunk=SSD_CHUNK, counts=tables.counts)
+                                 chunk=SSD_CHUNK, counts=tables.counts, out_dtype=x.dtype)
     else:
         taps, new_rows, cu, token_req, *chunks = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
         kernels = os.environ.get("OSTINATO_SSM_PREFILL", DEFAULT_SSM_PREFILL) if use_triton else "torch"
@@ -253,25 +253,14 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
         scan_args = (x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim, groups,
                      cu)
-        if kernels in ("ssd", "ssd-torchconv"):
-            # two-pass when the fused grid (one program per request, head and 32 rows, each walking all of its
-            # request's chunks) would leave SMs idle or one of its programs would walk long (a long prompt beside
-            # decoding rows in a mixed step); its workspace costs per chunk, so short requests stay fused
-            fused_programs = len(extend_lens) * num_heads * -(-head_dim // 32)
-            few = fused_programs < 2 * _num_sms(zxbcdt.device)
-            kernels = "ssd-2pass" if few or max(extend_lens) >= 512 else "ssd-fused"
         if kernels == "serial":  # the older token-serial scan kernel
             from ostinato.layers.triton_ops.ssm_scan import ssm_scan
 
             y = ssm_scan(*scan_args)
-        elif kernels == "ssd-fused":
+        elif kernels != "torch":
             from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan
 
-            y = ssd_chunk_scan(*scan_args, chunk=SSD_CHUNK)
-        elif kernels == "ssd-2pass":
-            from ostinato.layers.triton_ops.ssd_scan import ssd_chunk_scan_2pass
-
-            y = ssd_chunk_scan_2pass(*scan_args, chunks, chunk=SSD_CHUNK)
+            y = ssd_chunk_scan(*scan_args, chunks, chunk=SSD_CHUNK, out_dtype=x.dtype)
         else:  # the reference: the chunked scan, request by request
             A = -torch.exp(A_log.float())
             ys, start = [], 0

@@ -20,7 +20,7 @@ from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.graphs.graph import release_graph_pool
 from ostinato.graphs.piecewise import MAMBA_GRAPH_MAX_REQS, PiecewiseGraphRunner
 from ostinato.graphs.vit import VitGraphRunner
-from ostinato.layers.mamba2 import SSD_CHUNK
+from ostinato.layers.mamba2 import SSD_CHUNK, ssd_workspace_bytes
 from ostinato.layers.mamba_tables import step_bounds
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.loader.kv_scales import KVScaleFilter
@@ -245,10 +245,12 @@ class ModelRunner:
             graph_reserve += activations * extend_tokens // self.chunked_prefill_size
         if self.piecewise_graphs_wanted:  # the pieces' outputs and static inputs at the largest size
             graph_reserve += 2 * activations * self.piecewise_graph_max_tokens // self.chunked_prefill_size
-            if self.mamba_pool is not None:  # a captured Mamba step's SSD workspace: float32 states per chunk
+            if self.mamba_pool is not None:  # a captured Mamba step's SSD workspace, per chunk
                 reqs = min(self.max_running_requests, MAMBA_GRAPH_MAX_REQS) + 1
                 chunks = step_bounds(self.piecewise_graph_max_tokens, reqs, SSD_CHUNK)[1]
-                graph_reserve += chunks * self.mamba_pool.ssm[0, 0].numel() * 4
+                heads, head_dim, state_size = self.mamba_pool.ssm.shape[-3:]
+                groups = (self.mamba_pool.conv.shape[2] - heads * head_dim) // (2 * state_size)  # conv: x, B, C
+                graph_reserve += ssd_workspace_bytes(chunks, heads, head_dim, state_size, groups)
         if self.args.enable_vit_cuda_graph and getattr(self.model, "is_multimodal", False):
             graph_reserve += self.args.vit_cuda_graph_max_mb << 20  # the vision graphs' cap
         free, total = torch.cuda.mem_get_info(self.device)

@@ -69,14 +69,15 @@ def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, counts_ptr, D, stride
 
 
 def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                token_req: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_t: int = 16,
-                block_d: int = 128, num_warps: int = 4, counts: torch.Tensor | None = None) -> torch.Tensor:
+                token_req: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_t: int = 32,
+                block_d: int = 64, num_warps: int = 4, counts: torch.Tensor | None = None) -> torch.Tensor:
     """xbc [T, D] (row-strided view fine; requests back to back as `cu_seqlens` [R+1] splits them, `token_req`
     [T] the request of each token, both int32), conv_state [slots, D, K-1] read and updated in place at
     `slots` [R], weight [D, K] -> silu(conv) [T, D] in weight's dtype. block_t / block_d / num_warps: the conv
-    kernel's tile (benchmarks/bench_ssd_scan.py sweeps them). `counts` (int32 device, counts[0] the real request
-    count): the tables are a captured step's (layers/mamba_tables.py), R is their bound, and requests past
-    counts[0] are skipped; every one of the T tokens must still belong to a request."""
+    kernel's tile (benchmarks/bench_ssd_scan.py --conv-sweep; 32 x 64 was the fastest at granite-1b's shape on
+    an H200). `counts` (int32 device, counts[0] the real request count): the tables are a captured step's
+    (layers/mamba_tables.py), R is their bound, and requests past counts[0] are skipped; every one of the T
+    tokens must still belong to a request."""
     T, D = xbc.shape
     K = weight.shape[1]
     assert xbc.stride(-1) == 1 and conv_state.stride(-1) == 1 and weight.is_contiguous() and K >= 2

@@ -29,7 +29,8 @@ def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, str
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float,
                    dtype: torch.dtype) -> torch.Tensor:
-    """y [T, I] (float32), z [T, I] (row-strided view fine) -> [T, I] in `dtype`."""
+    """y [T, I] (float32 or the model dtype; the math is float32), z [T, I] (row-strided view fine) -> [T, I] in
+    `dtype`."""
     T, inter = y.shape
     assert y.stride(-1) == 1 and z.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == dtype
     out = torch.empty(T, inter, dtype=dtype, device=y.device)

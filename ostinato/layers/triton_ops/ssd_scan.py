@@ -1,23 +1,23 @@
-"""The Mamba2 prefill scan as a chunked SSD ("state space duality") Triton kernel, varlen over a batch.
+"""The Mamba2 prefill scan as chunked SSD ("state space duality") Triton kernels, varlen over a batch.
 
-Each request's tokens are cut into chunks of CHUNK tokens (not walked a token at a time, as `ssm_scan`'s prefill
-form does); the state [P, N] of each head is float32, read from and written back to the request's MambaPool
-slot. Per chunk, with a = cumsum(dt * A) the log-decay from the chunk start through each token:
-- y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) dt_s x_s   (intra-chunk: two matmuls, a masked [L, L] form)
-      + exp(a_l) C_l . state                            (the incoming state: one matmul)
+Each request's tokens are cut into chunks of `chunk` tokens (256, the checkpoints' mamba_chunk_size); the state
+[P, N] of each head is float32, read from and written back to the request's MambaPool slot. Per chunk, with
+a = cumsum(dt * A) the log-decay from the chunk start through each token:
+- y_l = sum_{s<=l} (C_l . B_s) exp(a_l - a_s) dt_s x_s   (intra-chunk: a masked [L, L] form)
+      + exp(a_l) C_l . state_in                         (the state entering the chunk)
       + D x_l;
-- state <- exp(a_end) state + sum_s exp(a_end - a_s) dt_s x_s B_s^T   (one matmul).
-Two forms: `ssd_chunk_scan` (fused: one program per request, head and block of rows walks the chunks with
-the state in registers) and `ssd_chunk_scan_2pass` (the carry alone first, storing each chunk's incoming
-state, then every chunk's outputs in parallel: for few long requests, which leave the fused form's grid small).
-Chunks start at each request's first token, so a chunked prefill (which resumes from the stored state) gives
-what one pass gives, up to rounding. Every exponent is <= 0: no overflow. Only the chunk-to-chunk carry is
-sequential: CHUNK times fewer dependent steps than the token loop.
+- state_out = exp(a_end) state_in + sum_s exp(a_end - a_s) dt_s x_s B_s^T.
+Five launches, every one but the carry parallel over the batch's chunks (so one long prompt fills the GPU as
+well as many short ones): (1) each chunk's dt and cumsum, (2) C . B^T per chunk and group (shared by the
+group's heads), (3) the state each chunk builds alone, (4) the carry through each request's chunks from its
+stored state (elementwise: the only sequential part), (5) each chunk's outputs. Chunks start at each
+request's first token, so a chunked prefill (which resumes from the stored state) gives what one pass gives,
+up to rounding. Every exponent is <= 0: no overflow.
 
-The dots run on tensor cores: C.B^T in the activations' dtype (bf16 products are exact, the sums float32;
-Triton's CPU interpreter gets bf16 dots wrong, so there it takes float32 copies), the others on float32
-operands at `DOT_PRECISION` (tf32 by default: each product has one operand rounded to 10 mantissa bits, 8x
-finer than the bf16 rounding of the activations; OSTINATO_SSD_PRECISION=ieee for float32).
+The dots take 16-bit operands when the activations are 16-bit (float32 operands are rounded to them, as
+mamba_ssm's kernels do), with float32 sums; float32 activations take float32 operands at `DOT_PRECISION`
+(tf32 by default; OSTINATO_SSD_PRECISION=ieee for float32 FMAs, and OSTINATO_SSD_16BIT=0 puts 16-bit
+activations there too). Triton's CPU interpreter gets 16-bit dots wrong, so there every dot is float32 FMAs.
 The twin and test oracle is `ssd_scan` in `layers/mamba2.py`.
 """
 
@@ -28,256 +28,290 @@ import triton
 import triton.language as tl
 
 # the float32-operand dots on the GPU: tf32 (default), ieee (float32 FMAs)
-# (tf32x3 is refused: on an H200 with triton 3.6 these kernels hit an illegal memory access with it)
+# (tf32x3 is refused: on an H200 with triton 3.6 an earlier form of these kernels hit an illegal memory access)
 DOT_PRECISION = os.environ.get("OSTINATO_SSD_PRECISION", "tf32")
 if DOT_PRECISION not in ("tf32", "ieee"):
     raise ValueError(f"OSTINATO_SSD_PRECISION={DOT_PRECISION!r}: one of tf32, ieee")
-CHUNK = 64  # = layers.mamba2.SSD_CHUNK, whose chunk table the two-pass form takes
-STATE_PROGRAMS_WITH_COUNTS = 4  # a captured step's state pass: programs per head and tile, striding over requests
-
-
-@triton.jit
-def _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK: tl.constexpr):
-    """A chunk's discretized dt [L] (0 past the request's end: no decay, no input), a = cumsum(dt * A) [L]
-    (non-increasing) and its last value a_end (padded tokens repeat the last real one)."""
-    dt = tl.load(dt_ptr + t * stride_dt + h, mask=mask_t, other=0.0).to(tl.float32) + dtb
-    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))  # softplus, torch's threshold
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    dt = tl.where(mask_t, dt, 0.0)
-    acum = tl.cumsum(dt * a, axis=0)
-    a_end = tl.sum(tl.where(tl.arange(0, CHUNK) == CHUNK - 1, acum, 0.0), axis=0)
-    return dt, acum, a_end
-
+SIXTEEN_BIT_DOTS = os.environ.get("OSTINATO_SSD_16BIT", "1") == "1"
+CHUNK = 256  # = layers.mamba2.SSD_CHUNK
+CARRY_PROGRAMS_WITH_COUNTS = 4  # a captured step's carry: programs per state block, striding over requests
 
 @triton.jit
-def _chunk_intra(cm, bm, xf, dt, acum, CHUNK: tl.constexpr, PRECISION: tl.constexpr, NATIVE_CB: tl.constexpr):
-    """The intra-chunk output [L, BLOCK_P]: sum_{s<=l} (C_l.B_s) exp(a_l - a_s) dt_s x_s."""
-    offs_l = tl.arange(0, CHUNK)
-    if NATIVE_CB:  # bf16/fp16 operands: exact products, float32 sums
-        cb = tl.dot(cm, tl.trans(bm))  # [L, L] float32
+def _dot(a, b, PRECISION: tl.constexpr, LOW: tl.constexpr):
+    """a @ b, float32 sums. PRECISION "low": both operands rounded to LOW (the activations' 16-bit dtype, as
+    mamba_ssm's kernels do); else float32 operands at that input precision (tf32, ieee)."""
+    if PRECISION == "low":
+        out = tl.dot(a.to(LOW), b.to(LOW))
     else:
-        cb = tl.dot(cm.to(tl.float32), tl.trans(bm.to(tl.float32)), input_precision=PRECISION)
-    causal = offs_l[:, None] >= offs_l[None, :]
-    decay = tl.where(causal, tl.exp(tl.minimum(acum[:, None] - acum[None, :], 0.0)), 0.0)
-    return tl.dot(cb * decay * dt[None, :], xf, input_precision=PRECISION)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    return out
 
 
 @triton.jit
-def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, state_ptr, slot_ptr, cu_ptr, a_ptr, d_ptr, dtb_ptr,
-                           dt_min, dt_max, stride_x, stride_dt, stride_b, stride_c, stride_y,
-                           stride_s_slot, stride_s_h, stride_s_p,
-                           HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr,
-                           BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-                           NATIVE_CB: tl.constexpr):
-    """Fused: one program per (request, head, row block) walks the request's chunks in order."""
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    pb = tl.program_id(2)
-    start = tl.load(cu_ptr + r)
-    end = tl.load(cu_ptr + r + 1)
-    slot = tl.load(slot_ptr + r).to(tl.int64)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_l = tl.arange(0, CHUNK)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
-    s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :]
-    s_mask = mask_p[:, None] & mask_n[None, :]
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
-    a = -tl.exp(tl.load(a_ptr + h).to(tl.float32))  # A = -exp(A_log)
-    d = tl.load(d_ptr + h).to(tl.float32)
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    g = h // HEADS_PER_GROUP
-    for c0 in range(start, end, CHUNK):
-        t = c0 + offs_l
-        mask_t = t < end
-        dt, acum, a_end = _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK)
-        x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
-                    other=0.0)  # [L, BLOCK_P]
-        bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
-                     other=0.0)  # [L, BLOCK_N]
-        cm = tl.load(c_ptr + t[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
-                     other=0.0)
-        xf = x.to(tl.float32)
-        # the incoming state decayed to each token, then the carry (the old state dies here: this order spills
-        # less, ptxas for sm_90), then the intra-chunk part
-        y = tl.dot(cm.to(tl.float32), tl.trans(state), input_precision=PRECISION) * tl.exp(acum)[:, None]
-        xw = xf * (dt * tl.exp(a_end - acum))[:, None]  # each token's input decayed to the chunk's end
-        state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm.to(tl.float32), input_precision=PRECISION)
-        y += _chunk_intra(cm, bm, xf, dt, acum, CHUNK, PRECISION, NATIVE_CB)
-        y += d * xf
-        tl.store(y_ptr + t[:, None] * stride_y + h * P + offs_p[None, :], y, mask=mask_t[:, None] & mask_p[None, :])
-    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+def _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr):
+    """Chunk k's first token and its request's end."""
+    r = tl.load(chunk_req_ptr + k)
+    return tl.load(chunk_start_ptr + k), tl.load(cu_ptr + r + 1)
 
 
 @triton.jit
-def _ssd_states_kernel(x_ptr, dt_ptr, b_ptr, ws_ptr, state_ptr, slot_ptr, cu_ptr, chunk_cu_ptr, a_ptr, dtb_ptr,
-                       counts_ptr, dt_min, dt_max, stride_x, stride_dt, stride_b, stride_s_slot, stride_s_h,
-                       stride_s_p, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-                       HAS_COUNTS: tl.constexpr):
-    """Two-pass, pass 1: one program per (request, head, row block, column block) carries the state through the
-    request's chunks (one matmul each) and stores each chunk's incoming state in the workspace ws
-    [chunks, H, P, N] (float32); the final state goes back to the slot. With HAS_COUNTS (a captured step's
-    tables) the grid's first dimension may be smaller than the request count on the device: a program then
-    takes every grid-th request."""
-    num_reqs = tl.num_programs(0)
-    if HAS_COUNTS:
-        num_reqs = tl.load(counts_ptr)
-    h = tl.program_id(1)
-    pb = tl.program_id(2) // tl.cdiv(N, BLOCK_N)
-    nb = tl.program_id(2) % tl.cdiv(N, BLOCK_N)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_l = tl.arange(0, CHUNK)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
-    s_mask = mask_p[:, None] & mask_n[None, :]
-    ws_ptrs = ws_ptr + h * (P * N) + offs_p[:, None] * N + offs_n[None, :]
-    a = -tl.exp(tl.load(a_ptr + h).to(tl.float32))
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    g = h // HEADS_PER_GROUP
-    for r in range(tl.program_id(0), num_reqs, tl.num_programs(0)):
-        start = tl.load(cu_ptr + r)
-        end = tl.load(cu_ptr + r + 1)
-        k = tl.load(chunk_cu_ptr + r).to(tl.int64)  # the request's first chunk in ws
-        slot = tl.load(slot_ptr + r).to(tl.int64)
-        s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :]
-        state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
-        for c0 in range(start, end, CHUNK):
-            tl.store(ws_ptrs + k * (H * P * N), state, mask=s_mask)
-            t = c0 + offs_l
-            mask_t = t < end
-            dt, acum, a_end = _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK)
-            x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :],
-                        mask=mask_t[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-            bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :],
-                         mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            xw = x * (dt * tl.exp(a_end - acum))[:, None]
-            state = state * tl.exp(a_end) + tl.dot(tl.trans(xw), bm, input_precision=PRECISION)
-            k += 1
-        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
-
-
-@triton.jit
-def _ssd_outputs_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, ws_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr, a_ptr,
-                        d_ptr, dtb_ptr, counts_ptr, dt_min, dt_max, stride_x, stride_dt, stride_b, stride_c, stride_y,
-                        H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-                        NATIVE_CB: tl.constexpr, HAS_COUNTS: tl.constexpr):
-    """Two-pass, pass 2: one program per (chunk, head, row block), all independent: the intra-chunk output plus
-    the chunk's incoming state (from pass 1) decayed to each token, plus D x."""
+def _ssd_cumsum_kernel(dt_ptr, dtc_ptr, acum_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr, a_ptr, dtb_ptr,
+                         counts_ptr, dt_min, dt_max, stride_dt, H: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK_H: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """Per (chunk, block of heads): each token's discretized dt and a = cumsum(dt * A) from the chunk start,
+    into [chunks, H, CHUNK] float32 (0 dt past the request's end, so a holds its last value there)."""
     k = tl.program_id(0)
     if HAS_COUNTS:  # a grid sized for the most chunks (a captured step): the real count is counts[1]
         if k >= tl.load(counts_ptr + 1):
             return
+    c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = tl.arange(0, CHUNK)
+    mask_h = offs_h < H
+    mask_t = c0 + offs_l < end
+    dt = tl.load(dt_ptr + (c0 + offs_l)[:, None] * stride_dt + offs_h[None, :],
+                 mask=mask_t[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+    dt += tl.load(dtb_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[None, :]
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))  # softplus, torch's threshold
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    dt = tl.where(mask_t[:, None], dt, 0.0)
+    a = -tl.exp(tl.load(a_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32))  # A = -exp(A_log)
+    acum = tl.cumsum(dt * a[None, :], axis=0)
+    offs = k.to(tl.int64) * (H * CHUNK) + offs_h[None, :] * CHUNK + offs_l[:, None]
+    tl.store(dtc_ptr + offs, dt, mask=mask_h[None, :])
+    tl.store(acum_ptr + offs, acum, mask=mask_h[None, :])
+
+
+@triton.jit
+def _ssd_states_kernel(x_ptr, b_ptr, dtc_ptr, acum_ptr, ws_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr,
+                         counts_ptr, stride_x, stride_b, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
+                         P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_L: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                         HAS_COUNTS: tl.constexpr):
+    """Per (chunk, head, state tile): the state the chunk alone builds from zero,
+    sum_s exp(a_end - a_s) dt_s x_s B_s^T, into ws [chunks, H, P, N] float32. All chunks in parallel."""
+    k = tl.program_id(0)
+    if HAS_COUNTS:
+        if k >= tl.load(counts_ptr + 1):
+            return
     h = tl.program_id(1)
-    pb = tl.program_id(2)
-    r = tl.load(chunk_req_ptr + k)
-    c0 = tl.load(chunk_start_ptr + k)
-    end = tl.load(cu_ptr + r + 1)
+    pb = tl.program_id(2) // tl.cdiv(N, BLOCK_N)
+    nb = tl.program_id(2) % tl.cdiv(N, BLOCK_N)
+    c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    t = c0 + tl.arange(0, CHUNK)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    mask_t = t < end
-    a = -tl.exp(tl.load(a_ptr + h).to(tl.float32))
-    d = tl.load(d_ptr + h).to(tl.float32)
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
     g = h // HEADS_PER_GROUP
-    dt, acum, a_end = _chunk_dt(dt_ptr, t, mask_t, stride_dt, h, dtb, a, dt_min, dt_max, CHUNK)
-    x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
-                other=0.0)
-    bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
-                 other=0.0)
-    cm = tl.load(c_ptr + t[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
-                 other=0.0)
-    xf = x.to(tl.float32)
-    y = _chunk_intra(cm, bm, xf, dt, acum, CHUNK, PRECISION, NATIVE_CB)
-    s_in = tl.load(ws_ptr + k.to(tl.int64) * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :],
+    base = k.to(tl.int64) * (H * CHUNK) + h * CHUNK
+    a_end = tl.load(acum_ptr + base + CHUNK - 1)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for l0 in range(0, tl.minimum(end - c0, CHUNK), BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        t = c0 + offs_l
+        mask_t = t < end
+        w = tl.load(dtc_ptr + base + offs_l) * tl.exp(a_end - tl.load(acum_ptr + base + offs_l))
+        x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :],
+                    other=0.0)
+        bm = tl.load(b_ptr + t[:, None] * stride_b + g * N + offs_n[None, :], mask=mask_t[:, None] & mask_n[None, :],
+                     other=0.0)
+        acc += _dot(tl.trans(x.to(tl.float32) * w[:, None]), bm, PRECISION, x_ptr.dtype.element_ty)
+    ws = ws_ptr + k.to(tl.int64) * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :]
+    tl.store(ws, acc, mask=mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _ssd_carry_kernel(ws_ptr, win_ptr, acum_ptr, state_ptr, slot_ptr, chunk_cu_ptr, counts_ptr, stride_s_slot,
+                        stride_s_h, stride_s_p, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """Per (request, block of state entries): the carry, the only sequential part and elementwise. Walks the
+    request's chunks from its stored state, s <- exp(a_end) s + (the chunk's own state, from ws), storing the
+    state entering each chunk in win (in the outputs kernel's dot operand dtype; win may be ws itself); the final
+    state goes back to the slot. With HAS_COUNTS the
+    grid's first dimension may be smaller than the request count (counts[0], on the device): a program then
+    takes every grid-th request."""
+    num_reqs = tl.num_programs(0)
+    if HAS_COUNTS:
+        num_reqs = tl.load(counts_ptr)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H * P * N
+    h = offs // (P * N)
+    p = offs // N % P
+    n = offs % N
+    for r in range(tl.program_id(0), num_reqs, tl.num_programs(0)):
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + p * stride_s_p + n
+        s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+        k1 = tl.load(chunk_cu_ptr + r + 1).to(tl.int64)
+        k = tl.load(chunk_cu_ptr + r).to(tl.int64)
+        own = tl.load(ws_ptr + k * (H * P * N) + offs, mask=mask, other=0.0)  # every request has a chunk
+        while k < k1:
+            # one chunk ahead (the last chunk reloads itself, unused): the loads do not wait on the carry
+            nxt = tl.load(ws_ptr + tl.minimum(k + 1, k1 - 1) * (H * P * N) + offs, mask=mask, other=0.0)
+            decay = tl.exp(tl.load(acum_ptr + k * (H * CHUNK) + h * CHUNK + CHUNK - 1, mask=mask, other=0.0))
+            tl.store(win_ptr + k * (H * P * N) + offs, s.to(win_ptr.dtype.element_ty), mask=mask)
+            s = decay * s + own
+            own = nxt
+            k += 1
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ssd_cb_kernel(b_ptr, c_ptr, cb_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr, counts_ptr, stride_b, stride_c,
+                     G: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """Per (chunk, group, [BLOCK_M, BLOCK_M] block on or below the diagonal): C_l . B_s into cb
+    [chunks, G, CHUNK, CHUNK] float32, once for all of the group's heads (products of the 16-bit activations are
+    exact, the sums float32). Blocks above the diagonal are never read and stay unwritten; nor are blocks of rows
+    past the request's end (the outputs kernel skips those rows)."""
+    k = tl.program_id(0)
+    if HAS_COUNTS:
+        if k >= tl.load(counts_ptr + 1):
+            return
+    g = tl.program_id(1)
+    mb = tl.program_id(2) // tl.cdiv(CHUNK, BLOCK_M)
+    sb = tl.program_id(2) % tl.cdiv(CHUNK, BLOCK_M)
+    if sb > mb:
+        return
+    c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
+    if c0 + mb * BLOCK_M >= end:
+        return
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_s = sb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    mask_m = c0 + offs_m < end
+    mask_s = c0 + offs_s < end
+    cm = tl.load(c_ptr + (c0 + offs_m)[:, None] * stride_c + g * N + offs_n[None, :],
+                 mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+    bm = tl.load(b_ptr + (c0 + offs_s)[:, None] * stride_b + g * N + offs_n[None, :],
+                 mask=mask_s[:, None] & mask_n[None, :], other=0.0)
+    cb = _dot(cm, tl.trans(bm), PRECISION, c_ptr.dtype.element_ty)
+    out = cb_ptr + (k.to(tl.int64) * G + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK + offs_s[None, :]
+    tl.store(out, cb)
+
+
+@triton.jit
+def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr, d_ptr, cu_ptr, chunk_req_ptr,
+                          chunk_start_ptr, counts_ptr, stride_x, stride_c, stride_y, H: tl.constexpr,
+                          HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                          PRECISION: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """Per (chunk, head, block of BLOCK_M rows x BLOCK_P columns): the incoming state (win, from the carry)
+    decayed to each row, plus the intra-chunk sum over the source blocks up to the diagonal (flash-attention
+    style: cb_ms exp(a_m - a_s) dt_s x_s, with cb = C_m . B_s from the group's table), plus D x."""
+    k = tl.program_id(0)
+    if HAS_COUNTS:
+        if k >= tl.load(counts_ptr + 1):
+            return
+    h = tl.program_id(1)
+    mb = tl.program_id(2) // tl.cdiv(P, BLOCK_P)
+    pb = tl.program_id(2) % tl.cdiv(P, BLOCK_P)
+    c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
+    m0 = mb * BLOCK_M
+    if c0 + m0 >= end:  # a tail chunk's rows past the request's end
+        return
+    low = x_ptr.dtype.element_ty
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    t_m = c0 + offs_m
+    mask_m = t_m < end
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    g = h // HEADS_PER_GROUP
+    base = k.to(tl.int64) * (H * CHUNK) + h * CHUNK
+    a_m = tl.load(acum_ptr + base + offs_m)
+    cm = tl.load(c_ptr + t_m[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :],
+                 other=0.0)  # [BLOCK_M, BLOCK_N]
+    s_in = tl.load(win_ptr + k.to(tl.int64) * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :],
                    mask=mask_p[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_P, BLOCK_N]
-    y += tl.dot(cm.to(tl.float32), tl.trans(s_in), input_precision=PRECISION) * tl.exp(acum)[:, None]
-    y += d * xf
-    tl.store(y_ptr + t[:, None] * stride_y + h * P + offs_p[None, :], y, mask=mask_t[:, None] & mask_p[None, :])
+    acc = _dot(cm, tl.trans(s_in), PRECISION, low) * tl.exp(a_m)[:, None]
+    cb_rows = cb_ptr + (k.to(tl.int64) * (H // HEADS_PER_GROUP) + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK
+    for s0 in range(0, m0 + BLOCK_M, BLOCK_M):
+        offs_s = s0 + tl.arange(0, BLOCK_M)
+        t_s = c0 + offs_s
+        mask_s = t_s < end
+        cb = tl.load(cb_rows + offs_s[None, :])  # [BLOCK_M, BLOCK_M]; rows and columns past the end hold 0
+        a_s = tl.load(acum_ptr + base + offs_s)
+        w = cb * tl.exp(tl.minimum(a_m[:, None] - a_s[None, :], 0.0)) * tl.load(dtc_ptr + base + offs_s)[None, :]
+        w = tl.where(offs_m[:, None] >= offs_s[None, :], w, 0.0)
+        xs = tl.load(x_ptr + t_s[:, None] * stride_x + h * P + offs_p[None, :],
+                     mask=mask_s[:, None] & mask_p[None, :], other=0.0)
+        acc += _dot(w, xs, PRECISION, low)
+    xm = tl.load(x_ptr + t_m[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_m[:, None] & mask_p[None, :],
+                 other=0.0)
+    acc += tl.load(d_ptr + h).to(tl.float32) * xm.to(tl.float32)
+    tl.store(y_ptr + t_m[:, None] * stride_y + h * P + offs_p[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_p[None, :])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The dots' operands (see the module doc): "low" (the activations' 16-bit dtype) or a float32 precision."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "ieee"
+    return "low" if dtype in (torch.bfloat16, torch.float16) and SIXTEEN_BIT_DOTS else DOT_PRECISION
 
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor,
                    slots: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float,
                    dt_max: float, num_heads: int, head_dim: int, groups: int, cu_seqlens: torch.Tensor,
-                   chunk: int = CHUNK, block_p: int | None = None, num_warps: int = 8,
-                   num_stages: int | None = None) -> torch.Tensor:
+                   chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], chunk: int = CHUNK, block_m: int = 32,
+                   block_p: int | None = None, block_l: int = 64, state_block: tuple[int, int] = (64, 64),
+                   num_warps: int = 4, state_warps: int = 4, carry_block: int = 1024,
+                   counts: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The prefill scan: x [T, H*P], dt [T, H] (raw, before bias and softplus), B/C [T, G*N] (row-strided views
-    are fine), `cu_seqlens` [R+1] (int) splitting the T tokens into R requests -> y [T, H*P] float32 with the
-    D skip; `state` [slots, H, P, N] is read and updated in place at `slots` [R]. Same contract as `ssm_scan`.
-    chunk / block_p / num_warps / num_stages: tuning knobs (benchmarks/bench_ssd_scan.py sweeps them)."""
+    are fine), `cu_seqlens` [R+1] (int32) splitting the T tokens into R requests, `chunks` the batch's chunk
+    table (`layers.mamba2.ssd_chunk_table(extend_lens, chunk)` on the device) -> y [T, H*P] in `out_dtype` with
+    the D skip; `state` [slots, H, P, N] is read and updated in place at `slots` [R]. Same contract as
+    `ssm_scan`. `counts` (int32 device: requests, chunks): the tables are a captured step's
+    (layers/mamba_tables.py), sized for the most requests and chunks, and the grids skip what lies past the real
+    counts. block_m / block_p / block_l / state_block / the warps / carry_block: tuning knobs
+    (benchmarks/bench_ssd_scan.py --split-sweep); the defaults were the fastest at granite-1b's shape on an H200.
+    Workspace: `workspace_bytes`."""
     T = x.shape[0]
     N = state.shape[-1]
-    assert state.stride(-1) == 1 and x.stride(-1) == 1 and B.stride(-1) == 1 and C.stride(-1) == 1
-    assert chunk >= 16 and chunk & (chunk - 1) == 0, "chunk: a power of two >= 16 (tl.dot's minimum)"
-    y = torch.empty(T, num_heads * head_dim, dtype=torch.float32, device=x.device)
-    R = cu_seqlens.shape[0] - 1
-    if block_p is None:  # 32 rows: 96 programs for one request at granite-1b's 48 heads x 64
-        block_p = 32
-    block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
-    grid = (R, num_heads, triton.cdiv(head_dim, block_p))
-    _ssd_chunk_scan_kernel[grid](
-        x, dt, B, C, y, state, slots, cu_seqlens, A_log, D, dt_bias,
-        float(dt_min), float(dt_max), x.stride(0), dt.stride(0), B.stride(0), C.stride(0), y.stride(0),
-        state.stride(0), state.stride(1), state.stride(2),
-        HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, BLOCK_P=block_p,
-        BLOCK_N=max(16, triton.next_power_of_2(N)), CHUNK=chunk, PRECISION=DOT_PRECISION,
-        NATIVE_CB=B.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-    )
-    return y
-
-
-def ssd_chunk_scan_2pass(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor,
-                         slots: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
-                         dt_min: float, dt_max: float, num_heads: int, head_dim: int, groups: int,
-                         cu_seqlens: torch.Tensor, chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                         chunk: int = CHUNK, block_p: int = 64, num_warps: int = 4,
-                         state_block: tuple[int, int] = (32, 32), state_warps: int = 4,
-                         counts: torch.Tensor | None = None) -> torch.Tensor:
-    """`ssd_chunk_scan` in two launches, for few long requests (where one program per request and head leaves
-    most of the GPU idle): pass 1 carries the state through each request's chunks, the only sequential part
-    (one matmul per chunk, parallel over [state_block] tiles of the state), storing each chunk's incoming state
-    in a float32 workspace [chunks, H, P, N] (50 MB for 2,048 tokens at granite-1b's shape); pass 2 computes
-    every chunk's outputs in parallel, per [chunk, head, block_p rows]. `chunks`:
-    `layers.mamba2.ssd_chunk_table(extend_lens, chunk)` on the device. Defaults: the state pass's tiles have no
-    register spills in ptxas for sm_90 at granite-1b's shape (P 64, N 128); pass 2 at 4 warps rather than 8 took
-    the two passes from 181 to 138 us at 2,048 tokens and from 76 to 55 at 512 (H200, bench_ssd_scan.py's sweep).
-    `counts` (int32 device: requests, chunks): the tables are a captured step's (layers/mamba_tables.py), sized
-    for the most requests and chunks, and the grids skip what lies past the real counts."""
-    T = x.shape[0]
-    N = state.shape[-1]
+    H, P = num_heads, head_dim
     assert state.stride(-1) == 1 and x.stride(-1) == 1 and B.stride(-1) == 1 and C.stride(-1) == 1
     assert chunk >= 16 and chunk & (chunk - 1) == 0, "chunk: a power of two >= 16 (tl.dot's minimum)"
     chunk_req, chunk_start, chunk_cu = chunks
-    y = torch.empty(T, num_heads * head_dim, dtype=torch.float32, device=x.device)
-    ws = torch.empty(chunk_req.shape[0], num_heads, head_dim, N, dtype=torch.float32, device=x.device)
-    R = cu_seqlens.shape[0] - 1
-    sp = max(16, min(state_block[0], triton.next_power_of_2(head_dim)))
-    sn = max(16, min(state_block[1], triton.next_power_of_2(N)))
-    common = dict(H=num_heads, HEADS_PER_GROUP=num_heads // groups, P=head_dim, N=N, CHUNK=chunk,
-                  PRECISION=DOT_PRECISION)
+    num_chunks, R = chunk_req.shape[0], cu_seqlens.shape[0] - 1
+    dev = x.device
+    y = torch.empty(T, H * P, dtype=out_dtype, device=dev)
+    dtc = torch.empty(num_chunks, H, chunk, dtype=torch.float32, device=dev)
+    acum = torch.empty_like(dtc)
+    ws = torch.empty(num_chunks, H, P, N, dtype=torch.float32, device=dev)
+    cb = torch.empty(num_chunks, groups, chunk, chunk, dtype=torch.float32, device=dev)
     counts_arg = cu_seqlens if counts is None else counts  # any pointer: read only with counts
-    # with counts, R is only a bound: a few programs per head and tile stride over the real requests instead of
-    # one each, most of which would exit at once (6,500 such programs cost Granite's 2,048-token prefill 0.5 ms)
-    req_programs = R if counts is None else min(R, STATE_PROGRAMS_WITH_COUNTS)
-    _ssd_states_kernel[(req_programs, num_heads, triton.cdiv(head_dim, sp) * triton.cdiv(N, sn))](
-        x, dt, B, ws, state, slots, cu_seqlens, chunk_cu, A_log, dt_bias, counts_arg, float(dt_min), float(dt_max),
-        x.stride(0), dt.stride(0), B.stride(0), state.stride(0), state.stride(1), state.stride(2),
-        BLOCK_P=sp, BLOCK_N=sn, num_warps=state_warps, HAS_COUNTS=counts is not None, **common,
-    )
-    if chunk_req.shape[0]:
-        block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
-        _ssd_outputs_kernel[(chunk_req.shape[0], num_heads, triton.cdiv(head_dim, block_p))](
-            x, dt, B, C, y, ws, cu_seqlens, chunk_req, chunk_start, A_log, D, dt_bias, counts_arg, float(dt_min),
-            float(dt_max), x.stride(0), dt.stride(0), B.stride(0), C.stride(0), y.stride(0),
-            BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(N)), num_warps=num_warps,
-            HAS_COUNTS=counts is not None, **common,
-            NATIVE_CB=B.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1",
-        )
+    has_counts = counts is not None
+    precision = dot_precision(x.dtype)
+    bn = max(16, triton.next_power_of_2(N))
+    if num_chunks:
+        block_h = min(4, triton.next_power_of_2(H))  # small: a few chunks still make enough programs
+        _ssd_cumsum_kernel[(num_chunks, triton.cdiv(H, block_h))](
+            dt, dtc, acum, cu_seqlens, chunk_req, chunk_start, A_log, dt_bias, counts_arg, float(dt_min),
+            float(dt_max), dt.stride(0), H=H, CHUNK=chunk, BLOCK_H=block_h, HAS_COUNTS=has_counts)
+        bm = min(block_m, chunk)
+        _ssd_cb_kernel[(num_chunks, groups, triton.cdiv(chunk, bm) ** 2)](
+            B, C, cb, cu_seqlens, chunk_req, chunk_start, counts_arg, B.stride(0), C.stride(0), G=groups, N=N,
+            BLOCK_M=bm, BLOCK_N=bn, CHUNK=chunk, PRECISION=precision, HAS_COUNTS=has_counts)
+        sp = max(16, min(state_block[0], triton.next_power_of_2(P)))
+        sn = max(16, min(state_block[1], bn))
+        _ssd_states_kernel[(num_chunks, H, triton.cdiv(P, sp) * triton.cdiv(N, sn))](
+            x, B, dtc, acum, ws, cu_seqlens, chunk_req, chunk_start, counts_arg, x.stride(0), B.stride(0), H=H,
+            HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_P=sp, BLOCK_N=sn, BLOCK_L=min(block_l, chunk), CHUNK=chunk,
+            PRECISION=precision, HAS_COUNTS=has_counts, num_warps=state_warps)
+    req_programs = R if counts is None else min(R, CARRY_PROGRAMS_WITH_COUNTS)
+    # the states entering the chunks, in the outputs kernel's operand dtype (16-bit: half the bytes to read)
+    win = ws if precision != "low" else torch.empty(ws.shape, dtype=x.dtype, device=dev)
+    _ssd_carry_kernel[(req_programs, triton.cdiv(H * P * N, carry_block))](
+        ws, win, acum, state, slots, chunk_cu, counts_arg, state.stride(0), state.stride(1), state.stride(2), H=H,
+        P=P, N=N, CHUNK=chunk, BLOCK=carry_block, HAS_COUNTS=has_counts)
+    if num_chunks:
+        bm = min(block_m, chunk)
+        bp = max(16, min(block_p or P, triton.next_power_of_2(P)))
+        _ssd_outputs_kernel[(num_chunks, H, triton.cdiv(chunk, bm) * triton.cdiv(P, bp))](
+            x, cb, C, y, dtc, acum, win, D, cu_seqlens, chunk_req, chunk_start, counts_arg, x.stride(0),
+            C.stride(0), y.stride(0), H=H, HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_M=bm, BLOCK_P=bp,
+            BLOCK_N=bn, CHUNK=chunk, PRECISION=precision, HAS_COUNTS=has_counts, num_warps=num_warps)
     return y
