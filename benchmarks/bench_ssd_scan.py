@@ -87,13 +87,11 @@ def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, row) -
     row(case, "scan: serial (ssm_scan)", us(lambda: ssm_scan(x, dt, Bm, Cm, state, slots, *args, cu)))
     configs = [dict(), dict(chunk=128), dict(precision="tf32"), dict(precision="ieee")]
     if sweep:
-        configs += [dict(chunk=c, num_warps=w, block_m=m)
-                    for c, w, m in [(256, 4, 64), (256, 8, 32), (128, 4, 32), (256, 4, 16), (64, 4, 32)]]
+        configs += [dict(chunk=c, num_warps=w, block_m=m, block_s=bs)
+                    for c, w, m, bs in [(256, 4, 32, 64), (256, 8, 32, 64), (256, 4, 16, 64), (256, 8, 64, 64),
+                                        (256, 4, 16, 32), (128, 4, 32, 64), (64, 4, 32, 32)]]
         configs += [dict(block_p=32, num_warps=w) for w in (4, 8)]
-        configs += [dict(state_block=sb, state_warps=w, block_l=bl)
-                    for sb, w, bl in [((64, 128), 8, 64), ((64, 64), 8, 64), ((32, 64), 4, 64), ((64, 64), 4, 32),
-                                      ((64, 64), 4, 128)]]
-        configs += [dict(carry_block=b) for b in (512, 2048)]
+        configs += [dict(state_block=sb, state_warps=w) for sb, w in [((64, 128), 8), ((64, 64), 8)]]
     if case in ("1x2048", "2000+32x1"):  # where the time goes, kernel by kernel
         chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, SSD_CHUNK))
         for name, (t, _) in kernel_times(lambda: ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args, cu,

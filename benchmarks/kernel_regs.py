@@ -19,7 +19,7 @@ from ostinato.layers.triton_ops import conv_extend, ssd_scan
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTR_TYPES = dict(x_ptr="bf16", b_ptr="bf16", c_ptr="bf16", dt_ptr="bf16", w_ptr="bf16", out_ptr="bf16",
                  slot_ptr="i64", cu_ptr="i32", req_ptr="i32", chunk_cu_ptr="i32", chunk_req_ptr="i32",
-                 chunk_start_ptr="i32", counts_ptr="i32", win_ptr="bf16")
+                 chunk_start_ptr="i32", counts_ptr="i32", win_ptr="bf16", cb_ptr="fp32")
 FLOATS = ("dt_min", "dt_max")
 
 
@@ -61,18 +61,17 @@ def main() -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     shape = dict(HEADS_PER_GROUP=48, P=64, N=128, H=48, PRECISION="low", HAS_COUNTS=False)
     cases = [("conv extend", conv_extend._conv_extend_kernel, dict(HAS_BIAS=True, K=4, BLOCK_T=16, BLOCK_D=128), 4)]
-    cases += [("ssd cumsum", ssd_scan._ssd_cumsum_kernel, dict(H=48, CHUNK=256, BLOCK_H=bh, HAS_COUNTS=False), 4)
-              for bh in (4, 16)]
-    cases += [("ssd cb", ssd_scan._ssd_cb_kernel, dict(G=1, N=128, BLOCK_M=bm, BLOCK_N=128, CHUNK=256,
-                                                       PRECISION="low", HAS_COUNTS=False), 4) for bm in (32, 64)]
+    cases += [("ssd prep", ssd_scan._ssd_prep_kernel, dict(H=48, G=1, N=128, CHUNK=256, BLOCK_H=4, BLOCK_M=bm,
+                                                           BLOCK_N=128, PRECISION="low", HAS_COUNTS=False), 4)
+              for bm in (32, 64)]
     cases += [("ssd states", ssd_scan._ssd_states_kernel,
                dict(shape, BLOCK_P=64, BLOCK_N=bn, BLOCK_L=bl, CHUNK=256), w)
               for bn, bl, w in ((64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4))]
     cases += [("ssd carry", ssd_scan._ssd_carry_kernel, dict(H=48, P=64, N=128, CHUNK=256, BLOCK=b,
                                                               HAS_COUNTS=False), 4) for b in (1024, 2048)]
-    cases += [("ssd outputs", ssd_scan._ssd_outputs_kernel, dict(shape, BLOCK_M=bm, BLOCK_P=64, BLOCK_N=128,
-                                                                  CHUNK=256), w)
-              for bm, w in ((32, 4), (64, 4), (64, 8), (16, 4))]
+    cases += [("ssd outputs", ssd_scan._ssd_outputs_kernel, dict(shape, BLOCK_M=bm, BLOCK_S=bs, BLOCK_P=64,
+                                                                  BLOCK_N=128, CHUNK=256), w)
+              for bm, bs, w in ((32, 32, 4), (32, 64, 4), (32, 64, 8), (64, 64, 8), (16, 64, 4))]
     for name, fn, const, warps in cases:
         tiles = {k: v for k, v in const.items() if k.startswith("BLOCK") or k == "CHUNK"}
         stats = compile_sm90(fn, const, warps, dict(state_ptr="bf16") if name == "conv extend" else None)

@@ -16,7 +16,7 @@ bounds.
 On the CPU everything runs in torch (the chunked scan here is the reference). On CUDA an extend runs the varlen
 conv and the chunked SSD scan in Triton (`triton_ops/conv_extend.py`, `ssd_scan.py`), a decode the conv step
 and the single-step update (`conv_step.py`, `ssm_scan.py`), both the gated norm (`gated_rms_norm.py`).
-The SSD scan's five launches are parallel over the batch's chunks of 256 tokens (see ssd_scan.py).
+The SSD scan's launches are parallel over the batch's chunks of 256 tokens (see ssd_scan.py).
 `OSTINATO_SSM_PREFILL` forces a path for comparison: `ssd-torchconv` (the torch gather conv, then `ssd`),
 `serial` (the torch gather conv and the token-serial scan kernel: the path before the SSD kernels).
 The SSM math is in float32 whatever the model dtype, as transformers' `torch_forward` does it.

@@ -10,11 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+
 
 @triton.jit
 def _conv_extend_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, req_ptr, w_ptr, b_ptr, out_ptr, T, D, stride_x,
                         stride_out, stride_s_slot, stride_s_d, HAS_BIAS: tl.constexpr, K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_t = offs_t < T
@@ -48,7 +53,11 @@ def _conv_extend_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, req_ptr, w_ptr, b_pt
 
 @triton.jit
 def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, counts_ptr, D, stride_x, stride_s_slot, stride_s_d,
-                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_COUNTS: tl.constexpr):
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     if HAS_COUNTS:  # a grid sized for the most requests (a captured step): the real count is on the device
         if r >= tl.load(counts_ptr):
@@ -83,16 +92,17 @@ def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
     assert xbc.stride(-1) == 1 and conv_state.stride(-1) == 1 and weight.is_contiguous() and K >= 2
     out = torch.empty(T, D, dtype=weight.dtype, device=xbc.device)
     R = cu_seqlens.shape[0] - 1
+    pdl = pdl_enabled(xbc)
     if T:
         _conv_extend_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
             xbc, conv_state, slots, cu_seqlens, token_req, weight, weight if bias is None else bias, out, T, D,
             xbc.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), HAS_BIAS=bias is not None,
-            K=K, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+            K=K, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps, PDL=pdl, launch_pdl=pdl,
         )
     block_d = 256
     _conv_state_kernel[(R, triton.cdiv(D, block_d))](
         xbc, conv_state, slots, cu_seqlens, cu_seqlens if counts is None else counts, D, xbc.stride(0),
         conv_state.stride(0), conv_state.stride(1), K=K, BLOCK_K=triton.next_power_of_2(K - 1), BLOCK_D=block_d,
-        HAS_COUNTS=counts is not None,
+        HAS_COUNTS=counts is not None, PDL=pdl, launch_pdl=pdl,
     )
     return out

@@ -7,10 +7,11 @@ a = cumsum(dt * A) the log-decay from the chunk start through each token:
       + exp(a_l) C_l . state_in                         (the state entering the chunk)
       + D x_l;
 - state_out = exp(a_end) state_in + sum_s exp(a_end - a_s) dt_s x_s B_s^T.
-Five launches, every one but the carry parallel over the batch's chunks (so one long prompt fills the GPU as
-well as many short ones): (1) each chunk's dt and cumsum, (2) C . B^T per chunk and group (shared by the
-group's heads), (3) the state each chunk builds alone, (4) the carry through each request's chunks from its
-stored state (elementwise: the only sequential part), (5) each chunk's outputs. Chunks start at each
+Four launches, every one but the carry parallel over the batch's chunks (so one long prompt fills the GPU as
+well as many short ones): (1) per chunk, side by side, the dt cumsum and C . B^T per group (shared by the
+group's heads), (2) the state each chunk builds alone, (3) the carry through each request's chunks from its
+stored state (elementwise: the only sequential part), (4) each chunk's outputs. Each waits on the one before
+under PDL (layers/triton_ops/pdl.py), so launches overlap the previous kernel's tail. Chunks start at each
 request's first token, so a chunked prefill (which resumes from the stored state) gives what one pass gives,
 up to rounding. Every exponent is <= 0: no overflow.
 
@@ -26,6 +27,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 
 # the float32-operand dots on the GPU: tf32 (default), ieee (float32 FMAs)
 # (tf32x3 is refused: on an H200 with triton 3.6 an earlier form of these kernels hit an illegal memory access)
@@ -55,17 +58,11 @@ def _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr):
 
 
 @triton.jit
-def _ssd_cumsum_kernel(dt_ptr, dtc_ptr, acum_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr, a_ptr, dtb_ptr,
-                         counts_ptr, dt_min, dt_max, stride_dt, H: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK_H: tl.constexpr, HAS_COUNTS: tl.constexpr):
-    """Per (chunk, block of heads): each token's discretized dt and a = cumsum(dt * A) from the chunk start,
-    into [chunks, H, CHUNK] float32 (0 dt past the request's end, so a holds its last value there)."""
-    k = tl.program_id(0)
-    if HAS_COUNTS:  # a grid sized for the most chunks (a captured step): the real count is counts[1]
-        if k >= tl.load(counts_ptr + 1):
-            return
-    c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _chunk_cumsum(k, hb, c0, end, dt_ptr, dtc_ptr, acum_ptr, a_ptr, dtb_ptr, dt_min, dt_max, stride_dt,
+                  H: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Chunk k, heads block hb: each token's discretized dt and a = cumsum(dt * A) from the chunk start, into
+    [chunks, H, CHUNK] float32 (0 dt past the request's end, so a holds its last value there)."""
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_l = tl.arange(0, CHUNK)
     mask_h = offs_h < H
     mask_t = c0 + offs_l < end
@@ -83,13 +80,64 @@ def _ssd_cumsum_kernel(dt_ptr, dtc_ptr, acum_ptr, cu_ptr, chunk_req_ptr, chunk_s
 
 
 @triton.jit
+def _chunk_cb(k, g, mb, sb, c0, end, b_ptr, c_ptr, cb_ptr, stride_b, stride_c, G: tl.constexpr, N: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk k, group g, [BLOCK_M, BLOCK_M] block (mb, sb): C_l . B_s into cb [chunks, G, CHUNK, CHUNK] float32
+    (products of 16-bit activations are exact, the sums float32). Blocks above the diagonal are never read and
+    stay unwritten; nor are blocks of rows past the request's end (the outputs kernel skips those rows)."""
+    if (sb <= mb) & (c0 + mb * BLOCK_M < end):
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_s = sb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        mask_m = c0 + offs_m < end
+        mask_s = c0 + offs_s < end
+        cm = tl.load(c_ptr + (c0 + offs_m)[:, None] * stride_c + g * N + offs_n[None, :],
+                     mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+        bm = tl.load(b_ptr + (c0 + offs_s)[:, None] * stride_b + g * N + offs_n[None, :],
+                     mask=mask_s[:, None] & mask_n[None, :], other=0.0)
+        cb = _dot(cm, tl.trans(bm), PRECISION, c_ptr.dtype.element_ty)
+        out = cb_ptr + (k.to(tl.int64) * G + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK + offs_s[None, :]
+        tl.store(out, cb)
+
+
+@triton.jit
+def _ssd_prep_kernel(dt_ptr, dtc_ptr, acum_ptr, b_ptr, c_ptr, cb_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr, a_ptr,
+                     dtb_ptr, counts_ptr, dt_min, dt_max, stride_dt, stride_b, stride_c, H: tl.constexpr,
+                     G: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                     HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
+    """Per chunk, two independent jobs side by side in one launch: programs [0, G * blocks^2) take C . B^T's
+    blocks (`_chunk_cb`), the rest the dt cumsum of a block of heads (`_chunk_cumsum`)."""
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    k = tl.program_id(0)
+    if HAS_COUNTS:  # a grid sized for the most chunks (a captured step): the real count is counts[1]
+        if k >= tl.load(counts_ptr + 1):
+            return
+    c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
+    nb: tl.constexpr = (CHUNK + BLOCK_M - 1) // BLOCK_M
+    j = tl.program_id(1)
+    if j < G * nb * nb:
+        g = j // (nb * nb)
+        _chunk_cb(k, g, j % (nb * nb) // nb, j % nb, c0, end, b_ptr, c_ptr, cb_ptr, stride_b, stride_c, G, N,
+                  BLOCK_M, BLOCK_N, CHUNK, PRECISION)
+    else:
+        _chunk_cumsum(k, j - G * nb * nb, c0, end, dt_ptr, dtc_ptr, acum_ptr, a_ptr, dtb_ptr, dt_min, dt_max,
+                      stride_dt, H, CHUNK, BLOCK_H)
+
+@triton.jit
 def _ssd_states_kernel(x_ptr, b_ptr, dtc_ptr, acum_ptr, ws_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr,
-                         counts_ptr, stride_x, stride_b, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
-                         P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_L: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-                         HAS_COUNTS: tl.constexpr):
+                       counts_ptr, stride_x, stride_b, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
+                       P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_L: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                       HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
     """Per (chunk, head, state tile): the state the chunk alone builds from zero,
     sum_s exp(a_end - a_s) dt_s x_s B_s^T, into ws [chunks, H, P, N] float32. All chunks in parallel."""
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     k = tl.program_id(0)
     if HAS_COUNTS:
         if k >= tl.load(counts_ptr + 1):
@@ -122,14 +170,16 @@ def _ssd_states_kernel(x_ptr, b_ptr, dtc_ptr, acum_ptr, ws_ptr, cu_ptr, chunk_re
 
 @triton.jit
 def _ssd_carry_kernel(ws_ptr, win_ptr, acum_ptr, state_ptr, slot_ptr, chunk_cu_ptr, counts_ptr, stride_s_slot,
-                        stride_s_h, stride_s_p, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCK: tl.constexpr, HAS_COUNTS: tl.constexpr):
+                      stride_s_h, stride_s_p, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK: tl.constexpr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
     """Per (request, block of state entries): the carry, the only sequential part and elementwise. Walks the
     request's chunks from its stored state, s <- exp(a_end) s + (the chunk's own state, from ws), storing the
     state entering each chunk in win (in the outputs kernel's dot operand dtype; win may be ws itself); the final
-    state goes back to the slot. With HAS_COUNTS the
-    grid's first dimension may be smaller than the request count (counts[0], on the device): a program then
-    takes every grid-th request."""
+    state goes back to the slot. With HAS_COUNTS the grid's first dimension may be smaller than the request
+    count (counts[0], on the device): a program then takes every grid-th request."""
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     num_reqs = tl.num_programs(0)
     if HAS_COUNTS:
         num_reqs = tl.load(counts_ptr)
@@ -157,49 +207,17 @@ def _ssd_carry_kernel(ws_ptr, win_ptr, acum_ptr, state_ptr, slot_ptr, chunk_cu_p
 
 
 @triton.jit
-def _ssd_cb_kernel(b_ptr, c_ptr, cb_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr, counts_ptr, stride_b, stride_c,
-                     G: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_COUNTS: tl.constexpr):
-    """Per (chunk, group, [BLOCK_M, BLOCK_M] block on or below the diagonal): C_l . B_s into cb
-    [chunks, G, CHUNK, CHUNK] float32, once for all of the group's heads (products of the 16-bit activations are
-    exact, the sums float32). Blocks above the diagonal are never read and stay unwritten; nor are blocks of rows
-    past the request's end (the outputs kernel skips those rows)."""
-    k = tl.program_id(0)
-    if HAS_COUNTS:
-        if k >= tl.load(counts_ptr + 1):
-            return
-    g = tl.program_id(1)
-    mb = tl.program_id(2) // tl.cdiv(CHUNK, BLOCK_M)
-    sb = tl.program_id(2) % tl.cdiv(CHUNK, BLOCK_M)
-    if sb > mb:
-        return
-    c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
-    if c0 + mb * BLOCK_M >= end:
-        return
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_s = sb * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    mask_m = c0 + offs_m < end
-    mask_s = c0 + offs_s < end
-    cm = tl.load(c_ptr + (c0 + offs_m)[:, None] * stride_c + g * N + offs_n[None, :],
-                 mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-    bm = tl.load(b_ptr + (c0 + offs_s)[:, None] * stride_b + g * N + offs_n[None, :],
-                 mask=mask_s[:, None] & mask_n[None, :], other=0.0)
-    cb = _dot(cm, tl.trans(bm), PRECISION, c_ptr.dtype.element_ty)
-    out = cb_ptr + (k.to(tl.int64) * G + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK + offs_s[None, :]
-    tl.store(out, cb)
-
-
-@triton.jit
 def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr, d_ptr, cu_ptr, chunk_req_ptr,
-                          chunk_start_ptr, counts_ptr, stride_x, stride_c, stride_y, H: tl.constexpr,
-                          HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                          PRECISION: tl.constexpr, HAS_COUNTS: tl.constexpr):
+                        chunk_start_ptr, counts_ptr, stride_x, stride_c, stride_y, H: tl.constexpr,
+                        HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                        PRECISION: tl.constexpr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
     """Per (chunk, head, block of BLOCK_M rows x BLOCK_P columns): the incoming state (win, from the carry)
     decayed to each row, plus the intra-chunk sum over the source blocks up to the diagonal (flash-attention
     style: cb_ms exp(a_m - a_s) dt_s x_s, with cb = C_m . B_s from the group's table), plus D x."""
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     k = tl.program_id(0)
     if HAS_COUNTS:
         if k >= tl.load(counts_ptr + 1):
@@ -228,11 +246,13 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
                    mask=mask_p[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_P, BLOCK_N]
     acc = _dot(cm, tl.trans(s_in), PRECISION, low) * tl.exp(a_m)[:, None]
     cb_rows = cb_ptr + (k.to(tl.int64) * (H // HEADS_PER_GROUP) + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK
-    for s0 in range(0, m0 + BLOCK_M, BLOCK_M):
-        offs_s = s0 + tl.arange(0, BLOCK_M)
+    for s0 in range(0, m0 + BLOCK_M, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
         t_s = c0 + offs_s
         mask_s = t_s < end
-        cb = tl.load(cb_rows + offs_s[None, :])  # [BLOCK_M, BLOCK_M]; rows and columns past the end hold 0
+        # [BLOCK_M, BLOCK_S]: rows and columns past the end hold 0, entries above the diagonal garbage (unwritten;
+        # the causal mask below drops them)
+        cb = tl.load(cb_rows + offs_s[None, :])
         a_s = tl.load(acum_ptr + base + offs_s)
         w = cb * tl.exp(tl.minimum(a_m[:, None] - a_s[None, :], 0.0)) * tl.load(dtc_ptr + base + offs_s)[None, :]
         w = tl.where(offs_m[:, None] >= offs_s[None, :], w, 0.0)
@@ -257,8 +277,9 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
                    slots: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float,
                    dt_max: float, num_heads: int, head_dim: int, groups: int, cu_seqlens: torch.Tensor,
                    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], chunk: int = CHUNK, block_m: int = 32,
-                   block_p: int | None = None, block_l: int = 64, state_block: tuple[int, int] = (64, 64),
-                   num_warps: int = 4, state_warps: int = 4, carry_block: int = 1024,
+                   block_s: int | None = None, block_p: int | None = None, block_l: int = 64,
+                   state_block: tuple[int, int] = (64, 64), num_warps: int = 4, state_warps: int = 4,
+                   carry_block: int = 1024,
                    counts: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The prefill scan: x [T, H*P], dt [T, H] (raw, before bias and softplus), B/C [T, G*N] (row-strided views
     are fine), `cu_seqlens` [R+1] (int32) splitting the T tokens into R requests, `chunks` the batch's chunk
@@ -266,7 +287,8 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
     the D skip; `state` [slots, H, P, N] is read and updated in place at `slots` [R]. Same contract as
     `ssm_scan`. `counts` (int32 device: requests, chunks): the tables are a captured step's
     (layers/mamba_tables.py), sized for the most requests and chunks, and the grids skip what lies past the real
-    counts. block_m / block_p / block_l / state_block / the warps / carry_block: tuning knobs
+    counts. block_m / block_s (the outputs' row and source blocks; block_s a multiple of block_m, at least it) /
+    block_p / block_l / state_block / the warps / carry_block: tuning knobs
     (benchmarks/bench_ssd_scan.py --split-sweep); the defaults were the fastest at granite-1b's shape on an H200.
     Workspace: `workspace_bytes`."""
     T = x.shape[0]
@@ -285,33 +307,36 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
     counts_arg = cu_seqlens if counts is None else counts  # any pointer: read only with counts
     has_counts = counts is not None
     precision = dot_precision(x.dtype)
+    pdl = pdl_enabled(x)
     bn = max(16, triton.next_power_of_2(N))
     if num_chunks:
         block_h = min(4, triton.next_power_of_2(H))  # small: a few chunks still make enough programs
-        _ssd_cumsum_kernel[(num_chunks, triton.cdiv(H, block_h))](
-            dt, dtc, acum, cu_seqlens, chunk_req, chunk_start, A_log, dt_bias, counts_arg, float(dt_min),
-            float(dt_max), dt.stride(0), H=H, CHUNK=chunk, BLOCK_H=block_h, HAS_COUNTS=has_counts)
         bm = min(block_m, chunk)
-        _ssd_cb_kernel[(num_chunks, groups, triton.cdiv(chunk, bm) ** 2)](
-            B, C, cb, cu_seqlens, chunk_req, chunk_start, counts_arg, B.stride(0), C.stride(0), G=groups, N=N,
-            BLOCK_M=bm, BLOCK_N=bn, CHUNK=chunk, PRECISION=precision, HAS_COUNTS=has_counts)
+        cb_programs = groups * triton.cdiv(chunk, bm) ** 2
+        _ssd_prep_kernel[(num_chunks, cb_programs + triton.cdiv(H, block_h))](
+            dt, dtc, acum, B, C, cb, cu_seqlens, chunk_req, chunk_start, A_log, dt_bias, counts_arg, float(dt_min),
+            float(dt_max), dt.stride(0), B.stride(0), C.stride(0), H=H, G=groups, N=N, CHUNK=chunk,
+            BLOCK_H=block_h, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision, HAS_COUNTS=has_counts, PDL=pdl,
+            launch_pdl=pdl)
         sp = max(16, min(state_block[0], triton.next_power_of_2(P)))
         sn = max(16, min(state_block[1], bn))
         _ssd_states_kernel[(num_chunks, H, triton.cdiv(P, sp) * triton.cdiv(N, sn))](
             x, B, dtc, acum, ws, cu_seqlens, chunk_req, chunk_start, counts_arg, x.stride(0), B.stride(0), H=H,
             HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_P=sp, BLOCK_N=sn, BLOCK_L=min(block_l, chunk), CHUNK=chunk,
-            PRECISION=precision, HAS_COUNTS=has_counts, num_warps=state_warps)
+            PRECISION=precision, HAS_COUNTS=has_counts, num_warps=state_warps, PDL=pdl, launch_pdl=pdl)
     req_programs = R if counts is None else min(R, CARRY_PROGRAMS_WITH_COUNTS)
     # the states entering the chunks, in the outputs kernel's operand dtype (16-bit: half the bytes to read)
     win = ws if precision != "low" else torch.empty(ws.shape, dtype=x.dtype, device=dev)
     _ssd_carry_kernel[(req_programs, triton.cdiv(H * P * N, carry_block))](
         ws, win, acum, state, slots, chunk_cu, counts_arg, state.stride(0), state.stride(1), state.stride(2), H=H,
-        P=P, N=N, CHUNK=chunk, BLOCK=carry_block, HAS_COUNTS=has_counts)
+        P=P, N=N, CHUNK=chunk, BLOCK=carry_block, HAS_COUNTS=has_counts, PDL=pdl, launch_pdl=pdl)
     if num_chunks:
         bm = min(block_m, chunk)
         bp = max(16, min(block_p or P, triton.next_power_of_2(P)))
         _ssd_outputs_kernel[(num_chunks, H, triton.cdiv(chunk, bm) * triton.cdiv(P, bp))](
             x, cb, C, y, dtc, acum, win, D, cu_seqlens, chunk_req, chunk_start, counts_arg, x.stride(0),
-            C.stride(0), y.stride(0), H=H, HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_M=bm, BLOCK_P=bp,
-            BLOCK_N=bn, CHUNK=chunk, PRECISION=precision, HAS_COUNTS=has_counts, num_warps=num_warps)
+            C.stride(0), y.stride(0), H=H, HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_M=bm,
+            BLOCK_S=max(bm, min(block_s or bm, chunk)), BLOCK_P=bp,
+            BLOCK_N=bn, CHUNK=chunk, PRECISION=precision, HAS_COUNTS=has_counts, num_warps=num_warps, PDL=pdl,
+            launch_pdl=pdl)
     return y
