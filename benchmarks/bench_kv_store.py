@@ -14,7 +14,7 @@ import sys
 
 import torch
 from bench_decode import decode_batch, time_steps
-from common import RESULTS, device_tag, write_report
+from common import RESULTS, capture, device_tag, write_report
 
 from ostinato.config import EngineArgs
 from ostinato.graphs.decode import DecodeGraphRunner
@@ -48,14 +48,7 @@ def store_only(bs: int, kv: str, mode: str, iters: int, layers: int = 16, kv_hea
         for layer in range(layers):
             backend.store_kv(layer, loc, k, v)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for _ in range(10):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -19,7 +19,7 @@ import pstats
 import time
 
 import torch
-from common import RESULTS, device_tag, kernel_times, replay_us, write_report
+from common import RESULTS, capture, device_tag, kernel_times, replay_us, write_report
 
 from ostinato.layers.mamba2 import SSD_CHUNK, _extend_indices, causal_conv_varlen, mamba_mixer_forward, ssd_chunk_table
 from ostinato.layers.triton_ops import ssd_scan as ssd_module
@@ -36,17 +36,7 @@ CASES = {"1x512": [512], "1x2048": [2048], "8x256": [256] * 8, "64x32": [32] * 6
 def us(fn, calls: int = 20) -> float:
     """GPU us per call of `fn`, captured `calls` times in a CUDA graph (as the engine's piecewise graphs run the
     mixer): no host launch cost, which for the multi-launch forms exceeds their GPU time."""
-    fn()  # compile
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return replay_us(graph, calls)
+    return replay_us(capture(fn, calls), calls)
 
 
 def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, row) -> None:

@@ -31,6 +31,21 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times)[len(times) // 2]
 
 
+def capture(fn: Callable[[], object], calls: int = 1) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `calls` calls of `fn`, after one call on a side stream (Triton compiles, cuBLAS picks its
+    kernels, the allocator warms up) outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def replay_us(graph: "torch.cuda.CUDAGraph", calls: int, reps: int = 3) -> float:
     """us per call of a captured graph of `calls` calls: the best of `reps` timed replays, after one untimed."""
     graph.replay()

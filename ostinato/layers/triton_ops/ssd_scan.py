@@ -51,6 +51,16 @@ def _dot(a, b, PRECISION: tl.constexpr, LOW: tl.constexpr):
 
 
 @triton.jit
+def _past_chunks(k, counts_ptr, HAS_COUNTS: tl.constexpr):
+    """Whether chunk k lies past the real chunk count: with HAS_COUNTS the grid is sized for the most chunks a
+    captured step can have, and the step's count is counts[1] (on the device)."""
+    past = k < 0
+    if HAS_COUNTS:
+        past = k >= tl.load(counts_ptr + 1)
+    return past
+
+
+@triton.jit
 def _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr):
     """Chunk k's first token and its request's end."""
     r = tl.load(chunk_req_ptr + k)
@@ -113,9 +123,8 @@ def _ssd_prep_kernel(dt_ptr, dtc_ptr, acum_ptr, b_ptr, c_ptr, cb_ptr, cu_ptr, ch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     k = tl.program_id(0)
-    if HAS_COUNTS:  # a grid sized for the most chunks (a captured step): the real count is counts[1]
-        if k >= tl.load(counts_ptr + 1):
-            return
+    if _past_chunks(k, counts_ptr, HAS_COUNTS):
+        return
     c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
     nb: tl.constexpr = (CHUNK + BLOCK_M - 1) // BLOCK_M
     j = tl.program_id(1)
@@ -126,6 +135,7 @@ def _ssd_prep_kernel(dt_ptr, dtc_ptr, acum_ptr, b_ptr, c_ptr, cb_ptr, cu_ptr, ch
     else:
         _chunk_cumsum(k, j - G * nb * nb, c0, end, dt_ptr, dtc_ptr, acum_ptr, a_ptr, dtb_ptr, dt_min, dt_max,
                       stride_dt, H, CHUNK, BLOCK_H)
+
 
 @triton.jit
 def _ssd_states_kernel(x_ptr, b_ptr, dtc_ptr, acum_ptr, ws_ptr, cu_ptr, chunk_req_ptr, chunk_start_ptr,
@@ -139,9 +149,8 @@ def _ssd_states_kernel(x_ptr, b_ptr, dtc_ptr, acum_ptr, ws_ptr, cu_ptr, chunk_re
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     k = tl.program_id(0)
-    if HAS_COUNTS:
-        if k >= tl.load(counts_ptr + 1):
-            return
+    if _past_chunks(k, counts_ptr, HAS_COUNTS):
+        return
     h = tl.program_id(1)
     pb = tl.program_id(2) // tl.cdiv(N, BLOCK_N)
     nb = tl.program_id(2) % tl.cdiv(N, BLOCK_N)
@@ -219,9 +228,8 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     k = tl.program_id(0)
-    if HAS_COUNTS:
-        if k >= tl.load(counts_ptr + 1):
-            return
+    if _past_chunks(k, counts_ptr, HAS_COUNTS):
+        return
     h = tl.program_id(1)
     mb = tl.program_id(2) // tl.cdiv(P, BLOCK_P)
     pb = tl.program_id(2) % tl.cdiv(P, BLOCK_P)
@@ -289,7 +297,7 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
     (layers/mamba_tables.py), sized for the most requests and chunks, and the grids skip what lies past the real
     counts. block_m / block_s (the outputs' row and source blocks; block_s a multiple of block_m, at least it) /
     block_p / block_l / state_block / the warps / carry_block: tuning knobs
-    (benchmarks/bench_ssd_scan.py --split-sweep); the defaults were the fastest at granite-1b's shape on an H200.
+    (benchmarks/bench_ssd_scan.py --sweep); the defaults were the fastest at granite-1b's shape on an H200.
     Workspace: `workspace_bytes`."""
     T = x.shape[0]
     N = state.shape[-1]
