@@ -39,6 +39,7 @@ SIXTEEN_BIT_DOTS = os.environ.get("OSTINATO_SSD_16BIT", "1") == "1"
 CHUNK = 256  # = layers.mamba2.SSD_CHUNK
 CARRY_PROGRAMS_WITH_COUNTS = 4  # a captured step's carry: programs per state block, striding over requests
 
+
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, LOW: tl.constexpr):
     """a @ b, float32 sums. PRECISION "low": both operands rounded to LOW (the activations' 16-bit dtype, as
