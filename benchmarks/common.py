@@ -31,6 +31,25 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times)[len(times) // 2]
 
 
+def gpu_timeline(kernels: list[tuple[float, float]], start: float, end: float) -> dict[str, float]:
+    """Where a host-timed span [start, end] went on the GPU, from its kernels' (start, end) times on the same clock
+    (any unit): `lead` before the first kernel started, `busy` with a kernel running (overlaps merged), `gaps`
+    between the first kernel's start and the last one's end with none running, `tail` after the last ended."""
+    if not kernels:
+        return dict(lead=end - start, busy=0.0, gaps=0.0, tail=0.0)
+    spans = sorted(kernels)
+    busy, run_start, run_end = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > run_end:  # a gap: close the run
+            busy += run_end - run_start
+            run_start, run_end = s, e
+        else:
+            run_end = max(run_end, e)
+    busy += run_end - run_start
+    first, last = spans[0][0], max(e for _, e in spans)
+    return dict(lead=first - start, busy=busy, gaps=last - first - busy, tail=end - last)
+
+
 def capture(fn: Callable[[], object], calls: int = 1) -> "torch.cuda.CUDAGraph":
     """A CUDA graph of `calls` calls of `fn`, after one call on a side stream (Triton compiles, cuBLAS picks its
     kernels, the allocator warms up) outside the capture."""

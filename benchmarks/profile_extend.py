@@ -3,6 +3,8 @@ tokens, eager and through the extend graphs, against its GPU kernel time (torch.
 host-side ops of the first case.
 
 Extend steps run eagerly (no CUDA graph), so small ones can be bound by host launch cost, not the GPU.
+Each case's profiled step also splits its wall: `lead` (host work before the first kernel), `busy` (a kernel
+running), `gaps` (none running between the first and the last), `tail` (after the last kernel, to the sync).
 
 python benchmarks/profile_extend.py --model llama-3.2-1b --cases 1:128 8:128 21:128 64:128 1:2048
 """
@@ -14,9 +16,12 @@ import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from common import gpu_timeline
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from ostinato import LLM, SamplingParams
+
+STEP_EVENT = "profile_extend.step"
 
 
 def sync() -> None:
@@ -33,7 +38,7 @@ def extend_step(engine, n: int, length: int, rng: random.Random, tag: str, aroun
         engine.add_request(f"{tag}-{i}", [rng.randrange(1000, hi) for _ in range(length)], sp)
     extends = engine.step_counts["extend"]
     sync()
-    with around():
+    with around(), record_function(STEP_EVENT):
         t = time.perf_counter()
         engine.step()  # launches the extend (overlap scheduling: without waiting for it)
         sync()
@@ -88,8 +93,12 @@ def main() -> None:
         # the kernels' own rows only: an op's row carries its kernels' time too, so summing every row counted it twice
         gpu_ms = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        step = next(e for e in prof.events() if e.name == STEP_EVENT)
+        line = gpu_timeline([(e.time_range.start, e.time_range.end) for e in prof.events()
+                             if e.device_type.name == "CUDA"], step.time_range.start, step.time_range.end)
         print(f"{n:>8} {n * length:>7} {1e3 * statistics.median(eager):>9.2f} {1e3 * statistics.median(walls):>8.2f} "
-              f"{gpu_ms:>7.2f} {launches:>9}")
+              f"{gpu_ms:>7.2f} {launches:>9}  profiled step (ms): " + "  ".join(f"{k} {v / 1e3:.2f}" for k, v in
+                                                                                  line.items()))
         if first_table is None:
             first_table = events.table(sort_by=args.sort, row_limit=25, max_name_column_width=70)
     print(first_table)
