@@ -81,7 +81,6 @@ def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, row) -
                     for c, w, m, bs in [(256, 4, 32, 64), (256, 8, 32, 64), (256, 4, 16, 64), (256, 8, 64, 64),
                                         (256, 4, 16, 32), (128, 4, 32, 64), (64, 4, 32, 32)]]
         configs += [dict(block_p=32, num_warps=w) for w in (4, 8)]
-        configs += [dict(rank1=True, block_m=m, num_warps=w) for m, w in [(32, 4), (32, 8), (64, 8)]]
         configs += [dict(state_block=sb, state_warps=w) for sb, w in [((64, 128), 8), ((64, 64), 8)]]
     if case in ("1x2048", "2000+32x1"):  # where the time goes, kernel by kernel
         chunks = tuple(t.to(dev) for t in ssd_chunk_table(lens, SSD_CHUNK))

@@ -72,9 +72,6 @@ def main() -> None:
     cases += [("ssd outputs", ssd_scan._ssd_outputs_kernel, dict(shape, BLOCK_M=bm, BLOCK_S=bs, BLOCK_P=64,
                                                                   BLOCK_N=128, CHUNK=256), w)
               for bm, bs, w in ((32, 32, 4), (32, 64, 4), (32, 64, 8), (64, 64, 8), (16, 64, 4))]
-    cases += [("ssd outputs rank1", ssd_scan._ssd_outputs_kernel, dict(shape, BLOCK_M=bm, BLOCK_S=bm, BLOCK_P=64,
-                                                                        BLOCK_N=128, CHUNK=256, RANK1=True), w)
-              for bm, w in ((32, 4), (32, 8), (64, 8))]
     for name, fn, const, warps in cases:
         tiles = {k: v for k, v in const.items() if k.startswith("BLOCK") or k == "CHUNK"}
         stats = compile_sm90(fn, const, warps, dict(state_ptr="bf16") if name == "conv extend" else None)

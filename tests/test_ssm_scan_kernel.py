@@ -82,9 +82,8 @@ def test_scan_kernel_matches_torch(lens):
     ([16, 1, 50, 9, 33], 8, 8, 2, torch.float32),   # a batch: exact chunk, a 1-token request, tails; P, N < blocks
     ([5, 64, 20], 32, 8, 3, torch.bfloat16),        # P over two row blocks of 16; bf16 activations, as served
 ])
-# source blocks of 16 (the row block) or 32; rank1: left of the diagonal, the decay as a product
-@pytest.mark.parametrize("block_s,rank1", [(None, False), (32, False), (None, True)])
-def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, block_s, rank1):
+@pytest.mark.parametrize("block_s", [None, 32])  # source blocks of 16 (the row block) and of 32
+def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, block_s):
     """The chunked SSD kernels (chunks of 32 in row and source blocks of 16, state sums over blocks of 16 tokens,
     a carry block smaller than a head's state) equal the torch reference (chunk 8: another chunking), outputs
     and final states, from random nonzero initial states at scattered slots; the other slots are left alone."""
@@ -96,8 +95,7 @@ def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, block_s, rank1)
     ref_y, ref_s = reference(conv_out, dt, A_log, D, dt_bias, state[slots], H, P, G, N, lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     untouched = state[others].clone()
-    kw = dict(chunk=32, block_m=16, block_s=block_s, block_p=16, block_l=16, state_block=(16, 16), carry_block=64,
-              rank1=rank1)
+    kw = dict(chunk=32, block_m=16, block_s=block_s, block_p=16, block_l=16, state_block=(16, 16), carry_block=64)
     y = run_kernel(conv_out, dt, A_log, D, dt_bias, state, slots, H, P, G, N, cu, ssd=True, **kw)
     tol = dict(atol=1e-4, rtol=1e-4) if not GPU else dict(atol=2e-2, rtol=2e-2)  # GPU: tf32 or bf16 dots
     torch.testing.assert_close(y, ref_y, **tol)

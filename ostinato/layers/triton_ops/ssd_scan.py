@@ -221,15 +221,10 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
                         chunk_start_ptr, counts_ptr, stride_x, stride_c, stride_y, H: tl.constexpr,
                         HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                        PRECISION: tl.constexpr, HAS_COUNTS: tl.constexpr, RANK1: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        PRECISION: tl.constexpr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
     """Per (chunk, head, block of BLOCK_M rows x BLOCK_P columns): the incoming state (win, from the carry)
     decayed to each row, plus the intra-chunk sum over the source blocks up to the diagonal (flash-attention
-    style: cb_ms exp(a_m - a_s) dt_s x_s, with cb = C_m . B_s from the group's table), plus D x.
-    RANK1 (BLOCK_S == BLOCK_M): the blocks left of the diagonal take the decay as a product,
-    exp(a_m - a_s) = exp(a_m - a_r) exp(a_r - a_s) with r the block's first row (both factors <= 1): the source
-    rows are scaled by BLOCK_S exponentials and the sum's rows once at the end, where the full form takes
-    BLOCK_M * BLOCK_S exponentials a block. The diagonal block keeps the full form."""
+    style: cb_ms exp(a_m - a_s) dt_s x_s, with cb = C_m . B_s from the group's table), plus D x."""
     if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -258,22 +253,9 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
                  other=0.0)  # [BLOCK_M, BLOCK_N]
     s_in = tl.load(win_ptr + k.to(tl.int64) * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :],
                    mask=mask_p[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_P, BLOCK_N]
+    acc = _dot(cm, tl.trans(s_in), PRECISION, low) * tl.exp(a_m)[:, None]
     cb_rows = cb_ptr + (k.to(tl.int64) * (H // HEADS_PER_GROUP) + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK
-    if RANK1:
-        a_r = tl.load(acum_ptr + base + m0)
-        acc = _dot(cm, tl.trans(s_in), PRECISION, low) * tl.exp(a_r)
-        for s0 in range(0, m0, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            t_s = c0 + offs_s  # all before row m0: inside the request
-            v = tl.exp(a_r - tl.load(acum_ptr + base + offs_s)) * tl.load(dtc_ptr + base + offs_s)
-            xs = tl.load(x_ptr + t_s[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_p[None, :], other=0.0)
-            acc += _dot(tl.load(cb_rows + offs_s[None, :]), xs.to(tl.float32) * v[:, None], PRECISION, low)
-        acc *= tl.exp(a_m - a_r)[:, None]
-        diagonal = m0
-    else:
-        acc = _dot(cm, tl.trans(s_in), PRECISION, low) * tl.exp(a_m)[:, None]
-        diagonal = 0
-    for s0 in range(diagonal, m0 + BLOCK_M, BLOCK_S):
+    for s0 in range(0, m0 + BLOCK_M, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         t_s = c0 + offs_s
         mask_s = t_s < end
@@ -306,7 +288,7 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
                    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], chunk: int = CHUNK, block_m: int = 32,
                    block_s: int | None = None, block_p: int | None = None, block_l: int = 64,
                    state_block: tuple[int, int] = (64, 64), num_warps: int = 4, state_warps: int = 4,
-                   carry_block: int = 1024, rank1: bool = False,
+                   carry_block: int = 1024,
                    counts: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The prefill scan: x [T, H*P], dt [T, H] (raw, before bias and softplus), B/C [T, G*N] (row-strided views
     are fine), `cu_seqlens` [R+1] (int32) splitting the T tokens into R requests, `chunks` the batch's chunk
@@ -315,7 +297,7 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
     `ssm_scan`. `counts` (int32 device: requests, chunks): the tables are a captured step's
     (layers/mamba_tables.py), sized for the most requests and chunks, and the grids skip what lies past the real
     counts. block_m / block_s (the outputs' row and source blocks; block_s a multiple of block_m, at least it) /
-    block_p / block_l / state_block / the warps / carry_block / rank1 (see `_ssd_outputs_kernel`): tuning knobs
+    block_p / block_l / state_block / the warps / carry_block: tuning knobs
     (benchmarks/bench_ssd_scan.py --sweep); the defaults were the fastest at granite-1b's shape on an H200.
     Workspace: `workspace_bytes`."""
     T = x.shape[0]
@@ -359,13 +341,11 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
         P=P, N=N, CHUNK=chunk, BLOCK=carry_block, HAS_COUNTS=has_counts, PDL=pdl, launch_pdl=pdl)
     if num_chunks:
         bm = min(block_m, chunk)
-        bs = max(bm, min(block_s or bm, chunk))
-        assert not rank1 or bs == bm, "rank1: source blocks the size of the row blocks"
         bp = max(16, min(block_p or P, triton.next_power_of_2(P)))
         _ssd_outputs_kernel[(num_chunks, H, triton.cdiv(chunk, bm) * triton.cdiv(P, bp))](
             x, cb, C, y, dtc, acum, win, D, cu_seqlens, chunk_req, chunk_start, counts_arg, x.stride(0),
-            C.stride(0), y.stride(0), H=H, HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_M=bm, BLOCK_S=bs,
-            BLOCK_P=bp, RANK1=rank1,
+            C.stride(0), y.stride(0), H=H, HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_M=bm,
+            BLOCK_S=max(bm, min(block_s or bm, chunk)), BLOCK_P=bp,
             BLOCK_N=bn, CHUNK=chunk, PRECISION=precision, HAS_COUNTS=has_counts, num_warps=num_warps, PDL=pdl,
             launch_pdl=pdl)
     return y
