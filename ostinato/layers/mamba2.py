@@ -236,9 +236,9 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
                                conv_bias, counts=tables.counts)
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
         y = ssd_chunk_scan(x, dt, Bm, Cm, ssm_state, step_slots, A_log, D, dt_bias, dt_min, dt_max, num_heads,
-                                 head_dim, groups, cu, (v["chunk_req"][:chunks], v["chunk_start"][:chunks],
-                                                        v["chunk_cu"][: reqs + 1]),
-                                 chunk=SSD_CHUNK, counts=tables.counts, out_dtype=x.dtype)
+                           head_dim, groups, cu, (v["chunk_req"][:chunks], v["chunk_start"][:chunks],
+                                                  v["chunk_cu"][: reqs + 1]),
+                           chunk=SSD_CHUNK, counts=tables.counts, out_dtype=x.dtype)
     else:
         taps, new_rows, cu, token_req, *chunks = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
         kernels = os.environ.get("OSTINATO_SSM_PREFILL", DEFAULT_SSM_PREFILL) if use_triton else "torch"

@@ -52,13 +52,18 @@ def _dot(a, b, PRECISION: tl.constexpr, LOW: tl.constexpr):
 
 
 @triton.jit
-def _past_chunks(k, counts_ptr, HAS_COUNTS: tl.constexpr):
-    """Whether chunk k lies past the real chunk count: with HAS_COUNTS the grid is sized for the most chunks a
-    captured step can have, and the step's count is counts[1] (on the device)."""
+def _chunk_program(counts_ptr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr):
+    """After the PDL wait (layers/triton_ops/pdl.py: nothing read or written before it), this program's chunk k
+    (the grid's first axis) and whether k lies past the real chunk count: with HAS_COUNTS the grid is sized
+    for the most chunks a captured step can have, and the step's count is counts[1] (on the device)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    k = tl.program_id(0)
     past = k < 0
     if HAS_COUNTS:
         past = k >= tl.load(counts_ptr + 1)
-    return past
+    return k, past
 
 
 @triton.jit
@@ -120,11 +125,8 @@ def _ssd_prep_kernel(dt_ptr, dtc_ptr, acum_ptr, b_ptr, c_ptr, cb_ptr, cu_ptr, ch
                      HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
     """Per chunk, two independent jobs side by side in one launch: programs [0, G * blocks^2) take C . B^T's
     blocks (`_chunk_cb`), the rest the dt cumsum of a block of heads (`_chunk_cumsum`)."""
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    k = tl.program_id(0)
-    if _past_chunks(k, counts_ptr, HAS_COUNTS):
+    k, past = _chunk_program(counts_ptr, HAS_COUNTS, PDL)
+    if past:
         return
     c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
     nb: tl.constexpr = (CHUNK + BLOCK_M - 1) // BLOCK_M
@@ -146,11 +148,8 @@ def _ssd_states_kernel(x_ptr, b_ptr, dtc_ptr, acum_ptr, ws_ptr, cu_ptr, chunk_re
                        HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
     """Per (chunk, head, state tile): the state the chunk alone builds from zero,
     sum_s exp(a_end - a_s) dt_s x_s B_s^T, into ws [chunks, H, P, N] float32. All chunks in parallel."""
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    k = tl.program_id(0)
-    if _past_chunks(k, counts_ptr, HAS_COUNTS):
+    k, past = _chunk_program(counts_ptr, HAS_COUNTS, PDL)
+    if past:
         return
     h = tl.program_id(1)
     pb = tl.program_id(2) // tl.cdiv(N, BLOCK_N)
@@ -225,11 +224,8 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
     """Per (chunk, head, block of BLOCK_M rows x BLOCK_P columns): the incoming state (win, from the carry)
     decayed to each row, plus the intra-chunk sum over the source blocks up to the diagonal (flash-attention
     style: cb_ms exp(a_m - a_s) dt_s x_s, with cb = C_m . B_s from the group's table), plus D x."""
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    k = tl.program_id(0)
-    if _past_chunks(k, counts_ptr, HAS_COUNTS):
+    k, past = _chunk_program(counts_ptr, HAS_COUNTS, PDL)
+    if past:
         return
     h = tl.program_id(1)
     mb = tl.program_id(2) // tl.cdiv(P, BLOCK_P)
