@@ -9,9 +9,9 @@ default), `ssd-torchconv` (the gather conv) and `serial` (the path before the SS
 token-serial scan). Steps captured in piecewise graphs (the default for up to 2,048 tokens) always take `ssd`.
 
 `--piecewise default off eager inductor` times each model once per extend-graph setting, each on an engine of its
-own: `default` as the engine starts by default (the full extend graph, or piecewise graphs for a hybrid model, which
-has no full one), `off` with every extend eager (`extend_cuda_graph_max_tokens=0`), `eager` / `inductor` with
-piecewise graphs on and that piece compiler.
+own: `default` as the engine starts by default (the full extend graph), `off` with every extend eager
+(`extend_cuda_graph_max_tokens=0`), `eager` / `inductor` with piecewise graphs on (and the full extend graph off)
+and that piece compiler.
 """
 
 import argparse
@@ -43,7 +43,8 @@ def main() -> None:
     for model in a.models:
         for piecewise in a.piecewise:
             extra = {"default": {}, "off": dict(extend_cuda_graph_max_tokens=0)}.get(
-                piecewise, dict(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_compiler=piecewise))
+                piecewise, dict(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_compiler=piecewise,
+                                extend_cuda_graph_max_tokens=0))
             t0 = time.perf_counter()
             llm = LLM(model, load_format="dummy", dtype="bfloat16", disable_radix_cache=True, **extra)
             startup = time.perf_counter() - t0

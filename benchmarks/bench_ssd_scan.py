@@ -3,13 +3,13 @@ activations), in GPU us per call (replays of a CUDA graph of 20 calls, as the en
 mixer): the token-serial scan kernel (`ssm_scan`) against the chunked SSD kernels (`ssd_chunk_scan`: the
 default, chunks of 128, float32 operands at tf32 and ieee; `--sweep` its knobs on 1 request; for 1 x 2,048 and the
 mixed step, each of its kernels), the torch gather conv against the Triton varlen conv (`--conv-sweep` its tiles),
-and the gated norm. `x36` is the per-forward figure (36 Mamba layers). `err` is max |y - y_serial| / max
-|y_serial| from the same starting state (the serial kernel is float32 FMAs).
+and the gated norm (`--norm-sweep` its warps). `x36` is the per-forward figure (36 Mamba layers). `err` is
+max |y - y_serial| / max |y_serial| from the same starting state (the serial kernel is float32 FMAs).
 
 `--host` adds what each piece costs the host per call (the launch path, no GPU wait: 16 tokens, so the GPU
 keeps up) and a cProfile of the whole mixer: an eager extend of 36 layers pays it 36 times.
 
-python benchmarks/bench_ssd_scan.py [--sweep] [--conv-sweep] [--host] [--out PATH]   # ~1 min on an H200
+python benchmarks/bench_ssd_scan.py [--sweep] [--conv-sweep] [--norm-sweep] [--host] [--out PATH]   # ~1 min on an H200
 """
 
 import argparse
@@ -39,7 +39,7 @@ def us(fn, calls: int = 20) -> float:
     return replay_us(capture(fn, calls), calls)
 
 
-def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, row) -> None:
+def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, norm_sweep: bool, row) -> None:
     dev = torch.device("cuda")
     inter, gn = H * P, G * N
     conv_dim = inter + 2 * gn
@@ -56,18 +56,18 @@ def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, row) -
     conv0 = torch.randn(R + 1, conv_dim, K - 1, generator=g).to(dev, torch.bfloat16)
     state0 = (0.1 * torch.randn(R + 1, H, P, N, generator=g)).to(dev)
     slots = torch.arange(1, R + 1, device=dev)
-    taps, new_rows, cu, req, *_ = _extend_indices(lens, K, dev)
+    taps, new_rows, cu, *_ = _extend_indices(lens, K, dev)
 
     conv = conv0.clone()
     row(case, "conv: torch gather", us(lambda: causal_conv_varlen(xbc, conv, slots, taps, new_rows, conv_w, conv_b)))
-    row(case, "conv: triton varlen", us(lambda: conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b)))
+    row(case, "conv: triton varlen", us(lambda: conv_extend(xbc, conv, slots, cu, conv_w, conv_b)))
     if sweep or conv_sweep:
-        for bt, bd, w in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (32, 256, 8),
-                          (16, 256, 4), (32, 64, 4), (8, 256, 4), (64, 32, 4)]:
+        for bt, bd, w in [(32, 64, 2), (32, 64, 8), (64, 64, 4), (64, 64, 8), (32, 128, 4), (64, 128, 8),
+                          (16, 128, 4), (128, 64, 8), (32, 256, 8), (16, 256, 4)]:
             fn = functools.partial(conv_extend, block_t=bt, block_d=bd, num_warps=w)
             row(case, f"conv: triton varlen block_t={bt} block_d={bd} num_warps={w}",
-                us(lambda fn=fn: fn(xbc, conv, slots, cu, req, conv_w, conv_b)))
-    conv_out = conv_extend(xbc, conv0.clone(), slots, cu, req, conv_w, conv_b)
+                us(lambda fn=fn: fn(xbc, conv, slots, cu, conv_w, conv_b)))
+    conv_out = conv_extend(xbc, conv0.clone(), slots, cu, conv_w, conv_b)
     x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
     args = (A_log, D, dt_bias, 0.0, float("inf"), H, P, G)
 
@@ -105,8 +105,11 @@ def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, row) -
             ssd_module.DOT_PRECISION, ssd_module.SIXTEEN_BIT_DOTS = "tf32", True
         name = "scan: ssd " + (" ".join(f"{k}={v}" for k, v in cfg.items()) or "(default)")
         row(case, name, t, err=f"{err:.1e}")
-    y = y_ref.clone()
+    y = y_ref.to(torch.bfloat16)  # the scan's output as the engine passes it on (the model dtype)
     row(case, "gated norm", us(lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16)))
+    for w in (4, 8, 16) if norm_sweep else ():
+        row(case, f"gated norm num_warps={w}", us(lambda w=w: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16,
+                                                                          num_warps=w)))
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -138,15 +141,15 @@ def host_costs(row) -> None:
     conv = torch.randn(R + 1, conv_dim, K - 1, device=dev, dtype=torch.bfloat16)
     state = torch.zeros(R + 1, H, P, N, device=dev)
     slots = torch.arange(1, R + 1, device=dev)
-    taps, new_rows, cu, req, *chunks = _extend_indices(lens, K, dev)
-    x, Bm, Cm = conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b).split([inter, gn, gn], dim=-1)
+    taps, new_rows, cu, *chunks = _extend_indices(lens, K, dev)
+    x, Bm, Cm = conv_extend(xbc, conv, slots, cu, conv_w, conv_b).split([inter, gn, gn], dim=-1)
     args = (A_log, D, dt_bias, 0.0, float("inf"), H, P, G, cu)
     y = ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args, tuple(chunks))
     mixer = functools.partial(mamba_mixer_forward, zxbcdt, conv, state, conv_w, conv_b, dt_bias, A_log, D, norm_w,
                               H, P, G, N, 256, 1e-5, 0.0, float("inf"), slots, lens, use_triton=True)
     pieces = {
         "host: torch.empty": lambda: torch.empty(T, inter, device=dev),
-        "host: conv_extend": lambda: conv_extend(xbc, conv, slots, cu, req, conv_w, conv_b),
+        "host: conv_extend": lambda: conv_extend(xbc, conv, slots, cu, conv_w, conv_b),
         "host: ssd": lambda: ssd_chunk_scan(x, dt, Bm, Cm, state, slots, *args, tuple(chunks)),
         "host: gated norm": lambda: gated_rms_norm(y, z, norm_w, G, 1e-5, torch.bfloat16),
         "host: mixer": mixer,
@@ -166,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="sweep the SSD kernels' knobs")
     ap.add_argument("--conv-sweep", action="store_true", help="sweep the varlen conv's tiles")
+    ap.add_argument("--norm-sweep", action="store_true", help="sweep the gated norm's warps")
     ap.add_argument("--host", action="store_true", help="also the host cost per call (see the module doc)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -180,7 +184,7 @@ def main() -> None:
         host_costs(row)
     for case, lens in CASES.items():
         one = case.startswith("1x")
-        bench_case(case, lens, a.sweep and one, a.conv_sweep and one, row)
+        bench_case(case, lens, a.sweep and one, a.conv_sweep and one, a.norm_sweep and one, row)
     dev = torch.device("cuda")
     write_report(dict(device=device_tag(dev), shape=dict(heads=H, head_dim=P, groups=G, state=N, conv=K),
                       rows=rows), a.out or f"{RESULTS}/ssd-scan-{device_tag(dev)}.json")

@@ -60,7 +60,8 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, ptr_types: dict | None = 
 def main() -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     shape = dict(HEADS_PER_GROUP=48, P=64, N=128, H=48, PRECISION="low", HAS_COUNTS=False)
-    cases = [("conv extend", conv_extend._conv_extend_kernel, dict(HAS_BIAS=True, K=4, BLOCK_T=16, BLOCK_D=128), 4)]
+    cases = [("conv extend", conv_extend._conv_extend_kernel, dict(HAS_BIAS=True, K=4, BLOCK_T=bt, BLOCK_D=bd), 4)
+             for bt, bd in ((32, 64), (16, 128))]
     cases += [("ssd prep", ssd_scan._ssd_prep_kernel, dict(H=48, G=1, N=128, CHUNK=256, BLOCK_H=4, BLOCK_M=bm,
                                                            BLOCK_N=128, PRECISION="low", HAS_COUNTS=False), 4)
               for bm in (32, 64)]

@@ -62,6 +62,8 @@ def main() -> None:
                     help="also a cProfile of the first case's step (host time by Python function)")
     ap.add_argument("--running", type=int, default=0,
                     help="requests kept decoding (128-token prompts) while the extends are measured")
+    ap.add_argument("--trace", default=None,
+                    help="write each case's profiled step as a Chrome trace: this path with the case appended")
     ap.add_argument("--sort", default="self_cpu_time_total",
                     help="the first case's op table order (self_device_time_total: the kernels by GPU time)")
     args = ap.parse_args()
@@ -89,6 +91,8 @@ def main() -> None:
         walls = [extend_step(engine, n, length, rng, f"t{i}") for i in range(args.iters)]
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         extend_step(engine, n, length, rng, "prof", around=lambda p=prof: p)
+        if args.trace:
+            prof.export_chrome_trace(f"{args.trace.removesuffix('.json')}-{n}x{length}.json")
         events = prof.key_averages()
         # the kernels' own rows only: an op's row carries its kernels' time too, so summing every row counted it twice
         gpu_ms = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3

@@ -353,24 +353,67 @@ def test_piecewise_replay_equals_eager(tiny_llm, lens, prefix_lens, capture_mixe
     release(runner, reqs)
 
 
-def test_hybrid_models_take_piecewise_graphs_by_default_on_cuda():
-    """The rule, without a GPU: a hybrid has no full extend graph, so on CUDA its extends go piecewise unless
-    graphs are off; other models, and the CPU, only when asked for."""
+def test_hybrid_models_take_the_full_extend_graph():
+    """The rule, without a GPU: a hybrid's extends are captured in the full extend graph as any model's are (its
+    mixer reading the step's tables); piecewise graphs only when asked for."""
     from types import SimpleNamespace
 
     from ostinato.config import EngineArgs
     from ostinato.runner.model_runner import ModelRunner
 
-    def wanted(hybrid: bool, device: str, **kw) -> bool:
-        host = SimpleNamespace(args=EngineArgs(**kw), mamba_pool=object() if hybrid else None,
-                               device=torch.device(device))
-        return ModelRunner.piecewise_graphs_wanted.fget(host)
+    def host(**kw):
+        return SimpleNamespace(args=EngineArgs(**kw), mamba_pool=object(), device=torch.device("cuda"),
+                               backend=SimpleNamespace(supports_extend_graphs=True), chunked_prefill_size=8192)
 
-    assert wanted(True, "cuda") and not wanted(False, "cuda") and not wanted(True, "cpu")
-    assert not wanted(True, "cuda", disable_cuda_graph=True)
-    assert not wanted(True, "cuda", extend_cuda_graph_max_tokens=0)
-    assert wanted(False, "cuda", enable_piecewise_cuda_graph=True)
-    assert wanted(True, "cpu", enable_piecewise_cuda_graph=True)
+    assert ModelRunner.extend_graph_max_tokens.fget(host()) == EngineArgs().extend_cuda_graph_max_tokens > 0
+    assert ModelRunner.extend_graph_max_tokens.fget(host(extend_cuda_graph_max_tokens=0)) == 0
+    assert not ModelRunner.piecewise_graphs_wanted.fget(host())
+    assert ModelRunner.piecewise_graphs_wanted.fget(host(enable_piecewise_cuda_graph=True))
+
+
+@pytest.fixture(scope="module")
+def tiny_triton_llm(tiny_dir):
+    from ostinato import LLM
+
+    # the Triton attention backend (Triton's interpreter on the CPU): the full extend graph needs its fixed grid
+    return LLM(tiny_dir, dtype="float32", device="cpu", attention_backend="triton", max_total_tokens=1024,
+               chunked_prefill_size=64, page_size=4, max_running_requests=16, extend_cuda_graph_max_tokens=0)
+
+
+@pytest.mark.parametrize("lens,prefix_lens", [([9, 30, 20], [0, 0, 0]), ([13, 1, 27, 1], [5, 0, 17, 3])])
+def test_extend_graph_replay_equals_eager(tiny_triton_llm, lens, prefix_lens):
+    """The full extend graph on a hybrid, the mixer reading the step's tables (the padding is one more request,
+    on the sink slot). Logits and the requests' Mamba states after a replay equal an eager forward's from the
+    same states, with the static inputs and the tables' unused entries poisoned."""
+    from batch_helpers import extend_batch
+    from test_piecewise import release
+
+    from ostinato.graphs.extend import ExtendGraphRunner
+    from ostinato.layers.mamba_tables import GRAPH_MAX_REQS
+
+    runner = tiny_triton_llm.engine.runner
+    graphs = ExtendGraphRunner(runner, max_tokens=64)
+    assert graphs.max_reqs == min(runner.max_running_requests, GRAPH_MAX_REQS)
+    assert graphs.mamba_tables.max_reqs == graphs.max_reqs + 1  # room for the padding request
+    gen = torch.Generator().manual_seed(sum(lens))
+    seqs = [torch.randint(3, VOCAB, (p + n,), generator=gen).tolist() for p, n in zip(prefix_lens, lens, strict=True)]
+    sched, reqs = extend_batch(runner, seqs, prefix_lens)
+    batch = runner.prepare(sched)
+    assert graphs.can_run(batch) and graphs.padded_size(batch.num_tokens) > batch.num_tokens  # it pads
+    pool, slots = runner.mamba_pool, runner.req_to_token_pool.mamba_slots(batch.req_pool_indices)
+    before = [t[:, slots].clone() for t in (pool.conv, pool.ssm)]
+    eager = runner.forward(batch).clone()  # no extend graph runner attached: eager
+    after = [t[:, slots].clone() for t in (pool.conv, pool.ssm)]
+    for _ in range(2):  # from the same states again, each time over poisoned static buffers
+        for t, b in zip((pool.conv, pool.ssm), before, strict=True):
+            t[:, slots] = b
+        graphs.tokens.random_(1, 200, generator=gen)
+        graphs.mamba_tables.buf.random_(-1000, 1000, generator=gen)  # what a step does not fill must not matter
+        graphs.mamba_tables.slots.random_(0, 1000, generator=gen)
+        torch.testing.assert_close(graphs.replay(batch), eager, rtol=1e-5, atol=1e-5)
+        for t, a in zip((pool.conv, pool.ssm), after, strict=True):
+            torch.testing.assert_close(t[:, slots], a, rtol=1e-5, atol=1e-5)
+    release(runner, reqs)
 
 
 def test_piecewise_steps_past_the_mixer_tables_run_eagerly(tiny_llm):

@@ -1,5 +1,5 @@
-"""Granite-4.0-H on the GPU (dummy granite-4.0-h-1b, bf16): decode-graph replay gives exactly the eager tokens
-(padded rows write their Mamba state to the sink slot), and a prompt prefilled in chunks decodes as one
+"""Granite-4.0-H on the GPU (dummy granite-4.0-h-1b, bf16): decode-graph and extend-graph replays give exactly the
+eager tokens (padded rows write their Mamba state to the sink slot), and a prompt prefilled in chunks decodes as one
 prefilled at once. Skipped without CUDA: `pytest tests/test_granite_hybrid_gpu.py`."""
 
 import pytest
@@ -37,6 +37,27 @@ def test_graph_replay_gives_the_eager_tokens(granite, n):
         eager = [o.outputs[0].token_ids for o in granite.generate(prompts, sp, use_tqdm=False)]
     finally:
         runner.graph_runner = graphs
+    assert graphed == eager
+    granite.engine.check_memory_leak()
+
+
+def test_extend_graph_gives_the_eager_tokens(granite, monkeypatch):
+    """Prefills replayed from the full extend graph (the mixer reading the step's tables; the padding is one more
+    request, on the sink slot) give the tokens eager prefills give."""
+    runner = granite.engine.runner
+    graphs = runner.extend_graph_runner
+    assert graphs is not None and graphs.mamba_tables is not None
+    replays = []
+    monkeypatch.setattr(graphs, "replay", lambda batch, replay=graphs.replay: replays.append(batch) or replay(batch))
+    prompts = _prompts(runner.vocab_size, 4, seed=11)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    graphed = [o.outputs[0].token_ids for o in granite.generate(prompts, sp, use_tqdm=False)]
+    assert len(replays) == 1 and replays[0].batch_size == 4
+    runner.extend_graph_runner = None
+    try:
+        eager = [o.outputs[0].token_ids for o in granite.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        runner.extend_graph_runner = graphs
     assert graphed == eager
     granite.engine.check_memory_leak()
 

@@ -227,13 +227,14 @@ def test_conv_step_kernel_matches_torch(bias):
     assert torch.equal(state[[1, 3]], untouched)
 
 
-@pytest.mark.parametrize("block_t", [4, 16])
+@pytest.mark.parametrize("block_t,captured", [(4, False), (16, False), (16, True)])
 @pytest.mark.parametrize("bias,dtype", [(True, torch.float32), (False, torch.bfloat16)])
-def test_conv_extend_kernel_matches_torch(bias, dtype, block_t):
+def test_conv_extend_kernel_matches_torch(bias, dtype, block_t, captured):
     """The varlen extend conv against the torch gather conv: requests of 1 and 2 tokens (fewer than K-1: the
     stored window shifts), longer ones, scattered slots, D past one block; outputs and the new stored inputs.
-    Token tiles of 4 and 16: tiles with and without a request's first K-1 tokens (which alone read the stored
-    window) in both."""
+    Token tiles of 4 and 16 (the first launch reads across request boundaries; the second redoes each request's
+    first K-1 outputs). `captured`: a grid sized for more requests than the batch has, the real count on the
+    device (a captured step's tables), the entries past it garbage."""
     from ostinato.layers.mamba2 import causal_conv_varlen, extend_conv_indices
     from ostinato.layers.triton_ops.conv_extend import conv_extend
 
@@ -248,8 +249,12 @@ def test_conv_extend_kernel_matches_torch(bias, dtype, block_t):
     taps, new_rows, cu = (t.to(DEVICE) for t in extend_conv_indices(lens, K))
     ref_state = state.clone()
     ref = causal_conv_varlen(xbc, ref_state, slots, taps, new_rows, w, bb)
-    req = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens)).to(DEVICE)
-    out = conv_extend(xbc, state, slots, cu.to(torch.int32), req, w, bb, block_t=block_t)
+    cu, counts = cu.to(torch.int32), None
+    if captured:
+        cu = torch.cat([cu, torch.randint(0, T, (3,), generator=g).to(DEVICE, torch.int32)])
+        slots = torch.cat([slots, torch.tensor([1, 3, 1], device=DEVICE)])
+        counts = torch.tensor([len(lens), 99], dtype=torch.int32, device=DEVICE)
+    out = conv_extend(xbc, state, slots, cu, w, bb, block_t=block_t, counts=counts)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16: rounding
     torch.testing.assert_close(out, ref, **tol)
     assert torch.equal(state, ref_state), "the stored inputs are copies: exact, and only at the batch's slots"

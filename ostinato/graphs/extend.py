@@ -10,6 +10,10 @@ from at most `max_reqs` requests is padded up to the next size. Padded tokens (i
 their K/V to slot 0, the pool's reserved sink, and belong to no request; padded requests have no new
 tokens. The attention kernel runs a fixed grid sized for the captured token count over a block table
 whose unused entries exit at once, so no launch depends on the batch's shape.
+
+Hybrid (Mamba) models: the mixer reads the step's layout from tables at fixed addresses (layers/mamba_tables.py),
+refilled before every capture and replay, where the padded tokens are one more request, on the sink Mamba slot.
+Their steps hold at most `mamba_tables.GRAPH_MAX_REQS` requests.
 """
 
 import bisect
@@ -22,6 +26,9 @@ from ostinato.attention.op import forward_context
 from ostinato.graphs.decode import PAD_SLOT, SEQ_LEN_FILL_VALUE
 from ostinato.graphs.graph import Graph, capture_graphs
 from ostinato.graphs.protocol import GraphHost
+from ostinato.layers.mamba2 import SSD_CHUNK
+from ostinato.layers.mamba_tables import GRAPH_MAX_REQS, MambaStepTables
+from ostinato.mem.mamba_pool import SINK_SLOT
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,10 @@ class ExtendGraphRunner:
         self.token_sizes = extend_token_sizes(max_tokens)
         self.max_tokens = self.token_sizes[-1]
         self.max_reqs = min(runner.max_running_requests, MAX_REQS, self.max_tokens)
+        self.mamba_tables: MambaStepTables | None = None
+        if runner.mamba_pool is not None:
+            self.max_reqs = min(self.max_reqs, GRAPH_MAX_REQS)
+            self.mamba_tables = MambaStepTables(self.max_tokens, self.max_reqs + 1, SSD_CHUNK, self.device)
 
         # Static inputs, written before every replay; columns past the batch hold the padding values.
         n, r, dev = self.max_tokens, self.max_reqs, self.device
@@ -66,8 +77,13 @@ class ExtendGraphRunner:
             positions=self.positions[:num_tokens], req_pool_indices=self.req_pool_indices,
             seq_lens=self.seq_lens, out_cache_loc=self.out_cache_loc[:num_tokens],
             logits_indices=self.logits_indices, seq_lens_cpu=[], extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=extend_lens,
+            extend_seq_lens_cpu=extend_lens, mamba_tables=self.mamba_tables,
+            mamba_slots=None if self.mamba_tables is None else self.mamba_tables.slots,
         )
+
+    def _fill_mamba_tables(self, extend_lens: list[int], slots: torch.Tensor, num_tokens: int) -> None:
+        if self.mamba_tables is not None:  # before the step's kernels run, outside any capture
+            self.mamba_tables.fill(extend_lens, slots, num_tokens)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -79,6 +95,7 @@ class ExtendGraphRunner:
             self.reqs[:] = self.req_pad
             batch = self._batch(num_tokens, [0], [num_tokens])
             backend.init_forward_metadata_extend_graph(batch, num_tokens)
+            self._fill_mamba_tables([num_tokens], torch.full((1,), SINK_SLOT, device=self.device), num_tokens)
 
             def step() -> None:
                 with forward_context(backend, batch, model.attention_specs):
@@ -115,5 +132,6 @@ class ExtendGraphRunner:
         self.reqs[:, bs:] = self.req_pad
         static = self._batch(padded, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)
         self.runner.backend.init_forward_metadata_extend_graph(static, padded)
+        self._fill_mamba_tables(batch.extend_seq_lens_cpu, batch.mamba_slots, padded)
         self.graphs[padded].replay()
         return self.logits[:bs]

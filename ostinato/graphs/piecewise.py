@@ -47,12 +47,11 @@ from ostinato.graphs.decode import PAD_SLOT
 from ostinato.graphs.graph import Graph, capture_stream
 from ostinato.graphs.protocol import GraphHost
 from ostinato.layers.mamba2 import SSD_CHUNK
-from ostinato.layers.mamba_tables import MambaStepTables
+from ostinato.layers.mamba_tables import GRAPH_MAX_REQS, MambaStepTables
 
 logger = logging.getLogger(__name__)
 
 
-MAMBA_GRAPH_MAX_REQS = 16  # hybrid models, mixer captured: the most requests in a piecewise step
 
 
 def piecewise_token_sizes(max_tokens: int, sizes: list[int] | None = None) -> list[int]:
@@ -218,10 +217,7 @@ class PiecewiseGraphRunner:
         self.mamba_tables: MambaStepTables | None = None
         captured = frozenset()
         if runner.mamba_pool is not None and (compiler == "eager" if capture_mixer is None else capture_mixer):
-            # the mixer's grids are sized for the most requests a step may have: a small cap keeps the programs
-            # that exit at once few (at 257, Granite's 2,048-token prefill took 2.5 ms longer); steps with more
-            # requests run eagerly
-            max_reqs = min(runner.max_running_requests, MAMBA_GRAPH_MAX_REQS) + 1  # + the padding request
+            max_reqs = min(runner.max_running_requests, GRAPH_MAX_REQS) + 1  # + the padding request
             self.mamba_tables = MambaStepTables(self.max_tokens, max_reqs, SSD_CHUNK, dev)
             captured = op_overloads(torch.ops.ostinato.mamba_mixer)
         self.backend = PiecewiseBackend(compiler, self._make_runtime, captured)

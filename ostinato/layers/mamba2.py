@@ -168,14 +168,14 @@ _index_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 def _extend_indices(extend_lens: list[int], kernel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """`extend_conv_indices` on the device, made once per batch (every Mamba layer of a forward reuses them),
-    plus each token's request (int32 [T], for the Triton conv) and the SSD kernels' chunk table:
-    (taps, new_rows, cu int32, token_req, chunk_req, chunk_start, chunk_cu)."""
+    with cu_seqlens in int32 and the SSD kernels' chunk table: (taps, new_rows, cu, chunk_req, chunk_start,
+    chunk_cu)."""
     key = (tuple(extend_lens), kernel, device)
     if key not in _index_cache:
         _index_cache.clear()  # one batch at a time
         taps, new_rows, _ = extend_conv_indices(extend_lens, kernel)
         tables = step_tables(extend_lens, SSD_CHUNK)
-        host = (taps, new_rows, *_int32(tables, "cu", "token_req", "chunk_req", "chunk_start", "chunk_cu"))
+        host = (taps, new_rows, *_int32(tables, "cu", "chunk_req", "chunk_start", "chunk_cu"))
         if device.type == "cuda":
             _index_cache[key] = tuple(t.pin_memory().to(device, non_blocking=True) for t in host)
         else:
@@ -232,15 +232,14 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         reqs, chunks = tables.bounds(zxbcdt.shape[0])
         v, step_slots = tables.views, tables.slots[:reqs]
         cu = v["cu"][: reqs + 1]
-        conv_out = conv_extend(xbc, conv_state, step_slots, cu, v["token_req"][: zxbcdt.shape[0]], conv_weight,
-                               conv_bias, counts=tables.counts)
+        conv_out = conv_extend(xbc, conv_state, step_slots, cu, conv_weight, conv_bias, counts=tables.counts)
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
         y = ssd_chunk_scan(x, dt, Bm, Cm, ssm_state, step_slots, A_log, D, dt_bias, dt_min, dt_max, num_heads,
                            head_dim, groups, cu, (v["chunk_req"][:chunks], v["chunk_start"][:chunks],
                                                   v["chunk_cu"][: reqs + 1]),
                            chunk=SSD_CHUNK, counts=tables.counts, out_dtype=x.dtype)
     else:
-        taps, new_rows, cu, token_req, *chunks = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
+        taps, new_rows, cu, *chunks = _extend_indices(extend_lens, conv_weight.shape[1], zxbcdt.device)
         kernels = os.environ.get("OSTINATO_SSM_PREFILL", DEFAULT_SSM_PREFILL) if use_triton else "torch"
         if kernels not in _SSM_PREFILL:
             raise ValueError(f"OSTINATO_SSM_PREFILL={kernels!r}: one of {', '.join(_SSM_PREFILL)}")
@@ -249,7 +248,7 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
         else:  # one Triton launch (and a small one for the stored inputs) for the whole batch
             from ostinato.layers.triton_ops.conv_extend import conv_extend  # lazily: see triton_ops' docstring
 
-            conv_out = conv_extend(xbc, conv_state, slots, cu, token_req, conv_weight, conv_bias)
+            conv_out = conv_extend(xbc, conv_state, slots, cu, conv_weight, conv_bias)
         x, Bm, Cm = conv_out.split([inter, gn, gn], dim=-1)
         scan_args = (x, dt, Bm, Cm, ssm_state, slots, A_log, D, dt_bias, dt_min, dt_max, num_heads, head_dim, groups,
                      cu)

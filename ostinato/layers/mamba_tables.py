@@ -15,6 +15,11 @@ import torch
 
 from ostinato.mem.mamba_pool import SINK_SLOT
 
+# the most requests in a captured Mamba step (the padding request not counted): the grids are sized for the
+# bound, and a small one keeps the programs that exit at once few (at 257, Granite-4.0-H-1B's 2,048-token prefill
+# took 2.5 ms longer); steps with more requests run eagerly
+GRAPH_MAX_REQS = 16
+
 
 def step_bounds(num_tokens: int, max_reqs: int, chunk: int) -> tuple[int, int]:
     """The most requests and SSD chunks a step of `num_tokens` tokens can have: every request has a token, and
@@ -24,17 +29,15 @@ def step_bounds(num_tokens: int, max_reqs: int, chunk: int) -> tuple[int, int]:
 
 
 def step_tables(extend_lens: list[int], chunk: int) -> dict[str, np.ndarray]:
-    """Host int32 tables of requests back to back: cu [R+1] (first token of each), token_req [T] (each
-    token's request), chunk_req / chunk_start [C] (each chunk's request and first token), chunk_cu [R+1]
-    (each request's first chunk)."""
+    """Host int32 tables of requests back to back: cu [R+1] (first token of each), chunk_req / chunk_start [C]
+    (each chunk's request and first token), chunk_cu [R+1] (each request's first chunk)."""
     lens = np.asarray(extend_lens, dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lens)])
     chunks = -(-lens // chunk)
     chunk_cu = np.concatenate([[0], np.cumsum(chunks)])
     chunk_req = np.repeat(np.arange(len(lens)), chunks)
     chunk_start = cu[chunk_req] + (np.arange(int(chunk_cu[-1])) - chunk_cu[chunk_req]) * chunk
-    return {"cu": cu, "token_req": np.repeat(np.arange(len(lens)), lens), "chunk_req": chunk_req,
-            "chunk_start": chunk_start, "chunk_cu": chunk_cu}
+    return {"cu": cu, "chunk_req": chunk_req, "chunk_start": chunk_start, "chunk_cu": chunk_cu}
 
 
 @dataclass
@@ -53,8 +56,8 @@ class MambaStepTables:
 
     def __post_init__(self) -> None:
         max_chunks = step_bounds(self.max_tokens, self.max_reqs, self.chunk)[1]
-        sizes = {"cu": self.max_reqs + 1, "token_req": self.max_tokens, "chunk_req": max_chunks,
-                 "chunk_start": max_chunks, "chunk_cu": self.max_reqs + 1, "counts": 2}
+        sizes = {"cu": self.max_reqs + 1, "chunk_req": max_chunks, "chunk_start": max_chunks,
+                 "chunk_cu": self.max_reqs + 1, "counts": 2}
         # each view starts 16-byte aligned (Triton specializes on pointer alignment: one variant for every step)
         offsets, total = {}, 0
         for name, n in sizes.items():

@@ -18,10 +18,10 @@ from ostinato.distributed.parallel_state import kv_heads_per_rank, min_over_rank
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.graphs.graph import release_graph_pool
-from ostinato.graphs.piecewise import MAMBA_GRAPH_MAX_REQS, PiecewiseGraphRunner
+from ostinato.graphs.piecewise import PiecewiseGraphRunner
 from ostinato.graphs.vit import VitGraphRunner
 from ostinato.layers.mamba2 import SSD_CHUNK, ssd_workspace_bytes
-from ostinato.layers.mamba_tables import step_bounds
+from ostinato.layers.mamba_tables import GRAPH_MAX_REQS, step_bounds
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.loader.kv_scales import KVScaleFilter
 from ostinato.mem.kv_cache import MHATokenToKVPool
@@ -139,14 +139,9 @@ class ModelRunner:
 
     @property
     def piecewise_graphs_wanted(self) -> bool:
-        """Piecewise graphs when asked for, and by default for hybrid models on CUDA: they have no full extend
-        graph (the mixer's grids depend on the batch), and piecewise replays made Granite-4.0-H-1B's 2,048-token
-        prefill 2.25x faster than eager (benchmarks/bench_prefill.py, H200). For them `--disable-cuda-graph` or
-        `--extend-cuda-graph-max-tokens 0` turns that default off, as it turns off other models' extend graphs."""
-        args = self.args
-        return args.enable_piecewise_cuda_graph or (
-            self.mamba_pool is not None and self.device.type == "cuda" and not args.disable_cuda_graph
-            and args.extend_cuda_graph_max_tokens > 0)
+        """Piecewise graphs when asked for (`--enable-piecewise-cuda-graph`); on the CPU too, where the Graph
+        stand-in re-runs each piece."""
+        return self.args.enable_piecewise_cuda_graph
 
     @property
     def piecewise_graph_max_tokens(self) -> int:
@@ -156,7 +151,7 @@ class ModelRunner:
     @property
     def extend_graph_max_tokens(self) -> int:
         """Largest captured extend, in tokens (0: none); never past one prefill chunk."""
-        if not self.backend.supports_extend_graphs or self.mamba_pool is not None:  # hybrid: eager extends
+        if not self.backend.supports_extend_graphs:
             return 0
         return min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
 
@@ -240,17 +235,19 @@ class ModelRunner:
             return DEFAULT_CPU_KV_TOKENS
         activations = self._profile_prefill_bytes(head_dim, kv_dtype)
         graph_reserve = 2 * 256 * self.vocab_size * 4 + (512 << 20)  # static logits + capture workspace
+        extend_tokens = min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
         if not self.args.disable_cuda_graph:  # extend graphs keep the activations of their largest size
-            extend_tokens = min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
             graph_reserve += activations * extend_tokens // self.chunked_prefill_size
         if self.piecewise_graphs_wanted:  # the pieces' outputs and static inputs at the largest size
             graph_reserve += 2 * activations * self.piecewise_graph_max_tokens // self.chunked_prefill_size
-            if self.mamba_pool is not None:  # a captured Mamba step's SSD workspace, per chunk
-                reqs = min(self.max_running_requests, MAMBA_GRAPH_MAX_REQS) + 1
-                chunks = step_bounds(self.piecewise_graph_max_tokens, reqs, SSD_CHUNK)[1]
-                heads, head_dim, state_size = self.mamba_pool.ssm.shape[-3:]
-                groups = (self.mamba_pool.conv.shape[2] - heads * head_dim) // (2 * state_size)  # conv: x, B, C
-                graph_reserve += ssd_workspace_bytes(chunks, heads, head_dim, state_size, groups)
+        captured_mamba_tokens = max(0 if self.args.disable_cuda_graph else extend_tokens,
+                                    self.piecewise_graph_max_tokens if self.piecewise_graphs_wanted else 0)
+        if self.mamba_pool is not None and captured_mamba_tokens:  # a captured Mamba step's SSD workspace
+            reqs = min(self.max_running_requests, GRAPH_MAX_REQS) + 1
+            chunks = step_bounds(captured_mamba_tokens, reqs, SSD_CHUNK)[1]
+            heads, head_dim, state_size = self.mamba_pool.ssm.shape[-3:]
+            groups = (self.mamba_pool.conv.shape[2] - heads * head_dim) // (2 * state_size)  # conv: x, B, C
+            graph_reserve += ssd_workspace_bytes(chunks, heads, head_dim, state_size, groups)
         if self.args.enable_vit_cuda_graph and getattr(self.model, "is_multimodal", False):
             graph_reserve += self.args.vit_cuda_graph_max_mb << 20  # the vision graphs' cap
         free, total = torch.cuda.mem_get_info(self.device)

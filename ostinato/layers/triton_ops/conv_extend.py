@@ -1,10 +1,12 @@
 """The Mamba2 causal conv of a whole extend batch (requests back to back) in two Triton launches:
-1. every token's silu(conv): its K taps read the request's earlier tokens in the batch, or, before the
-   request's first new token, the stored last K-1 inputs at the request's MambaPool slot;
-2. each request's new stored inputs (its last K-1, old ones shifted in when it has fewer than K-1 tokens),
-   written after launch 1 has read the old ones.
+1. every token's silu(conv) over the batch's rows as if they were one sequence: no tables, so the tile's loads
+   issue at once (the rows before the batch read as zeros);
+2. per request: its first K-1 outputs again, whose taps reach before the request's first new token, with the
+   stored last K-1 inputs at the request's MambaPool slot in those places (overwriting what launch 1 wrote
+   there), then the request's new stored inputs (its last K-1, old ones shifted in when it has fewer than K-1
+   tokens), written after the old ones were read.
 No [T, K, D] gather is materialized. The twin is `causal_conv_varlen` in `layers/mamba2.py`; here the sum
-is float32, rounded once to the weight's dtype."""
+is float32 (the taps in order, then the bias), rounded once to the weight's dtype."""
 
 import torch
 import triton
@@ -14,48 +16,35 @@ from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 
 
 @triton.jit
-def _conv_extend_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, req_ptr, w_ptr, b_ptr, out_ptr, T, D, stride_x,
-                        stride_out, stride_s_slot, stride_s_d, HAS_BIAS: tl.constexpr, K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+def _conv_extend_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, D, stride_x, stride_out, HAS_BIAS: tl.constexpr,
+                        K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_t = offs_t < T
     mask_d = offs_d < D
-    mask = mask_t[:, None] & mask_d[None, :]
-    r = tl.load(req_ptr + offs_t, mask=mask_t, other=0)
-    start = tl.load(cu_ptr + r, mask=mask_t, other=0)
-    slot = tl.load(slot_ptr + r, mask=mask_t, other=0).to(tl.int64)
-    pos = offs_t - start  # position within the request's new tokens
+    mask = (offs_t < T)[:, None] & mask_d[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        rows = offs_t - (K - 1) + j
+        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_d[None, :],
+                    mask=mask & (rows >= 0)[:, None], other=0.0).to(tl.float32)
+        acc += v * tl.load(w_ptr + offs_d * K + j, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    # Only a tile holding one of a request's first K-1 tokens reads stored inputs. The stored window's d stride is
-    # K-1, so its loads are scalar, and masked-off loads still issue: other tiles skip them (one uniform branch)
-    reads_stored = tl.min(tl.where(mask_t, pos, K - 1), axis=0) < K - 1
-    for j in tl.static_range(K):
-        x_ptrs = x_ptr + (offs_t - (K - 1) + j).to(tl.int64)[:, None] * stride_x + offs_d[None, :]
-        if reads_stored:
-            q = pos - (K - 1) + j  # the tap's position; < 0: a stored input, at index K-1+q of the window
-            new = (q >= 0)[:, None]
-            v = tl.load(x_ptrs, mask=mask & new, other=0.0).to(tl.float32)
-            v += tl.load(state_ptr + slot[:, None] * stride_s_slot + offs_d[None, :] * stride_s_d
-                         + (K - 1 + q)[:, None], mask=mask & ~new, other=0.0).to(tl.float32)
-        else:
-            v = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc += v * tl.load(w_ptr + offs_d * K + j, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     out = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, counts_ptr, D, stride_x, stride_s_slot, stride_s_d,
-                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_COUNTS: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+def _conv_request_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, counts_ptr, w_ptr, b_ptr, out_ptr, D, stride_x,
+                         stride_out, stride_s_slot, stride_s_d, HAS_BIAS: tl.constexpr, K: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    # out's rows are launch 1's too: the wait (for all of launch 1) comes before any read or write
+    if PDL:  # layers/triton_ops/pdl.py
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
@@ -63,28 +52,43 @@ def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, counts_ptr, D, stride
         if r >= tl.load(counts_ptr):
             return
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask = (offs_d < D)[:, None] & (offs_k < K - 1)[None, :]
+    mask_d = offs_d < D
     start = tl.load(cu_ptr + r)
     n = tl.load(cu_ptr + r + 1) - start
     slot = tl.load(slot_ptr + r).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_s_slot + offs_d * stride_s_d  # [BLOCK_D]: the window's entry 0
+    for i in tl.static_range(K - 1):  # the request's first K-1 outputs (those it has)
+        row_ok = mask_d & (tl.full([BLOCK_D], i, tl.int32) < n)  # (a scalar compare: the interpreter rejects it)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(K):
+            q = i - (K - 1) + j  # the tap's position in the request (<= i < n); < 0: a stored input, at K-1+q
+            if q >= 0:
+                v = tl.load(x_ptr + (start + q).to(tl.int64) * stride_x + offs_d, mask=row_ok, other=0.0)
+            else:
+                v = tl.load(s_ptrs + (K - 1 + q), mask=row_ok, other=0.0)
+            acc += v.to(tl.float32) * tl.load(w_ptr + offs_d * K + j, mask=mask_d, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        out = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + (start + i).to(tl.int64) * stride_out + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask = mask_d[:, None] & (offs_k < K - 1)[None, :]
     q = n - (K - 1) + offs_k  # the position each new stored entry comes from (< 0: an old stored one)
     new = (q >= 0)[None, :]
-    s_ptrs = state_ptr + slot * stride_s_slot + offs_d[:, None] * stride_s_d
     v = tl.load(x_ptr + (start + q).to(tl.int64)[None, :] * stride_x + offs_d[:, None], mask=mask & new, other=0.0)
-    old = tl.load(s_ptrs + (K - 1 + q)[None, :], mask=mask & ~new, other=0.0)
-    v = tl.where(new, v.to(state_ptr.dtype.element_ty), old)  # both read before the store below
-    tl.store(s_ptrs + offs_k[None, :], v, mask=mask)
+    old = tl.load(s_ptrs[:, None] + (K - 1 + q)[None, :], mask=mask & ~new, other=0.0)
+    v = tl.where(new, v.to(state_ptr.dtype.element_ty), old)  # every read of the old window is above this store
+    tl.store(s_ptrs[:, None] + offs_k[None, :], v, mask=mask)
 
 
 def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                token_req: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_t: int = 32,
-                block_d: int = 64, num_warps: int = 4, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """xbc [T, D] (row-strided view fine; requests back to back as `cu_seqlens` [R+1] splits them, `token_req`
-    [T] the request of each token, both int32), conv_state [slots, D, K-1] read and updated in place at
-    `slots` [R], weight [D, K] -> silu(conv) [T, D] in weight's dtype. block_t / block_d / num_warps: the conv
-    kernel's tile (benchmarks/bench_ssd_scan.py --conv-sweep; 32 x 64 was the fastest at granite-1b's shape on
-    an H200). `counts` (int32 device, counts[0] the real request count): the tables are a captured step's
+                weight: torch.Tensor, bias: torch.Tensor | None, block_t: int = 32, block_d: int = 64,
+                num_warps: int = 4, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """xbc [T, D] (row-strided view fine; requests back to back as `cu_seqlens` [R+1] int32 splits them),
+    conv_state [slots, D, K-1] read and updated in place at `slots` [R], weight [D, K] -> silu(conv) [T, D] in
+    weight's dtype. block_t / block_d / num_warps: launch 1's tile (benchmarks/bench_ssd_scan.py --conv-sweep).
+    `counts` (int32 device, counts[0] the real request count): the tables are a captured step's
     (layers/mamba_tables.py), R is their bound, and requests past counts[0] are skipped; every one of the T
     tokens must still belong to a request."""
     T, D = xbc.shape
@@ -93,16 +97,17 @@ def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
     out = torch.empty(T, D, dtype=weight.dtype, device=xbc.device)
     R = cu_seqlens.shape[0] - 1
     pdl = pdl_enabled(xbc)
+    b = weight if bias is None else bias
     if T:
         _conv_extend_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
-            xbc, conv_state, slots, cu_seqlens, token_req, weight, weight if bias is None else bias, out, T, D,
-            xbc.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), HAS_BIAS=bias is not None,
-            K=K, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps, PDL=pdl, launch_pdl=pdl,
+            xbc, weight, b, out, T, D, xbc.stride(0), out.stride(0), HAS_BIAS=bias is not None, K=K,
+            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps, PDL=pdl, launch_pdl=pdl,
         )
     block_d = 256
-    _conv_state_kernel[(R, triton.cdiv(D, block_d))](
-        xbc, conv_state, slots, cu_seqlens, cu_seqlens if counts is None else counts, D, xbc.stride(0),
-        conv_state.stride(0), conv_state.stride(1), K=K, BLOCK_K=triton.next_power_of_2(K - 1), BLOCK_D=block_d,
-        HAS_COUNTS=counts is not None, PDL=pdl, launch_pdl=pdl,
+    _conv_request_kernel[(R, triton.cdiv(D, block_d))](
+        xbc, conv_state, slots, cu_seqlens, cu_seqlens if counts is None else counts, weight, b, out, D,
+        xbc.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), HAS_BIAS=bias is not None, K=K,
+        BLOCK_K=triton.next_power_of_2(K - 1), BLOCK_D=block_d, HAS_COUNTS=counts is not None, PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
