@@ -28,10 +28,9 @@ def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, str
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float,
-                   dtype: torch.dtype, num_warps: int | None = None) -> torch.Tensor:
+                   dtype: torch.dtype, num_warps: int = 4) -> torch.Tensor:
     """y [T, I] (float32 or the model dtype; the math is float32), z [T, I] (row-strided view fine) -> [T, I] in
-    `dtype`. One program per token and group; `num_warps` by default one per 256 channels of a group, at most 16
-    (benchmarks/bench_ssd_scan.py --norm-sweep)."""
+    `dtype`. One program per token and group, of `num_warps` warps (benchmarks/bench_ssd_scan.py --norm-sweep)."""
     T, inter = y.shape
     assert y.stride(-1) == 1 and z.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == dtype
     out = torch.empty(T, inter, dtype=dtype, device=y.device)
@@ -40,5 +39,5 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     pdl = pdl_enabled(y)
     _gated_rms_norm_kernel[(T, groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), float(eps),
                                         GROUP=group, BLOCK=block, PDL=pdl, launch_pdl=pdl,
-                                        num_warps=num_warps or min(16, max(4, block // 256)))
+                                        num_warps=num_warps)
     return out
