@@ -74,7 +74,7 @@ def bench_case(case: str, lens: list[int], sweep: bool, conv_sweep: bool, norm_s
     conv_sets = [(c.split([inter, conv_dim, H], dim=-1)[1], conv, slots, cu, conv_w, conv_b) for c in copies]
     row(case, "conv: triton varlen", us(rotating(conv_extend, conv_sets)))
     if sweep or conv_sweep:
-        for bt, bd, w in [(32, 64, 2), (32, 64, 8), (64, 64, 4), (64, 64, 8), (32, 128, 4), (64, 128, 8),
+        for bt, bd, w in [(32, 64, 4), (32, 64, 8), (64, 64, 4), (64, 64, 8), (32, 128, 4), (64, 128, 8),
                           (16, 128, 4), (128, 64, 8), (32, 256, 8), (16, 256, 4)]:
             fn = functools.partial(conv_extend, block_t=bt, block_d=bd, num_warps=w)
             row(case, f"conv: triton varlen block_t={bt} block_d={bd} num_warps={w}",
