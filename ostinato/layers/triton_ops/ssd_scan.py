@@ -178,15 +178,6 @@ def _ssd_states_kernel(x_ptr, b_ptr, dtc_ptr, acum_ptr, ws_ptr, cu_ptr, chunk_re
 
 
 @triton.jit
-def _carry_operands(ws_ptr, acum_ptr, k, k1, offs, h, mask, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                    CHUNK: tl.constexpr):
-    """Chunk k's own state (from ws) and log-decay over the chunk, k clamped to the request's last chunk k1-1."""
-    k = tl.minimum(k, k1 - 1)
-    own = tl.load(ws_ptr + k * (H * P * N) + offs, mask=mask, other=0.0)
-    return own, tl.load(acum_ptr + k * (H * CHUNK) + h * CHUNK + CHUNK - 1, mask=mask, other=0.0)
-
-
-@triton.jit
 def _ssd_carry_kernel(ws_ptr, win_ptr, acum_ptr, state_ptr, slot_ptr, chunk_cu_ptr, counts_ptr, stride_s_slot,
                       stride_s_h, stride_s_p, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK: tl.constexpr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
@@ -212,16 +203,14 @@ def _ssd_carry_kernel(ws_ptr, win_ptr, acum_ptr, state_ptr, slot_ptr, chunk_cu_p
         s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
         k1 = tl.load(chunk_cu_ptr + r + 1).to(tl.int64)
         k = tl.load(chunk_cu_ptr + r).to(tl.int64)
-        # four chunks' own states and decays in flight (the loads do not wait on the carry; past the request's last
-        # chunk they reload it, unused): one chunk ahead left each step waiting out a load's latency
-        o0, d0 = _carry_operands(ws_ptr, acum_ptr, k, k1, offs, h, mask, H, P, N, CHUNK)
-        o1, d1 = _carry_operands(ws_ptr, acum_ptr, k + 1, k1, offs, h, mask, H, P, N, CHUNK)
-        o2, d2 = _carry_operands(ws_ptr, acum_ptr, k + 2, k1, offs, h, mask, H, P, N, CHUNK)
+        own = tl.load(ws_ptr + k * (H * P * N) + offs, mask=mask, other=0.0)  # every request has a chunk
         while k < k1:
-            o3, d3 = _carry_operands(ws_ptr, acum_ptr, k + 3, k1, offs, h, mask, H, P, N, CHUNK)
+            # one chunk ahead (the last chunk reloads itself, unused): the loads do not wait on the carry
+            nxt = tl.load(ws_ptr + tl.minimum(k + 1, k1 - 1) * (H * P * N) + offs, mask=mask, other=0.0)
+            decay = tl.exp(tl.load(acum_ptr + k * (H * CHUNK) + h * CHUNK + CHUNK - 1, mask=mask, other=0.0))
             tl.store(win_ptr + k * (H * P * N) + offs, s.to(win_ptr.dtype.element_ty), mask=mask)
-            s = tl.exp(d0) * s + o0
-            o0, o1, o2, d0, d1, d2 = o1, o2, o3, d1, d2, d3
+            s = decay * s + own
+            own = nxt
             k += 1
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask)
 
