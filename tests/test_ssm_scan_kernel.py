@@ -81,7 +81,7 @@ def test_scan_kernel_matches_torch(lens):
     ([37], 16, 32, 1, torch.float32),               # a full chunk of 32 and a tail of 5; N in 2 state blocks
     ([16, 1, 50, 9, 33], 8, 8, 2, torch.float32),   # a batch: exact chunk, a 1-token request, tails; P, N < blocks
     ([5, 64, 20], 32, 8, 3, torch.bfloat16),        # P over two row blocks of 16; bf16 activations, as served
-    ([200, 3, 129], 8, 8, 4, torch.float32),        # 7 and 5 chunks: the carry's loads four chunks ahead wrap
+    ([200, 3, 129], 8, 8, 4, torch.float32),        # 7 and 5 chunks: the carry walks several
 ])
 @pytest.mark.parametrize("block_s", [None, 32])  # source blocks of 16 (the row block) and of 32
 def test_ssd_chunk_kernel_matches_torch(lens, P, N, seed, dtype, block_s):
