@@ -43,9 +43,8 @@ class EngineArgs:
     limit_mm_per_prompt: int = _arg(4, "vision models: most images in one prompt")
     allowed_local_media_path: str | None = _arg(None, "vision models: file:// image URLs are read only under this dir")
     enable_piecewise_cuda_graph: bool = _arg(False, "replay extend and mixed steps from piecewise CUDA graphs "
-                                             "(torch.compile split at attention; CPU: the graph stand-in); on by "
-                                             "default for hybrid (Mamba) models on CUDA, which have no full extend "
-                                             "graph")
+                                             "(torch.compile split at attention; CPU: the graph stand-in); the full "
+                                             "extend graph still takes the steps it can run")
     piecewise_cuda_graph_tokens: list[int] | None = _arg(None, "token counts to capture piecewise (default: 4..256 "
                                                          "by powers of two, then every 256)")
     piecewise_cuda_graph_max_tokens: int = _arg(2048, "largest piecewise-captured step, in tokens")
