@@ -319,8 +319,7 @@ def test_piecewise_replay_equals_eager(tiny_llm, lens, prefix_lens, capture_mixe
     padding is one more request, on the sink slot) or a split op between them (run eagerly on the real rows).
     Logits and the requests' Mamba states after a replay equal an eager forward's from the same states, with
     every static buffer and the tables' unused entries poisoned."""
-    from batch_helpers import extend_batch
-    from test_piecewise import poison, release
+    from test_piecewise import poison
 
     from ostinato.graphs.piecewise import PiecewiseGraphRunner
 
@@ -331,6 +330,22 @@ def test_piecewise_replay_equals_eager(tiny_llm, lens, prefix_lens, capture_mixe
     assert graphs.backend.splits[0].num_split_calls == (1 if capture_mixer else 4)
     assert graphs.num_pieces == graphs.backend.splits[0].num_split_calls + 1
     assert (graphs.mamba_tables is not None) == capture_mixer
+
+    def poison_buffers(gen):
+        poison(graphs, gen)
+        if graphs.mamba_tables is not None:  # what a step does not fill must not matter
+            graphs.mamba_tables.buf.random_(-1000, 1000, generator=gen)
+            graphs.mamba_tables.slots.random_(0, 1000, generator=gen)
+
+    replay_equals_eager(runner, graphs, lens, prefix_lens, poison_buffers, tol=0)
+
+
+def replay_equals_eager(runner, graphs, lens, prefix_lens, poison_buffers, tol: float) -> None:
+    """A padded extend batch replayed twice from `graphs`, each time from the same Mamba states and after
+    `poison_buffers(generator)`: the logits and the requests' states equal an eager forward's (within `tol`)."""
+    from batch_helpers import extend_batch
+    from test_piecewise import release
+
     gen = torch.Generator().manual_seed(sum(lens))
     seqs = [torch.randint(3, VOCAB, (p + n,), generator=gen).tolist() for p, n in zip(prefix_lens, lens, strict=True)]
     sched, reqs = extend_batch(runner, seqs, prefix_lens)
@@ -338,18 +353,15 @@ def test_piecewise_replay_equals_eager(tiny_llm, lens, prefix_lens, capture_mixe
     assert graphs.can_run(batch) and graphs.padded_size(batch.num_tokens) > batch.num_tokens  # it pads
     pool, slots = runner.mamba_pool, runner.req_to_token_pool.mamba_slots(batch.req_pool_indices)
     before = [t[:, slots].clone() for t in (pool.conv, pool.ssm)]
-    eager = runner.forward(batch).clone()
+    eager = runner.forward(batch).clone()  # no graph runner attached to the runner: eager
     after = [t[:, slots].clone() for t in (pool.conv, pool.ssm)]
     for _ in range(2):  # from the same states again, each time over poisoned static buffers
         for t, b in zip((pool.conv, pool.ssm), before, strict=True):
             t[:, slots] = b
-        poison(graphs, gen)
-        if graphs.mamba_tables is not None:  # what a step does not fill must not matter
-            graphs.mamba_tables.buf.random_(-1000, 1000, generator=gen)
-            graphs.mamba_tables.slots.random_(0, 1000, generator=gen)
-        torch.testing.assert_close(graphs.replay(batch), eager, rtol=0, atol=0)
+        poison_buffers(gen)
+        torch.testing.assert_close(graphs.replay(batch), eager, rtol=tol, atol=tol)
         for t, a in zip((pool.conv, pool.ssm), after, strict=True):
-            torch.testing.assert_close(t[:, slots], a, rtol=0, atol=0)
+            torch.testing.assert_close(t[:, slots], a, rtol=tol, atol=tol)
     release(runner, reqs)
 
 
@@ -385,8 +397,6 @@ def test_extend_graph_replay_equals_eager(tiny_triton_llm, lens, prefix_lens):
     """The full extend graph on a hybrid, the mixer reading the step's tables (the padding is one more request,
     on the sink slot). Logits and the requests' Mamba states after a replay equal an eager forward's from the
     same states, with the static inputs and the tables' unused entries poisoned."""
-    from batch_helpers import extend_batch
-    from test_piecewise import release
 
     from ostinato.graphs.extend import ExtendGraphRunner
     from ostinato.layers.mamba_tables import GRAPH_MAX_REQS
@@ -395,25 +405,13 @@ def test_extend_graph_replay_equals_eager(tiny_triton_llm, lens, prefix_lens):
     graphs = ExtendGraphRunner(runner, max_tokens=64)
     assert graphs.max_reqs == min(runner.max_running_requests, GRAPH_MAX_REQS)
     assert graphs.mamba_tables.max_reqs == graphs.max_reqs + 1  # room for the padding request
-    gen = torch.Generator().manual_seed(sum(lens))
-    seqs = [torch.randint(3, VOCAB, (p + n,), generator=gen).tolist() for p, n in zip(prefix_lens, lens, strict=True)]
-    sched, reqs = extend_batch(runner, seqs, prefix_lens)
-    batch = runner.prepare(sched)
-    assert graphs.can_run(batch) and graphs.padded_size(batch.num_tokens) > batch.num_tokens  # it pads
-    pool, slots = runner.mamba_pool, runner.req_to_token_pool.mamba_slots(batch.req_pool_indices)
-    before = [t[:, slots].clone() for t in (pool.conv, pool.ssm)]
-    eager = runner.forward(batch).clone()  # no extend graph runner attached: eager
-    after = [t[:, slots].clone() for t in (pool.conv, pool.ssm)]
-    for _ in range(2):  # from the same states again, each time over poisoned static buffers
-        for t, b in zip((pool.conv, pool.ssm), before, strict=True):
-            t[:, slots] = b
+
+    def poison_buffers(gen):
         graphs.tokens.random_(1, 200, generator=gen)
         graphs.mamba_tables.buf.random_(-1000, 1000, generator=gen)  # what a step does not fill must not matter
         graphs.mamba_tables.slots.random_(0, 1000, generator=gen)
-        torch.testing.assert_close(graphs.replay(batch), eager, rtol=1e-5, atol=1e-5)
-        for t, a in zip((pool.conv, pool.ssm), after, strict=True):
-            torch.testing.assert_close(t[:, slots], a, rtol=1e-5, atol=1e-5)
-    release(runner, reqs)
+
+    replay_equals_eager(runner, graphs, lens, prefix_lens, poison_buffers, tol=1e-5)
 
 
 def test_piecewise_steps_past_the_mixer_tables_run_eagerly(tiny_llm):

@@ -30,15 +30,24 @@ def test_graph_replay_gives_the_eager_tokens(granite, n):
     runner = granite.engine.runner
     assert runner.graph_runner is not None and runner.mamba_pool is not None
     prompts = _prompts(runner.vocab_size, n, seed=n)
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    graphed = [o.outputs[0].token_ids for o in granite.generate(prompts, sp, use_tqdm=False)]
-    graphs, runner.graph_runner = runner.graph_runner, None
-    try:
-        eager = [o.outputs[0].token_ids for o in granite.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        runner.graph_runner = graphs
+    graphed, eager = _with_and_without(granite, "graph_runner", prompts, max_tokens=32)
     assert graphed == eager
     granite.engine.check_memory_leak()
+
+
+def _with_and_without(granite, graphs_attr: str, prompts: list[dict], max_tokens: int) -> tuple[list, list]:
+    """Greedy tokens of `prompts` with the runner's `graphs_attr` graph runner, then with it detached (eager)."""
+    runner = granite.engine.runner
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    runs = []
+    graphs = getattr(runner, graphs_attr)
+    try:
+        for attached in (graphs, None):
+            setattr(runner, graphs_attr, attached)
+            runs.append([o.outputs[0].token_ids for o in granite.generate(prompts, sp, use_tqdm=False)])
+    finally:
+        setattr(runner, graphs_attr, graphs)
+    return runs[0], runs[1]
 
 
 def test_extend_graph_gives_the_eager_tokens(granite, monkeypatch):
@@ -49,15 +58,9 @@ def test_extend_graph_gives_the_eager_tokens(granite, monkeypatch):
     assert graphs is not None and graphs.mamba_tables is not None
     replays = []
     monkeypatch.setattr(graphs, "replay", lambda batch, replay=graphs.replay: replays.append(batch) or replay(batch))
-    prompts = _prompts(runner.vocab_size, 4, seed=11)
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    graphed = [o.outputs[0].token_ids for o in granite.generate(prompts, sp, use_tqdm=False)]
-    assert len(replays) == 1 and replays[0].batch_size == 4
-    runner.extend_graph_runner = None
-    try:
-        eager = [o.outputs[0].token_ids for o in granite.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        runner.extend_graph_runner = graphs
+    graphed, eager = _with_and_without(granite, "extend_graph_runner", _prompts(runner.vocab_size, 4, seed=11),
+                                       max_tokens=8)
+    assert len(replays) == 1 and replays[0].batch_size == 4  # the graphed run's one prefill step
     assert graphed == eager
     granite.engine.check_memory_leak()
 
