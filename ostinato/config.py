@@ -44,7 +44,8 @@ class EngineArgs:
     allowed_local_media_path: str | None = _arg(None, "vision models: file:// image URLs are read only under this dir")
     enable_piecewise_cuda_graph: bool = _arg(False, "replay extend and mixed steps from piecewise CUDA graphs "
                                              "(torch.compile split at attention; CPU: the graph stand-in); the full "
-                                             "extend graph still takes the steps it can run")
+                                             "extend graph still takes the steps it can run. On by default for "
+                                             "hybrid (Mamba) models with --enable-mixed-chunk")
     piecewise_cuda_graph_tokens: list[int] | None = _arg(None, "token counts to capture piecewise (default: 4..256 "
                                                          "by powers of two, then every 256)")
     piecewise_cuda_graph_max_tokens: int = _arg(2048, "largest piecewise-captured step, in tokens")

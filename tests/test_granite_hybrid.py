@@ -367,20 +367,28 @@ def replay_equals_eager(runner, graphs, lens, prefix_lens, poison_buffers, tol: 
 
 def test_hybrid_models_take_the_full_extend_graph():
     """The rule, without a GPU: a hybrid's extends are captured in the full extend graph as any model's are (its
-    mixer reading the step's tables); piecewise graphs only when asked for."""
+    mixer reading the step's tables); piecewise graphs when asked for, or for its mixed steps."""
     from types import SimpleNamespace
 
     from ostinato.config import EngineArgs
     from ostinato.runner.model_runner import ModelRunner
 
-    def host(**kw):
-        return SimpleNamespace(args=EngineArgs(**kw), mamba_pool=object(), device=torch.device("cuda"),
-                               backend=SimpleNamespace(supports_extend_graphs=True), chunked_prefill_size=8192)
+    def host(hybrid: bool = True, device: str = "cuda", **kw):
+        return SimpleNamespace(args=EngineArgs(**kw), mamba_pool=object() if hybrid else None,
+                               device=torch.device(device), chunked_prefill_size=8192,
+                               backend=SimpleNamespace(supports_extend_graphs=True))
+
+    def piecewise(**kw) -> bool:
+        return ModelRunner.piecewise_graphs_wanted.fget(host(**kw))
 
     assert ModelRunner.extend_graph_max_tokens.fget(host()) == EngineArgs().extend_cuda_graph_max_tokens > 0
     assert ModelRunner.extend_graph_max_tokens.fget(host(extend_cuda_graph_max_tokens=0)) == 0
-    assert not ModelRunner.piecewise_graphs_wanted.fget(host())
-    assert ModelRunner.piecewise_graphs_wanted.fget(host(enable_piecewise_cuda_graph=True))
+    assert not piecewise() and piecewise(enable_piecewise_cuda_graph=True)
+    # mixed steps (which the full graph cannot take) replay piecewise for hybrids on CUDA, unless graphs are off
+    assert piecewise(enable_mixed_chunk=True)
+    assert not piecewise(enable_mixed_chunk=True, hybrid=False) and not piecewise(enable_mixed_chunk=True, device="cpu")
+    assert not piecewise(enable_mixed_chunk=True, disable_cuda_graph=True)
+    assert not piecewise(enable_mixed_chunk=True, extend_cuda_graph_max_tokens=0)
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,27 @@ def test_extend_graph_gives_the_eager_tokens(granite, monkeypatch):
     granite.engine.check_memory_leak()
 
 
+def test_mixed_steps_replay_piecewise_graphs(monkeypatch):
+    """With --enable-mixed-chunk a hybrid captures piecewise graphs beside the full extend graph, and its mixed steps
+    (a prefill chunk beside decoding rows, which the full graph cannot take) replay from them."""
+    llm = LLM("granite-4.0-h-1b", load_format="dummy", max_total_tokens=100_000, max_running_requests=32,
+              cuda_graph_bs=[1, 2, 4, 8], enable_mixed_chunk=True, chunked_prefill_size=512,
+              piecewise_cuda_graph_tokens=[256, 512])
+    try:
+        runner = llm.engine.runner
+        assert runner.piecewise_graph_runner is not None and runner.extend_graph_runner is not None
+        replays, pieces = [], runner.piecewise_graph_runner
+        monkeypatch.setattr(pieces, "replay", lambda batch, run=pieces.replay: replays.append(batch) or run(batch))
+        prompts = _prompts(runner.vocab_size, 4, seed=3)
+        prompts[-1]["prompt_token_ids"] = (prompts[-1]["prompt_token_ids"] * 20)[:1500]  # three chunks
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+        assert replays, "no mixed step replayed piecewise"
+        llm.engine.check_memory_leak()
+    finally:
+        llm.shutdown()
+
+
 def test_chunked_prefill_continues_the_state(granite):
     """The same prompt, prefilled whole and cut into chunks (by a smaller chunk budget): same tokens."""
     runner = granite.engine.runner

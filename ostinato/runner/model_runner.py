@@ -139,9 +139,14 @@ class ModelRunner:
 
     @property
     def piecewise_graphs_wanted(self) -> bool:
-        """Piecewise graphs when asked for (`--enable-piecewise-cuda-graph`); on the CPU too, where the Graph
-        stand-in re-runs each piece."""
-        return self.args.enable_piecewise_cuda_graph
+        """Piecewise graphs when asked for (`--enable-piecewise-cuda-graph`; on the CPU too, where the Graph
+        stand-in re-runs each piece), and by default for hybrid models on CUDA with `--enable-mixed-chunk`: the
+        full extend graph cannot take mixed steps, and a hybrid's eager step (a launch per Mamba kernel) took 2.25x
+        the piecewise replay at 2,048 tokens (benchmarks/bench_prefill.py, H200)."""
+        args = self.args
+        return args.enable_piecewise_cuda_graph or (
+            self.mamba_pool is not None and self.device.type == "cuda" and args.enable_mixed_chunk
+            and not args.disable_cuda_graph and args.extend_cuda_graph_max_tokens > 0)
 
     @property
     def piecewise_graph_max_tokens(self) -> int:
