@@ -52,8 +52,6 @@ from ostinato.layers.mamba_tables import GRAPH_MAX_REQS, MambaStepTables
 logger = logging.getLogger(__name__)
 
 
-
-
 def piecewise_token_sizes(max_tokens: int, sizes: list[int] | None = None) -> list[int]:
     """Ascending token counts to capture: given, or 4, 8, ..., 256 by powers of two then every 256, up to
     and including `max_tokens`."""

@@ -245,7 +245,7 @@ def mamba_mixer_forward(zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_stat
             raise ValueError(f"OSTINATO_SSM_PREFILL={kernels!r}: one of {', '.join(_SSM_PREFILL)}")
         if kernels in ("ssd-torchconv", "serial", "torch"):  # the torch gather conv: the reference, the older path
             conv_out = causal_conv_varlen(xbc, conv_state, slots, taps, new_rows, conv_weight, conv_bias)
-        else:  # one Triton launch (and a small one for the stored inputs) for the whole batch
+        else:  # one Triton launch for the whole batch, and a small one per request (its window)
             from ostinato.layers.triton_ops.conv_extend import conv_extend  # lazily: see triton_ops' docstring
 
             conv_out = conv_extend(xbc, conv_state, slots, cu, conv_weight, conv_bias)
