@@ -35,9 +35,8 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     assert y.stride(-1) == 1 and z.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == dtype
     out = torch.empty(T, inter, dtype=dtype, device=y.device)
     group = inter // groups
-    block = triton.next_power_of_2(group)
     pdl = pdl_enabled(y)
     _gated_rms_norm_kernel[(T, groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), float(eps),
-                                        GROUP=group, BLOCK=block, PDL=pdl, launch_pdl=pdl,
-                                        num_warps=num_warps)
+                                        GROUP=group, BLOCK=triton.next_power_of_2(group), PDL=pdl,
+                                        launch_pdl=pdl, num_warps=num_warps)
     return out
