@@ -384,6 +384,7 @@ def test_hybrid_models_take_the_full_extend_graph():
     assert ModelRunner.extend_graph_max_tokens.fget(host()) == EngineArgs().extend_cuda_graph_max_tokens > 0
     assert ModelRunner.extend_graph_max_tokens.fget(host(extend_cuda_graph_max_tokens=0)) == 0
     assert not piecewise() and piecewise(enable_piecewise_cuda_graph=True)
+    assert piecewise(device="cpu", enable_piecewise_cuda_graph=True)  # the CPU stand-in, when asked for
     # mixed steps (which the full graph cannot take) replay piecewise for hybrids on CUDA, unless graphs are off
     assert piecewise(enable_mixed_chunk=True)
     assert not piecewise(enable_mixed_chunk=True, hybrid=False) and not piecewise(enable_mixed_chunk=True, device="cpu")

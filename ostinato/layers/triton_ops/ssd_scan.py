@@ -295,7 +295,7 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
     counts. block_m / block_s (the outputs' row and source blocks; block_s a multiple of block_m, at least it) /
     block_p / block_l / state_block / the warps / carry_block: tuning knobs
     (benchmarks/bench_ssd_scan.py --sweep); the defaults were the fastest at granite-1b's shape on an H200.
-    Workspace: `workspace_bytes`."""
+    Workspace: `layers.mamba2.ssd_workspace_bytes`."""
     T = x.shape[0]
     N = state.shape[-1]
     H, P = num_heads, head_dim
