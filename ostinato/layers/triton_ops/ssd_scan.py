@@ -52,6 +52,16 @@ def _dot(a, b, PRECISION: tl.constexpr, LOW: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, PRECISION: tl.constexpr, LOW: tl.constexpr):
+    """acc + a @ b as `_dot`, summed in acc's registers (no second accumulator beside it)."""
+    if PRECISION == "low":
+        out = tl.dot(a.to(LOW), b.to(LOW), acc=acc)
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
 def _chunk_program(counts_ptr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr):
     """After the PDL wait (layers/triton_ops/pdl.py: nothing read or written before it), this program's chunk k
     (the grid's first axis) and whether k lies past the real chunk count: with HAS_COUNTS the grid is sized
@@ -249,7 +259,9 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
                  other=0.0)  # [BLOCK_M, BLOCK_N]
     s_in = tl.load(win_ptr + k.to(tl.int64) * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :],
                    mask=mask_p[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_P, BLOCK_N]
-    acc = _dot(cm, tl.trans(s_in), PRECISION, low) * tl.exp(a_m)[:, None]
+    # the dots compute y^T [BLOCK_P, BLOCK_M]: the state rows are the dots' M, a warpgroup's 64 for wgmma on Hopper
+    # (y's rows as M, 32 of them, took mma.sync with every warp loading all of w: 3% slower for the whole scan)
+    acc = _dot(s_in, tl.trans(cm), PRECISION, low) * tl.exp(a_m)[None, :]
     cb_rows = cb_ptr + (k.to(tl.int64) * (H // HEADS_PER_GROUP) + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK
     for s0 in range(0, m0 + BLOCK_M, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
@@ -261,14 +273,14 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
         a_s = tl.load(acum_ptr + base + offs_s)
         w = cb * tl.exp(tl.minimum(a_m[:, None] - a_s[None, :], 0.0)) * tl.load(dtc_ptr + base + offs_s)[None, :]
         w = tl.where(offs_m[:, None] >= offs_s[None, :], w, 0.0)
-        xs = tl.load(x_ptr + t_s[:, None] * stride_x + h * P + offs_p[None, :],
-                     mask=mask_s[:, None] & mask_p[None, :], other=0.0)
-        acc += _dot(w, xs, PRECISION, low)
-    xm = tl.load(x_ptr + t_m[:, None] * stride_x + h * P + offs_p[None, :], mask=mask_m[:, None] & mask_p[None, :],
-                 other=0.0)
-    acc += tl.load(d_ptr + h).to(tl.float32) * xm.to(tl.float32)
-    tl.store(y_ptr + t_m[:, None] * stride_y + h * P + offs_p[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_p[None, :])
+        xst = tl.load(x_ptr + t_s[None, :] * stride_x + h * P + offs_p[:, None],
+                      mask=mask_s[None, :] & mask_p[:, None], other=0.0)  # [BLOCK_P, BLOCK_S]
+        acc = _dot_acc(xst, tl.trans(w), acc, PRECISION, low)
+    xmt = tl.load(x_ptr + t_m[None, :] * stride_x + h * P + offs_p[:, None], mask=mask_m[None, :] & mask_p[:, None],
+                  other=0.0)
+    acc += tl.load(d_ptr + h).to(tl.float32) * xmt.to(tl.float32)
+    tl.store(y_ptr + t_m[None, :] * stride_y + h * P + offs_p[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[None, :] & mask_p[:, None])
 
 
 def dot_precision(dtype: torch.dtype) -> str:
