@@ -7,11 +7,17 @@ that forgets to copy an input into them, or reads a result from anywhere else, f
 """
 
 import gc
+import logging
 import time
 from collections.abc import Callable, Hashable
 
 import torch
 from tqdm import tqdm
+
+from ostinato.graphs import memset_hoist
+
+logger = logging.getLogger(__name__)
+_hoist_enabled = memset_hoist.ENABLED
 
 _pools: dict[int, object] = {}
 
@@ -46,6 +52,21 @@ def release_graph_pool(device: torch.device) -> None:
         _pools.pop(device.index if device.index is not None else torch.cuda.current_device(), None)
 
 
+def hoist_memsets(graph: "torch.cuda.CUDAGraph", device: torch.device, stream: "torch.cuda.Stream") -> int:
+    """cuBLAS's workspace memsets in a captured graph, off its critical path (graphs/memset_hoist.py); 0 where
+    the driver API or the workspace probe is missing (the graph is left as captured)."""
+    global _hoist_enabled
+    if not _hoist_enabled:
+        return 0
+    try:
+        workspace = memset_hoist.probe(device, stream)
+        return memset_hoist.hoist_cublas_memsets(graph.raw_cuda_graph(), workspace) if workspace else 0
+    except (AttributeError, OSError, RuntimeError) as e:  # an older driver, no libcuda: graphs as captured
+        logger.warning("cuBLAS memsets stay on the graphs' critical path: %s", e)
+        _hoist_enabled = False
+        return 0
+
+
 class Graph:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -58,18 +79,21 @@ class Graph:
         allocator's caches before each capture (releasing and re-allocating the cached device memory every
         time, for each of the hundreds of piecewise captures; their runner empties them once at the end)."""
         if self.device.type == "cuda":
-            self._cuda_graph = torch.cuda.CUDAGraph()
-            if free_memory or stream is None:
+            stream = stream or capture_stream(self.device)
+            self._cuda_graph = torch.cuda.CUDAGraph(keep_graph=True)  # edited before it is instantiated
+            if free_memory:
                 with torch.cuda.graph(self._cuda_graph, pool=shared_graph_pool(self.device), stream=stream):
                     fn()
-                return
-            torch.cuda.synchronize(self.device)
-            with torch.cuda.stream(stream):
-                self._cuda_graph.capture_begin(pool=shared_graph_pool(self.device))
-                try:
-                    fn()
-                finally:
-                    self._cuda_graph.capture_end()
+            else:
+                torch.cuda.synchronize(self.device)
+                with torch.cuda.stream(stream):
+                    self._cuda_graph.capture_begin(pool=shared_graph_pool(self.device))
+                    try:
+                        fn()
+                    finally:
+                        self._cuda_graph.capture_end()
+            hoist_memsets(self._cuda_graph, self.device, stream)
+            self._cuda_graph.instantiate()
         else:
             fn()
             self._fn = fn

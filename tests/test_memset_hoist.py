@@ -1,0 +1,138 @@
+"""cuBLAS workspace memsets moved off a captured graph's critical path (graphs/memset_hoist.py): the edge rule on
+node lists (CPU), and on the GPU a captured chain of norms and GEMMs that replays the eager result with its
+memsets moved."""
+
+import random
+
+import pytest
+import torch
+
+from ostinato.graphs.memset_hoist import Node, is_cublas, plan
+
+WS = 0x7000
+
+
+def chain(*specs: tuple) -> list[Node]:
+    """A captured stream: each node depends on the one before. Spec: ("k", name) or ("m", dst)."""
+    nodes = []
+    for i, (kind, arg) in enumerate(specs):
+        deps = (i - 1,) if i else ()
+        nodes.append(Node("kernel", arg, deps) if kind == "k" else Node("memset", "", deps, arg))
+    return nodes
+
+
+def edited(nodes: list[Node], edits: list[tuple[str, int, int]]) -> list[set[int]]:
+    deps = [set(n.deps) for n in nodes]
+    for op, a, b in edits:
+        if op == "remove":
+            assert a in deps[b], f"removes a missing edge {a}->{b}"
+            deps[b].discard(a)
+        else:
+            deps[b].add(a)
+    return deps
+
+
+def reaches(deps: list[set[int]]) -> list[set[int]]:
+    """before[i]: every node that must finish before node i starts."""
+    before: list[set[int]] = [set() for _ in deps]
+    for i in range(len(deps)):  # chains are built in topological order
+        for d in deps[i]:
+            before[i] |= {d} | before[d]
+    return before
+
+
+def test_a_memset_between_a_norm_and_its_gemm_hangs_from_the_gemm_before():
+    nodes = chain(("k", "nvjet_down"), ("k", "_rms_norm_kernel"), ("m", WS), ("k", "nvjet_gate_up"),
+                  ("k", "_silu_and_mul_kernel"))
+    assert plan(nodes, WS) == [("remove", 1, 2), ("add", 0, 2), ("add", 1, 3)]
+
+
+def test_memsets_left_alone():
+    other = chain(("k", "nvjet_a"), ("k", "_rms"), ("m", WS + 64), ("k", "nvjet_b"))  # not the workspace
+    before_triton = chain(("k", "nvjet_a"), ("k", "_rms"), ("m", WS), ("k", "_silu"))  # not before a GEMM
+    after_gemm = chain(("k", "_rms"), ("k", "nvjet_a"), ("m", WS), ("k", "nvjet_b"))  # nothing to gain
+    branch = [Node("kernel", "_a"), Node("kernel", "_b"), Node("kernel", "_rms", (0, 1)),
+              Node("memset", "", (2,), WS), Node("kernel", "nvjet_g", (3,))]  # joins before any GEMM
+    for nodes in (other, before_triton, after_gemm, branch):
+        assert plan(nodes, WS) == []
+
+
+def test_the_first_memset_becomes_a_root():
+    nodes = chain(("k", "_embed"), ("k", "_rms_norm_kernel"), ("m", WS), ("k", "nvjet_in_proj"))
+    assert plan(nodes, WS) == [("remove", 1, 2), ("add", 1, 3)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_order_that_matters_is_kept(seed):
+    """Random streams of Triton kernels, GEMMs and workspace-memset + GEMM pairs: after the edits every kernel
+    still follows every kernel it followed, every workspace memset follows every GEMM before it and precedes its
+    own GEMM, and each memset moved no longer waits on the kernel before it."""
+    rng = random.Random(seed)
+    specs = []
+    for _ in range(rng.randrange(4, 40)):
+        r = rng.random()
+        if r < 0.5:
+            specs.append(("k", f"_triton_{len(specs)}"))
+        elif r < 0.75:
+            specs.append(("k", f"nvjet_{len(specs)}"))
+        else:
+            specs += [("m", WS), ("k", f"nvjet_{len(specs)}")]
+    nodes = chain(*specs)
+    edits = plan(nodes, WS)
+    before = reaches(edited(nodes, edits))
+    for i, n in enumerate(nodes):
+        for j in range(i):
+            if n.kind == "kernel" and nodes[j].kind == "kernel":
+                assert j in before[i], f"kernel {j} no longer precedes kernel {i}"
+            if n.kind == "memset" and is_cublas(nodes[j]):
+                assert j in before[i], f"workspace memset {i} may run before GEMM {j}"
+        if n.kind == "memset":
+            assert i in before[i + 1], f"memset {i} no longer precedes its GEMM"
+    moved = {b for op, a, b in edits if op == "remove"}
+    for m in moved:
+        assert nodes[m].deps[0] not in before[m], f"memset {m} still waits on the kernel before it"
+    pairs = sum(1 for i, n in enumerate(nodes) if n.kind == "memset" and i and not is_cublas(nodes[i - 1]))
+    assert len(moved) == pairs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_norm_gemm_chain_replays_eagerly_with_its_memsets_moved():
+    from ostinato.graphs import memset_hoist
+    from ostinato.graphs.graph import Graph, capture_stream
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(2048, 1536, device=dev, dtype=torch.bfloat16, generator=g)
+    ws = [torch.randn(8192, 1536, device=dev, dtype=torch.bfloat16, generator=g) * 0.03 for _ in range(2)]
+    w_down = torch.randn(1536, 4096, device=dev, dtype=torch.bfloat16, generator=g) * 0.03
+    out = torch.empty_like(x)
+
+    def step():
+        h = x
+        for w in ws:  # norm -> gate_up (a memset before it on Hopper) -> silu-mul -> down
+            h = torch.nn.functional.rms_norm(h, (h.shape[-1],))
+            gate, up = torch.nn.functional.linear(h, w).chunk(2, dim=-1)
+            h = h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down)
+        out.copy_(h)
+
+    step()
+    expected = out.clone()
+    stream = capture_stream(dev)
+    with torch.cuda.stream(stream):
+        step()  # warm on the capture stream, as capture_graphs does
+    torch.cuda.synchronize()
+    workspace = memset_hoist.probe(dev, stream)
+    raw = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(raw, stream=stream):
+        step()
+    moved = memset_hoist.hoist_cublas_memsets(raw.raw_cuda_graph(), workspace) if workspace else 0
+    raw.instantiate()
+    graph = Graph(dev)  # the engine's path: hoisted inside capture()
+    graph.capture(step, stream)
+    for replay in (raw.replay, graph.replay) * 3:
+        out.zero_()
+        replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    if workspace is not None:  # the probe's GEMM memsets on this card, and so do the gate_up GEMMs here
+        assert moved >= 1
