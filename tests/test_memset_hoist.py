@@ -55,6 +55,7 @@ def test_memsets_left_alone():
               Node("memset", "", (2,), WS), Node("kernel", "nvjet_g", (3,))]  # joins before any GEMM
     for nodes in (other, before_triton, after_gemm, branch):
         assert plan(nodes, WS) == []
+    assert plan(other, None) != []  # the candidates check: a memset of any address before a GEMM
 
 
 def test_the_first_memset_becomes_a_root():
@@ -121,12 +122,12 @@ def test_captured_norm_gemm_chain_replays_eagerly_with_its_memsets_moved():
     with torch.cuda.stream(stream):
         step()  # warm on the capture stream, as capture_graphs does
     torch.cuda.synchronize()
-    workspace = memset_hoist.probe(dev, stream)
     raw = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(raw, stream=stream):
         step()
-    moved = memset_hoist.hoist_cublas_memsets(raw.raw_cuda_graph(), workspace) if workspace else 0
+    moved = memset_hoist.hoist_cublas_memsets(raw.raw_cuda_graph(), dev, stream)
     raw.instantiate()
+    workspace = memset_hoist.probe(dev, stream)
     graph = Graph(dev)  # the engine's path: hoisted inside capture()
     graph.capture(step, stream)
     for replay in (raw.replay, graph.replay) * 3:

@@ -52,10 +52,12 @@ def test_engine_objects_die(how, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_memory_returns_after_engines():
-    """Build, use and drop engines (graphs, fp8 and bf16 KV) in a loop: free memory comes back within 256 MiB,
-    and each new engine sizes its KV pool from what is really free."""
+    """Build, use and drop engines (graphs, fp8 and bf16 KV) in a loop: free memory comes back within 256 MiB of
+    what it was after the first, and each new engine sizes its KV pool from what is really free. The first engine
+    of a fresh process leaves the kernels CUDA loaded lazily for it (about 300 MiB on an H200, the same with the
+    tree before the memset hoisting): bounded apart, at 512 MiB."""
     torch.cuda.empty_cache()
-    free0 = torch.cuda.mem_get_info()[0]
+    free0 = start = torch.cuda.mem_get_info()[0]
     tokens = []
     for i, kv in enumerate(["auto", "fp8_e4m3", "auto", "fp8_e4m3"]):
         llm = LLM("llama-3.2-1b", load_format="dummy", kv_cache_dtype=kv, cuda_graph_max_bs=8,
@@ -72,7 +74,11 @@ def test_gpu_memory_returns_after_engines():
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info()[0]
         print(f"engine {i} ({kv}): KV {tokens[-1]} tokens; free memory back to {(free0 - free) / 2**20:.0f} MiB "
-              "below the start")
-        assert free0 - free < 256 * 2**20, (i, free0 - free)
+              f"below {'the start' if i == 0 else 'that after the first engine'}")
+        if i == 0:
+            assert start - free < 512 * 2**20, start - free  # the kernels loaded once for the process
+            free0 = free
+        else:
+            assert free0 - free < 256 * 2**20, (i, free0 - free)
     assert tokens[1] >= 1.9 * tokens[0]  # fp8 KV: twice the tokens
     assert abs(tokens[2] - tokens[0]) <= 0.02 * tokens[0]  # the third engine saw what the first saw

@@ -59,8 +59,7 @@ def hoist_memsets(graph: "torch.cuda.CUDAGraph", device: torch.device, stream: "
     if not _hoist_enabled:
         return 0
     try:
-        workspace = memset_hoist.probe(device, stream)
-        return memset_hoist.hoist_cublas_memsets(graph.raw_cuda_graph(), workspace) if workspace else 0
+        return memset_hoist.hoist_cublas_memsets(graph.raw_cuda_graph(), device, stream)
     except (AttributeError, OSError, RuntimeError) as e:  # an older driver, no libcuda: graphs as captured
         logger.warning("cuBLAS memsets stay on the graphs' critical path: %s", e)
         _hoist_enabled = False

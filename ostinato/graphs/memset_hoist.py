@@ -43,19 +43,19 @@ class Node:
     memset_dst: int | None = None  # a memset's destination address
 
 
-def plan(nodes: list[Node], workspace: int) -> list[tuple[str, int, int]]:
-    """The edge edits, ("remove" | "add", from, to), that re-hang each memset of `workspace` whose only
-    dependency R is not a cuBLAS kernel and whose only dependent G is one: R -> M becomes K -> M, with K the last
-    cuBLAS kernel before M along the single-dependency chain through R (none: M becomes a root, as no cuBLAS work
-    precedes it in the graph), and R -> G is added. A memset whose chain back branches before any cuBLAS kernel is
-    left alone."""
+def plan(nodes: list[Node], workspace: int | None) -> list[tuple[str, int, int]]:
+    """The edge edits, ("remove" | "add", from, to), that re-hang each memset of `workspace` (None: of any
+    address, to ask whether a graph has candidates at all) whose only dependency R is not a cuBLAS kernel and whose
+    only dependent G is one: R -> M becomes K -> M, with K the last cuBLAS kernel before M along the
+    single-dependency chain through R (none: M becomes a root, as no cuBLAS work precedes it in the graph), and
+    R -> G is added. A memset whose chain back branches before any cuBLAS kernel is left alone."""
     dependents: dict[int, list[int]] = {}
     for i, node in enumerate(nodes):
         for d in node.deps:
             dependents.setdefault(d, []).append(i)
     edits: list[tuple[str, int, int]] = []
     for m, node in enumerate(nodes):
-        if node.kind != "memset" or node.memset_dst != workspace or len(node.deps) != 1:
+        if node.kind != "memset" or workspace not in (None, node.memset_dst) or len(node.deps) != 1:
             continue
         after = dependents.get(m, [])
         if len(after) != 1 or not is_cublas(nodes[after[0]]):
@@ -65,7 +65,7 @@ def plan(nodes: list[Node], workspace: int) -> list[tuple[str, int, int]]:
             continue  # already right after the cuBLAS work it must follow
         k: int | None = r
         while k is not None and not is_cublas(nodes[k]):
-            if len(nodes[k].deps) > 1 or nodes[k].memset_dst == workspace:
+            if len(nodes[k].deps) > 1 or (nodes[k].kind == "memset" and workspace in (None, nodes[k].memset_dst)):
                 k = -1  # a branch, or a workspace memset with no cuBLAS kernel after it: leave M alone
                 break
             k = nodes[k].deps[0] if nodes[k].deps else None
@@ -256,10 +256,17 @@ def probe(device: torch.device, stream: "torch.cuda.Stream") -> Workspace | None
     return _workspaces[key]
 
 
-def hoist_cublas_memsets(graph: int, workspace: Workspace) -> int:
-    """Applies `plan` to a captured (not yet instantiated) cudaGraph_t, swapping each memset moved for the
-    zeroing kernel; returns the memsets moved. Only memsets of exactly the probe's range are touched."""
+def hoist_cublas_memsets(graph: int, device: torch.device, stream: "torch.cuda.Stream") -> int:
+    """Applies `plan` to a cudaGraph_t captured on `stream` (not yet instantiated), swapping each memset moved
+    for the zeroing kernel; returns the memsets moved. Only memsets of exactly the probe's range are touched, and
+    the probe runs only once a graph has a memset before a cuBLAS kernel (most graphs have none: their GEMMs are
+    small)."""
     editor = CudaGraphEditor(graph)
+    if not plan(editor.nodes, None):
+        return 0
+    workspace = probe(device, stream)
+    if workspace is None:
+        return 0
     nodes = [n if n.kind != "memset" or editor.memset_bytes(i) == (workspace.dst, workspace.nbytes)
              else Node("memset", "", n.deps, None) for i, n in enumerate(editor.nodes)]
     edits = plan(nodes, workspace.dst)
