@@ -27,8 +27,8 @@ keep() { tee "$OUT/$1.full.log" | tail -"$2" | tee "$OUT/$1.log"; }
 case "$part" in
 tests)
   # test_gpu.py (both models against transformers) runs apart: with it the list took over 330 s on an H100 host.
-  # The three parts below took about 460 s together on an H200 (2026-11-26; tests-core alone 230-240 s, past its
-  # old 240 s limit): give this group a device call of its own
+  # The three parts below took about 400 s together on an H200 (2026-11-26: 744 + 60 + 4 passed; tests-core
+  # 242 s, past its old 240 s limit): give this group a device call of its own
   # (test_sampling_features_gpu.py's structured-output test needs the xgrammar wheel carried, else it skips)
   timeout 300 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
       tests/test_layer_kernels.py tests/test_fused_sample.py tests/test_sampler.py tests/test_decode_graph.py \
