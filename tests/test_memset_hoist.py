@@ -1,6 +1,6 @@
 """cuBLAS workspace memsets moved off a captured graph's critical path (graphs/memset_hoist.py): the edge rule on
-node lists (CPU), and on the GPU a captured chain of norms and GEMMs that replays the eager result with its
-memsets moved."""
+node lists and the graph editor over a fake driver (CPU), and on the GPU a captured chain of norms and GEMMs that
+replays the eager result with its memsets moved."""
 
 import random
 
@@ -9,7 +9,7 @@ import torch
 
 from ostinato.graphs.memset_hoist import Node, is_cublas, plan
 
-WS = 0x7000
+WS = (0x7000, 4)  # the workspace range: (address, bytes)
 
 
 def chain(*specs: tuple) -> list[Node]:
@@ -48,7 +48,7 @@ def test_a_memset_between_a_norm_and_its_gemm_hangs_from_the_gemm_before():
 
 
 def test_memsets_left_alone():
-    other = chain(("k", "nvjet_a"), ("k", "_rms"), ("m", WS + 64), ("k", "nvjet_b"))  # not the workspace
+    other = chain(("k", "nvjet_a"), ("k", "_rms"), ("m", (WS[0] + 64, 4)), ("k", "nvjet_b"))  # not the workspace
     before_triton = chain(("k", "nvjet_a"), ("k", "_rms"), ("m", WS), ("k", "_silu"))  # not before a GEMM
     after_gemm = chain(("k", "_rms"), ("k", "nvjet_a"), ("m", WS), ("k", "nvjet_b"))  # nothing to gain
     branch = [Node("kernel", "_a"), Node("kernel", "_b"), Node("kernel", "_rms", (0, 1)),
@@ -96,6 +96,106 @@ def test_every_order_that_matters_is_kept(seed):
     assert len(moved) == pairs
 
 
+class FakeDriver:
+    """The driver functions CudaGraphEditor calls, over an in-memory graph: node handle -> [type, name or memset
+    range, set of dependency handles]. Each function reads and writes its ctypes arguments as libcuda does."""
+
+    def __init__(self, nodes: list[Node]):
+        self.nodes = {}
+        for i, n in enumerate(nodes):
+            kind = {"kernel": 0, "memset": 2}.get(n.kind, 5)
+            self.nodes[100 + i] = [kind, n.name if n.kind == "kernel" else n.memset_range, {100 + d for d in n.deps}]
+        self.names = {}  # fake CUfunction -> its name (bytes kept alive)
+        self.added_params = []
+
+    def __getattr__(self, name):
+        return getattr(self, "_" + name)
+
+    @staticmethod
+    def _arg(x):
+        return x._obj if hasattr(x, "_obj") else x
+
+    def _cuGraphGetNodes(self, graph, out, count):
+        count = self._arg(count)
+        if out is not None:
+            for i, h in enumerate(self.nodes):
+                out[i] = h
+        count.value = len(self.nodes)
+        return 0
+
+    def _cuGraphNodeGetType(self, h, out):
+        self._arg(out).value = self.nodes[h.value][0]
+        return 0
+
+    def _cuGraphMemsetNodeGetParams(self, h, out):
+        p = self._arg(out)
+        p.dst, nbytes = self.nodes[h.value][1]
+        p.value, p.element_size, p.width, p.height, p.pitch = 0, 1, nbytes, 1, nbytes
+        return 0
+
+    def _cuGraphKernelNodeGetParams_v2(self, h, out):
+        p = self._arg(out)
+        p.func = h.value + 10_000
+        self.names[p.func] = self.nodes[h.value][1].encode()
+        return 0
+
+    def _cuFuncGetName(self, out, func):
+        self._arg(out).value = self.names[func.value]
+        return 0
+
+    def _cuKernelGetName(self, out, kern):
+        return 1
+
+    def _cuGraphNodeGetDependencies_v2(self, h, deps, data, count):
+        own = sorted(self.nodes[h.value][2])
+        if deps is not None:
+            for i, d in enumerate(own):
+                deps[i] = d
+        self._arg(count).value = len(own)
+        return 0
+
+    def _cuGraphRemoveDependencies_v2(self, graph, src, dst, data, n):
+        self.nodes[dst[0]][2].remove(src[0])
+        return 0
+
+    def _cuGraphAddDependencies_v2(self, graph, src, dst, data, n):
+        self.nodes[dst[0]][2].add(src[0])
+        return 0
+
+    def _cuGraphDestroyNode(self, h):
+        del self.nodes[h.value]
+        for node in self.nodes.values():
+            node[2].discard(h.value)
+        return 0
+
+    def _cuGraphAddKernelNode_v2(self, out, graph, deps, n, params):
+        h = max(self.nodes) + 1
+        self.nodes[h] = [0, "zero", {deps[i] for i in range(n.value)}]
+        self.added_params.append(self._arg(params))
+        self._arg(out).value = h
+        return 0
+
+
+def test_the_editor_swaps_a_memset_for_a_zeroing_kernel_through_the_driver_calls(monkeypatch):
+    """CudaGraphEditor over a fake libcuda: the chain norm -> memset -> GEMM comes out as the GEMM waiting on the
+    norm and on a zeroing kernel that hangs from the GEMM before; other memsets stay where they were."""
+    from ostinato.graphs import memset_hoist
+
+    nodes = chain(("k", "nvjet_down"), ("k", "_rms_norm_kernel"), ("m", WS), ("k", "nvjet_gate_up"),
+                  ("k", "_rms"), ("m", (WS[0] + 64, 4)), ("k", "nvjet_other"))
+    fake = FakeDriver(nodes)
+    monkeypatch.setattr(memset_hoist.ctypes, "CDLL", lambda name: fake)
+    editor = memset_hoist.CudaGraphEditor(1)
+    assert editor.nodes == nodes  # read back as built
+    zero = memset_hoist._KernelParams()
+    editor.apply(memset_hoist.plan(editor.nodes, WS), zero)
+    added = max(fake.nodes)
+    assert 102 not in fake.nodes and fake.nodes[added][2] == {100}  # the memset became a kernel after the GEMM
+    assert fake.nodes[103][2] == {101, added}  # the GEMM waits on the norm and the zeroing kernel
+    assert fake.nodes[105][2] == {104} and fake.nodes[106][2] == {105}  # the other memset: untouched
+    assert fake.added_params == [zero]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_norm_gemm_chain_replays_eagerly_with_its_memsets_moved():
     from ostinato.graphs import memset_hoist
@@ -125,7 +225,7 @@ def test_captured_norm_gemm_chain_replays_eagerly_with_its_memsets_moved():
     raw = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(raw, stream=stream):
         step()
-    moved = memset_hoist.hoist_cublas_memsets(raw.raw_cuda_graph(), dev, stream)
+    moved = memset_hoist.hoist_cublas_memsets(raw, dev, stream)
     raw.instantiate()
     workspace = memset_hoist.probe(dev, stream)
     graph = Graph(dev)  # the engine's path: hoisted inside capture()

@@ -7,7 +7,6 @@ that forgets to copy an input into them, or reads a result from anywhere else, f
 """
 
 import gc
-import logging
 import time
 from collections.abc import Callable, Hashable
 
@@ -15,9 +14,6 @@ import torch
 from tqdm import tqdm
 
 from ostinato.graphs import memset_hoist
-
-logger = logging.getLogger(__name__)
-_hoist_enabled = memset_hoist.ENABLED
 
 _pools: dict[int, object] = {}
 
@@ -52,20 +48,6 @@ def release_graph_pool(device: torch.device) -> None:
         _pools.pop(device.index if device.index is not None else torch.cuda.current_device(), None)
 
 
-def hoist_memsets(graph: "torch.cuda.CUDAGraph", device: torch.device, stream: "torch.cuda.Stream") -> int:
-    """cuBLAS's workspace memsets in a captured graph, off its critical path (graphs/memset_hoist.py); 0 where
-    the driver API or the workspace probe is missing (the graph is left as captured)."""
-    global _hoist_enabled
-    if not _hoist_enabled:
-        return 0
-    try:
-        return memset_hoist.hoist_cublas_memsets(graph.raw_cuda_graph(), device, stream)
-    except (AttributeError, OSError, RuntimeError) as e:  # an older driver, no libcuda: graphs as captured
-        logger.warning("cuBLAS memsets stay on the graphs' critical path: %s", e)
-        _hoist_enabled = False
-        return 0
-
-
 class Graph:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -91,7 +73,7 @@ class Graph:
                         fn()
                     finally:
                         self._cuda_graph.capture_end()
-            hoist_memsets(self._cuda_graph, self.device, stream)
+            memset_hoist.hoist_cublas_memsets(self._cuda_graph, self.device, stream)
             self._cuda_graph.instantiate()
         else:
             fn()

@@ -40,22 +40,22 @@ class Node:
     kind: str  # "kernel", "memset" or "other"
     name: str = ""  # a kernel's function name
     deps: tuple[int, ...] = ()  # indices of the nodes it depends on
-    memset_dst: int | None = None  # a memset's destination address
+    memset_range: tuple[int, int] | None = None  # a memset of zeros over one contiguous range: (address, bytes)
 
 
-def plan(nodes: list[Node], workspace: int | None) -> list[tuple[str, int, int]]:
-    """The edge edits, ("remove" | "add", from, to), that re-hang each memset of `workspace` (None: of any
-    address, to ask whether a graph has candidates at all) whose only dependency R is not a cuBLAS kernel and whose
-    only dependent G is one: R -> M becomes K -> M, with K the last cuBLAS kernel before M along the
-    single-dependency chain through R (none: M becomes a root, as no cuBLAS work precedes it in the graph), and
-    R -> G is added. A memset whose chain back branches before any cuBLAS kernel is left alone."""
+def plan(nodes: list[Node], workspace: tuple[int, int] | None) -> list[tuple[str, int, int]]:
+    """The edge edits, ("remove" | "add", from, to), that re-hang each memset of zeros over the `workspace` range
+    (None: over any range, to ask whether a graph has candidates at all) whose only dependency R is not a cuBLAS
+    kernel and whose only dependent G is one: R -> M becomes K -> M, with K the last cuBLAS kernel before M along
+    the single-dependency chain through R (none: M becomes a root, as no cuBLAS work precedes it in the graph),
+    and R -> G is added. A memset whose chain back branches before any cuBLAS kernel is left alone."""
     dependents: dict[int, list[int]] = {}
     for i, node in enumerate(nodes):
         for d in node.deps:
             dependents.setdefault(d, []).append(i)
     edits: list[tuple[str, int, int]] = []
     for m, node in enumerate(nodes):
-        if node.kind != "memset" or workspace not in (None, node.memset_dst) or len(node.deps) != 1:
+        if not is_workspace_memset(node, workspace) or len(node.deps) != 1:
             continue
         after = dependents.get(m, [])
         if len(after) != 1 or not is_cublas(nodes[after[0]]):
@@ -65,7 +65,7 @@ def plan(nodes: list[Node], workspace: int | None) -> list[tuple[str, int, int]]
             continue  # already right after the cuBLAS work it must follow
         k: int | None = r
         while k is not None and not is_cublas(nodes[k]):
-            if len(nodes[k].deps) > 1 or (nodes[k].kind == "memset" and workspace in (None, nodes[k].memset_dst)):
+            if len(nodes[k].deps) > 1 or is_workspace_memset(nodes[k], workspace):
                 k = -1  # a branch, or a workspace memset with no cuBLAS kernel after it: leave M alone
                 break
             k = nodes[k].deps[0] if nodes[k].deps else None
@@ -80,6 +80,10 @@ def plan(nodes: list[Node], workspace: int | None) -> list[tuple[str, int, int]]
 
 def is_cublas(node: Node) -> bool:
     return node.kind == "kernel" and CUBLAS_KERNEL.search(node.name) is not None
+
+
+def is_workspace_memset(node: Node, workspace: tuple[int, int] | None) -> bool:
+    return node.memset_range is not None and workspace in (None, node.memset_range)
 
 
 class _EdgeData(ctypes.Structure):
@@ -114,115 +118,104 @@ class CudaGraphEditor:
     cudaGraph_t are one handle)."""
 
     def __init__(self, graph: int) -> None:
-        self.cuda = ctypes.CDLL("libcuda.so.1")
+        """Reads the graph (nothing is written before `apply`). Every driver function is looked up here, so a
+        driver without one fails before the graph is touched."""
+        cuda = ctypes.CDLL("libcuda.so.1")
+        self.fn = {name: getattr(cuda, name) for name in (
+            "cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphMemsetNodeGetParams", "cuGraphKernelNodeGetParams_v2",
+            "cuFuncGetName", "cuKernelGetName", "cuGraphNodeGetDependencies_v2", "cuGraphRemoveDependencies_v2",
+            "cuGraphAddDependencies_v2", "cuGraphDestroyNode", "cuGraphAddKernelNode_v2")}
         self.graph = ctypes.c_void_p(graph)
         count = ctypes.c_size_t(0)
-        self._check(self.cuda.cuGraphGetNodes(self.graph, None, ctypes.byref(count)), "cuGraphGetNodes")
+        self._call("cuGraphGetNodes", self.graph, None, ctypes.byref(count))
         handles = (ctypes.c_void_p * count.value)()
-        self._check(self.cuda.cuGraphGetNodes(self.graph, handles, ctypes.byref(count)), "cuGraphGetNodes")
+        self._call("cuGraphGetNodes", self.graph, handles, ctypes.byref(count))
         self.handles = list(handles)
         index = {h: i for i, h in enumerate(self.handles)}
         self.edges: dict[tuple[int, int], _EdgeData] = {}
         self.nodes = []
         for i, h in enumerate(self.handles):
-            kind, name, dst = self._describe(h)
             deps = []
             for d, data in self._dependencies(h):
                 deps.append(index[d])
                 self.edges[(index[d], i)] = data
-            self.nodes.append(Node(kind, name, tuple(deps), dst))
+            self.nodes.append(self._describe(h, tuple(deps)))
 
-    @staticmethod
-    def _check(result: int, what: str) -> None:
+    def _call(self, name: str, *args) -> None:
+        result = self.fn[name](*args)
         if result != 0:
-            raise RuntimeError(f"{what} failed with CUresult {result}")
+            raise RuntimeError(f"{name} failed with CUresult {result}")
 
-    def memset_bytes(self, i: int) -> tuple[int, int] | None:
-        """(dst, bytes) of memset node i when it writes zeros over one contiguous range, else None."""
-        p = _MemsetParams()
-        self._check(self.cuda.cuGraphMemsetNodeGetParams(ctypes.c_void_p(self.handles[i]), ctypes.byref(p)),
-                    "cuGraphMemsetNodeGetParams")
-        if p.value != 0 or (p.height > 1 and p.pitch != p.width * p.element_size):
-            return None
-        return p.dst, p.width * p.element_size * max(p.height, 1)
-
-    def kernel_params(self, i: int) -> _KernelParams:
+    def kernel_params(self, h: int) -> _KernelParams:
         p = _KernelParams()
-        self._check(self.cuda.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(self.handles[i]), ctypes.byref(p)),
-                    "cuGraphKernelNodeGetParams")
+        self._call("cuGraphKernelNodeGetParams_v2", ctypes.c_void_p(h), ctypes.byref(p))
         return p
 
-    def _describe(self, h: int) -> tuple[str, str, int | None]:
+    def _describe(self, h: int, deps: tuple[int, ...]) -> Node:
         kind = ctypes.c_int(-1)
-        self._check(self.cuda.cuGraphNodeGetType(ctypes.c_void_p(h), ctypes.byref(kind)), "cuGraphNodeGetType")
+        self._call("cuGraphNodeGetType", ctypes.c_void_p(h), ctypes.byref(kind))
         if kind.value == _NODE_MEMSET:
             p = _MemsetParams()
-            self._check(self.cuda.cuGraphMemsetNodeGetParams(ctypes.c_void_p(h), ctypes.byref(p)),
-                        "cuGraphMemsetNodeGetParams")
-            return "memset", "", p.dst
+            self._call("cuGraphMemsetNodeGetParams", ctypes.c_void_p(h), ctypes.byref(p))
+            contiguous = p.height <= 1 or p.pitch == p.width * p.element_size
+            zeros = (p.dst, p.width * p.element_size * max(p.height, 1)) if p.value == 0 and contiguous else None
+            return Node("memset", "", deps, zeros)
         if kind.value == _NODE_KERNEL:
-            p = _KernelParams()
-            self._check(self.cuda.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(h), ctypes.byref(p)),
-                        "cuGraphKernelNodeGetParams")
+            p = self.kernel_params(h)
             name = ctypes.c_char_p()
             if p.func:
-                result = self.cuda.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(p.func))
+                result = self.fn["cuFuncGetName"](ctypes.byref(name), ctypes.c_void_p(p.func))
             else:
-                result = self.cuda.cuKernelGetName(ctypes.byref(name), ctypes.c_void_p(p.kern))
-            return "kernel", (name.value or b"").decode() if result == 0 else "", None
-        return "other", "", None
+                result = self.fn["cuKernelGetName"](ctypes.byref(name), ctypes.c_void_p(p.kern))
+            return Node("kernel", (name.value or b"").decode() if result == 0 else "", deps)
+        return Node("other", "", deps)
 
     def _dependencies(self, h: int) -> list[tuple[int, _EdgeData]]:
         count = ctypes.c_size_t(0)
-        fn = self.cuda.cuGraphNodeGetDependencies_v2
-        self._check(fn(ctypes.c_void_p(h), None, None, ctypes.byref(count)), "cuGraphNodeGetDependencies")
+        self._call("cuGraphNodeGetDependencies_v2", ctypes.c_void_p(h), None, None, ctypes.byref(count))
         if count.value == 0:
             return []
         deps, data = (ctypes.c_void_p * count.value)(), (_EdgeData * count.value)()
-        self._check(fn(ctypes.c_void_p(h), deps, data, ctypes.byref(count)), "cuGraphNodeGetDependencies")
+        self._call("cuGraphNodeGetDependencies_v2", ctypes.c_void_p(h), deps, data, ctypes.byref(count))
         return [(deps[i], data[i]) for i in range(count.value)]
 
-    def apply(self, edits: list[tuple[str, int, int]], zero_kernel: "_KernelParams | None" = None) -> None:
-        """The edge edits; with `zero_kernel`, each memset moved is then swapped for a kernel node of those
-        params, with the memset's dependencies and dependents."""
+    def _edge(self, op: str, src: int, dst: int, data: "_EdgeData | None" = None) -> None:
+        one = ctypes.c_void_p * 1
+        self._call(op, self.graph, one(src), one(dst), None if data is None else (_EdgeData * 1)(data),
+                   ctypes.c_size_t(1))
+
+    def apply(self, edits: list[tuple[str, int, int]], zero_kernel: _KernelParams) -> None:
+        """The edge edits, then each memset moved is swapped for a kernel node of `zero_kernel`'s params, with
+        the memset's dependencies and dependents."""
         for op, a, b in edits:
-            src, dst = (ctypes.c_void_p * 1)(self.handles[a]), (ctypes.c_void_p * 1)(self.handles[b])
             if op == "remove":
-                data = (_EdgeData * 1)(self.edges.pop((a, b)))
-                self._check(self.cuda.cuGraphRemoveDependencies_v2(self.graph, src, dst, data, ctypes.c_size_t(1)),
-                            "cuGraphRemoveDependencies")
+                self._edge("cuGraphRemoveDependencies_v2", self.handles[a], self.handles[b], self.edges.pop((a, b)))
             else:
-                self._check(self.cuda.cuGraphAddDependencies_v2(self.graph, src, dst, None, ctypes.c_size_t(1)),
-                            "cuGraphAddDependencies")
+                self._edge("cuGraphAddDependencies_v2", self.handles[a], self.handles[b])
                 self.edges[(a, b)] = _EdgeData()
-        if zero_kernel is None:
-            return
         for m in sorted({b for op, _, b in edits if op == "remove"}):
-            deps = [a for (a, b) in self.edges if b == m]
-            after = [b for (a, b) in self.edges if a == m]
-            self._check(self.cuda.cuGraphDestroyNode(ctypes.c_void_p(self.handles[m])), "cuGraphDestroyNode")
+            deps = [self.handles[a] for (a, b) in self.edges if b == m]
+            after = [self.handles[b] for (a, b) in self.edges if a == m]
+            self._call("cuGraphDestroyNode", ctypes.c_void_p(self.handles[m]))
             node = ctypes.c_void_p()
-            dep_handles = (ctypes.c_void_p * max(len(deps), 1))(*[self.handles[d] for d in deps])
-            self._check(self.cuda.cuGraphAddKernelNode_v2(ctypes.byref(node), self.graph, dep_handles,
-                                                          ctypes.c_size_t(len(deps)), ctypes.byref(zero_kernel)),
-                        "cuGraphAddKernelNode")
-            for b in after:
-                dst = (ctypes.c_void_p * 1)(self.handles[b])
-                self._check(self.cuda.cuGraphAddDependencies_v2(self.graph, (ctypes.c_void_p * 1)(node), dst, None,
-                                                                ctypes.c_size_t(1)), "cuGraphAddDependencies")
+            self._call("cuGraphAddKernelNode_v2", ctypes.byref(node), self.graph,
+                       (ctypes.c_void_p * max(len(deps), 1))(*deps), ctypes.c_size_t(len(deps)),
+                       ctypes.byref(zero_kernel))
+            for h in after:
+                self._edge("cuGraphAddDependencies_v2", node.value, h)
 
 
 @dataclass
 class Workspace:
     """The range cuBLAS zeroes in its workspace on one stream, and a kernel node's params that zero it."""
 
-    dst: int
-    nbytes: int
+    range: tuple[int, int]  # (address, bytes)
     zero_kernel: _KernelParams
     _keep: object  # the graph those params were read from (its argument storage)
 
 
 _workspaces: dict[int, Workspace | None] = {}
+_enabled = ENABLED
 
 
 def probe(device: torch.device, stream: "torch.cuda.Stream") -> Workspace | None:
@@ -239,36 +232,41 @@ def probe(device: torch.device, stream: "torch.cuda.Stream") -> Workspace | None
         g = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(g, stream=stream):
             torch.nn.functional.linear(x, w)
-        editor = CudaGraphEditor(g.raw_cuda_graph())
-        ranges = {editor.memset_bytes(i) for i, n in enumerate(editor.nodes) if n.kind == "memset"}
+        ranges = {n.memset_range for n in CudaGraphEditor(g.raw_cuda_graph()).nodes if n.kind == "memset"}
         _workspaces[key] = None
         if len(ranges) == 1 and None not in ranges:
-            dst, nbytes = ranges.pop()
+            (dst, nbytes), = ranges
             view = torch.as_tensor(_CudaArray(dst, nbytes), device=device)
             zero = torch.cuda.CUDAGraph(keep_graph=True)
             with torch.cuda.graph(zero, stream=stream):
                 view.mul_(0)  # a kernel (zero_() would be a memset node again)
             zeroer = CudaGraphEditor(zero.raw_cuda_graph())
-            kernels = [i for i, n in enumerate(zeroer.nodes) if n.kind == "kernel"]
-            if len(kernels) == 1 and len(zeroer.nodes) == 1:
-                _workspaces[key] = Workspace(dst, nbytes, zeroer.kernel_params(kernels[0]), zero)
+            if [n.kind for n in zeroer.nodes] == ["kernel"]:
+                _workspaces[key] = Workspace((dst, nbytes), zeroer.kernel_params(zeroer.handles[0]), zero)
         del g
     return _workspaces[key]
 
 
-def hoist_cublas_memsets(graph: int, device: torch.device, stream: "torch.cuda.Stream") -> int:
-    """Applies `plan` to a cudaGraph_t captured on `stream` (not yet instantiated), swapping each memset moved
-    for the zeroing kernel; returns the memsets moved. Only memsets of exactly the probe's range are touched, and
-    the probe runs only once a graph has a memset before a cuBLAS kernel (most graphs have none: their GEMMs are
-    small)."""
-    editor = CudaGraphEditor(graph)
-    if not plan(editor.nodes, None):
+def hoist_cublas_memsets(graph: "torch.cuda.CUDAGraph", device: torch.device, stream: "torch.cuda.Stream") -> int:
+    """Applies `plan` to a graph captured on `stream` with keep_graph=True (not yet instantiated), swapping each
+    memset moved for the zeroing kernel; returns the memsets moved. Only memsets of exactly the probe's range are
+    touched, and the probe runs only once a graph has a memset before a cuBLAS kernel (most graphs have none:
+    their GEMMs are small). Where reading fails (no libcuda, an older driver) the graph is left as captured and
+    hoisting is off for the process; a failure while editing raises, as the graph is then half edited."""
+    global _enabled
+    if not _enabled:
         return 0
-    workspace = probe(device, stream)
+    try:
+        editor = CudaGraphEditor(graph.raw_cuda_graph())
+        if not plan(editor.nodes, None):
+            return 0
+        workspace = probe(device, stream)
+    except (AttributeError, OSError, RuntimeError) as e:
+        logger.warning("cuBLAS memsets stay on the graphs' critical path: %s", e)
+        _enabled = False
+        return 0
     if workspace is None:
         return 0
-    nodes = [n if n.kind != "memset" or editor.memset_bytes(i) == (workspace.dst, workspace.nbytes)
-             else Node("memset", "", n.deps, None) for i, n in enumerate(editor.nodes)]
-    edits = plan(nodes, workspace.dst)
+    edits = plan(editor.nodes, workspace.range)
     editor.apply(edits, workspace.zero_kernel)
     return sum(op == "remove" for op, _, _ in edits)
