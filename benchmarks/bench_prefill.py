@@ -43,6 +43,8 @@ def main() -> None:
                          "median over rounds (engines of one tree differ by up to 6%%, more than the changes timed)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: at least 1")
     gen = torch.Generator().manual_seed(0)
     rows = []
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

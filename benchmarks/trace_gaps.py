@@ -20,6 +20,8 @@ def load_step(path: str, split_us: float) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    if not events:
+        raise SystemExit(f"{path}: no GPU events (kernels, memsets, memcpys) in this trace")
     events.sort(key=lambda e: e["ts"])
     runs, end = [[]], None
     for e in events:
