@@ -34,7 +34,7 @@ tests)
       tests/test_layer_kernels.py tests/test_fused_sample.py tests/test_sampler.py tests/test_decode_graph.py \
       tests/test_extend_graph.py tests/test_decode_compile.py tests/test_fp8_kv.py tests/test_shutdown.py \
       tests/test_gpu_prefix.py tests/test_skinny_gemm.py tests/test_rope_store.py tests/test_fp8_decode_variants.py \
-      tests/test_logits.py tests/test_sampling_features_gpu.py \
+      tests/test_logits.py tests/test_sampling_features_gpu.py tests/test_memset_hoist.py \
       -s 2>&1 | quiet | keep tests-core 40
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_piecewise_gpu.py tests/test_ssm_scan_kernel.py \
       tests/test_granite_hybrid_gpu.py tests/test_vlm.py -k "gpu or cuda or GPU or Cuda or kernel" 2>&1 | quiet \
