@@ -34,15 +34,18 @@ def ptxas() -> str:
 
 def compile_sm90(fn, constexprs: dict, num_warps: int, ptr_types: dict | None = None) -> dict:
     ptr_types = {**PTR_TYPES, **(ptr_types or {})}
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name], consts[(i,)] = "constexpr", constexprs[name]
         elif name.endswith("_ptr"):
             sig[name] = "*" + ptr_types.get(name, "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch specializes 16-byte aligned pointers
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
-    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+            if name.startswith("stride"):  # the strides at granite's shapes are multiples of 16
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")

@@ -46,6 +46,12 @@ def test_chunked_argmax_matches_torch(vocab):
     padded[:, :vocab] = logits
     assert padded.shape[1] % ARGMAX_CHUNK == 0
     assert torch.equal(chunked_argmax(padded), logits.argmax(-1))
+    # unpadded (an extend step's logits, the sampler's greedy rows): the tail past the last whole chunk is a
+    # chunk of its own; also as a strided view of wider rows
+    assert torch.equal(chunked_argmax(logits), logits.argmax(-1))
+    wide = torch.randn(b, vocab + 5, generator=gen)
+    wide[:, :vocab] = logits
+    assert torch.equal(chunked_argmax(wide[:, :vocab]), logits.argmax(-1))
 
 
 def test_precomputed_argmax_is_used_only_for_greedy_rows():

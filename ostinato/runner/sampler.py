@@ -332,7 +332,7 @@ def sample_torch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = Non
     the renormalized rest. min_p and top_k don't depend on renormalization; top_p is applied last, as in
     vLLM. top_k and top_p become a per-row logit threshold, so tokens tied with the last kept one stay.
     """
-    greedy = logits.argmax(dim=-1) if argmax is None else argmax
+    greedy = chunked_argmax(logits) if argmax is None else argmax
     if t.all_greedy:
         return greedy
     is_greedy = t.temperatures < GREEDY_EPS

@@ -20,6 +20,10 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   Granite-4.0-H-1B 1.730 -> 1.687 / 2.141 -> 2.116; bs 32, on cuBLAS, unchanged). Likely cause, not profiled:
   placed early, the hundreds of programs of a GEMV that follows a GEMV (now that the norms between them are
   folded in) take SM slots beside the running one's and end up spread unevenly.
+The SSD outputs kernel (`ssd_scan.py`) also waits late: it reads before its wait only what kernels two or more
+launches back wrote (the carry before it triggers only after its own wait, so those are done when its programs
+start), and does the intra-chunk sums while the carry runs; it waits before reading the carry's output and before
+any write.
 A kernel that is not launched with PDL (cuBLAS, torch ops, and stage 1 of the split-KV decode kernel, whose
 programs ran slower with it at long contexts) simply waits for its predecessor as usual.
 

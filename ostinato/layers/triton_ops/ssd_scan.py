@@ -62,12 +62,14 @@ def _dot_acc(a, b, acc, PRECISION: tl.constexpr, LOW: tl.constexpr):
 
 
 @triton.jit
-def _chunk_program(counts_ptr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr):
-    """After the PDL wait (layers/triton_ops/pdl.py: nothing read or written before it), this program's chunk k
-    (the grid's first axis) and whether k lies past the real chunk count: with HAS_COUNTS the grid is sized
-    for the most chunks a captured step can have, and the step's count is counts[1] (on the device)."""
+def _chunk_program(counts_ptr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr = True):
+    """After the PDL wait (layers/triton_ops/pdl.py: nothing read or written before it; WAIT=False leaves the
+    wait to the caller), this program's chunk k (the grid's first axis) and whether k lies past the real chunk
+    count: with HAS_COUNTS the grid is sized for the most chunks a captured step can have, and the step's count
+    is counts[1] (on the device: a table filled before the step, not by an earlier kernel)."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     k = tl.program_id(0)
     past = k < 0
@@ -231,10 +233,13 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
                         HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                         PRECISION: tl.constexpr, HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
-    """Per (chunk, head, block of BLOCK_M rows x BLOCK_P columns): the incoming state (win, from the carry)
-    decayed to each row, plus the intra-chunk sum over the source blocks up to the diagonal (flash-attention
-    style: cb_ms exp(a_m - a_s) dt_s x_s, with cb = C_m . B_s from the group's table), plus D x."""
-    k, past = _chunk_program(counts_ptr, HAS_COUNTS, PDL)
+    """Per (chunk, head, block of BLOCK_M rows x BLOCK_P columns): the intra-chunk sum over the source blocks up
+    to the diagonal (flash-attention style: cb_ms exp(a_m - a_s) dt_s x_s, with cb = C_m . B_s from the group's
+    table), plus the incoming state (win, from the carry) decayed to each row, plus D x.
+    Under PDL the wait comes after the intra-chunk sum, just before win is read: that sum reads only what the
+    conv and the prep kernel wrote, and they completed before the carry (the kernel before this one) passed its
+    own wait and let this grid launch. So the sum overlaps the carry."""
+    k, past = _chunk_program(counts_ptr, HAS_COUNTS, PDL, WAIT=False)
     if past:
         return
     h = tl.program_id(1)
@@ -255,20 +260,16 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
     g = h // HEADS_PER_GROUP
     base = k.to(tl.int64) * (H * CHUNK) + h * CHUNK
     a_m = tl.load(acum_ptr + base + offs_m)
-    cm = tl.load(c_ptr + t_m[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :],
-                 other=0.0)  # [BLOCK_M, BLOCK_N]
-    s_in = tl.load(win_ptr + k.to(tl.int64) * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :],
-                   mask=mask_p[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_P, BLOCK_N]
+    cb_rows = cb_ptr + (k.to(tl.int64) * (H // HEADS_PER_GROUP) + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK
     # the dots compute y^T [BLOCK_P, BLOCK_M]: the state rows are the dots' M, a warpgroup's 64 for wgmma on Hopper
     # (y's rows as M, 32 of them, took mma.sync with every warp loading all of w: 3% slower for the whole scan)
-    acc = _dot(s_in, tl.trans(cm), PRECISION, low) * tl.exp(a_m)[None, :]
-    cb_rows = cb_ptr + (k.to(tl.int64) * (H // HEADS_PER_GROUP) + g) * (CHUNK * CHUNK) + offs_m[:, None] * CHUNK
+    acc = tl.zeros([BLOCK_P, BLOCK_M], dtype=tl.float32)
     for s0 in range(0, m0 + BLOCK_M, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         t_s = c0 + offs_s
         mask_s = t_s < end
-        # [BLOCK_M, BLOCK_S]: rows and columns past the end hold 0, entries above the diagonal garbage (unwritten;
-        # the causal mask below drops them)
+        # [BLOCK_M, BLOCK_S]: rows and columns past the end hold 0, entries above the diagonal garbage
+        # (unwritten; the causal mask below drops them)
         cb = tl.load(cb_rows + offs_s[None, :])
         a_s = tl.load(acum_ptr + base + offs_s)
         w = cb * tl.exp(tl.minimum(a_m[:, None] - a_s[None, :], 0.0)) * tl.load(dtc_ptr + base + offs_s)[None, :]
@@ -279,6 +280,13 @@ def _ssd_outputs_kernel(x_ptr, cb_ptr, c_ptr, y_ptr, dtc_ptr, acum_ptr, win_ptr,
     xmt = tl.load(x_ptr + t_m[None, :] * stride_x + h * P + offs_p[:, None], mask=mask_m[None, :] & mask_p[:, None],
                   other=0.0)
     acc += tl.load(d_ptr + h).to(tl.float32) * xmt.to(tl.float32)
+    cm = tl.load(c_ptr + t_m[:, None] * stride_c + g * N + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :],
+                 other=0.0)  # [BLOCK_M, BLOCK_N]
+    if PDL:  # the carry's win (and y may still be in use by it: no write before this)
+        tl.extra.cuda.gdc_wait()
+    s_in = tl.load(win_ptr + k.to(tl.int64) * (H * P * N) + h * (P * N) + offs_p[:, None] * N + offs_n[None, :],
+                   mask=mask_p[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_P, BLOCK_N]
+    acc += _dot(s_in, tl.trans(cm), PRECISION, low) * tl.exp(a_m)[None, :]
     tl.store(y_ptr + t_m[None, :] * stride_y + h * P + offs_p[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=mask_m[None, :] & mask_p[:, None])
 
@@ -349,11 +357,11 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.
         P=P, N=N, CHUNK=chunk, BLOCK=carry_block, HAS_COUNTS=has_counts, PDL=pdl, launch_pdl=pdl)
     if num_chunks:
         bm = min(block_m, chunk)
+        bs = max(bm, min(block_s or bm, chunk))
         bp = max(16, min(block_p or P, triton.next_power_of_2(P)))
         _ssd_outputs_kernel[(num_chunks, H, triton.cdiv(chunk, bm) * triton.cdiv(P, bp))](
             x, cb, C, y, dtc, acum, win, D, cu_seqlens, chunk_req, chunk_start, counts_arg, x.stride(0),
-            C.stride(0), y.stride(0), H=H, HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_M=bm,
-            BLOCK_S=max(bm, min(block_s or bm, chunk)), BLOCK_P=bp,
-            BLOCK_N=bn, CHUNK=chunk, PRECISION=precision, HAS_COUNTS=has_counts, num_warps=num_warps, PDL=pdl,
-            launch_pdl=pdl)
+            C.stride(0), y.stride(0), H=H, HEADS_PER_GROUP=H // groups, P=P, N=N, BLOCK_M=bm, BLOCK_S=bs,
+            BLOCK_P=bp, BLOCK_N=bn, CHUNK=chunk, PRECISION=precision, HAS_COUNTS=has_counts,
+            num_warps=num_warps, PDL=pdl, launch_pdl=pdl)
     return y
