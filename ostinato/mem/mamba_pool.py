@@ -21,11 +21,17 @@ class MambaPool:
                  device: torch.device | str) -> None:
         self.size = size  # usable slots; the sink comes on top
         self.num_layers = num_layers
-        self.conv = torch.zeros(num_layers, size + 1, conv_dim, conv_kernel - 1, dtype=conv_dtype, device=device)
-        self.ssm = torch.zeros(num_layers, size + 1, num_heads, head_dim, state_size, dtype=ssm_dtype, device=device)
-        # 0-dim zeros on the device: an alloc writes them, expanded, over the slot (no host tensor, no sync)
-        self._zero_conv = torch.zeros((), dtype=conv_dtype, device=device)
-        self._zero_ssm = torch.zeros((), dtype=ssm_dtype, device=device)
+        # stored slot-major, so a slot's state over every layer is one contiguous block that an alloc zeroes in
+        # one vectorized fill (layer-major, the slice is num_layers strided blocks: on an H200 a new Granite-1B
+        # request's 57 MB took 8 kernels and about 45 us); `conv` and `ssm` are the layer-major views the model
+        # reads: conv[layer] [slots, conv_dim, K-1], ssm[layer] [slots, heads, head_dim, state] (the kernels take
+        # the slot stride as given)
+        self._conv_slots = torch.zeros(size + 1, num_layers, conv_dim, conv_kernel - 1, dtype=conv_dtype,
+                                       device=device)
+        self._ssm_slots = torch.zeros(size + 1, num_layers, num_heads, head_dim, state_size, dtype=ssm_dtype,
+                                      device=device)
+        self.conv = self._conv_slots.transpose(0, 1)
+        self.ssm = self._ssm_slots.transpose(0, 1)
         self.free_slots: list[int] = list(range(1, size + 1))
 
     @staticmethod
@@ -46,8 +52,8 @@ class MambaPool:
         if not self.free_slots:
             return None
         slot = self.free_slots.pop(0)
-        self.conv[:, slot] = self._zero_conv.expand(self.conv[:, slot].shape)
-        self.ssm[:, slot] = self._zero_ssm.expand(self.ssm[:, slot].shape)
+        self._conv_slots[slot].zero_()  # on the device, no host tensor, no sync
+        self._ssm_slots[slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:
