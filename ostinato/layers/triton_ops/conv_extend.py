@@ -43,10 +43,9 @@ def _conv_request_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, counts_ptr, w_ptr, 
                          stride_out, stride_s_slot, stride_s_d, HAS_BIAS: tl.constexpr, K: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_COUNTS: tl.constexpr,
                          PDL: tl.constexpr = False):
-    # out's rows are launch 1's too: the wait (for all of launch 1) comes before any read or write
-    if PDL:  # layers/triton_ops/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # Under PDL everything is read and computed before the wait: xbc is in_proj's and the stored window the
+    # last step's (both done when this grid starts: launch 1 triggers only after its own wait), and launch 1
+    # writes neither. out's rows are launch 1's too: every store comes after the wait (for all of launch 1).
     r = tl.program_id(0)
     if HAS_COUNTS:  # a grid sized for the most requests (a captured step): the real count is on the device
         if r >= tl.load(counts_ptr):
@@ -57,28 +56,31 @@ def _conv_request_kernel(x_ptr, state_ptr, slot_ptr, cu_ptr, counts_ptr, w_ptr, 
     n = tl.load(cu_ptr + r + 1) - start
     slot = tl.load(slot_ptr + r).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_s_slot + offs_d * stride_s_d  # [BLOCK_D]: the window's entry 0
-    for i in tl.static_range(K - 1):  # the request's first K-1 outputs (those it has)
-        row_ok = mask_d & (tl.full([BLOCK_D], i, tl.int32) < n)  # (a scalar compare: the interpreter rejects it)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(K):
-            q = i - (K - 1) + j  # the tap's position in the request (<= i < n); < 0: a stored input, at K-1+q
-            if q >= 0:
-                v = tl.load(x_ptr + (start + q).to(tl.int64) * stride_x + offs_d, mask=row_ok, other=0.0)
-            else:
-                v = tl.load(s_ptrs + (K - 1 + q), mask=row_ok, other=0.0)
-            acc += v.to(tl.float32) * tl.load(w_ptr + offs_d * K + j, mask=mask_d, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        out = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + (start + i).to(tl.int64) * stride_out + offs_d, out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok)
+    # the request's first K-1 outputs (those it has), as [BLOCK_D, BLOCK_K] (column i: output i)
     offs_k = tl.arange(0, BLOCK_K)
+    rows_ok = mask_d[:, None] & ((offs_k < K - 1) & (offs_k < n))[None, :]
+    acc = tl.zeros([BLOCK_D, BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(K):
+        q = offs_k - (K - 1) + j  # each tap's position in the request (<= i < n); < 0: a stored input, at K-1+q
+        v = tl.load(x_ptr + (start + q).to(tl.int64)[None, :] * stride_x + offs_d[:, None],
+                    mask=rows_ok & (q >= 0)[None, :], other=0.0).to(tl.float32)
+        v += tl.load(s_ptrs[:, None] + (K - 1 + q)[None, :], mask=rows_ok & (q < 0)[None, :],
+                     other=0.0).to(tl.float32)
+        acc += v * tl.load(w_ptr + offs_d * K + j, mask=mask_d, other=0.0).to(tl.float32)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None]
+    out = acc / (1.0 + tl.exp(-acc))
     mask = mask_d[:, None] & (offs_k < K - 1)[None, :]
     q = n - (K - 1) + offs_k  # the position each new stored entry comes from (< 0: an old stored one)
     new = (q >= 0)[None, :]
     v = tl.load(x_ptr + (start + q).to(tl.int64)[None, :] * stride_x + offs_d[:, None], mask=mask & new, other=0.0)
     old = tl.load(s_ptrs[:, None] + (K - 1 + q)[None, :], mask=mask & ~new, other=0.0)
     v = tl.where(new, v.to(state_ptr.dtype.element_ty), old)  # every read of the old window is above this store
+    if PDL:  # layers/triton_ops/pdl.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + (start + offs_k).to(tl.int64)[None, :] * stride_out + offs_d[:, None],
+             out.to(out_ptr.dtype.element_ty), mask=rows_ok)
     tl.store(s_ptrs[:, None] + offs_k[None, :], v, mask=mask)
 
 
@@ -87,11 +89,11 @@ def conv_extend(xbc: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
                 num_warps: int = 2, counts: torch.Tensor | None = None) -> torch.Tensor:
     """xbc [T, D] (row-strided view fine; requests back to back as `cu_seqlens` [R+1] int32 splits them),
     conv_state [slots, D, K-1] read and updated in place at `slots` [R], weight [D, K] -> silu(conv) [T, D] in
-    weight's dtype. block_t / block_d / num_warps: launch 1's tile (benchmarks/bench_ssd_scan.py --conv-sweep: at
-    granite-1b's shape and 2,048 tokens on an H200, 32 x 64 with 2 warps took 15.4 us, with 4 warps 17.5).
-    `counts` (int32 device, counts[0] the real request count): the tables are a captured step's
-    (layers/mamba_tables.py), R is their bound, and requests past counts[0] are skipped; every one of the T
-    tokens must still belong to a request."""
+    weight's dtype. block_t / block_d / num_warps: launch 1's tiling
+    (benchmarks/bench_ssd_scan.py --conv-sweep: at granite-1b's shape and 2,048 tokens on an H200, 32 x 64
+    with 2 warps took 15.4 us, with 4 warps 17.5). `counts` (int32 device, counts[0] the real request count):
+    the tables are a captured step's (layers/mamba_tables.py), R is their bound, and requests past counts[0]
+    are skipped; every one of the T tokens must still belong to a request."""
     T, D = xbc.shape
     K = weight.shape[1]
     assert xbc.stride(-1) == 1 and conv_state.stride(-1) == 1 and weight.is_contiguous() and K >= 2

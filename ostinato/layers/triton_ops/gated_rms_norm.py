@@ -12,17 +12,19 @@ from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 @triton.jit
 def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, stride_out, eps,
                            GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs = tl.program_id(1) * GROUP + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < GROUP
-    y = tl.load(y_ptr + t * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    # z (in_proj's) and w before the PDL wait: in_proj ran three or more launches back (layers/triton_ops/pdl.py)
     z = tl.load(z_ptr + t * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
-    h = y * (z / (1.0 + tl.exp(-z)))
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / GROUP + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    gate = z / (1.0 + tl.exp(-z))
+    if PDL:  # y (the scan's), and the store, after it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    y = tl.load(y_ptr + t * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    h = y * gate
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / GROUP + eps)
     out = w * h.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_out + offs, out, mask=mask)
 

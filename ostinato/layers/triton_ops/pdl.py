@@ -20,10 +20,17 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   Granite-4.0-H-1B 1.730 -> 1.687 / 2.141 -> 2.116; bs 32, on cuBLAS, unchanged). Likely cause, not profiled:
   placed early, the hundreds of programs of a GEMV that follows a GEMV (now that the norms between them are
   folded in) take SM slots beside the running one's and end up spread unevenly.
-The SSD outputs kernel (`ssd_scan.py`) also waits late: it reads before its wait only what kernels two or more
-launches back wrote (the carry before it triggers only after its own wait, so those are done when its programs
-start), and does the intra-chunk sums while the carry runs; it waits before reading the carry's output and before
-any write.
+Some kernels of the Mamba extend chain wait late, reading and computing before the wait what kernels further
+back wrote: when a kernel's programs start, its predecessor has triggered, and a predecessor that triggers only
+after its own wait has seen every kernel before it complete. Each still waits before any write.
+- the conv's per-request launch (`conv_extend.py`): everything (in_proj's output, the stored window) but its
+  stores;
+- the SSD prep kernel's dt cumsum (in_proj's dt); it triggers before it waits, and every later kernel of the
+  chain waits for all of it;
+- the SSD carry: the stored state (the last step's);
+- the SSD outputs kernel (`ssd_scan.py`): the intra-chunk sums (conv and prep outputs) while the carry runs;
+  it triggers at its start;
+- the gated norm (`gated_rms_norm.py`): z (in_proj's) and its gate, while the scan's last kernel finishes.
 A kernel that is not launched with PDL (cuBLAS, torch ops, and stage 1 of the split-KV decode kernel, whose
 programs ran slower with it at long contexts) simply waits for its predecessor as usual.
 

@@ -87,9 +87,10 @@ def _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr):
 
 @triton.jit
 def _chunk_cumsum(k, hb, c0, end, dt_ptr, dtc_ptr, acum_ptr, a_ptr, dtb_ptr, dt_min, dt_max, stride_dt,
-                  H: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+                  H: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """Chunk k, heads block hb: each token's discretized dt and a = cumsum(dt * A) from the chunk start, into
-    [chunks, H, CHUNK] float32 (0 dt past the request's end, so a holds its last value there)."""
+    [chunks, H, CHUNK] float32 (0 dt past the request's end, so a holds its last value there). Under PDL it
+    reads dt (in_proj's, done when this grid starts) and computes before the wait; it stores after it."""
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_l = tl.arange(0, CHUNK)
     mask_h = offs_h < H
@@ -103,6 +104,8 @@ def _chunk_cumsum(k, hb, c0, end, dt_ptr, dtc_ptr, acum_ptr, a_ptr, dtb_ptr, dt_
     a = -tl.exp(tl.load(a_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32))  # A = -exp(A_log)
     acum = tl.cumsum(dt * a[None, :], axis=0)
     offs = k.to(tl.int64) * (H * CHUNK) + offs_h[None, :] * CHUNK + offs_l[:, None]
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     tl.store(dtc_ptr + offs, dt, mask=mask_h[None, :])
     tl.store(acum_ptr + offs, acum, mask=mask_h[None, :])
 
@@ -136,20 +139,22 @@ def _ssd_prep_kernel(dt_ptr, dtc_ptr, acum_ptr, b_ptr, c_ptr, cb_ptr, cu_ptr, ch
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      HAS_COUNTS: tl.constexpr, PDL: tl.constexpr = False):
     """Per chunk, two independent jobs side by side in one launch: programs [0, G * blocks^2) take C . B^T's
-    blocks (`_chunk_cb`), the rest the dt cumsum of a block of heads (`_chunk_cumsum`)."""
-    k, past = _chunk_program(counts_ptr, HAS_COUNTS, PDL)
+    blocks (`_chunk_cb`), the rest the dt cumsum of a block of heads (`_chunk_cumsum`, which waits late)."""
+    k, past = _chunk_program(counts_ptr, HAS_COUNTS, PDL, WAIT=False)
     if past:
         return
     c0, end = _chunk_of(k, cu_ptr, chunk_req_ptr, chunk_start_ptr)
     nb: tl.constexpr = (CHUNK + BLOCK_M - 1) // BLOCK_M
     j = tl.program_id(1)
     if j < G * nb * nb:
+        if PDL:  # B and C: the conv's
+            tl.extra.cuda.gdc_wait()
         g = j // (nb * nb)
         _chunk_cb(k, g, j % (nb * nb) // nb, j % nb, c0, end, b_ptr, c_ptr, cb_ptr, stride_b, stride_c, G, N,
                   BLOCK_M, BLOCK_N, CHUNK, PRECISION)
     else:
         _chunk_cumsum(k, j - G * nb * nb, c0, end, dt_ptr, dtc_ptr, acum_ptr, a_ptr, dtb_ptr, dt_min, dt_max,
-                      stride_dt, H, CHUNK, BLOCK_H)
+                      stride_dt, H, CHUNK, BLOCK_H, PDL)
 
 
 @triton.jit
@@ -198,9 +203,6 @@ def _ssd_carry_kernel(ws_ptr, win_ptr, acum_ptr, state_ptr, slot_ptr, chunk_cu_p
     state entering each chunk in win (in the outputs kernel's dot operand dtype; win may be ws itself); the final
     state goes back to the slot. With HAS_COUNTS the grid's first dimension may be smaller than the request
     count (counts[0], on the device): a program then takes every grid-th request."""
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     num_reqs = tl.num_programs(0)
     if HAS_COUNTS:
         num_reqs = tl.load(counts_ptr)
@@ -212,9 +214,12 @@ def _ssd_carry_kernel(ws_ptr, win_ptr, acum_ptr, state_ptr, slot_ptr, chunk_cu_p
     for r in range(tl.program_id(0), num_reqs, tl.num_programs(0)):
         slot = tl.load(slot_ptr + r).to(tl.int64)
         s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + p * stride_s_p + n
-        s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)  # the last step's: read before the wait
         k1 = tl.load(chunk_cu_ptr + r + 1).to(tl.int64)
         k = tl.load(chunk_cu_ptr + r).to(tl.int64)
+        if PDL:  # layers/triton_ops/pdl.py: ws (the states kernel's) and every write after it (a no-op past the
+            tl.extra.cuda.gdc_wait()  # first request)
+            tl.extra.cuda.gdc_launch_dependents()
         own = tl.load(ws_ptr + k * (H * P * N) + offs, mask=mask, other=0.0)  # every request has a chunk
         while k < k1:
             # one chunk ahead (the last chunk reloads itself, unused): the loads do not wait on the carry
