@@ -34,6 +34,30 @@ def test_greedy_is_argmax():
     assert run(tied, [SamplingParams(temperature=0.0)] * 2, [0, 1], [0, 0]).tolist() == [3, 3]
 
 
+@pytest.mark.parametrize("vocab,block", [(1, 64), (1000, 64), (3 * 64 + 17, 64), (128_256, 2048)])
+def test_triton_argmax_matches_torch(vocab, block):
+    """The CUDA argmax kernels (`triton_ops/argmax.py`; Triton's interpreter on the CPU) against torch.argmax:
+    many ties across and within chunks (the first maximum wins), a maximum in the last, partial chunk, -inf
+    padding, rows of a wider buffer, into a given output."""
+    from ostinato.layers.triton_ops.argmax import argmax_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(vocab)
+    b = 6
+    logits = torch.randint(-6, 7, (b, vocab), generator=gen).float()
+    logits[1] = torch.randn(vocab, generator=gen)
+    logits[2, -1] = 100.0
+    logits[3, : vocab // 2] = float("-inf")
+    wide = torch.full((b, vocab + 37), float("-inf"))
+    wide[:, :vocab] = logits
+    wide = wide.to(device)
+    out = torch.full((b + 2,), -1, dtype=torch.int64, device=device)
+    got = argmax_rows(wide[:, :vocab], out=out[1 : b + 1], block=block)
+    assert got.data_ptr() == out[1:].data_ptr()
+    assert torch.equal(out[1 : b + 1].cpu(), logits.argmax(-1)) and out[0] == -1 and out[-1] == -1
+    assert torch.equal(argmax_rows(wide, block=block).cpu(), logits.argmax(-1))  # -inf padding columns
+
+
 @pytest.mark.parametrize("vocab", [1, ARGMAX_CHUNK, 3 * ARGMAX_CHUNK + 17, 151_936])
 def test_chunked_argmax_matches_torch(vocab):
     gen = torch.Generator().manual_seed(vocab)

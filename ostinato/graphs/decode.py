@@ -107,7 +107,7 @@ class DecodeGraphRunner:
             with forward_context(backend, batch, layers):
                 hidden = forward(batch.input_ids, batch.positions)
             model.compute_logits(hidden, out=self.logits[:bs, : self.vocab_size])
-            self.argmax[:bs] = chunked_argmax(self.logits[:bs])
+            chunked_argmax(self.logits[:bs], out=self.argmax[:bs])
 
         return step
 

@@ -11,12 +11,17 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // ARGMAX_CHUNK) * ARGMAX_CHUNK
 
 
-def chunked_argmax(x: Tensor) -> Tensor:
-    """argmax over the last dim of x [B, V] (rows may be strided): the first index of the maximum, as
-    torch.argmax gives. A few short kernels (max within chunks of ARGMAX_CHUNK, the tail's max, argmax over
-    chunk maxima, gather) instead of one reduction per row, which for a single 128k-entry row runs in one
-    thread block (~28 us on an H100, 33 us on an H200 at Llama-3's vocabulary, against ~1 us of memory
-    traffic). A decode graph's logits buffer is padded_vocab(V) wide with -inf padding: no tail."""
+def chunked_argmax(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """argmax over the last dim of x [B, V] (rows may be strided; unit column stride): the first index of the
+    maximum, as torch.argmax gives, into `out` (int64 [B]) when given. On CUDA two Triton launches
+    (`triton_ops/argmax.py`); elsewhere a few short torch ops (max within chunks of ARGMAX_CHUNK, the tail's max,
+    argmax over chunk maxima, gather), the kernels' twin. torch's one reduction per row runs a single 128k-entry
+    row in one thread block (~28 us on an H100, 33 us on an H200 at Llama-3's vocabulary, against ~1 us of memory
+    traffic). A decode graph's logits buffer is padded_vocab(V) wide with -inf padding."""
+    if x.is_cuda:
+        from ostinato.layers.triton_ops.argmax import argmax_rows
+
+        return argmax_rows(x, out)
     b, width = x.shape
     full = width // ARGMAX_CHUNK * ARGMAX_CHUNK
     vals, idx = x[:, :full].unflatten(1, (full // ARGMAX_CHUNK, ARGMAX_CHUNK)).max(dim=-1)
@@ -24,4 +29,5 @@ def chunked_argmax(x: Tensor) -> Tensor:
         tail_val, tail_idx = x[:, full:].max(dim=-1, keepdim=True)
         vals, idx = torch.cat([vals, tail_val], dim=1), torch.cat([idx, tail_idx], dim=1)
     chunk = vals.argmax(dim=-1, keepdim=True)
-    return (chunk * ARGMAX_CHUNK + idx.gather(1, chunk))[:, 0]
+    ids = (chunk * ARGMAX_CHUNK + idx.gather(1, chunk))[:, 0]
+    return ids if out is None else out.copy_(ids)
