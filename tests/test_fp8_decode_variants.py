@@ -164,3 +164,32 @@ def test_cuda_fp8_decode_variants_at_model_heads(dtype, page):
     """Llama-3.2-1B's heads (32 / 8, dim 64), 64-key blocks, every variant, whole_blocks on for half."""
     variants = [(n, (i + page) % 2 == 1) for i, n in enumerate(FP8_DECODE_VARIANTS)]
     check(run_variants(dtype, page, variants, "cuda", heads=32, kv_heads=8, dim=64, ctx=700, block_n=64))
+
+
+@pytest.mark.parametrize("kv_group", [False, True])
+def test_splits_combined_by_the_last_program_equal_stage_2(kv_group):
+    """With `counters` the last split program of each request and head group combines the splits (no stage-2
+    launch): the same output as stage 2, at 1, 3 and 5 splits (one of them empty), and the counters all 0 after,
+    so the next launch starts clean. On the GPU (programs really concurrent) and in Triton's interpreter."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    bs, heads, kv_heads, dim, ctx, page = 3, 16, 4, 16, 70, 2
+    req_to_token = paged_table(bs, ctx, page, gen)
+    n = int(req_to_token.max()) + page
+    k, v = torch.randn(n, kv_heads, dim, generator=gen).half(), torch.randn(n, kv_heads, dim, generator=gen).half()
+    q = torch.randn(bs, heads, dim, generator=gen).half()
+    seq_lens = torch.tensor([ctx, 9, 33], dtype=torch.int32)
+    splits = torch.tensor([5, 1, 3], dtype=torch.int32)  # 70 tokens in 5 splits of 16: the last one empty
+    k, v, q, req_to_token, seq_lens, splits = (t.to(dev) for t in (k, v, q, req_to_token, seq_lens, splits))
+    counters = torch.zeros(bs * kv_heads + 5, dtype=torch.int32, device=dev)
+    outs = []
+    for c in (None, counters, counters):  # twice with the counters: the second launch reuses them
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k, v, out, req_to_token, torch.arange(bs, device=dev), seq_lens, splits,
+                         torch.empty(bs, heads, 6, dim, device=dev), torch.empty(bs, heads, 6, device=dev), dim**-0.5,
+                         block_n=16, page_size=page, kv_group=kv_group, counters=c)
+        outs.append(out.float())
+    assert torch.equal(outs[1], outs[2])
+    assert torch.isfinite(outs[1]).all()
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-3)  # fp16 output, sums in another order
+    assert not counters.any()

@@ -136,13 +136,18 @@ def test_store_kv_casts_to_cache_dtype():
 
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_decode_matches_torch(page, group):
+@pytest.mark.parametrize("combine", [False, True])
+def test_decode_matches_torch(page, group, combine):
+    """combine: the splits combined by each request's last split program (the backend's rule for large batches,
+    here from 1 row) instead of stage 2."""
     env = make_env(page, 2 * group, 2, 32 if group == 2 else 16, seed=page * 10 + group)
+    env.tri.combine_min_bs = 1 if combine else 10**9
     prefix = [0, 16, 79, 44]  # seq lens 1, 17 (2 splits), 80 (5 splits), 45
     rows = new_requests(env, prefix)
     batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1] * 4)
     q, k, v = qkv(env, 4)
     out = run_triton(env, batch, q, k, v)
+    assert not env.tri.decode_counters.any()
     check_stored(env, batch, k, v)
     assert env.tri.num_kv_splits.tolist() == [1, 2, 5, 3]
     check(env, batch, out, q, atol=1e-4)

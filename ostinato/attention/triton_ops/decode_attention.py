@@ -26,6 +26,34 @@ from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 
 
 @triton.jit
+def _combine_if_last(Counter, counter_idx, num_splits, b, heads, h_mask, offs_d, d_mask, Mid_o, Mid_lse, Out,
+                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh):
+    """After a split program stored its partials: count it, and if it is the request's (and head group's) last
+    split to finish, combine every split into Out (stage 2's math) and reset the count to 0 for the next launch.
+    The barrier puts every thread's partial stores before the release; the reads bypass L1 (another SM wrote
+    them, and this SM may hold an older line)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(Counter + counter_idx, 1, sem="acq_rel", scope="gpu")
+    if done == num_splits - 1:
+        tl.debug_barrier()
+        tl.store(Counter + counter_idx, 0)
+        lse_ptrs = Mid_lse + b * stride_mlb + heads * stride_mlh
+        m = tl.load(lse_ptrs, mask=h_mask, other=float("-inf"), cache_modifier=".cg")  # split 0: never empty
+        for s in range(1, num_splits):
+            m = tl.maximum(m, tl.load(lse_ptrs + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg"))
+        acc = tl.zeros([heads.shape[0], offs_d.shape[0]], dtype=tl.float32)
+        w_sum = tl.zeros([heads.shape[0]], dtype=tl.float32)
+        o_ptrs = Mid_o + b * stride_mob + heads[:, None] * stride_moh + offs_d[None, :]
+        mask = h_mask[:, None] & d_mask[None, :]
+        for s in range(num_splits):
+            w = tl.exp2(tl.load(lse_ptrs + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg") - m)
+            acc += w[:, None] * tl.load(o_ptrs + s * stride_mos, mask=mask, other=0.0, cache_modifier=".cg")
+            w_sum += w
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 (acc / w_sum[:, None]).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, K_scale, V_scale,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
@@ -36,6 +64,7 @@ def _decode_stage1_kernel(
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
     V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
     BITS_FACTOR: tl.constexpr = 1.0, WHOLE_BLOCKS: tl.constexpr = False,
+    Counter=None, Out=None, stride_ob=0, stride_oh=0, COMBINE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,6 +137,12 @@ def _decode_stage1_kernel(
     tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out,
              mask=h_mask[:, None] & d_mask[None, :])
     tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
+    if COMBINE:
+        _combine_if_last(Counter, b * tl.num_programs(1) + kv_head, num_splits, b, heads, h_mask, offs_d, d_mask,
+                         Mid_o, Mid_lse, Out, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
+                         stride_oh)
+    if PDL:  # the next kernel's programs come in as this grid's last programs finish (layers/triton_ops/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -148,6 +183,7 @@ def _decode_stage1_kv_group_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
     PRECISION: tl.constexpr,
+    Counter=None, Out=None, stride_ob=0, stride_oh=0, COMBINE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Stage 1 for KV_PER_PROG consecutive KV heads per program, so all GROUP * KV_PER_PROG rows of the dots are
     real query heads (one KV head fills only GROUP of the 16 rows a dot needs). The heads of a slot are
@@ -211,6 +247,12 @@ def _decode_stage1_kv_group_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out)
     tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, lse)
+    if COMBINE:
+        _combine_if_last(Counter, b * tl.num_programs(1) + kv_group, num_splits, b, heads, offs_r < ROWS, offs_d,
+                         offs_d < HEAD_DIM, Mid_o, Mid_lse, Out, stride_mob, stride_moh, stride_mos, stride_mlb,
+                         stride_mlh, stride_ob, stride_oh)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def kv_group_size(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -293,7 +335,7 @@ def decode_attention(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
     v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
-    kv_group: bool = False,
+    kv_group: bool = False, counters: torch.Tensor | None = None,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -309,6 +351,10 @@ def decode_attention(
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
+
+    `counters` (int32, contiguous, at least bs * Hkv entries, all 0; left all 0): the splits are combined by each
+    request's last split program to finish (`_combine_if_last`), and no stage-2 launch follows. Without it a
+    second launch combines them.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -328,6 +374,11 @@ def decode_attention(
     # slower at long contexts (Llama-3.2-1B, bs 32, context 4096: fp8 cache 2.01 -> 2.62 ms a step, bf16 2.16 ->
     # 2.26), and at bs 1 it gained nothing measurable (0.948 against 0.952 ms)
     pdl = pdl_enabled(q)
+    combine = counters is not None
+    if combine:
+        assert counters.dtype == torch.int32 and counters.is_contiguous() and counters.numel() >= bs * num_kv_heads
+    tail = dict(Counter=counters, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1), COMBINE=combine,
+                PDL=pdl and combine)
     if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(bs, num_kv_heads // per_prog, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,
@@ -336,7 +387,7 @@ def decode_attention(
             mid_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, KV_PER_PROG=per_prog, BLOCK_N=block_n,
             PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
             FP16_DOT=bool(fp16_dot and fp8 and q.dtype != torch.float32), WHOLE_BLOCKS=bool(whole_blocks),
-            PRECISION=precision,
+            PRECISION=precision, **tail,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:
@@ -350,9 +401,11 @@ def decode_attention(
             BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
             FP16_DOT=bool((fp16_dot or cvt_bits) and fp8 and q.dtype != torch.float32),
             V_CVT=bool(v_cvt and fp8), CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
-            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), num_warps=num_warps,
+            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), **tail, num_warps=num_warps,
             num_stages=num_stages,
         )
+    if combine:
+        return
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o, mid_lse, num_kv_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
