@@ -23,6 +23,12 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     max_kv_splits = 16  # the grid's split dimension and the scratch depth
+    # From combine_min_bs rows, each decode request's last split program combines the splits (no stage-2 launch;
+    # counters all 0 between launches, one per batch row and KV head). H200, Llama-3.2-1B ms a step, stage 2 ->
+    # combined: bs 8 x 128 1.060 -> 1.041, bs 16 x 1024 1.218 -> 1.194, bs 32 x 128 1.170 -> 1.156, bs 256 x
+    # 1024 3.78 -> 3.67, fp8 cache bs 128 x 4096 4.17 -> 4.07, bs 32 x 4096 level; bs 1 slower (0.888 -> 0.894,
+    # at 1,024 tokens 0.920 -> 0.938). bs 2-4 not measured. OSTINATO_DECODE_COMBINE=0: never.
+    combine_min_bs = 8
     min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
     decode_block_n = 64
     # The decode kernel's launch settings, by KV dtype and head dim (decode_table_for), then by batch size: a
@@ -100,13 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._kv_args_by_layer: dict[int, dict] = {}
         cuda = self.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 132
-        # From combine_min_bs rows, each decode request's last split program combines the splits (no stage-2
-        # launch; counters all 0 between launches, one per batch row and KV head). H200, ms a step, stage 2 ->
-        # combined: Llama-3.2-1B bs 256 x 1024 3.78 -> 3.67, fp8 cache bs 128 x 4096 4.17 -> 4.07; bs 32 level;
-        # bs 1 slower (0.883 -> 0.897: the last program's serial combine over many splits is on the path).
-        # OSTINATO_DECODE_COMBINE=0: never.
         self.combine_splits = os.environ.get("OSTINATO_DECODE_COMBINE", "1") != "0"
-        self.combine_min_bs = 128
         self._grow_counters(req_to_token_pool.req_to_token.shape[0])
 
     def _grow_counters(self, rows: int) -> None:

@@ -27,30 +27,31 @@ from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 
 @triton.jit
 def _combine_if_last(Counter, counter_idx, num_splits, b, heads, h_mask, offs_d, d_mask, Mid_o, Mid_lse, Out,
-                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh):
+                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                     BLOCK_S: tl.constexpr):
     """After a split program stored its partials: count it, and if it is the request's (and head group's) last
-    split to finish, combine every split into Out (stage 2's math) and reset the count to 0 for the next launch.
-    The barrier puts every thread's partial stores before the release; the reads bypass L1 (another SM wrote
-    them, and this SM may hold an older line)."""
+    split to finish, combine every split into Out (stage 2's math, all splits of all the program's heads loaded
+    at once) and reset the count to 0 for the next launch. The barrier puts every thread's partial stores before
+    the release; the reads bypass L1 (other SMs wrote them, and this SM may hold an older line)."""
     tl.debug_barrier()
     done = tl.atomic_add(Counter + counter_idx, 1, sem="acq_rel", scope="gpu")
     if done == num_splits - 1:
         tl.debug_barrier()
         tl.store(Counter + counter_idx, 0)
-        lse_ptrs = Mid_lse + b * stride_mlb + heads * stride_mlh
-        m = tl.load(lse_ptrs, mask=h_mask, other=float("-inf"), cache_modifier=".cg")  # split 0: never empty
-        for s in range(1, num_splits):
-            m = tl.maximum(m, tl.load(lse_ptrs + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg"))
-        acc = tl.zeros([heads.shape[0], offs_d.shape[0]], dtype=tl.float32)
-        w_sum = tl.zeros([heads.shape[0]], dtype=tl.float32)
-        o_ptrs = Mid_o + b * stride_mob + heads[:, None] * stride_moh + offs_d[None, :]
-        mask = h_mask[:, None] & d_mask[None, :]
-        for s in range(num_splits):
-            w = tl.exp2(tl.load(lse_ptrs + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg") - m)
-            acc += w[:, None] * tl.load(o_ptrs + s * stride_mos, mask=mask, other=0.0, cache_modifier=".cg")
-            w_sum += w
+        H: tl.constexpr = heads.shape[0]
+        D: tl.constexpr = offs_d.shape[0]
+        offs_s = tl.arange(0, BLOCK_S)
+        hs_mask = h_mask[:, None] & (offs_s < num_splits)[None, :]
+        lse = tl.load(Mid_lse + b * stride_mlb + heads[:, None] * stride_mlh + offs_s[None, :], mask=hs_mask,
+                      other=float("-inf"), cache_modifier=".cg")  # [H, S]; split 0 is never empty
+        w = tl.exp2(lse - tl.max(lse, 1)[:, None])
+        rows = (heads[:, None] * stride_moh + offs_s[None, :] * stride_mos).reshape(H * BLOCK_S)
+        part = tl.load(Mid_o + b * stride_mob + rows[:, None] + offs_d[None, :],
+                       mask=hs_mask.reshape(H * BLOCK_S)[:, None] & d_mask[None, :], other=0.0,
+                       cache_modifier=".cg").reshape(H, BLOCK_S, D)
+        acc = tl.sum(part * w[:, :, None], 1)
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 (acc / w_sum[:, None]).to(Out.dtype.element_ty), mask=mask)
+                 (acc / tl.sum(w, 1)[:, None]).to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -64,7 +65,8 @@ def _decode_stage1_kernel(
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr,
     V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
     BITS_FACTOR: tl.constexpr = 1.0, WHOLE_BLOCKS: tl.constexpr = False,
-    Counter=None, Out=None, stride_ob=0, stride_oh=0, COMBINE: tl.constexpr = False, PDL: tl.constexpr = False,
+    Counter=None, Out=None, stride_ob=0, stride_oh=0, COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+    GROUP_P2: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,10 +139,11 @@ def _decode_stage1_kernel(
     tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out,
              mask=h_mask[:, None] & d_mask[None, :])
     tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
-    if COMBINE:
-        _combine_if_last(Counter, b * tl.num_programs(1) + kv_head, num_splits, b, heads, h_mask, offs_d, d_mask,
-                         Mid_o, Mid_lse, Out, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
-                         stride_oh)
+    if COMBINE:  # over the group's heads only (BLOCK_H pads them to a dot's 16 rows)
+        offs_g = tl.arange(0, GROUP_P2)
+        _combine_if_last(Counter, b * tl.num_programs(1) + kv_head, num_splits, b, kv_head * GROUP + offs_g,
+                         offs_g < GROUP, offs_d, d_mask, Mid_o, Mid_lse, Out, stride_mob, stride_moh, stride_mos,
+                         stride_mlb, stride_mlh, stride_ob, stride_oh, BLOCK_S)
     if PDL:  # the next kernel's programs come in as this grid's last programs finish (layers/triton_ops/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -183,7 +186,8 @@ def _decode_stage1_kv_group_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
     PRECISION: tl.constexpr,
-    Counter=None, Out=None, stride_ob=0, stride_oh=0, COMBINE: tl.constexpr = False, PDL: tl.constexpr = False,
+    Counter=None, Out=None, stride_ob=0, stride_oh=0, COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """Stage 1 for KV_PER_PROG consecutive KV heads per program, so all GROUP * KV_PER_PROG rows of the dots are
     real query heads (one KV head fills only GROUP of the 16 rows a dot needs). The heads of a slot are
@@ -250,7 +254,7 @@ def _decode_stage1_kv_group_kernel(
     if COMBINE:
         _combine_if_last(Counter, b * tl.num_programs(1) + kv_group, num_splits, b, heads, offs_r < ROWS, offs_d,
                          offs_d < HEAD_DIM, Mid_o, Mid_lse, Out, stride_mob, stride_moh, stride_mos, stride_mlb,
-                         stride_mlh, stride_ob, stride_oh)
+                         stride_mlh, stride_ob, stride_oh, BLOCK_S)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -378,7 +382,7 @@ def decode_attention(
     if combine:
         assert counters.dtype == torch.int32 and counters.is_contiguous() and counters.numel() >= bs * num_kv_heads
     tail = dict(Counter=counters, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1), COMBINE=combine,
-                PDL=pdl and combine)
+                BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), PDL=pdl and combine)
     if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(bs, num_kv_heads // per_prog, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,
@@ -401,7 +405,8 @@ def decode_attention(
             BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
             FP16_DOT=bool((fp16_dot or cvt_bits) and fp8 and q.dtype != torch.float32),
             V_CVT=bool(v_cvt and fp8), CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
-            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), **tail, num_warps=num_warps,
+            BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), **tail,
+            GROUP_P2=triton.next_power_of_2(group), num_warps=num_warps,
             num_stages=num_stages,
         )
     if combine:
