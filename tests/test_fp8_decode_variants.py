@@ -94,15 +94,20 @@ def test_fp8_decode_variants_pages_of_four():
     check(run_variants(torch.float8_e4m3fn, 4, [("kv_group", True)], "cpu", heads=16, kv_heads=4, seed=4))
 
 
-@interpreted
-def test_kv_group_on_a_bf16_cache():
-    """kv_group applies to any cache: bf16 (fp16 in the interpreter) against float64 over the same values."""
-    gen = torch.Generator().manual_seed(9)
-    bs, heads, kv_heads, dim, ctx, page = 2, 16, 4, 16, 40, 4
+def half_cache(bs: int, heads: int, kv_heads: int, dim: int, ctx: int, page: int, seed: int) -> tuple:
+    """A paged fp16 cache of random K/V and random queries: (req_to_token, k, v, q)."""
+    gen = torch.Generator().manual_seed(seed)
     req_to_token = paged_table(bs, ctx, page, gen)
     n = int(req_to_token.max()) + page
     k, v = torch.randn(n, kv_heads, dim, generator=gen).half(), torch.randn(n, kv_heads, dim, generator=gen).half()
-    q = torch.randn(bs, heads, dim, generator=gen).half()
+    return req_to_token, k, v, torch.randn(bs, heads, dim, generator=gen).half()
+
+
+@interpreted
+def test_kv_group_on_a_bf16_cache():
+    """kv_group applies to any cache: bf16 (fp16 in the interpreter) against float64 over the same values."""
+    bs, heads, kv_heads, dim, ctx, page = 2, 16, 4, 16, 40, 4
+    req_to_token, k, v, q = half_cache(bs, heads, kv_heads, dim, ctx, page, seed=9)
     seq_lens = torch.tensor([ctx, 23], dtype=torch.int32)
     outs = []
     for group in (False, True):
@@ -172,12 +177,8 @@ def test_splits_combined_by_the_last_program_equal_stage_2(kv_group):
     launch): the same output as stage 2, at 1, 3 and 5 splits (one of them empty), and the counters all 0 after,
     so the next launch starts clean. On the GPU (programs really concurrent) and in Triton's interpreter."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(11)
     bs, heads, kv_heads, dim, ctx, page = 3, 16, 4, 16, 70, 2
-    req_to_token = paged_table(bs, ctx, page, gen)
-    n = int(req_to_token.max()) + page
-    k, v = torch.randn(n, kv_heads, dim, generator=gen).half(), torch.randn(n, kv_heads, dim, generator=gen).half()
-    q = torch.randn(bs, heads, dim, generator=gen).half()
+    req_to_token, k, v, q = half_cache(bs, heads, kv_heads, dim, ctx, page, seed=11)
     seq_lens = torch.tensor([ctx, 9, 33], dtype=torch.int32)
     splits = torch.tensor([5, 1, 3], dtype=torch.int32)  # 70 tokens in 5 splits of 16: the last one empty
     k, v, q, req_to_token, seq_lens, splits = (t.to(dev) for t in (k, v, q, req_to_token, seq_lens, splits))
