@@ -217,8 +217,10 @@ def _ssd_carry_kernel(ws_ptr, win_ptr, acum_ptr, state_ptr, slot_ptr, chunk_cu_p
         s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)  # the last step's: read before the wait
         k1 = tl.load(chunk_cu_ptr + r + 1).to(tl.int64)
         k = tl.load(chunk_cu_ptr + r).to(tl.int64)
-        if PDL:  # layers/triton_ops/pdl.py: ws (the states kernel's) and every write after it (a no-op past the
-            tl.extra.cuda.gdc_wait()  # first request)
+        # layers/triton_ops/pdl.py: ws (the states kernel's) and every write after the wait (a no-op after a
+        # program's first request)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         own = tl.load(ws_ptr + k * (H * P * N) + offs, mask=mask, other=0.0)  # every request has a chunk
         while k < k1:
