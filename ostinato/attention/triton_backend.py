@@ -107,12 +107,12 @@ class TritonAttentionBackend(AttentionBackend):
         cuda = self.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 132
         self.combine_splits = os.environ.get("OSTINATO_DECODE_COMBINE", "1") != "0"
-        self._grow_counters(req_to_token_pool.req_to_token.shape[0])
+        # one counter per (batch row, KV head): an eager batch has at most one row per request row; a graph's
+        # padded batch may have more, and init_cuda_graph_state grows them before any capture
+        self.decode_counters = self._zero_counters(req_to_token_pool.req_to_token.shape[0])
 
-    def _grow_counters(self, rows: int) -> None:
-        """Counters for decode batches of up to `rows` rows (outside graph capture: a fresh buffer is zeroed)."""
-        if getattr(self, "decode_counters", None) is None or self.decode_counters.numel() < rows * self.num_kv_heads:
-            self.decode_counters = torch.zeros(rows * self.num_kv_heads, dtype=torch.int32, device=self.device)
+    def _zero_counters(self, rows: int) -> torch.Tensor:
+        return torch.zeros(rows * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     @classmethod
     def decode_table_for(cls, head_dim: int, fp8: bool) -> dict[int, dict]:
@@ -212,7 +212,8 @@ class TritonAttentionBackend(AttentionBackend):
         num_heads = self.num_heads
         head_dim = self.kv_cache.get_kv_buffer(0)[0].shape[2]
         self.graph_max_bs = max_bs
-        self._grow_counters(max_bs)
+        if self.decode_counters.numel() < max_bs * self.num_kv_heads:
+            self.decode_counters = self._zero_counters(max_bs)
         self.graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self.graph_mid_o = torch.empty(max_bs, num_heads, self.max_kv_splits, head_dim, dtype=torch.float32,
                                        device=self.device)
@@ -318,8 +319,6 @@ class TritonAttentionBackend(AttentionBackend):
             mid_o = torch.empty(bs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
         combine = self.combine_splits and bs >= self.combine_min_bs
-        if combine and not self.graph_mode:
-            self._grow_counters(bs)  # eager only: a capture sized them in init_cuda_graph_state
         decode_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
