@@ -71,6 +71,8 @@ def _decode_stage1_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
     num_splits = tl.load(Num_kv_splits + b)
     if split >= num_splits:
         return
@@ -200,6 +202,8 @@ def _decode_stage1_kv_group_kernel(
     b = tl.program_id(0)
     kv_group = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+        tl.extra.cuda.gdc_wait()
     num_splits = tl.load(Num_kv_splits + b)
     if split >= num_splits:
         return
@@ -374,15 +378,14 @@ def decode_attention(
     k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
     v_scale = mid_lse if v_scale is None else v_scale
     per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group else 1
-    # stage 1 launches without PDL (layers/triton_ops/pdl.py), stage 2 with it: with PDL stage 1's programs ran
-    # slower at long contexts (Llama-3.2-1B, bs 32, context 4096: fp8 cache 2.01 -> 2.62 ms a step, bf16 2.16 ->
-    # 2.26), and at bs 1 it gained nothing measurable (0.948 against 0.952 ms)
+    # both stages launch with PDL; stage 1's programs come in only as the KV store's last programs finish
+    # (layers/triton_ops/pdl.py)
     pdl = pdl_enabled(q)
     combine = counters is not None
     if combine:
         assert counters.dtype == torch.int32 and counters.is_contiguous() and counters.numel() >= bs * num_kv_heads
     tail = dict(Counter=counters, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1), COMBINE=combine,
-                BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), PDL=pdl and combine)
+                BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), PDL=pdl, launch_pdl=pdl)
     if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(bs, num_kv_heads // per_prog, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,

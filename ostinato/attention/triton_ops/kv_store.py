@@ -31,9 +31,8 @@ def _store_kv_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait; the trigger is at the end
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     # one program per token: all its heads at once
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)
@@ -56,6 +55,8 @@ def _store_kv_kernel(
              k.to(K_buf.dtype.element_ty), mask=mask)
     tl.store(V_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :],
              v.to(V_buf.dtype.element_ty), mask=mask)
+    if PDL:  # the decode kernel's programs come in as this grid's last programs finish (pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -43,9 +43,8 @@ def _rope_store_kernel(
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+    if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait; the trigger is at the end
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks: tl.constexpr = (NUM_Q_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -92,6 +91,8 @@ def _rope_store_kernel(
             tl.store(k_dst + half, _fp8_byte(k2, K_scale, KV_FP8), mask=mask)
             tl.store(v_dst, _fp8_byte(v1, V_scale, KV_FP8), mask=mask)
             tl.store(v_dst + half, _fp8_byte(v2, V_scale, KV_FP8), mask=mask)
+    if PDL:  # the decode kernel's programs come in as this grid's last programs finish (pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

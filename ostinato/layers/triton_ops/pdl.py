@@ -20,6 +20,10 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   Granite-4.0-H-1B 1.730 -> 1.687 / 2.141 -> 2.116; bs 32, on cuBLAS, unchanged). Likely cause, not profiled:
   placed early, the hundreds of programs of a GEMV that follows a GEMV (now that the norms between them are
   folded in) take SM slots beside the running one's and end up spread unevenly.
+  The KV store kernels (`rope_store.py`, `kv_store.py`) trigger at their end too, for the split-KV decode
+  kernel after them: placed early, its programs ran much slower at long contexts (H200, Llama-3.2-1B bs 32 x
+  4096 2.088 -> 2.212 ms a step, Qwen3-0.6B 4.479 -> 5.110), placed late not (2.089, 4.474), while short
+  contexts gained either way (Qwen3-0.6B bs 8 x 128 1.026 -> 1.009 ms late).
 Some kernels of the Mamba extend chain wait late, reading and computing before the wait what kernels further
 back wrote: when a kernel's programs start, its predecessor has triggered, and a predecessor that triggers only
 after its own wait has seen every kernel before it complete. Each still waits before any write.
@@ -31,8 +35,7 @@ after its own wait has seen every kernel before it complete. Each still waits be
 - the SSD outputs kernel (`ssd_scan.py`): the intra-chunk sums (conv and prep outputs) while the carry runs;
   it triggers at its start;
 - the gated norm (`gated_rms_norm.py`): z (in_proj's) and its gate, while the scan's last kernel finishes.
-A kernel that is not launched with PDL (cuBLAS, torch ops, and stage 1 of the split-KV decode kernel, whose
-programs ran slower with it at long contexts) simply waits for its predecessor as usual.
+A kernel that is not launched with PDL (cuBLAS, torch ops) simply waits for its predecessor as usual.
 
 On the CPU (Triton's interpreter) and before Hopper the flag is off and the kernels are the plain ones: the
 CPU tests run the same code minus the wait. `OSTINATO_PDL=0` turns it off. `tests/test_pdl.py` checks on the GPU
