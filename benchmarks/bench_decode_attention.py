@@ -7,7 +7,8 @@ per second. fp8 variants (decode_attention.FP8_DECODE_VARIANTS, paged_softmax's 
 default), fp16_vcvt (V widened before its layout change), bits (bit-moved fp8 -> fp16), qk8 (fp8 q.k dots), cast
 (fp8 -> bf16), with and without whole_blocks (an unmasked loop over whole blocks), and kv_group (4 KV heads a
 program; for bf16 too). Split counts come from the backend's two knobs: programs_per_sm (kv_splits_cap's 2)
-and min_tokens_per_split. Settings whose error passes ERR_BOUND are never picked (qk8 usually).
+and min_tokens_per_split. From 8 rows the splits are combined inside stage 1, as the backend does
+(combine_min_bs). Settings whose error passes ERR_BOUND are never picked (qk8 usually).
 
 Then the best settings per case are run again at page 16, and the JSON gets "table": an fp8 settings table
 (the best fp8 setting of each case, keyed by its batch size).
@@ -51,6 +52,7 @@ FP8 = torch.float8_e4m3fn
 # the settings before the tables (the full sweep's "default" rows): bf16 64-key blocks, 4 warps, 2 stages; fp8 below
 BF16_DEFAULT = dict(variant="bf16", block_n=64, num_warps=4, num_stages=2, whole_blocks=False)
 FP8_DEFAULT = dict(variant="fp16", block_n=128, num_warps=4, num_stages=3, whole_blocks=False)
+COMBINE_MIN_BS = 8  # TritonAttentionBackend.combine_min_bs
 ERR_BOUND = 0.02  # max |out - ref| / max |ref| a setting may have to be picked (bf16-level; qk8 is ~3-4%)
 SPLIT_KNOBS = list(itertools.product((1, 2, 4, 8, 16), (32, 64, 128, 256)))  # (programs_per_sm, min_tokens_per_split)
 
@@ -182,7 +184,9 @@ def setup(bs: int, ctx: int, fp8: bool, page: int, dev: str, gen: torch.Generato
                 k_scale=torch.tensor([0.5], device=dev), v_scale=torch.tensor([0.25], device=dev),
                 mid_o=torch.empty(bs, HEADS, MAX_SPLITS, DIM, device=dev),
                 mid_lse=torch.empty(bs, HEADS, MAX_SPLITS, device=dev),
-                nsplit=torch.empty(bs, device=dev, dtype=torch.int32))
+                nsplit=torch.empty(bs, device=dev, dtype=torch.int32),
+                # as the backend from its combine_min_bs rows: the last split program combines (no stage 2)
+                counters=torch.zeros(bs * KV_HEADS, device=dev, dtype=torch.int32) if bs >= COMBINE_MIN_BS else None)
 
 
 def reference(t: dict) -> torch.Tensor:
@@ -217,7 +221,7 @@ def call(t: dict, cfg: dict, splits: int) -> None:
                      page_size=t["page"], kv_fp8=FP8 if t["fp8"] else None,
                      k_scale=t["k_scale"] if t["fp8"] else None, v_scale=t["v_scale"] if t["fp8"] else None,
                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                     whole_blocks=cfg["whole_blocks"], **kw)
+                     whole_blocks=cfg["whole_blocks"], counters=t["counters"], **kw)
 
 
 def time_us(t: dict, cfg: dict, splits: int, iters: int, graphs: bool) -> float:

@@ -38,19 +38,27 @@ class TritonAttentionBackend(AttentionBackend):
     # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's).
     # A captured graph serves every context length of its batch size with one entry, so entries are chosen over
     # contexts 128, 1024 and 4096 together (least geometric-mean slowdown against each context's best:
-    # `bench_decode_attention.py --robust`, H100, benchmarks/results/decode-attention-robust-{64,128}-h100.json).
-    # Head dim 64 (Llama-3.2-1B heads): the bs 4 entries and fp8's bs 1 and 256 from that sweep; the rest from
-    # the H200 sweep at one long context per batch size (decode-attention-fp8-h200.json), which the H100 sweep
-    # put within 8% of its picks. Head dim 128 (Qwen3-0.6B heads) from the H100 sweep; kernel microseconds at
-    # contexts 128 / 1024 / 4096, the dim-64 entry before -> this one: bf16 bs 32 12.6 / 57.8 / 198 -> 8.7 /
-    # 52.5 / 186, bs 128 42.4 / 241 / 918 -> 31.5 / 186 / 716; fp8 bs 4 5.2 / 10.0 / 27.7 -> 5.9 / 8.4 / 15.5.
-    # Their bs-128 entries serve bs 256 too: they were the sweep's picks there as well.
+    # `bench_decode_attention.py --robust`). Entries from 8 rows up come from the H200 sweep of 2026-11-26, run
+    # with the kernel as the engine launches it (splits combined in stage 1, PDL);
+    # benchmarks/results/decode-attention-robust-{64,128}-h200-20261126.json. Kernel us at contexts 128 / 1024 /
+    # 4096, the entry before -> now: Llama-3.2-1B heads, fp8 bs 16 5.7 / 11.6 / 45.2 -> 5.2 / 11.5 / 32.4, bs 64
+    # 7.1 / 31.6 / 106.4 -> 6.6 / 29.0 / 91.6, bs 128 12.0 / 54.3 / 182.1 -> 8.8 / 54.3 / 182.1; bf16 bs 16 5.7 /
+    # 9.8 / 37.8 -> 4.9 / 9.0 / 38.2; Qwen3-0.6B heads, bf16 bs 16 5.8 / 26.8 / 85.8 -> 5.7 / 21.6 / 67.1. The
+    # fp8 dim-128 rows were not reached in that sweep's time budget. The rest: head dim 64's bs 1 and 4 and head
+    # dim 128's from the H100 sweep (decode-attention-robust-{64,128}-h100.json, contexts 128 / 1024 / 4096), and
+    # bf16 bs 128 / 256 at dim 64 from the H200 sweep at one long context per batch size
+    # (decode-attention-fp8-h200.json). fp8 bs 128 keeps 3 splits at 4,096 tokens (programs_per_sm 16), which
+    # end to end took bs 128 x 4096 from 5.03 to 4.29 ms a step (H200; kv_splits_cap's 2 programs per SM gave 1).
     decode_tables: dict[tuple[bool, int], dict[int, dict]] = {
         (False, 64): {
             1: dict(num_warps=2, num_stages=2, whole_blocks=True),
             4: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32),
-            32: dict(num_warps=1, num_stages=5, whole_blocks=True),
+            8: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
+            16: dict(num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
+            32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
+            64: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
+                     min_tokens_per_split=128),
             128: dict(num_warps=1, num_stages=2),
             256: dict(num_warps=2, num_stages=2, whole_blocks=True),
         },
@@ -58,17 +66,24 @@ class TritonAttentionBackend(AttentionBackend):
             1: dict(variant="fp16", block_n=64, num_warps=4, num_stages=2, whole_blocks=True),
             4: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32),
-            32: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
-            # 3 splits, not kv_splits_cap's 1: end to end at bs 128 x 4096, 5.03 -> 4.29 ms per step (H200,
-            # programs_per_sm 2 / 8 / 16 / 24: 5.03 / 5.18 / 4.29 / 4.55 ms)
-            128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16),
+            # programs_per_sm 4, not the sweep's pick of 8 (9 splits at bs 9-16, the same kernel time to 3%): with 8,
+            # tests/test_fp8_kv.py's graph and eager engines parted in the last bits (see the README)
+            8: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
+            32: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
+            64: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=8),
+            128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16,
+                      min_tokens_per_split=128),
+            # the sweep's bs-256 pick (1 split, 3 stages) matched this entry's kernel time at 1,024 tokens but made
+            # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200): this one stays
             256: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16,
                       min_tokens_per_split=128),
         },
         (False, 128): {
             1: dict(num_warps=4, num_stages=2, whole_blocks=True),
             4: dict(num_warps=4, num_stages=2, whole_blocks=True, programs_per_sm=4),
-            32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, min_tokens_per_split=128),
+            8: dict(num_warps=2, num_stages=2, whole_blocks=True, programs_per_sm=4),
+            16: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, min_tokens_per_split=32),
+            32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
             128: dict(block_n=32, num_warps=1, num_stages=3, whole_blocks=True),
         },
         (True, 128): {
