@@ -203,6 +203,32 @@ def test_decode_settings_table_by_head_dim():
     check(env, batch, out, q, atol=1e-4)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_every_tuned_decode_entry_matches_torch(fp8):
+    """Every distinct entry of the tuned decode tables (blocks, warps, stages, fp8 variant, split knobs) gives the
+    torch backend's output at its head dim, with the splits combined in stage 1 and with stage 2: a table edit
+    that breaks a setting fails here, not on the GPU."""
+    entries = {repr(sorted(e.items())) + str(dim): (dim, e)
+               for (f, dim), table in TritonAttentionBackend.decode_tables.items() if f == fp8 for e in table.values()}
+    for i, (dim, entry) in enumerate(entries.values()):
+        # fp16 queries: an fp8 entry's fp16 dots apply (fp32 queries skip them)
+        env = make_env(1, 4, 2, dim, seed=40 + i, small_blocks=False, max_ctx=256,
+                       dtype=torch.float16 if fp8 else torch.float32,
+                       cache_dtype=torch.float8_e4m3fn if fp8 else None)
+        if fp8:
+            env.cache.set_scales({0: (0.5, 2.5)})
+        env.tri.decode_table = {1: entry}
+        prefix = [0, 70, 200]
+        rows = new_requests(env, prefix)
+        batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1] * 3)
+        q, k, v = qkv(env, 3)
+        for combine_min_bs in (1, 10**9):  # the same step twice (its K/V stored again, unchanged)
+            env.tri.combine_min_bs = combine_min_bs
+            out = run_triton(env, batch, q, k, v)
+            assert not env.tri.decode_counters.any()
+            check(env, batch, out, q, atol=2e-2 if fp8 else 1e-4)
+
+
 @pytest.mark.parametrize("num_sms", [8, 78, 132])
 def test_padding_to_a_captured_size_keeps_the_split_cap(num_sms):
     """What makes a padded replay bitwise equal to eager: the cap of bs and of its padded size agree."""
