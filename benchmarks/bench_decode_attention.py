@@ -38,6 +38,7 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 from common import replay_us  # noqa: E402
 
+from ostinato.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
     FP8_DECODE_VARIANTS,
     compute_num_kv_splits,
@@ -52,7 +53,6 @@ FP8 = torch.float8_e4m3fn
 # the settings before the tables (the full sweep's "default" rows): bf16 64-key blocks, 4 warps, 2 stages; fp8 below
 BF16_DEFAULT = dict(variant="bf16", block_n=64, num_warps=4, num_stages=2, whole_blocks=False)
 FP8_DEFAULT = dict(variant="fp16", block_n=128, num_warps=4, num_stages=3, whole_blocks=False)
-COMBINE_MIN_BS = 8  # TritonAttentionBackend.combine_min_bs
 ERR_BOUND = 0.02  # max |out - ref| / max |ref| a setting may have to be picked (bf16-level; qk8 is ~3-4%)
 SPLIT_KNOBS = list(itertools.product((1, 2, 4, 8, 16), (32, 64, 128, 256)))  # (programs_per_sm, min_tokens_per_split)
 
@@ -101,8 +101,9 @@ def robust_grid(current: list[dict]) -> list[dict]:
 
 def current_entries(bs_list: list[int]) -> dict[tuple[str, int], dict]:
     """(kv, bs) -> the backend's table entry for a model of these heads: setting and split knobs."""
-    from ostinato.attention.triton_backend import TritonAttentionBackend as B
     from ostinato.attention.triton_ops.decode_attention import table_entry
+
+    B = TritonAttentionBackend
 
     out = {}
     for kv, fp8 in (("bf16", False), ("fp8_e4m3", True)):
@@ -186,7 +187,8 @@ def setup(bs: int, ctx: int, fp8: bool, page: int, dev: str, gen: torch.Generato
                 mid_lse=torch.empty(bs, HEADS, MAX_SPLITS, device=dev),
                 nsplit=torch.empty(bs, device=dev, dtype=torch.int32),
                 # as the backend from its combine_min_bs rows: the last split program combines (no stage 2)
-                counters=torch.zeros(bs * KV_HEADS, device=dev, dtype=torch.int32) if bs >= COMBINE_MIN_BS else None)
+                counters=torch.zeros(bs * KV_HEADS, device=dev, dtype=torch.int32)
+                if bs >= TritonAttentionBackend.combine_min_bs else None)
 
 
 def reference(t: dict) -> torch.Tensor:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and figures, in device calls of under 10 minutes each:
 #   bash benchmarks/gpu_suite.sh tests     the GPU tests (kernels, graphs, fused sampler, fp8 KV, shutdown,
-#                                          piecewise, prefix cache, Mamba kernels, VLM on CUDA, PDL on vs off)
-#   bash benchmarks/gpu_suite.sh tests-models  the models against transformers on the GPU (tests/test_gpu.py)
+#                                          piecewise, prefix cache, Mamba kernels, VLM on CUDA)
+#   bash benchmarks/gpu_suite.sh tests-models  the models against transformers on the GPU (tests/test_gpu.py),
+#                                          and decoding with PDL on vs off (tests/test_pdl.py)
 #   bash benchmarks/gpu_suite.sh decode    ms per token through LLM.generate (greedy and T=0.6), decode ms/step
 #                                          with torch.compile for 11 sizes, bf16 vs fp8 KV and page 1 vs 16,
 #                                          the KV-store variants
@@ -26,24 +27,26 @@ quiet() { grep --line-buffered -vE "it/s\]|Generating|Capturing|Compiling"; }
 keep() { tee "$OUT/$1.full.log" | tail -"$2" | tee "$OUT/$1.log"; }
 case "$part" in
 tests)
-  # test_gpu.py (both models against transformers) runs apart: with it the list took over 330 s on an H100 host.
-  # The three parts below took about 400 s together on an H200 (2026-11-26: 744 + 60 + 4 passed; tests-core
-  # 242 s, past its old 240 s limit): give this group a device call of its own
+  # test_gpu.py (both models against transformers) and test_pdl.py run in tests-models: with test_gpu.py the list
+  # took over 330 s on an H100 host. The kernel tests ran as one group until 2026-11-26, when a fresh H200 took
+  # it past its 300 s limit and its log came back empty; split, the two took 124 s and 63 s of pytest time, and
+  # the features group 119 s (191 + 589 + 60 passed): give this part a device call of its own
   # (test_sampling_features_gpu.py's structured-output test needs the xgrammar wheel carried, else it skips)
-  timeout 300 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
-      tests/test_layer_kernels.py tests/test_fused_sample.py tests/test_sampler.py tests/test_decode_graph.py \
-      tests/test_extend_graph.py tests/test_decode_compile.py tests/test_fp8_kv.py tests/test_shutdown.py \
-      tests/test_gpu_prefix.py tests/test_skinny_gemm.py tests/test_rope_store.py tests/test_fp8_decode_variants.py \
-      tests/test_logits.py tests/test_sampling_features_gpu.py tests/test_memset_hoist.py \
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_decode_graph.py \
+      tests/test_fp8_kv.py tests/test_fp8_decode_variants.py tests/test_rope_store.py tests/test_layer_kernels.py \
+      -s 2>&1 | quiet | keep tests-kernels 40
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_fused_sample.py tests/test_sampler.py \
+      tests/test_extend_graph.py tests/test_decode_compile.py tests/test_shutdown.py tests/test_gpu_prefix.py \
+      tests/test_skinny_gemm.py tests/test_logits.py tests/test_sampling_features_gpu.py tests/test_memset_hoist.py \
       -s 2>&1 | quiet | keep tests-core 40
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_piecewise_gpu.py tests/test_ssm_scan_kernel.py \
       tests/test_granite_hybrid_gpu.py tests/test_vlm.py -k "gpu or cuda or GPU or Cuda or kernel" 2>&1 | quiet \
       | keep tests-features 30
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_pdl.py 2>&1 | quiet | keep tests-pdl 5
   ;;
 tests-models)
   timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -s 2>&1 | quiet | tail -30 \
       | tee "$OUT/tests-models.log"
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_pdl.py 2>&1 | quiet | keep tests-pdl 5
   ;;
 decode)
   for m in llama-3.2-1b qwen3-0.6b; do
