@@ -5,6 +5,7 @@ registers and shared memory allow, the loads in flight that gives, and the SASS 
 
 python benchmarks/sass_decode_attention.py                       # the bf16 and fp8 defaults
 python benchmarks/sass_decode_attention.py fp8:fp16:64:1:5:whole  # kv:variant:block_n:warps:stages[:whole]
+MAXNREG=128 TOP=30 COMBINE=0 python benchmarks/sass_decode_attention.py ...  # a register cap, 30 opcodes, no combine
 """
 
 import collections
@@ -20,6 +21,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 da = importlib.import_module("ostinato.attention.triton_ops.decode_attention")
+TOP = int(os.environ.get("TOP", "8"))  # opcodes shown
+MAXNREG = {"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}  # a register cap for ptxas
 VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT=True, V_CVT=True),
                       bits=dict(FP16_DOT=True, CVT_BITS=True, BITS_FACTOR=256.0),
                       bits_vcvt=dict(FP16_DOT=True, CVT_BITS=True, V_CVT=True, BITS_FACTOR=256.0),
@@ -31,17 +34,21 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
     path's strides are)."""
     kv = "*u8" if fp8 else "*bf16"
     ptrs = dict(Q="*bf16", K_buf=kv, V_buf=kv, Req_to_token="*i32", Req_pool_indices="*i64", Seq_lens="*i32",
-                Num_kv_splits="*i32", Mid_o="*fp32", Mid_lse="*fp32", K_scale="*fp32", V_scale="*fp32")
+                Num_kv_splits="*i32", Mid_o="*fp32", Mid_lse="*fp32", K_scale="*fp32", V_scale="*fp32", Counter="*i32",
+                Out="*bf16")
+    # as the backend launches it from 8 rows on Hopper (COMBINE=0: as under 8 rows, with a stage-2 launch); BLOCK_S
+    # 4 is the combine's tile at split caps 3-4 (decode_attention sizes it by the scratch's depth)
+    engine = dict(COMBINE=os.environ.get("COMBINE", "1") == "1", BLOCK_S=4, PDL=True)
     page_const = da.page_arg(page, block_n)
     if variant == "kv_group":
         fn = da._decode_stage1_kv_group_kernel
         consts = dict(GROUP=4, HEAD_DIM=64, KV_PER_PROG=4, BLOCK_N=block_n, PAGE=page_const, KV_FP8=int(fp8),
-                      FP16_DOT=fp8, WHOLE_BLOCKS=whole, PRECISION="tf32")
+                      FP16_DOT=fp8, WHOLE_BLOCKS=whole, PRECISION="tf32") | engine
     else:
         fn = da._decode_stage1_kernel
         consts = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=block_n, PRECISION="tf32",
                       PAGE=page_const, KV_FP8=int(fp8), FP16_DOT=False, V_CVT=False, CVT_BITS=False, QK_FP8=False,
-                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole)
+                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=4) | engine
         if fp8:
             consts |= VARIANT_CONSTS[variant]
     sig, attrs = {}, {}
@@ -55,7 +62,8 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
         else:
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    options = dict(num_warps=warps, num_stages=stages, **MAXNREG)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:
@@ -97,7 +105,7 @@ def report(spec: str) -> None:
     per128 = sum(ops.values()) * warps * 128 // block_n // heads
     print(f"{spec:34} regs {regs:3} smem {smem:6} kv buffers {max(bufs, default=0)} programs/SM {progs:2} "
           f"in flight {progs * max(max(bufs, default=1), 1) * tile // 1024:4} KB  loop instr / 128 keys {per128:5}  "
-          f"{dict(ops.most_common(8))}", flush=True)
+          f"{dict(ops.most_common(TOP))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ class TritonAttentionBackend(AttentionBackend):
     # batch takes the entry of the largest key <= its next power of two (decode_attention.table_entry), so a
     # padded graph replay and an eager pass agree. An entry holds the kernel settings (block_n, warps, stages,
     # whole_blocks; for fp8 the variant, decode_attention.FP8_DECODE_VARIANTS) and may set the split knobs:
-    # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's).
+    # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's), and maxnreg
+    # (a register cap for ptxas, so more one-warp programs fit an SM).
     # A captured graph serves every context length of its batch size with one entry, so entries are chosen over
     # contexts 128, 1024 and 4096 together (least geometric-mean slowdown against each context's best:
     # `bench_decode_attention.py --robust`). Entries from 8 rows up come from the H200 sweep of 2026-11-26, run
@@ -74,9 +75,11 @@ class TritonAttentionBackend(AttentionBackend):
             128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16,
                       min_tokens_per_split=128),
             # the sweep's bs-256 pick (1 split, 3 stages) matched this entry's kernel time at 1,024 tokens but made
-            # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200): this one stays
+            # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200): this one stays. Capped at
+            # 128 registers (ptxas gave ~134-154) for 16 programs an SM instead of 12-15: kernel us at contexts 128
+            # / 1024 / 4096, 19.6 / 103.4 / 364.4 -> 14.4 / 85.8 / 305.8 (H200, README)
             256: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16,
-                      min_tokens_per_split=128),
+                      min_tokens_per_split=128, maxnreg=128),
         },
         (False, 128): {
             1: dict(num_warps=4, num_stages=2, whole_blocks=True),

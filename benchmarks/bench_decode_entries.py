@@ -1,0 +1,130 @@
+"""The split-KV decode kernel at the backend's settings-table entries, and at a few tweaks of each entry (register
+caps, twice the split cap, the other stage count), for both KV dtypes and head dims 64 (Llama-3.2-1B heads
+32:8:64) and 128 (Qwen3-0.6B, 16:8:128), batch 8-256 at contexts 128 / 1,024 / 4,096.
+
+The kernel runs as the engine runs it: splits capped by the entry (`TritonAttentionBackend.kv_splits_cap`'s
+rule), scratch as deep as that cap (the in-kernel combine sizes its tile by it), splits combined in stage 1 from
+`combine_min_bs` rows, each request's slots contiguous as `bench_decode.py` allocates them. Run it with
+`OSTINATO_PDL=0`: back-to-back calls under PDL overlap one call's tail with the next one's start, which a step
+does not (the GEMM after attention waits for all of it), and which hides the cost of a few slow programs.
+20 calls a graph replay; us per call, KV bytes read per second, and each tweak's largest difference from the
+entry's output (relative to its largest value).
+
+OSTINATO_PDL=0 python benchmarks/bench_decode_entries.py [--entries-only] [--out PATH]   # ~3 min on an H200
+python benchmarks/bench_decode_entries.py --smoke   # CPU, Triton's interpreter: one tiny case, checks the script
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from common import RESULTS, device_tag, replay_us  # noqa: E402
+
+from ostinato.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
+    compute_num_kv_splits,
+    decode_attention,
+    decode_kwargs,
+    table_entry,
+)
+
+HEADS = {64: (32, 8), 128: (16, 8)}  # head dim -> (query heads, KV heads)
+
+
+def tweaks(entry: dict) -> list[tuple[str, dict]]:
+    pps = entry.get("programs_per_sm", 2)
+    other_stages = 5 if entry.get("num_stages", 2) != 5 else 2
+    return [("maxnreg128", entry | dict(maxnreg=128)), ("maxnreg96", entry | dict(maxnreg=96)),
+            ("splits2x", entry | dict(programs_per_sm=pps * 2)),
+            ("splits2x_maxnreg96", entry | dict(programs_per_sm=pps * 2, maxnreg=96)),
+            ("stages", entry | dict(num_stages=other_stages))]
+
+
+def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
+             timed: bool) -> list[dict]:
+    heads, kv_heads = HEADS[dim]
+    dtype = torch.bfloat16 if timed else torch.float32
+    slots = bs * ctx + 1  # slot 0: the sink
+    k = torch.randn(slots, kv_heads, dim, device=dev, dtype=dtype)
+    v = torch.randn(slots, kv_heads, dim, device=dev, dtype=dtype)
+    fp8_args = {}
+    if fp8:
+        k, v = (x.to(torch.float8_e4m3fn).view(torch.uint8) for x in (k, v))
+        scale = torch.ones(1, device=dev)
+        fp8_args = dict(kv_fp8=torch.float8_e4m3fn, k_scale=scale, v_scale=scale)
+    q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
+    req_to_token = torch.arange(1, slots, dtype=torch.int32, device=dev).view(bs, ctx)
+    rows = torch.arange(bs, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+    counters = torch.zeros(bs * kv_heads, dtype=torch.int32, device=dev)
+    entry = table_entry(TritonAttentionBackend.decode_table_for(dim, fp8), bs)
+    bucket = 1 << (bs - 1).bit_length()
+    out_rows, ref = [], None
+    for name, cfg in [("entry", entry)] + ([] if entries_only else tweaks(entry)):
+        cap = max(1, min(TritonAttentionBackend.max_kv_splits,
+                         -(-cfg.get("programs_per_sm", 2) * num_sms // (bucket * kv_heads))))
+        num_splits = torch.empty(bs, dtype=torch.int32, device=dev)
+        compute_num_kv_splits(seq_lens, num_splits, cfg.get("min_tokens_per_split", 64), cap)
+        mid_o = torch.empty(bs, heads, cap, dim, device=dev)
+        mid_lse = torch.empty(bs, heads, cap, device=dev)
+        out = torch.empty(bs, heads, dim, device=dev, dtype=dtype)
+        combine = counters if bs >= TritonAttentionBackend.combine_min_bs else None
+
+        def call(cfg=cfg, num_splits=num_splits, mid_o=mid_o, mid_lse=mid_lse, out=out, combine=combine) -> None:
+            decode_attention(q, k, v, out, req_to_token, rows, seq_lens, num_splits, mid_o, mid_lse, dim**-0.5,
+                             counters=combine, **fp8_args,
+                             **(dict(block_n=TritonAttentionBackend.decode_block_n) | decode_kwargs(cfg)))
+
+        call()
+        ref = out.float().clone() if ref is None else ref
+        row = dict(kv="fp8_e4m3" if fp8 else "bf16", dim=dim, bs=bs, ctx=ctx, setting=name, splits=cap,
+                   entry={key: val for key, val in cfg.items()},
+                   rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item())
+        if timed:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(20):
+                    call()
+            row["us"] = replay_us(graph, 20)
+            row["kv_tbps"] = bs * ctx * kv_heads * dim * 2 * k.element_size() / row["us"] / 1e6
+        out_rows.append(row)
+        print(f"{row['kv']:9} dim {dim:3} bs {bs:3} ctx {ctx:5} {name:19} splits<={cap:2} "
+              f"{row.get('us', 0):8.2f} us {row.get('kv_tbps', 0):5.2f} TB/s  diff {row['rel_diff']:.1e}", flush=True)
+    return out_rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--entries-only", action="store_true", help="the table entries alone (a tree's baseline)")
+    ap.add_argument("--budget-s", type=float, default=400, help="no new case starts after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, one tiny case")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    timed = not args.smoke
+    dev = torch.device("cuda" if timed else "cpu")
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if timed else 132
+    cases = ([(fp8, dim, bs, ctx) for fp8 in (True, False) for dim in (64, 128) for bs in (8, 32, 64, 128, 256)
+              for ctx in (128, 1024, 4096)] if timed else [(True, 64, 9, 100), (False, 64, 9, 100)])
+    start, rows = time.time(), []
+    for case in cases:
+        if time.time() - start > args.budget_s:
+            print("budget spent: stopping", flush=True)
+            break
+        rows += run_case(*case, entries_only=args.entries_only, num_sms=num_sms, dev=dev, timed=timed)
+    if timed:
+        path = args.out or os.path.join(RESULTS, f"decode-entries-{device_tag(dev)}.json")
+        with open(path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(dev), pdl=os.environ.get("OSTINATO_PDL", "1"),
+                           seconds=time.time() - start, rows=rows), f, indent=1)
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
