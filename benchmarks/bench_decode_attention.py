@@ -74,7 +74,7 @@ def grid(smoke: bool) -> list[dict]:
         cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
     for v, bn, nw, st in main:
         cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=False))
-    for v, bn, (nw, st) in itertools.product(("cast", "bits", "bits_vcvt", "qk8", "qk8_vcvt"), (64, 128),
+    for v, bn, (nw, st) in itertools.product(("cast", "bits", "qk8", "qk8_vcvt"), (64, 128),
                                              ((1, 5), (4, 3))):
         cfgs.append(dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True))
     for c in (BF16_DEFAULT, FP8_DEFAULT):

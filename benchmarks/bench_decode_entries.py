@@ -10,7 +10,8 @@ does not (the GEMM after attention waits for all of it), and which hides the cos
 20 calls a graph replay; us per call, KV bytes read per second, and each tweak's largest difference from the
 entry's output (relative to its largest value).
 
-OSTINATO_PDL=0 python benchmarks/bench_decode_entries.py [--entries-only] [--out PATH]   # ~3 min on an H200
+OSTINATO_PDL=0 python benchmarks/bench_decode_entries.py [--entries-only] [--kv fp8] [--dims 64] [--out PATH]
+                                                     # ~3 min on an H200 for everything
 python benchmarks/bench_decode_entries.py --smoke   # CPU, Triton's interpreter: one tiny case, checks the script
 """
 
@@ -37,13 +38,20 @@ from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
 HEADS = {64: (32, 8), 128: (16, 8)}  # head dim -> (query heads, KV heads)
 
 
-def tweaks(entry: dict) -> list[tuple[str, dict]]:
+def tweaks(entry: dict, fp8: bool) -> list[tuple[str, dict]]:
     pps = entry.get("programs_per_sm", 2)
     other_stages = 5 if entry.get("num_stages", 2) != 5 else 2
-    return [("maxnreg128", entry | dict(maxnreg=128)), ("maxnreg96", entry | dict(maxnreg=96)),
-            ("splits2x", entry | dict(programs_per_sm=pps * 2)),
-            ("splits2x_maxnreg96", entry | dict(programs_per_sm=pps * 2, maxnreg=96)),
-            ("stages", entry | dict(num_stages=other_stages))]
+    out = [("maxnreg128", entry | dict(maxnreg=128)), ("maxnreg96", entry | dict(maxnreg=96)),
+           ("splits2x", entry | dict(programs_per_sm=pps * 2)),
+           ("splits2x_maxnreg96", entry | dict(programs_per_sm=pps * 2, maxnreg=96)),
+           ("stages", entry | dict(num_stages=other_stages))]
+    if fp8:  # the other way of widening V (fp16 <-> fp16_vcvt), with the register and split tweaks
+        other = entry | dict(variant="fp16" if entry.get("variant") == "fp16_vcvt" else "fp16_vcvt")
+        out += [("vcvt", other), ("vcvt_maxnreg128", other | dict(maxnreg=128)),
+                ("vcvt_splits2x", other | dict(programs_per_sm=pps * 2)),
+                ("vcvt_stages", other | dict(num_stages=other_stages)),
+                ("vcvt_block64", other | dict(block_n=64))]
+    return out
 
 
 def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
@@ -66,7 +74,7 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
     entry = table_entry(TritonAttentionBackend.decode_table_for(dim, fp8), bs)
     bucket = 1 << (bs - 1).bit_length()
     out_rows, ref = [], None
-    for name, cfg in [("entry", entry)] + ([] if entries_only else tweaks(entry)):
+    for name, cfg in [("entry", entry)] + ([] if entries_only else tweaks(entry, fp8)):
         cap = max(1, min(TritonAttentionBackend.max_kv_splits,
                          -(-cfg.get("programs_per_sm", 2) * num_sms // (bucket * kv_heads))))
         num_splits = torch.empty(bs, dtype=torch.int32, device=dev)
@@ -104,14 +112,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries-only", action="store_true", help="the table entries alone (a tree's baseline)")
     ap.add_argument("--budget-s", type=float, default=400, help="no new case starts after this many seconds")
+    ap.add_argument("--kv", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
+    ap.add_argument("--dims", nargs="+", type=int, default=[64, 128], choices=[64, 128])
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, one tiny case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     timed = not args.smoke
     dev = torch.device("cuda" if timed else "cpu")
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if timed else 132
-    cases = ([(fp8, dim, bs, ctx) for fp8 in (True, False) for dim in (64, 128) for bs in (8, 32, 64, 128, 256)
-              for ctx in (128, 1024, 4096)] if timed else [(True, 64, 9, 100), (False, 64, 9, 100)])
+    kvs = [kv == "fp8" for kv in args.kv]
+    cases = ([(fp8, dim, bs, ctx) for fp8 in kvs for dim in args.dims for bs in (8, 32, 64, 128, 256)
+              for ctx in (128, 1024, 4096)] if timed else [(fp8, 64, 9, 100) for fp8 in kvs])
     start, rows = time.time(), []
     for case in cases:
         if time.time() - start > args.budget_s:

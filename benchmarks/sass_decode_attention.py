@@ -25,7 +25,6 @@ TOP = int(os.environ.get("TOP", "8"))  # opcodes shown
 MAXNREG = {"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}  # a register cap for ptxas
 VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT=True, V_CVT=True),
                       bits=dict(FP16_DOT=True, CVT_BITS=True, BITS_FACTOR=256.0),
-                      bits_vcvt=dict(FP16_DOT=True, CVT_BITS=True, V_CVT=True, BITS_FACTOR=256.0),
                       qk8=dict(QK_FP8=True), qk8_vcvt=dict(QK_FP8=True, V_CVT=True))
 
 

@@ -149,7 +149,7 @@ def test_backend_uses_its_fp8_settings_table(dtype):
     from ostinato.attention.forward_batch import ForwardMode
 
     env = fp8_env(4, dtype, seed=7)
-    env.tri.decode_table = {1: dict(variant="bits_vcvt", block_n=16, num_warps=1, num_stages=2,
+    env.tri.decode_table = {1: dict(variant="bits", block_n=16, num_warps=1, num_stages=2,
                                     whole_blocks=True, programs_per_sm=8, min_tokens_per_split=16)}
     assert env.tri.kv_splits_cap(2) == 16 and env.tri._min_tokens_per_split(2) == 16
     prefix = [44, 8]

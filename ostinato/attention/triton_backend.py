@@ -64,22 +64,29 @@ class TritonAttentionBackend(AttentionBackend):
             256: dict(num_warps=2, num_stages=2, whole_blocks=True),
         },
         (True, 64): {
+            # From 8 rows V is widened in its loaded layout (fp16_vcvt; paged_softmax's V_CVT), 3-14% faster
+            # kernels than "fp16" at every batch size and context timed (H200, `bench_decode_entries.py --kv fp8`,
+            # decode-entries-fp8-h200-20261126.json): bs 32 6.99 / 16.07 / 49.40 -> 6.23 / 14.15 / 43.56 us, bs
+            # 256 13.88 / 84.08 / 300.61 -> 13.49 / 79.59 / 281.68. bs 1-7 were not timed with it.
             1: dict(variant="fp16", block_n=64, num_warps=4, num_stages=2, whole_blocks=True),
             4: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32),
             # programs_per_sm 4, not the sweep's pick of 8 (9 splits at bs 9-16, the same kernel time to 3%): with 8,
             # tests/test_fp8_kv.py's graph and eager engines parted in the last bits (see the README)
-            8: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
-            32: dict(variant="fp16", block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
-            64: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=8),
-            128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16,
-                      min_tokens_per_split=128),
+            8: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
+                    programs_per_sm=4),
+            32: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
+                     programs_per_sm=4),
+            64: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
+                     programs_per_sm=8),
+            128: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
+                      programs_per_sm=16, min_tokens_per_split=128),
             # the sweep's bs-256 pick (1 split, 3 stages) matched this entry's kernel time at 1,024 tokens but made
             # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200): this one stays. Capped at
             # 128 registers (ptxas gave ~134-154) for 16 programs an SM instead of 12-15: kernel us at contexts 128
             # / 1024 / 4096, 19.6 / 103.4 / 364.4 -> 14.4 / 85.8 / 305.8 (H200, README)
-            256: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=16,
-                      min_tokens_per_split=128, maxnreg=128),
+            256: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
+                      programs_per_sm=16, min_tokens_per_split=128, maxnreg=128),
         },
         (False, 128): {
             1: dict(num_warps=4, num_stages=2, whole_blocks=True),
@@ -90,10 +97,13 @@ class TritonAttentionBackend(AttentionBackend):
             128: dict(block_n=32, num_warps=1, num_stages=3, whole_blocks=True),
         },
         (True, 128): {
+            # fp16_vcvt at bs 8-127: 1-3% faster kernels at bs 8, 32 and 64 (bs 64 9.73 / 42.07 / 143.87 -> 9.63
+            # / 41.71 / 140.50 us), 1-5% slower at bs 128 and 256, which keep "fp16" (same file as above)
             # the sweep's pick (128-key blocks) was 12% slower at context 128, faster only past 1024
             1: dict(variant="fp16", block_n=32, num_warps=4, num_stages=2, min_tokens_per_split=32),
-            4: dict(variant="fp16", block_n=64, num_warps=2, num_stages=3, whole_blocks=True, programs_per_sm=4),
-            32: dict(variant="fp16", block_n=64, num_warps=2, num_stages=5, whole_blocks=True),
+            4: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=3, whole_blocks=True,
+                    programs_per_sm=4),
+            32: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=5, whole_blocks=True),
             128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True),
         },
     }

@@ -303,9 +303,8 @@ def _decode_stage2_kernel(
 FP8_DECODE_VARIANTS: dict[str, dict] = {
     "cast": dict(),  # fp8 -> q's dtype (bf16 goes through fp32)
     "fp16": dict(fp16_dot=True),  # fp8 -> fp16, one instruction per pair on Hopper
-    "fp16_vcvt": dict(fp16_dot=True, v_cvt=True),
+    "fp16_vcvt": dict(fp16_dot=True, v_cvt=True),  # V widened in its loaded layout (CUDA; else "fp16")
     "bits": dict(cvt_bits=True),
-    "bits_vcvt": dict(cvt_bits=True, v_cvt=True),
     "qk8": dict(qk_fp8=True),
     "qk8_vcvt": dict(qk_fp8=True, v_cvt=True),
     "kv_group": dict(fp16_dot=True, kv_group=True),  # several KV heads per program (see its kernel)
@@ -351,7 +350,8 @@ def decode_attention(
     `kv_fp8`: the fp8 dtype of a cache stored as uint8 in k_buf/v_buf, dequantized by `k_scale` / `v_scale`
     (float32 device tensors, the first element read). `fp16_dot`: with an fp8 cache, the dots take q and the
     probabilities in fp16 (fp8 widens to fp16 exactly) instead of q's dtype. With an fp8 cache only, the
-    variants of `paged_softmax` (its module doc): `v_cvt` widens V before its layout change, `cvt_bits` widens
+    variants of `paged_softmax` (its module doc): `v_cvt` widens V before its layout change (fp16 dots; on CUDA
+    with a 16-bit q only), `cvt_bits` widens
     by moving bits (implies fp16 dots), `qk_fp8` quantizes q per row to e4m3 for an fp8 q.k^T dot (p.v in
     fp16). They are ignored for a bf16/fp32 cache. `whole_blocks` (any cache): the key loop runs unmasked over
     a split's whole blocks and masks only the request's last, partial block. `kv_group` (any cache): several KV
@@ -378,6 +378,9 @@ def decode_attention(
     k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
     v_scale = mid_lse if v_scale is None else v_scale
     per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group else 1
+    # V widened by inline asm (paged_softmax's V_CVT): CUDA and 16-bit q only; elsewhere the plain conversion
+    assert not (v_cvt and cvt_bits), "v_cvt widens exactly; cvt_bits' scale factor would be applied to V too"
+    v_cvt_on = bool(v_cvt and fp8 and q.is_cuda and q.dtype != torch.float32)
     # both stages launch with PDL; stage 1's programs come in only as the KV store's last programs finish
     # (layers/triton_ops/pdl.py)
     pdl = pdl_enabled(q)
@@ -410,8 +413,8 @@ def decode_attention(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
             BLOCK_N=block_n, PRECISION=precision, PAGE=page_arg(page_size, block_n), KV_FP8=fp8,
-            FP16_DOT=bool((fp16_dot or cvt_bits) and fp8 and q.dtype != torch.float32),
-            V_CVT=bool(v_cvt and fp8), CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
+            FP16_DOT=bool((fp16_dot or cvt_bits or v_cvt_on) and fp8 and q.dtype != torch.float32),
+            V_CVT=v_cvt_on, CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
             BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), **tail,
             GROUP_P2=triton.next_power_of_2(group), num_warps=num_warps,
             num_stages=num_stages,

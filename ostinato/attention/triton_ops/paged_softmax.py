@@ -6,11 +6,14 @@ fp8 caches (KV_FP8 1: e4m3, 2: e5m2) arrive as uint8 and are bitcast here: the d
 v_scale into the output, rather than per element.
 
 Ways to read an fp8 cache (constexpr switches, for the decode kernel's sweep; all default off):
-- V_CVT: V is widened to the dot's 16-bit type in registers, in the layout it was loaded in, and only then
-  moved into the dot's operand layout (through shared memory, by 16-bit transposing matrix loads). Without
-  it Triton moves the 1-byte values first, and the dot's operand layout for V (keys along the reduction)
-  then needs one 1-byte shared load per element. A select on the row mask keeps Triton from hoisting the
-  layout change above the conversion.
+- V_CVT: V is widened to fp16 in registers, in the layout it was loaded in (each thread a run of a token's
+  head dims), by an inline-asm conversion marked impure so that Triton's pipeliner and layout passes cannot
+  move it: V then goes to shared memory as fp16 and into the p.v dot's operand layout (keys along the
+  reduction) by transposing matrix loads. Left to itself, Triton stages the 1-byte V in shared memory and
+  reads it into that layout one byte per load (64 byte loads per thread per 32 keys at dim 64): sm_90 SASS of
+  the one-warp, 32-key decode loop, 2,180 -> 1,580 instructions per 128 keys (bf16 KV: 1,404;
+  `benchmarks/sass_decode_attention.py`). fp16 dots, CUDA only: the caller turns it off elsewhere, and the
+  CPU runs the plain conversion, the same values.
 - CVT_BITS: fp8 -> fp16 by bit manipulation (sign and exponent/mantissa moved into place, as Marlin-style
   dequantization does) instead of the conversion instruction; e4m3 comes out 2**-8 too small (the exponent
   biases differ by 8), a factor `bits_factor` the caller folds into its scales. Needs fp16 dots.
@@ -68,6 +71,20 @@ def fp8_bits_to_fp16(x, KV_FP8: tl.constexpr):
     else:
         bits = ((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)
     return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def fp8_to_fp16_fixed(x, KV_FP8: tl.constexpr):
+    """Stored fp8 bytes (uint8) -> fp16 by Hopper's paired conversion instruction, as an impure inline-asm op that
+    stays where it is written (V_CVT in the module doc). Four bytes in one register give two fp16 pairs."""
+    if KV_FP8 == 1:
+        asm: tl.constexpr = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                             "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+    else:
+        asm: tl.constexpr = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                             "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }")
+    return tl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False,
+                                     pack=4)
 
 
 @triton.jit
@@ -159,11 +176,9 @@ def attend_kv_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_tile(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
                   n_mask, d_mask, MASK_N, MASK_D)  # [BLOCK_N, BLOCK_D]
-    v = kv_to_dot(v, KV_FP8, CVT_BITS, dot_dtype)
-    if V_CVT:  # the select is what keeps the conversion ahead of the layout change (see the module doc)
-        if MASK_N:
-            v = tl.where(n_mask[:, None], v, 0.0)
-        else:
-            v = tl.where(kv_end > n0, v, 0.0)  # always true here; only a select Triton will not hoist over
+    if V_CVT:  # fp16 dots on CUDA (the caller's promise); see the module doc
+        v = fp8_to_fp16_fixed(v, KV_FP8)
+    else:
+        v = kv_to_dot(v, KV_FP8, CVT_BITS, dot_dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
