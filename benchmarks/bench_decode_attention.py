@@ -13,7 +13,7 @@ and min_tokens_per_split. From 8 rows the splits are combined inside stage 1, as
 Then the best settings per case are run again at page 16, and the JSON gets "table": an fp8 settings table
 (the best fp8 setting of each case, keyed by its batch size).
 
---robust BS_LIST CTX_LIST runs bf16 and fp8 (fp16 dots) over whole blocks at every batch size x context and
+--robust BS_LIST CTX_LIST runs bf16 and fp8 (fp16_vcvt) over whole blocks at every batch size x context and
 picks, per KV dtype and batch size, the setting and split knobs with the least geometric-mean slowdown against
 each context's best: TritonAttentionBackend.decode_tables entries, since one captured graph serves every context
 of its batch size. It prints the pick and the backend's current entry side by side.
@@ -93,9 +93,10 @@ CFG_KEYS = ("variant", "block_n", "num_warps", "num_stages", "whole_blocks")
 
 
 def robust_grid(current: list[dict]) -> list[dict]:
-    """--robust's settings: bf16 and fp8 (fp16 dots) over whole blocks, plus the backend's current entries."""
+    """--robust's settings: bf16 and fp8 (fp16 dots, V widened where loaded) over whole blocks, plus the backend's
+    current entries. Register caps (entries' maxnreg) are not swept here: bench_decode_entries.py tries them."""
     cfgs = [dict(variant=v, block_n=bn, num_warps=nw, num_stages=st, whole_blocks=True)
-            for v, bn, nw, st in itertools.product(("bf16", "fp16"), (32, 64, 128), (1, 2, 4), (1, 2, 3, 5))]
+            for v, bn, nw, st in itertools.product(("bf16", "fp16_vcvt"), (32, 64, 128), (1, 2, 4), (1, 2, 3, 5))]
     return cfgs + [c for c in current if c not in cfgs]
 
 
