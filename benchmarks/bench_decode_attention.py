@@ -154,8 +154,7 @@ def robust_tables(rows: list[dict], current: dict) -> tuple[dict, list[dict]]:
 
 def kv_splits_cap(bs: int, programs_per_sm: int) -> int:
     """TritonAttentionBackend.kv_splits_cap with programs_per_sm in place of its 2."""
-    bucket = 1 << (max(bs, 1) - 1).bit_length()
-    return max(1, min(MAX_SPLITS, -(-programs_per_sm * NUM_SMS // (bucket * KV_HEADS))))
+    return TritonAttentionBackend.split_cap(bs, programs_per_sm, KV_HEADS, NUM_SMS, MAX_SPLITS)
 
 
 def split_options(bs: int, ctx: int) -> dict[int, list[tuple[int, int]]]:

@@ -72,13 +72,13 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
     seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
     counters = torch.zeros(bs * kv_heads, dtype=torch.int32, device=dev)
     entry = table_entry(TritonAttentionBackend.decode_table_for(dim, fp8), bs)
-    bucket = 1 << (bs - 1).bit_length()
     out_rows, ref = [], None
     for name, cfg in [("entry", entry)] + ([] if entries_only else tweaks(entry, fp8)):
-        cap = max(1, min(TritonAttentionBackend.max_kv_splits,
-                         -(-cfg.get("programs_per_sm", 2) * num_sms // (bucket * kv_heads))))
+        cap = TritonAttentionBackend.split_cap(bs, cfg.get("programs_per_sm", 2), kv_heads, num_sms,
+                                               TritonAttentionBackend.max_kv_splits)
         num_splits = torch.empty(bs, dtype=torch.int32, device=dev)
-        compute_num_kv_splits(seq_lens, num_splits, cfg.get("min_tokens_per_split", 64), cap)
+        compute_num_kv_splits(seq_lens, num_splits,
+                              cfg.get("min_tokens_per_split", TritonAttentionBackend.min_tokens_per_split), cap)
         mid_o = torch.empty(bs, heads, cap, dim, device=dev)
         mid_lse = torch.empty(bs, heads, cap, device=dev)
         out = torch.empty(bs, heads, dim, device=dev, dtype=dtype)
@@ -92,7 +92,7 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
         call()
         ref = out.float().clone() if ref is None else ref
         row = dict(kv="fp8_e4m3" if fp8 else "bf16", dim=dim, bs=bs, ctx=ctx, setting=name, splits=cap,
-                   entry={key: val for key, val in cfg.items()},
+                   entry=dict(cfg),
                    rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item())
         if timed:
             torch.cuda.synchronize()

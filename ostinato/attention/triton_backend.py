@@ -156,10 +156,15 @@ class TritonAttentionBackend(AttentionBackend):
         It depends on bs only through the next power of two, which padding to a captured size does not change
         for the default sizes (every power of two is captured), so a padded replay splits each request as
         an eager pass of the same batch does and gives bitwise the same output."""
-        bucket = 1 << (max(bs, 1) - 1).bit_length()
         per_sm = table_entry(self.decode_table, bs).get("programs_per_sm", 2)
-        want = -(-per_sm * self.num_sms // (bucket * self.num_kv_heads))
-        return max(1, min(self.max_kv_splits, want))
+        return self.split_cap(bs, per_sm, self.num_kv_heads, self.num_sms, self.max_kv_splits)
+
+    @staticmethod
+    def split_cap(bs: int, programs_per_sm: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+        """kv_splits_cap's rule: ceil(programs_per_sm x SMs / (bs's next power of two x KV heads)) splits, in
+        [1, max_splits]."""
+        bucket = 1 << (max(bs, 1) - 1).bit_length()
+        return max(1, min(max_splits, -(-programs_per_sm * num_sms // (bucket * num_kv_heads))))
 
     def _min_tokens_per_split(self, bs: int) -> int:
         return table_entry(self.decode_table, bs).get("min_tokens_per_split", self.min_tokens_per_split)

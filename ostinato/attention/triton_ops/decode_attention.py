@@ -350,12 +350,13 @@ def decode_attention(
     `kv_fp8`: the fp8 dtype of a cache stored as uint8 in k_buf/v_buf, dequantized by `k_scale` / `v_scale`
     (float32 device tensors, the first element read). `fp16_dot`: with an fp8 cache, the dots take q and the
     probabilities in fp16 (fp8 widens to fp16 exactly) instead of q's dtype. With an fp8 cache only, the
-    variants of `paged_softmax` (its module doc): `v_cvt` widens V before its layout change (fp16 dots; on CUDA
-    with a 16-bit q only), `cvt_bits` widens
-    by moving bits (implies fp16 dots), `qk_fp8` quantizes q per row to e4m3 for an fp8 q.k^T dot (p.v in
-    fp16). They are ignored for a bf16/fp32 cache. `whole_blocks` (any cache): the key loop runs unmasked over
-    a split's whole blocks and masks only the request's last, partial block. `kv_group` (any cache): several KV
-    heads per program (_decode_stage1_kv_group_kernel) where kv_group_size allows, else ignored.
+    variants of `paged_softmax` (its module doc): `v_cvt` widens V before its layout change (fp16 dots; CUDA
+    with a 16-bit q only, elsewhere ignored), `cvt_bits` widens by moving bits (implies fp16 dots), `qk_fp8`
+    quantizes q per row to e4m3 for an fp8 q.k^T dot (p.v in fp16). They are ignored for a bf16/fp32 cache.
+    `whole_blocks` (any cache): the key loop runs unmasked over a split's whole blocks and masks only the
+    request's last, partial block. `kv_group` (any cache): several KV heads per program
+    (_decode_stage1_kv_group_kernel) where kv_group_size allows, else ignored. `maxnreg`: a register cap for
+    ptxas (stage 1; ignored by Triton's interpreter).
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
