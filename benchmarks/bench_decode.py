@@ -12,8 +12,9 @@ Each row also reports, from torch.profiler over a few steps (`--no-launches` ski
 activities (kernels, copies, sets) of one forward (a graph replay with its input copies, or the eager forward),
 `step_launches` the same for the whole step (inputs, forward, sampling, the copy to the host), `kernel_ms` their
 summed GPU time per forward and `gap_ms` = forward_ms - kernel_ms: the time the GPU sat between the forward's
-kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). `--rope-store fused unfused` runs each
-model with and without the fused rotary + KV store kernel (`attention/triton_ops/rope_store.py`).
+kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). `--rope-store fused kernel unfused` runs
+each model as the engine does (rotary + KV store inside the decode kernel up to `decode_rope_max_bs` rows, the
+fused `attention/triton_ops/rope_store.py` kernel above), with that kernel at every batch size, and with neither.
 
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128
@@ -155,7 +156,11 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
                        enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs,
                        kv_cache_dtype=kv_dtype, page_size=page_size)
-    TritonAttentionBackend.fuse_rope_store = rope_store == "fused"  # read at each forward, so also by the capture
+    # read at each forward, so also by the capture
+    TritonAttentionBackend.fuse_rope_store = rope_store != "unfused"
+    rope_max_bs = TritonAttentionBackend.decode_rope_max_bs
+    if rope_store == "kernel":  # the rope_store kernel at every batch size, none in the decode kernel
+        TritonAttentionBackend.decode_rope_max_bs = 0
     pdl_before = pdl.ENABLED
     if use_pdl is not None:  # else as OSTINATO_PDL set it
         pdl.ENABLED = use_pdl == "on"  # read at each kernel launch, so also by the capture
@@ -217,6 +222,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     gc.collect()
     torch.cuda.empty_cache()
     TritonAttentionBackend.fuse_rope_store = None
+    TritonAttentionBackend.decode_rope_max_bs = rope_max_bs
     pdl.ENABLED = pdl_before
     return rows, meta
 
@@ -247,8 +253,10 @@ def main() -> None:
     ap.add_argument("--profile", nargs="*", default=None, help="bs:context pairs to profile in graph mode")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="e.g. auto fp8_e4m3: one pass each")
     ap.add_argument("--page-size", nargs="+", type=int, default=[1], help="e.g. 1 16: one pass each")
-    ap.add_argument("--rope-store", nargs="+", default=["fused"], choices=["fused", "unfused"],
-                    help="rotary fused with the KV store or not (Triton backend): one pass each")
+    ap.add_argument("--rope-store", nargs="+", default=["fused"], choices=["fused", "kernel", "unfused"],
+                    help="rotary fused with the KV store (as the engine does: in the decode kernel up to "
+                         "decode_rope_max_bs rows), in the rope_store kernel at every size, or not fused "
+                         "(Triton backend): one pass each")
     ap.add_argument("--pdl", nargs="+", default=[None], choices=["on", "off"],
                     help="Programmatic Dependent Launch for the Triton kernels (Hopper): one pass each "
                     "(default: as OSTINATO_PDL sets it, on)")

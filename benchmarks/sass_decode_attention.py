@@ -6,6 +6,7 @@ registers and shared memory allow, the loads in flight that gives, and the SASS 
 python benchmarks/sass_decode_attention.py                       # the bf16 and fp8 defaults
 python benchmarks/sass_decode_attention.py fp8:fp16:64:1:5:whole  # kv:variant:block_n:warps:stages[:whole]
 MAXNREG=128 TOP=30 COMBINE=0 python benchmarks/sass_decode_attention.py ...  # a register cap, 30 opcodes, no combine
+ROPE=1 [NORM=1] python benchmarks/sass_decode_attention.py ...  # stage 1 rotating q, storing the new K/V (rope_attend)
 """
 
 import collections
@@ -38,6 +39,10 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
     # as the backend launches it from 8 rows on Hopper (COMBINE=0: as under 8 rows, with a stage-2 launch); BLOCK_S
     # 4 is the combine's tile at split caps 3-4 (decode_attention sizes it by the scratch's depth)
     engine = dict(COMBINE=os.environ.get("COMBINE", "1") == "1", BLOCK_S=4, PDL=True)
+    if os.environ.get("ROPE") == "1":  # rope_attend's launch: q and the new K/V before rotary
+        engine |= dict(ROPE=True, HAS_NORM=os.environ.get("NORM") == "1")  # NORM=1: Qwen3's q/k norm
+        ptrs |= dict(Positions="*i64", Loc="*i64", K_new="*bf16", V_new="*bf16", Cos_sin="*fp32", QW="*fp32",
+                     KW="*fp32")
     page_const = da.page_arg(page, block_n)
     if variant == "kv_group":
         fn = da._decode_stage1_kv_group_kernel
@@ -56,7 +61,7 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
             sig[name] = "constexpr"
         elif name in ptrs:
             sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "eps"):
             sig[name] = "fp32"
         else:
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]

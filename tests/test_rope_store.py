@@ -42,7 +42,7 @@ def llama3_table(head_dim: int) -> torch.Tensor:
 
 
 def setup(page: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, cache_dtype: torch.dtype,
-          qk_norm: bool, seed: int, mode: ForwardMode):
+          qk_norm: bool, seed: int, mode: ForwardMode, decode_prefix: tuple[int, ...] = (0, 13, 40, 7, 29)):
     """A pool full of random bytes, a batch whose new tokens got scattered slots, pre-rope q/k/v as strided views
     of one qkv tensor, positions all over the table, and (Qwen3) q/k norm weights."""
     env = make_env(page, heads, kv_heads, dim, dtype=dtype, device=DEVICE, seed=seed, cache_dtype=cache_dtype,
@@ -56,7 +56,7 @@ def setup(page: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, ca
         else:
             buf.copy_(torch.randn(buf.shape, generator=gen, device=DEVICE))
     if mode is ForwardMode.DECODE:
-        prefix, new = [0, 13, 40, 7, 29], [1] * 5
+        prefix, new = list(decode_prefix), [1] * len(decode_prefix)
     else:
         prefix, new = [0, 9, 21], [6, 3, 11]
     rows = new_requests(env, [0] * len(prefix))
@@ -188,6 +188,93 @@ def test_backend_fuses_and_matches_torch_backend(mode):
         torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
 
 
+DECODE_ROPE_CASES = [  # page, heads, kv_heads, dim, model dtype, cache dtype, qk_norm, combined in stage 1
+    (1, 4, 2, 16, torch.float32, torch.float32, False, False),
+    (4, 8, 2, 32, torch.float32, torch.float32, True, True),
+    (4, 4, 2, 16, torch.float16, torch.float16, True, False),
+    (1, 4, 1, 16, torch.float16, torch.float8_e4m3fn, False, True),
+    (4, 6, 2, 16, torch.float32, torch.float8_e5m2, True, False),
+    pytest.param(1, 32, 8, 64, torch.bfloat16, torch.bfloat16, False, False, marks=cuda),  # Llama-3.2-1B
+    pytest.param(16, 32, 8, 64, torch.bfloat16, torch.float8_e4m3fn, False, True, marks=cuda),
+    pytest.param(1, 16, 8, 128, torch.bfloat16, torch.bfloat16, True, True, marks=cuda),  # Qwen3-0.6B
+    pytest.param(1, 16, 8, 128, torch.bfloat16, torch.float8_e4m3fn, True, False, marks=cuda),
+]
+
+
+@pytest.mark.parametrize(("page", "heads", "kv_heads", "dim", "dtype", "cache_dtype", "qk_norm", "combine"),
+                         DECODE_ROPE_CASES)
+def test_decode_stage1_rope_store_equals_rope_store_kernel(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm,
+                                                           combine):
+    """rope_attend (stage 1 rotates q and stores the new K/V) against rope_store_kv then the decode kernel: the
+    same output and cache, bit for bit in the interpreter (on the GPU to the dtype's rounding). Seq lens 1 to 80
+    with at most 4 splits, so at 80 the new token's split is not the last one (that one is empty), and the torch
+    backend as the reference."""
+    seed = page + heads + dim + (cache_dtype in FP8) * 100 + qk_norm * 1000 + combine
+    env, batch, positions, qkv, (q, k, v), norm = setup(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, seed,
+                                                        ForwardMode.DECODE, decode_prefix=(0, 13, 79, 7, 40))
+    env.tri.max_kv_splits = 4
+    env.tri.decode_rope_max_bs = 8
+    env.tri.combine_min_bs = 1 if combine else 10**9
+    env.tri.fuse_rope_store = True
+    rope = Rope(positions, llama3_table(dim), *norm, EPS)
+    s = env.spec
+    qs, ks = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    before = [b.clone() for b in env.cache.get_store_buffer(0)]
+
+    def run(fn):
+        for buf, b in zip(env.cache.get_store_buffer(0), before, strict=True):
+            buf.copy_(b)
+        env.tri.init_forward_metadata(batch)
+        x = qkv.clone()
+        out = fn(x[:, :qs], x[:, qs : qs + ks], x[:, qs + ks :])
+        assert torch.equal(x, qkv)  # the inputs are read only
+        return out, [b.clone() for b in env.cache.get_store_buffer(0)]
+
+    got, kv_got = run(lambda q, k, v: env.tri.rope_attend(q, k, v, s, batch, rope))
+    want, kv_want = run(lambda q, k, v: env.tri.forward(q, k, v, s, batch, rope))
+    assert env.tri.num_kv_splits.tolist() == [1, 1, 4, 1, 3]
+    assert not env.tri.decode_counters.any()
+    if not GPU:  # the interpreter computes both the same way
+        assert torch.equal(got, want)
+        for a, b in zip(kv_got, kv_want, strict=True):
+            assert torch.equal(a, b)
+    else:  # compiled, the q/k norm's sum and fp32 contractions may differ between the two kernels' layouts
+        torch.testing.assert_close(got, want, atol=TOL[dtype][0] * want.abs().max().item(), rtol=0)
+        for a, b in zip(kv_got, kv_want, strict=True):
+            if cache_dtype in FP8:  # at most one fp8 step apart, rarely (a rounding tie decided the other way)
+                assert (a != b).float().mean() < 0.02
+                fa, fb = a.view(cache_dtype).float(), b.view(cache_dtype).float()
+                step = 0.125 if cache_dtype == torch.float8_e4m3fn else 0.25
+                assert ((fa - fb).abs() <= step * torch.maximum(fa.abs(), fb.abs()) + 2**-6).all()
+            else:
+                torch.testing.assert_close(a, b, atol=TOL[cache_dtype][0], rtol=TOL[cache_dtype][1])
+    if cache_dtype in FP8:  # random cache bytes make scores of hundreds: a softmax the fp16 dots' rounding moves
+        return  # (the fp8 kernels' accuracy: test_fp8_kv.py, test_fp8_decode_variants.py)
+    env.ref.init_forward_metadata(batch)
+    ref, _ = run(lambda q, k, v: env.ref.forward(q, k, v, s, batch, rope))
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol * ref.abs().max().item(), rtol=0)
+
+
+def test_rope_attend_declines_what_it_does_not_fuse():
+    """None (the caller stores, then attends) for extend steps, batches over decode_rope_max_bs, and with the
+    fused store off."""
+    env, batch, positions, qkv, (q, k, v), norm = setup(1, 4, 2, 16, torch.float32, torch.float32, False, 9,
+                                                        ForwardMode.DECODE)
+    rope, s = Rope(positions, llama3_table(16), *norm, EPS), env.spec
+    env.tri.fuse_rope_store = True
+    env.tri.init_forward_metadata(batch)
+    env.tri.decode_rope_max_bs = 4  # the batch has 5 rows
+    assert env.tri.rope_attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch, rope) is None
+    env.tri.decode_rope_max_bs = 8
+    env.tri.fuse_rope_store = False
+    assert env.tri.rope_attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch, rope) is None
+    ext = setup(1, 4, 2, 16, torch.float32, torch.float32, False, 9, ForwardMode.EXTEND)
+    env.tri.fuse_rope_store = True
+    assert env.tri.rope_attend(q.flatten(1), k.flatten(1), v.flatten(1), s, ext[1], rope) is None
+    assert env.ref.rope_attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch, rope) is None
+
+
 # ---------------------------------------------------------------- the engine: greedy tokens fused vs unfused
 TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -197,9 +284,9 @@ TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
 def test_engine_greedy_tokens_equal_fused_and_unfused(model, request, tmp_path):
-    """The Triton backend (the interpreter on a CPU), 3 prompts: greedy tokens with the fused rotary + store
-    equal the unfused path's, eagerly and (Qwen3) through decode graphs (the CPU stand-in re-runs the captured
-    step)."""
+    """The Triton backend (the interpreter on a CPU), 3 prompts: greedy tokens with the fused rotary + store, and
+    with decode's rotary + store inside the decode kernel, equal the unfused path's, eagerly and (Qwen3) through
+    decode graphs (the CPU stand-in re-runs the captured step)."""
     import json
 
     from ostinato import LLM
@@ -227,13 +314,22 @@ def test_engine_greedy_tokens_equal_fused_and_unfused(model, request, tmp_path):
     def tokens() -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
+    in_stage1 = []
+    rope_attend = backend.rope_attend
+    backend.rope_attend = lambda *a: (lambda out: in_stage1.append(out is not None) or out)(rope_attend(*a))
+
     backend.fuse_rope_store = False
     unfused = tokens()
-    assert not calls
-    backend.fuse_rope_store = True
+    assert not calls and not any(in_stage1)
+    backend.fuse_rope_store, backend.decode_rope_max_bs = True, 0
     fused = tokens()
     assert len(calls) == 2 * 4  # every layer of every step (1 extend + 3 decodes) took the fused kernel
     assert fused == unfused
+    calls.clear()
+    in_stage1.clear()
+    backend.decode_rope_max_bs = 4
+    assert tokens() == unfused  # decode steps of 3 rows: rotary and the store in the decode kernel
+    assert len(calls) == 2 and in_stage1.count(True) == 2 * 3
     if model == "tiny-qwen3":  # and through decode graphs captured fused (on a CPU, the stand-in; one model is enough)
         runner.graph_runner = DecodeGraphRunner(runner)
         assert tokens() == unfused

@@ -153,6 +153,24 @@ def test_decode_matches_torch(page, group, combine):
     check(env, batch, out, q, atol=1e-4)
 
 
+def test_one_split_combined_in_stage1_gives_stage2_bits():
+    """A request of one split writes its output straight from stage 1 when combining there (no scratch, no count):
+    the bits stage 2 would have written, its one split weighted by exactly 1."""
+    env = make_env(1, 4, 2, 16, seed=11)
+    prefix = [5, 40, 0]  # 1, 3 and 1 splits
+    rows = new_requests(env, prefix)
+    batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1] * 3)
+    q, k, v = qkv(env, 3)
+    outs = []
+    for combine_min_bs in (1, 10**9):  # the same step twice (its K/V stored again, unchanged)
+        env.tri.combine_min_bs = combine_min_bs
+        outs.append(run_triton(env, batch, q, k, v))
+        assert not env.tri.decode_counters.any()
+    assert env.tri.num_kv_splits.tolist() == [1, 3, 1]
+    assert torch.equal(outs[0][[0, 2]], outs[1][[0, 2]])
+    check(env, batch, outs[0], q, atol=1e-4)
+
+
 def test_decode_clamped_splits_with_empty_tail():
     env = make_env(4, 4, 2, 16, seed=3)
     env.tri.max_kv_splits = 4  # seq len 80 -> 4 splits of 32 tokens: the last one is empty

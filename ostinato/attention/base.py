@@ -76,6 +76,12 @@ class AttentionBackend(abc.ABC):
         self.store_kv(layer.layer_id, batch.out_cache_loc, k, v)
         return q
 
+    def rope_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec",
+                    batch: ForwardBatch, rope: "Rope") -> torch.Tensor | None:
+        """`forward` with `rope` in fewer launches, where the backend can (q, k, v before rotary): the output
+        [T, H*D], or None where it cannot (the caller then stores and attends)."""
+        return None
+
     def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, Hkv, D] (rotated) into the cache at `loc`."""
         self.kv_cache.set_kv_buffer(layer_id, loc, k, v)

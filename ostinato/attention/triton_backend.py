@@ -9,7 +9,12 @@ import torch
 from ostinato.attention.base import AttentionBackend, AttentionSpec, Rope
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, mixed_decode_rows
 from ostinato.attention.triton_ops import decode_attention, extend_attention, rope_store_kv, store_kv
-from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_kwargs, table_entry
+from ostinato.attention.triton_ops.decode_attention import (
+    NewTokens,
+    compute_num_kv_splits,
+    decode_kwargs,
+    table_entry,
+)
 from ostinato.attention.triton_ops.extend_attention import extend_block_table, max_extend_blocks
 from ostinato.mem.kv_cache import KVCache
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
@@ -29,6 +34,9 @@ class TritonAttentionBackend(AttentionBackend):
     # 1024 3.78 -> 3.67, fp8 cache bs 128 x 4096 4.17 -> 4.07, bs 32 x 4096 level; bs 1 slower (0.888 -> 0.894,
     # at 1,024 tokens 0.920 -> 0.938). bs 2-4 not measured. OSTINATO_DECODE_COMBINE=0: never.
     combine_min_bs = 8
+    # Up to this many rows a decode step's stage 1 also does rope_store's work (rope_attend): one launch a layer
+    # fewer.
+    decode_rope_max_bs = 4
     min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
     decode_block_n = 64
     # The decode kernel's launch settings, by KV dtype and head dim (decode_table_for), then by batch size: a
@@ -279,6 +287,22 @@ class TritonAttentionBackend(AttentionBackend):
         q = self.rope_store_kv(layer.layer_id, batch.out_cache_loc, q, k, v, rope)
         return q.view(-1, layer.num_heads * layer.head_dim)
 
+    def rope_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionSpec,
+                    batch: ForwardBatch, rope: Rope) -> torch.Tensor | None:
+        """Decode batches of up to decode_rope_max_bs rows: stage 1 rotates q and stores the new K/V itself
+        (decode_attention's `new`), one launch a layer fewer than rope_store_kv then the decode kernel."""
+        bs = q.shape[0]
+        fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
+        d = layer.head_dim
+        if (batch.mode is not ForwardMode.DECODE or not fuse or self.kv_store != "fused" or bs > self.decode_rope_max_bs
+                or d & (d - 1) or table_entry(self.decode_table, bs).get("variant") == "kv_group"):
+            return None
+        new = NewTokens(rope.positions, batch.out_cache_loc, k.view(bs, layer.num_kv_heads, d),
+                        v.view(bs, layer.num_kv_heads, d), rope.cos_sin, rope.q_norm_weight, rope.k_norm_weight,
+                        rope.eps)
+        out = self.forward_decode(q.view(bs, layer.num_heads, d), layer, batch, new)
+        return out.view(bs, layer.num_heads * d)
+
     def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.kv_store != "fused":
             self.kv_cache.set_kv_buffer(layer_id, loc, k, v)
@@ -321,7 +345,9 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
-    def forward_decode(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch,
+                       new: NewTokens | None = None) -> torch.Tensor:
+        """`new`: q before rotary, and the new tokens' K/V still to store (rope_attend)."""
         bs, num_heads, head_dim = q.shape
         splits = self.kv_splits_cap(bs)  # the grid's split dimension: no program past the cap
         if self.graph_mode:
@@ -339,12 +365,12 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_splits, req_pool_indices, seq_lens = self.num_kv_splits, self.req_pool_indices, self.seq_lens
             mid_o = mid_lse = None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self._decode(q, out, layer, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse)
+        self._decode(q, out, layer, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, new)
         return out
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionSpec, req_pool_indices: torch.Tensor,
                 seq_lens: torch.Tensor, num_kv_splits: torch.Tensor, mid_o: torch.Tensor | None = None,
-                mid_lse: torch.Tensor | None = None) -> None:
+                mid_lse: torch.Tensor | None = None, new: NewTokens | None = None) -> None:
         """Split-KV decode of q [bs, H, D] (rows may be a view) into out; fresh scratch unless given."""
         bs, num_heads, head_dim = q.shape
         if mid_o is None:
@@ -355,7 +381,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
-            counters=self.decode_counters if combine else None,
+            counters=self.decode_counters if combine else None, new=new,
             **self._kv_args(layer.layer_id),
             **(dict(block_n=self.decode_block_n) | decode_kwargs(table_entry(self.decode_table, bs))),
         )

@@ -7,7 +7,13 @@ Stage 2, grid (bs, num_heads): merges a request's splits.
 
 The split count of a request lives on the device (`num_kv_splits[b]`), so the grid is fixed and the
 launch can be captured in a CUDA graph: programs whose split index is past the count exit at once.
+
+With `new` (small decode batches: `TritonAttentionBackend.rope_attend`) stage 1 also does rope_store.py's work:
+q comes before rotary and each program rotates its group's heads, and the program whose split holds the new token
+rotates and stores that token's K/V before it walks its keys.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,7 +28,9 @@ from ostinato.attention.triton_ops.paged_softmax import (
     kv_to_dot,
     page_arg,
 )
+from ostinato.attention.triton_ops.rope_store import fp8_byte
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+from ostinato.layers.triton_ops.rotary import norm_rotate
 
 
 @triton.jit
@@ -55,6 +63,58 @@ def _combine_if_last(Counter, counter_idx, num_splits, b, heads, h_mask, offs_d,
 
 
 @triton.jit
+def _rope_q_store_kv(Q, K_new, V_new, K_buf, V_buf, Positions, Loc, Cos_sin, QW, KW, K_scale, V_scale,
+                     b, kv_head, heads, h_mask, stores,
+                     stride_qb, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
+                     KV_FP8: tl.constexpr):
+    """rope_store.py's work for one request and KV head, inside stage 1: the group's query heads rotated (returned
+    as [BLOCK_H, BLOCK_D] in Q's dtype, the padding rows 0) and, where `stores` (the program whose split holds the
+    new token), the new token's K rotated and V written into its slot, with rope_store's roundings, so the bits
+    are the unfused path's. HEAD_DIM a power of two (the halves joined side by side make the row)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dt = Q.dtype.element_ty
+    offs_d = tl.arange(0, half)
+    d_mask = offs_d < half
+    pos = tl.load(Positions + b).to(tl.int64)
+    cos = tl.load(Cos_sin + pos * stride_cs + offs_d).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(Cos_sin + pos * stride_cs + half + offs_d).to(dt).to(tl.float32)[None, :]
+    src = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    x1 = tl.load(src, mask=h_mask[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=h_mask[:, None], other=0.0).to(tl.float32)
+    q1, q2 = norm_rotate(x1, x2, QW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
+    q1 = tl.where(h_mask[:, None], q1, 0.0).to(dt)  # padding rows: 0, as a masked load gives (the norm's eps
+    q2 = tl.where(h_mask[:, None], q2, 0.0).to(dt)  # leaves them 0 too; kept explicit)
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, BLOCK_D))
+    if stores:
+        slot = tl.load(Loc + b).to(tl.int64)
+        one = tl.arange(0, 1)[:, None] * 0  # a [1, half] row
+        k_src = K_new + b * stride_knt + kv_head * stride_knh + one + offs_d[None, :]
+        k1, k2 = norm_rotate(tl.load(k_src).to(tl.float32), tl.load(k_src + half).to(tl.float32), KW, offs_d,
+                             d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
+        k1 = k1.to(dt).to(tl.float32)
+        k2 = k2.to(dt).to(tl.float32)
+        v_src = V_new + b * stride_vnt + kv_head * stride_vnh + one + offs_d[None, :]
+        v1 = tl.load(v_src).to(tl.float32)
+        v2 = tl.load(v_src + half).to(tl.float32)
+        k_dst = K_buf + slot * stride_kbs + kv_head * stride_kbh + one + offs_d[None, :]
+        v_dst = V_buf + slot * stride_vbs + kv_head * stride_vbh + one + offs_d[None, :]
+        if KV_FP8 == 0:
+            tl.store(k_dst, k1.to(K_buf.dtype.element_ty))
+            tl.store(k_dst + half, k2.to(K_buf.dtype.element_ty))
+            tl.store(v_dst, v1.to(V_buf.dtype.element_ty))
+            tl.store(v_dst + half, v2.to(V_buf.dtype.element_ty))
+        else:
+            tl.store(k_dst, fp8_byte(k1, K_scale, KV_FP8))
+            tl.store(k_dst + half, fp8_byte(k2, K_scale, KV_FP8))
+            tl.store(v_dst, fp8_byte(v1, V_scale, KV_FP8))
+            tl.store(v_dst + half, fp8_byte(v2, V_scale, KV_FP8))
+        tl.debug_barrier()  # the stores before any of this program's threads loads the slot back
+    return q
+
+
+@triton.jit
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, K_scale, V_scale,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
@@ -67,6 +127,9 @@ def _decode_stage1_kernel(
     BITS_FACTOR: tl.constexpr = 1.0, WHOLE_BLOCKS: tl.constexpr = False,
     Counter=None, Out=None, stride_ob=0, stride_oh=0, COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
     GROUP_P2: tl.constexpr = 1, PDL: tl.constexpr = False,
+    Positions=None, Loc=None, K_new=None, V_new=None, Cos_sin=None, QW=None, KW=None,
+    stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0, stride_cs=0, eps=0.0,
+    ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
     b = tl.program_id(1)
@@ -95,8 +158,15 @@ def _decode_stage1_kernel(
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROPE:  # Q, K_new, V_new before rotary: rotate here, and the new token's split stores its K/V first
+        q = _rope_q_store_kv(Q, K_new, V_new, K_buf, V_buf, Positions, Loc, Cos_sin, QW, KW, K_scale,
+                             V_scale, b, kv_head, heads, h_mask, split == (seq_len - 1) // per_split,
+                             stride_qb, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                             stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
+                             HEAD_DIM, BLOCK_H, BLOCK_D, HAS_NORM, KV_FP8)
+    else:
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if QK_FP8:  # q per row to e4m3 (max 448), its row scale folded into the score scale
         q = q.to(tl.float32)
         amax = tl.max(tl.abs(q), 1)
@@ -137,15 +207,19 @@ def _decode_stage1_kernel(
 
     nonempty = l_i > 0
     out = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out,
-             mask=h_mask[:, None] & d_mask[None, :])
-    tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
-    if COMBINE:  # over the group's heads only (BLOCK_H pads them to a dot's 16 rows)
-        offs_g = tl.arange(0, GROUP_P2)
-        _combine_if_last(Counter, b * tl.num_programs(0) + kv_head, num_splits, b, kv_head * GROUP + offs_g,
-                         offs_g < GROUP, offs_d, d_mask, Mid_o, Mid_lse, Out, stride_mob, stride_moh, stride_mos,
-                         stride_mlb, stride_mlh, stride_ob, stride_oh, BLOCK_S)
+    if COMBINE and num_splits == 1:  # the request's only split: its output is final (the combine's bits: weight 1)
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], out,
+                 mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, lse, mask=h_mask)
+        if COMBINE:  # over the group's heads only (BLOCK_H pads them to a dot's 16 rows)
+            offs_g = tl.arange(0, GROUP_P2)
+            _combine_if_last(Counter, b * tl.num_programs(0) + kv_head, num_splits, b, kv_head * GROUP + offs_g,
+                             offs_g < GROUP, offs_d, d_mask, Mid_o, Mid_lse, Out, stride_mob, stride_moh,
+                             stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, BLOCK_S)
     if PDL:  # the next kernel's programs come in as this grid's last programs finish (layers/triton_ops/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -334,6 +408,20 @@ def compute_num_kv_splits(seq_lens: torch.Tensor, out: torch.Tensor, min_tokens_
     out.copy_(n.clamp_(1, max_kv_splits))
 
 
+class NewTokens(NamedTuple):
+    """What stage 1 needs to do rope_store.py's work itself (decode_attention's `new`): q is then passed before
+    rotary, and each request's new K/V, before rotary too, are written into their slots by the program whose split
+    holds them."""
+    positions: torch.Tensor  # [bs]
+    loc: torch.Tensor  # [bs] the new tokens' slots
+    k: torch.Tensor  # [bs, Hkv, D], last dim contiguous
+    v: torch.Tensor
+    cos_sin: torch.Tensor  # fp32 [max_pos, D]: cos | sin
+    q_norm_weight: torch.Tensor | None = None  # [D], both or neither (Qwen3)
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 def decode_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -343,6 +431,7 @@ def decode_attention(
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
     v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
     kv_group: bool = False, counters: torch.Tensor | None = None, maxnreg: int | None = None,
+    new: NewTokens | None = None,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -364,6 +453,10 @@ def decode_attention(
     `counters` (int32, contiguous, at least bs * Hkv entries, all 0; left all 0): the splits are combined by each
     request's last split program to finish (`_combine_if_last`), and no stage-2 launch follows. Without it a
     second launch combines them.
+
+    `new`: q comes before rotary, and stage 1 rotates it and stores the new tokens' K/V (`NewTokens`) as
+    rope_store_kv would have, the same bits, without its launch. Head dims that are powers of two; not with
+    `kv_group`.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -394,6 +487,19 @@ def decode_attention(
     # KV heads in the grid's first dimension: the programs of one request's heads launch side by side and read
     # the same slots' rows (a slot holds every head) at about the same time (H200, 1-3% faster kernels at
     # contexts 1,024-4,096, about 1% faster steps; README)
+    if new is not None:
+        assert head_dim & (head_dim - 1) == 0, f"stage 1 rotates whole-row halves: head_dim {head_dim}"
+        assert new.k.shape == new.v.shape == (bs, num_kv_heads, head_dim) and new.k.stride(2) == new.v.stride(2) == 1
+        assert new.cos_sin.dtype == torch.float32 and new.cos_sin.stride(1) == 1
+        has_norm = new.q_norm_weight is not None
+        assert has_norm == (new.k_norm_weight is not None)
+        per_prog = 1
+        tail |= dict(Positions=new.positions, Loc=new.loc, K_new=new.k, V_new=new.v, Cos_sin=new.cos_sin,
+                     QW=new.q_norm_weight if has_norm else new.cos_sin,  # unread without the norm
+                     KW=new.k_norm_weight if has_norm else new.cos_sin,
+                     stride_knt=new.k.stride(0), stride_knh=new.k.stride(1), stride_vnt=new.v.stride(0),
+                     stride_vnh=new.v.stride(1), stride_cs=new.cos_sin.stride(0), eps=new.eps, ROPE=True,
+                     HAS_NORM=has_norm)
     if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(num_kv_heads // per_prog, bs, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,

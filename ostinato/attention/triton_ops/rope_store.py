@@ -21,7 +21,7 @@ from ostinato.layers.triton_ops.rotary import norm_rotate
 
 
 @triton.jit
-def _fp8_byte(x, Scale, KV_FP8: tl.constexpr):
+def fp8_byte(x, Scale, KV_FP8: tl.constexpr):
     """fp32 x stored in an fp8 cache: x / scale rounded to nearest even, saturated, as its byte (`store_kv`'s)."""
     if KV_FP8 == 1:
         x = round_to_fp8(x / tl.load(Scale), 3, 2.0**-6, 2.0**14, 448.0)
@@ -87,10 +87,10 @@ def _rope_store_kernel(
             tl.store(v_dst, v1.to(V_buf.dtype.element_ty), mask=mask)
             tl.store(v_dst + half, v2.to(V_buf.dtype.element_ty), mask=mask)
         else:
-            tl.store(k_dst, _fp8_byte(k1, K_scale, KV_FP8), mask=mask)
-            tl.store(k_dst + half, _fp8_byte(k2, K_scale, KV_FP8), mask=mask)
-            tl.store(v_dst, _fp8_byte(v1, V_scale, KV_FP8), mask=mask)
-            tl.store(v_dst + half, _fp8_byte(v2, V_scale, KV_FP8), mask=mask)
+            tl.store(k_dst, fp8_byte(k1, K_scale, KV_FP8), mask=mask)
+            tl.store(k_dst + half, fp8_byte(k2, K_scale, KV_FP8), mask=mask)
+            tl.store(v_dst, fp8_byte(v1, V_scale, KV_FP8), mask=mask)
+            tl.store(v_dst + half, fp8_byte(v2, V_scale, KV_FP8), mask=mask)
     if PDL:  # the decode kernel's programs come in as this grid's last programs finish (pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
 

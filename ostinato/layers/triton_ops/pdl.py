@@ -23,7 +23,8 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   The KV store kernels (`rope_store.py`, `kv_store.py`) trigger at their end too, for the split-KV decode
   kernel after them: placed early, its programs ran much slower at long contexts (H200, Llama-3.2-1B bs 32 x
   4096 2.088 -> 2.212 ms a step, Qwen3-0.6B 4.479 -> 5.110), placed late not (2.089, 4.474), while short
-  contexts gained either way (Qwen3-0.6B bs 8 x 128 1.026 -> 1.009 ms late).
+  contexts gained either way (Qwen3-0.6B bs 8 x 128 1.026 -> 1.009 ms late). At up to 4 decode rows stage 1
+  stores the new K/V itself and follows the qkv GEMV.
 Some kernels of the Mamba extend chain wait late, reading and computing before the wait what kernels further
 back wrote: when a kernel's programs start, its predecessor has triggered, and a predecessor that triggers only
 after its own wait has seen every kernel before it complete. Each still waits before any write.
