@@ -110,7 +110,7 @@ def profile_steps(runner: ModelRunner, sched: ScheduledBatch, iters: int = 20) -
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
     print(f"profile bs {len(sched.reqs)}: GPU kernel time {gpu_us / 1e3:.3f} ms/step, {kernels / iters:.0f} "
           "kernels/step")
-    print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70))
+    print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
 
 
 def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: int = 10) -> dict:
