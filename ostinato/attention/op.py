@@ -128,10 +128,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, 
         k = v = None
     elif positions is not None:
         backend, batch = _context()
-        out = backend.rope_attend(q, k, v, _ctx.layers[layer_id], batch,
-                                  Rope(positions, cos_sin, q_norm_weight, k_norm_weight, eps))
+        layer, rope = _ctx.layers[layer_id], Rope(positions, cos_sin, q_norm_weight, k_norm_weight, eps)
+        out = backend.rope_attend(q, k, v, layer, batch, rope)
         if out is not None:  # rotary, store and attention fused (the Triton backend's small decode batches)
             return out
-        q = _rope_store(layer_id, q, k, v, positions, cos_sin, q_norm_weight, k_norm_weight, eps)
+        q = backend.store(q, k, v, layer, batch, rope)
         k = v = None
     return (attention_op if compiling else attention_impl)(q, k, v, layer_id)
