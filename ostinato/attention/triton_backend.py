@@ -295,8 +295,9 @@ class TritonAttentionBackend(AttentionBackend):
         bs = q.shape[0]
         fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
         d = layer.head_dim
-        if (batch.mode is not ForwardMode.DECODE or not fuse or self.kv_store != "fused" or bs > self.decode_rope_max_bs
-                or d & (d - 1) or table_entry(self.decode_table, bs).get("variant") == "kv_group"):
+        # stage 1 joins the rotated halves into the row: power-of-two head dims
+        if (batch.mode is not ForwardMode.DECODE or not fuse or self.kv_store != "fused"
+                or bs > self.decode_rope_max_bs or d & (d - 1)):
             return None
         new = NewTokens(rope.positions, batch.out_cache_loc, k.view(bs, layer.num_kv_heads, d),
                         v.view(bs, layer.num_kv_heads, d), rope.cos_sin, rope.q_norm_weight, rope.k_norm_weight,

@@ -28,7 +28,7 @@ from ostinato.attention.triton_ops.paged_softmax import (
     kv_to_dot,
     page_arg,
 )
-from ostinato.attention.triton_ops.rope_store import fp8_byte
+from ostinato.attention.triton_ops.rope_store import rotate_store_kv
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 from ostinato.layers.triton_ops.rotary import norm_rotate
 
@@ -87,29 +87,12 @@ def _rope_q_store_kv(Q, K_new, V_new, K_buf, V_buf, Positions, Loc, Cos_sin, QW,
     q1 = tl.where(h_mask[:, None], q1, 0.0).to(dt)  # padding rows: 0, as a masked load gives (the norm's eps
     q2 = tl.where(h_mask[:, None], q2, 0.0).to(dt)  # leaves them 0 too; kept explicit)
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, BLOCK_D))
-    if stores:
-        slot = tl.load(Loc + b).to(tl.int64)
-        one = tl.arange(0, 1)[:, None] * 0  # a [1, half] row
-        k_src = K_new + b * stride_knt + kv_head * stride_knh + one + offs_d[None, :]
-        k1, k2 = norm_rotate(tl.load(k_src).to(tl.float32), tl.load(k_src + half).to(tl.float32), KW, offs_d,
-                             d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
-        k1 = k1.to(dt).to(tl.float32)
-        k2 = k2.to(dt).to(tl.float32)
-        v_src = V_new + b * stride_vnt + kv_head * stride_vnh + one + offs_d[None, :]
-        v1 = tl.load(v_src).to(tl.float32)
-        v2 = tl.load(v_src + half).to(tl.float32)
-        k_dst = K_buf + slot * stride_kbs + kv_head * stride_kbh + one + offs_d[None, :]
-        v_dst = V_buf + slot * stride_vbs + kv_head * stride_vbh + one + offs_d[None, :]
-        if KV_FP8 == 0:
-            tl.store(k_dst, k1.to(K_buf.dtype.element_ty))
-            tl.store(k_dst + half, k2.to(K_buf.dtype.element_ty))
-            tl.store(v_dst, v1.to(V_buf.dtype.element_ty))
-            tl.store(v_dst + half, v2.to(V_buf.dtype.element_ty))
-        else:
-            tl.store(k_dst, fp8_byte(k1, K_scale, KV_FP8))
-            tl.store(k_dst + half, fp8_byte(k2, K_scale, KV_FP8))
-            tl.store(v_dst, fp8_byte(v1, V_scale, KV_FP8))
-            tl.store(v_dst + half, fp8_byte(v2, V_scale, KV_FP8))
+    if stores:  # this KV head of the new token, as one [1, half] row
+        one_head = kv_head + tl.arange(0, 1)
+        rotate_store_kv(K_new + b * stride_knt, V_new + b * stride_vnt, K_buf, V_buf, tl.load(Loc + b).to(tl.int64),
+                        one_head, (one_head >= 0)[:, None] & d_mask[None, :], offs_d, d_mask, cos, sin, KW, K_scale,
+                        V_scale, stride_knh, stride_vnh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps,
+                        HEAD_DIM, HAS_NORM, KV_FP8)
         tl.debug_barrier()  # the stores before any of this program's threads loads the slot back
     return q
 
@@ -455,8 +438,8 @@ def decode_attention(
     second launch combines them.
 
     `new`: q comes before rotary, and stage 1 rotates it and stores the new tokens' K/V (`NewTokens`) as
-    rope_store_kv would have, the same bits, without its launch. Head dims that are powers of two; not with
-    `kv_group`.
+    rope_store_kv would have, the same bits, without its launch. Head dims that are powers of two; `kv_group`
+    is then ignored.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -484,9 +467,6 @@ def decode_attention(
     tail = dict(Counter=counters, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1), COMBINE=combine,
                 BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), PDL=pdl, launch_pdl=pdl,
                 **({"maxnreg": maxnreg} if maxnreg else {}))
-    # KV heads in the grid's first dimension: the programs of one request's heads launch side by side and read
-    # the same slots' rows (a slot holds every head) at about the same time (H200, 1-3% faster kernels at
-    # contexts 1,024-4,096, about 1% faster steps; README)
     if new is not None:
         assert head_dim & (head_dim - 1) == 0, f"stage 1 rotates whole-row halves: head_dim {head_dim}"
         assert new.k.shape == new.v.shape == (bs, num_kv_heads, head_dim) and new.k.stride(2) == new.v.stride(2) == 1
@@ -500,6 +480,9 @@ def decode_attention(
                      stride_knt=new.k.stride(0), stride_knh=new.k.stride(1), stride_vnt=new.v.stride(0),
                      stride_vnh=new.v.stride(1), stride_cs=new.cos_sin.stride(0), eps=new.eps, ROPE=True,
                      HAS_NORM=has_norm)
+    # KV heads in the grid's first dimension: the programs of one request's heads launch side by side and read
+    # the same slots' rows (a slot holds every head) at about the same time (H200, 1-3% faster kernels at
+    # contexts 1,024-4,096, about 1% faster steps; README)
     if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(num_kv_heads // per_prog, bs, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,

@@ -21,7 +21,7 @@ from ostinato.layers.triton_ops.rotary import norm_rotate
 
 
 @triton.jit
-def fp8_byte(x, Scale, KV_FP8: tl.constexpr):
+def _fp8_byte(x, Scale, KV_FP8: tl.constexpr):
     """fp32 x stored in an fp8 cache: x / scale rounded to nearest even, saturated, as its byte (`store_kv`'s)."""
     if KV_FP8 == 1:
         x = round_to_fp8(x / tl.load(Scale), 3, 2.0**-6, 2.0**14, 448.0)
@@ -29,6 +29,39 @@ def fp8_byte(x, Scale, KV_FP8: tl.constexpr):
     else:
         x = round_to_fp8(x / tl.load(Scale), 2, 2.0**-14, 2.0**7, 57344.0)
         return x.to(tl.float8e5).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def rotate_store_kv(K, V, K_buf, V_buf, slot, offs_h, mask, offs_d, d_mask, cos, sin, KW, K_scale, V_scale,
+                    stride_kh, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps,
+                    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr):
+    """One token's KV heads `offs_h` (K, V: the token's rows, before rotary): K rotated (after Qwen3's norm) and
+    rounded to the model dtype as the rotary kernel leaves it, then K and V written into cache slot `slot`
+    (quantized for an fp8 cache, as `store_kv` does). `mask` [heads, half]; offs_d the half's columns. The
+    decode kernel's stage 1 calls it too (decode_attention's `new`)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dt = K.dtype.element_ty
+    src = K + offs_h[:, None] * stride_kh + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    k1, k2 = norm_rotate(x1, x2, KW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
+    k1 = k1.to(dt).to(tl.float32)
+    k2 = k2.to(dt).to(tl.float32)
+    src = V + offs_h[:, None] * stride_vh + offs_d[None, :]
+    v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    v2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    k_dst = K_buf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :]
+    v_dst = V_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :]
+    if KV_FP8 == 0:
+        tl.store(k_dst, k1.to(K_buf.dtype.element_ty), mask=mask)
+        tl.store(k_dst + half, k2.to(K_buf.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v1.to(V_buf.dtype.element_ty), mask=mask)
+        tl.store(v_dst + half, v2.to(V_buf.dtype.element_ty), mask=mask)
+    else:
+        tl.store(k_dst, _fp8_byte(k1, K_scale, KV_FP8), mask=mask)
+        tl.store(k_dst + half, _fp8_byte(k2, K_scale, KV_FP8), mask=mask)
+        tl.store(v_dst, _fp8_byte(v1, V_scale, KV_FP8), mask=mask)
+        tl.store(v_dst + half, _fp8_byte(v2, V_scale, KV_FP8), mask=mask)
 
 
 # No helper is called for the rotation (Triton's interpreter re-patches its language on every nested jit call,
@@ -66,31 +99,11 @@ def _rope_store_kernel(
         tl.store(dst, out1.to(dt), mask=mask)
         tl.store(dst + half, out2.to(dt), mask=mask)
     else:
-        slot = tl.load(Loc + t).to(tl.int64)
         offs_h = (block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (offs_h < NUM_KV_HEADS)[:, None] & d_mask[None, :]
-        src = K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        k1, k2 = norm_rotate(x1, x2, KW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
-        # the rotated k, rounded to the model dtype (as the rotary kernel leaves it in the qkv output)
-        k1 = k1.to(dt).to(tl.float32)
-        k2 = k2.to(dt).to(tl.float32)
-        src = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-        v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        v2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        k_dst = K_buf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :]
-        v_dst = V_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :]
-        if KV_FP8 == 0:
-            tl.store(k_dst, k1.to(K_buf.dtype.element_ty), mask=mask)
-            tl.store(k_dst + half, k2.to(K_buf.dtype.element_ty), mask=mask)
-            tl.store(v_dst, v1.to(V_buf.dtype.element_ty), mask=mask)
-            tl.store(v_dst + half, v2.to(V_buf.dtype.element_ty), mask=mask)
-        else:
-            tl.store(k_dst, fp8_byte(k1, K_scale, KV_FP8), mask=mask)
-            tl.store(k_dst + half, fp8_byte(k2, K_scale, KV_FP8), mask=mask)
-            tl.store(v_dst, fp8_byte(v1, V_scale, KV_FP8), mask=mask)
-            tl.store(v_dst + half, fp8_byte(v2, V_scale, KV_FP8), mask=mask)
+        rotate_store_kv(K + t * stride_kt, V + t * stride_vt, K_buf, V_buf, tl.load(Loc + t).to(tl.int64), offs_h,
+                        (offs_h < NUM_KV_HEADS)[:, None] & d_mask[None, :], offs_d, d_mask, cos, sin, KW, K_scale,
+                        V_scale, stride_kh, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps,
+                        HEAD_DIM, HAS_NORM, KV_FP8)
     if PDL:  # the decode kernel's programs come in as this grid's last programs finish (pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
 
