@@ -148,10 +148,11 @@ def graph_us(fn, reps: int = 30) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--per-sm", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--layers", type=int, default=28, help="Qwen3-0.6B layers in the chain (4 GEMVs each)")
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[2, 4],
+                    help="persistent programs an SM, one pass each (all must be resident at once)")
+    ap.add_argument("--smoke", action="store_true", help="CPU: one layer in Triton's interpreter against torch")
+    ap.add_argument("--out", default=None, help="JSON path for the figures (none written without it)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     layers = 1 if args.smoke else args.layers
