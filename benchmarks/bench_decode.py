@@ -28,7 +28,6 @@ python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128
 
 import argparse
 import gc
-import itertools
 import os
 import sys
 import time
@@ -151,13 +150,12 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
 
 
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
-                page_size: int = 1, rope_store: str = "fused", use_pdl: str | None = None,
-                l2_mb: int = 0) -> tuple[list[dict], dict]:
+                page_size: int = 1, rope_store: str = "fused", use_pdl: str | None = None) -> tuple[list[dict], dict]:
     need = max(bs * (ctx + page_size) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
                        enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs,
-                       kv_cache_dtype=kv_dtype, page_size=page_size, decode_l2_prefetch_mb=l2_mb)
+                       kv_cache_dtype=kv_dtype, page_size=page_size)
     # read at each forward, so also by the capture
     TritonAttentionBackend.fuse_rope_store = rope_store != "unfused"
     rope_max_bs = TritonAttentionBackend.decode_rope_max_bs
@@ -184,8 +182,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     if runner.mamba_pool is not None:
         state_per_req = 2 * runner.mamba_pool.bytes() // (runner.mamba_pool.size + 1)
     gr = runner.graph_runner
-    print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}, pdl {use_pdl}, L2 prefetch {l2_mb} MiB): "
-          f"weights "
+    print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}, pdl {use_pdl}): weights "
           f"{runner.weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, capture {gr.capture_seconds:.1f} s for "
           f"{gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
@@ -202,8 +199,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
             step_ms, fwd_ms = time_steps(runner, sched, graph, iters, overlap=mode != "graph-sync")
             row = {"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
                    "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile,
-                   "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store, "pdl": use_pdl,
-                   "l2_prefetch_mb": l2_mb}
+                   "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store, "pdl": use_pdl}
             if args.launches:
                 if graph not in launches:
                     launches[graph] = launch_stats(runner, sched, graph, iters=min(iters, 10))
@@ -232,8 +228,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
 
 
 def print_comparison(rows: list[dict]) -> None:
-    """Per (model, bs, context, mode): each kv dtype / page size / rope store / PDL / L2 prefetch against the first
-    one run."""
+    """Per (model, bs, context, mode): each kv dtype / page size / rope store / PDL against the first one run."""
     base: dict[tuple, float] = {}
     for r in rows:
         key = (r["model"], r["bs"], r["context"], r["mode"])
@@ -242,8 +237,7 @@ def print_comparison(rows: list[dict]) -> None:
             continue
         launches = f", {r['launches']:.0f} launches" if "launches" in r else ""
         print(f"{r['model']:<14}bs {r['bs']:>4} ctx {r['context']:>5} {r['mode']:<10} kv {r['kv_cache_dtype']:<9} "
-              f"page {r['page_size']:>3} rope+store {r['rope_store']} pdl {r['pdl']} L2 {r['l2_prefetch_mb']} MiB: "
-              f"{r['ms_per_step']:.3f} ms"
+              f"page {r['page_size']:>3} rope+store {r['rope_store']} pdl {r['pdl']}: {r['ms_per_step']:.3f} ms"
               f"{launches}, "
               f"{base[key] / r['ms_per_step']:.3f}x of the first configuration")
 
@@ -266,9 +260,6 @@ def main() -> None:
     ap.add_argument("--pdl", nargs="+", default=[None], choices=["on", "off"],
                     help="Programmatic Dependent Launch for the Triton kernels (Hopper): one pass each "
                     "(default: as OSTINATO_PDL sets it, on)")
-    ap.add_argument("--l2-prefetch-mb", nargs="+", type=int, default=[0],
-                    help="decode_l2_prefetch_mb: MiB of the next weight each skinny GEMV pulls into L2 (0: off), one "
-                         "pass each")
     ap.add_argument("--no-launches", dest="launches", action="store_false",
                     help="skip the launch count and gap columns (torch.profiler over a few steps per row)")
     ap.add_argument("--modes", nargs="+", default=["eager", "graph", "graph-sync"],
@@ -288,10 +279,10 @@ def main() -> None:
         for kv in args.kv_cache_dtype:
             for page in args.page_size:
                 for rope in args.rope_store:
-                    for use_pdl, l2_mb in itertools.product(args.pdl, args.l2_prefetch_mb):
-                        r, m = bench_model(name, args, bw, kv, page, rope, use_pdl, l2_mb)
+                    for use_pdl in args.pdl:
+                        r, m = bench_model(name, args, bw, kv, page, rope, use_pdl)
                         rows += r
-                        meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}/l2-{l2_mb}"] = m
+                        meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}"] = m
     print_comparison(rows)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,

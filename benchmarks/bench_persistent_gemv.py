@@ -3,10 +3,8 @@ barrier inside one persistent kernel, with the next GEMV's weights pulled into L
 
 The chain is Qwen3-0.6B's four projections a layer at one row, 28 layers (881 MB of weights, each projection's
 input the previous one's output cut to its K): qkv 4096 x 1024, o 1024 x 2048, gate_up 6144 x 1024 (ungated here),
-down 1024 x 3072. Four ways, each captured in a CUDA graph, us per GEMV and the weights' TB/s:
+down 1024 x 3072. Three ways, each captured in a CUDA graph, us per GEMV and the weights' TB/s:
 - `skinny`: the engine's skinny_linear, one launch per GEMV, PDL on where the engine has it;
-- `skinny+l2next`: the same launches, each GEMV first prefetching the next one's first MB into L2
-  (`layers/triton_ops/l2_prefetch.py`), before its PDL wait;
 - `persistent`: one launch for the whole chain, every program walking its row tiles of each GEMV, then a grid
   barrier (an atomic count in global memory, a zero-filled counter per launch);
 - `persistent+l2`: the same, and each program prefetches into L2 the rows it takes next, for the next GEMV, before
@@ -20,7 +18,6 @@ python benchmarks/bench_persistent_gemv.py --smoke    # CPU: tiny chain in the i
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -152,12 +149,8 @@ def graph_us(fn, reps: int = 30) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=28, help="Qwen3-0.6B layers in the chain (4 GEMVs each)")
-    ap.add_argument("--per-sm", type=int, nargs="*", default=[2, 4],
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[2, 4],
                     help="persistent programs an SM, one pass each (all must be resident at once)")
-    ap.add_argument("--prefetch-mb", type=int, nargs="*", default=[4, 16],
-                    help="skinny+l2next: MB of the next GEMV's weight each GEMV prefetches into L2, one pass each")
-    ap.add_argument("--prefetch-modes", nargs="*", default=["bulk", "lines"], choices=["bulk", "lines"],
-                    help="skinny+l2next: one cp.async.bulk.prefetch a program, or prefetch.global.L2 a line")
     ap.add_argument("--smoke", action="store_true", help="CPU: one layer in Triton's interpreter against torch")
     ap.add_argument("--out", default=None, help="JSON path for the figures (none written without it)")
     args = ap.parse_args()
@@ -180,7 +173,6 @@ def main() -> None:
         print(f"smoke: {num} GEMVs, max relative difference against torch {err:.2e}")
         assert err < 2e-2, err
         return
-    from ostinato.layers.triton_ops import l2_prefetch
     from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -193,24 +185,15 @@ def main() -> None:
     bytes_ = w_size * 2
     report = {"device": torch.cuda.get_device_name(dev), "gemvs": num, "weight_MB": bytes_ / 1e6, "rows": []}
     a0 = a.clone()
-    weights = [v[0] for v in views]
-    variants = [("skinny", skinny, None)]
-    variants += [(f"skinny+l2next {mode} {mb} MB", skinny, (mode, mb)) for mode in args.prefetch_modes
-                 for mb in args.prefetch_mb]
-    variants += [(f"persistent{'+l2' if pf else ''} {p}/SM",
-                  lambda p=p, pf=pf: run_chain(w, a, meta, counter, num, p * sms, barrier=True, prefetch=pf), None)
-                 for p in args.per_sm for pf in (False, True)]
-    for name, fn, prefetch in variants:
-        links = contextlib.nullcontext()
-        if prefetch is not None:  # each GEMV pulls the next one's first bytes into L2 (l2_prefetch.py)
-            l2_prefetch.MODE = {"bulk": l2_prefetch.BULK, "lines": l2_prefetch.LINES}[prefetch[0]]
-            links = l2_prefetch.linked(weights, prefetch[1] << 20)
-        with links:
-            a.copy_(a0)
-            fn()
-            torch.cuda.synchronize()
-            err = ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()  # a barrier let through
-            us = graph_us(fn)  # early (its spin cap) shows here
+    for name, fn in [("skinny", skinny)] + [
+            (f"persistent{'+l2' if pf else ''} {p}/SM",
+             lambda p=p, pf=pf: run_chain(w, a, meta, counter, num, p * sms, barrier=True, prefetch=pf))
+            for p in args.per_sm for pf in (False, True)]:
+        a.copy_(a0)
+        fn()
+        torch.cuda.synchronize()
+        err = ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()  # a barrier let through
+        us = graph_us(fn)  # early (its spin cap) shows here
         row = dict(variant=name, us=us, us_per_gemv=us / num, TBps=bytes_ / us / 1e6, rel_err=err)
         report["rows"].append(row)
         print(f"{name:24} {us:9.1f} us  {us / num:6.2f} us/GEMV  {bytes_ / us / 1e6:5.2f} TB/s  err {err:.1e}",

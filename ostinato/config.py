@@ -57,8 +57,6 @@ class EngineArgs:
     schedule_policy: str = _arg("lpm", "order of waiting requests: lpm (longest cached prefix first) | fcfs")
     kv_store_two_stream: bool = _arg(False, "write K/V with indexed copies, V on a second stream inside captured "
                                      "graphs (seed 001), instead of the fused Triton store kernel")
-    decode_l2_prefetch_mb: int = _arg(0, "captured decode steps of <= 16 rows: each skinny GEMV first pulls up to this "
-                                      "many MiB of the step's next weight into L2 (0: off)")
     enable_vit_cuda_graph: bool = _arg(False, "vision models: replay the vision encoder's blocks and mergers from CUDA "
                                        "graphs, one per padded patch count, captured on a size's second sight")
     vit_cuda_graph_max_mb: int = _arg(4096, "memory cap of the vision-encoder graphs in MiB (least recently used "
@@ -102,7 +100,6 @@ class EngineArgs:
             ("vit_cuda_graph_max_mb", self.vit_cuda_graph_max_mb >= 1, ">= 1"),
             ("vit_cuda_graph_max_patches", self.vit_cuda_graph_max_patches >= 1, ">= 1"),
             ("tp_size", self.tp_size >= 1, ">= 1"),
-            ("decode_l2_prefetch_mb", self.decode_l2_prefetch_mb >= 0, ">= 0"),
         ]
         for name, ok, limit in checks:
             if not ok:

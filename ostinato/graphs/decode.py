@@ -8,7 +8,6 @@ reuse the memory of larger ones in the process-wide pool.
 """
 
 import bisect
-import contextlib
 import logging
 import time
 
@@ -126,7 +125,7 @@ class DecodeGraphRunner:
                 self.compile_seconds += time.perf_counter() - start
             return step
 
-        with recompile_limit_for(len(compiled)), self._l2_prefetch_links(make_step):
+        with recompile_limit_for(len(compiled)):
             self.graphs, self.capture_seconds, self.graph_memory_bytes = capture_graphs(
                 self.device, list(reversed(self.batch_sizes)), make_step, "Capturing decode graphs",
                 keep_gc=self.runner.args.enable_cudagraph_gc)
@@ -135,21 +134,6 @@ class DecodeGraphRunner:
                         compiled, self.compile_seconds)
         logger.info("captured decode graphs for batch sizes %s in %.1f s (compile included), graph memory %.2f GiB",
                     self.batch_sizes, self.capture_seconds, self.graph_memory_bytes / 2**30)
-
-    def _l2_prefetch_links(self, make_step) -> contextlib.AbstractContextManager:
-        """With decode_l2_prefetch_mb, the order in which one eager step of the smallest size streams its weights,
-        linked for the capture: each GEMV prefetches the next one's first MiB (layers/triton_ops/l2_prefetch.py)."""
-        mb = self.runner.args.decode_l2_prefetch_mb
-        if self.device.type != "cuda" or not mb:
-            return contextlib.nullcontext()
-        from ostinato.layers.triton_ops import l2_prefetch  # lazily: see layers/triton_ops' docstring
-
-        step = make_step(self.batch_sizes[0])
-        with l2_prefetch.record() as weights:
-            step()
-        torch.cuda.synchronize(self.device)
-        logger.info("decode L2 prefetch: %d weights in the step's order, up to %d MiB each", len(weights), mb)
-        return l2_prefetch.linked(weights, mb << 20)
 
     # ------------------------------------------------------------------ replay
     def can_run(self, batch: ForwardBatch) -> bool:

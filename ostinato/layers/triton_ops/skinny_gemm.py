@@ -35,8 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.layers.triton_ops import l2_prefetch
-from ostinato.layers.triton_ops.l2_prefetch import prefetch_share
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 
 MAX_M = 16
@@ -65,11 +63,10 @@ def _prenorm_tile(x, r_ptrs, ro_ptrs, mask, ss, store, HAS_RES: tl.constexpr):
 
 @triton.jit
 def _skinny_fma_kernel(
-    X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, Next, next_numel,
+    X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     R, R_out, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     GATED: tl.constexpr, PRENORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,8 +88,6 @@ def _skinny_fma_kernel(
     ss = tl.zeros((M_PAD, 1, BLOCK_K), dtype=tl.float32)
     store = (offs_m * 0 + tl.program_id(0) == 0)[:, None, None]  # a tensor: the interpreter masks with no scalar
     k_full = K - K % BLOCK_K
-    if PREFETCH:  # l2_prefetch.py: a slice of the step's next weight, before the wait (weights are never written)
-        prefetch_share(Next, next_numel, PREFETCH)
     if PDL:  # layers/triton_ops/pdl.py: x is the previous kernel's output
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
@@ -131,9 +126,9 @@ def _skinny_fma_kernel(
 
 @triton.jit
 def _skinny_dot_kernel(
-    X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, Next, next_numel,
+    X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    K_SPLIT: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    K_SPLIT: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
     # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
@@ -150,8 +145,6 @@ def _skinny_dot_kernel(
     acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    if PREFETCH:
-        prefetch_share(Next, next_numel, PREFETCH)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
@@ -303,14 +296,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
         return
     cfg = config or config_for(m, n, k, _num_sms(x.device), gated)
     grid = (triton.cdiv(n, cfg.block_n),)
-    l2_prefetch.note(weight)
-    nxt = l2_prefetch.next_for(weight) if x.is_cuda and m <= l2_prefetch.MAX_M else None
-    args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            *((weight, 0) if nxt is None else nxt))
+    args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     pdl = pdl_enabled(x)
     meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                GATED=gated, PDL=pdl, PREFETCH=l2_prefetch.NONE if nxt is None else l2_prefetch.MODE, launch_pdl=pdl,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                GATED=gated, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert cfg.m_pad >= m
     if cfg.use_dot:
         assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16 and prenorm is None
