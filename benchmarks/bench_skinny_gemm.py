@@ -4,7 +4,7 @@ call and TB/s of weight bytes, beside the device copy bandwidth (bytes read + wr
 Each figure is one call's share of a CUDA graph of 20 back-to-back calls (decode runs inside graphs: no
 launch overhead, but each call's ramp-up and tail count). The calls cycle through copies of W that add up
 to 3x the L2 cache (their number divides the calls, so the cycle holds across replays), so every call
-reads its W from HBM as a model's layers do. M = 32 is torch only, for reference. `err` is
+reads its W from HBM as a model's layers do. M above 32 is torch only, for reference. `err` is
 max |skinny - torch|, `ref` the largest |y|.
 
 python benchmarks/bench_skinny_gemm.py [--out PATH] [--sweep]
@@ -196,7 +196,7 @@ def print_row(r: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK, W's shape")
-    ap.add_argument("--ms", type=int, nargs="+", default=MS, help="batch sizes (above 16: torch only)")
+    ap.add_argument("--ms", type=int, nargs="+", default=MS, help="batch sizes (above 32: torch only)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--calls", type=int, default=20, help="back-to-back calls in each captured graph")
     ap.add_argument("--reps", type=int, default=50, help="graph replays timed (median)")

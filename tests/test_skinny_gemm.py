@@ -79,7 +79,7 @@ def run_case(m: int, n: int, k: int, dtype: torch.dtype, seed: int, config: Skin
 
 # ---------------------------------------------------------------- small shapes (interpreter on the CPU)
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])  # FMA kernel up to 4, tl.dot above
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 32])  # FMA kernel up to 4, tl.dot above (x padded to 32 past 16)
 # N not a multiple of BLOCK_N; K = 200: only the masked tail tile; K = 50: W rows not 16-byte aligned
 @pytest.mark.parametrize("n,k", [(37, 64), (24, 200), (19, 50)])
 def test_small(m, n, k, dtype):
@@ -94,6 +94,7 @@ def test_small(m, n, k, dtype):
     (2, SkinnyConfig(2, 16, 16, False, 2, 1)),
     (7, SkinnyConfig(16, 16, 32, True, 4, 3)),
     (16, SkinnyConfig(16, 32, 64, True, 4, 4)),
+    (24, SkinnyConfig(32, 16, 64, True, 4, 4)),
 ])
 @pytest.mark.parametrize("k", [200, 256])
 def test_small_k_tiles(m, config, k, dtype):
@@ -234,11 +235,14 @@ def test_linear_routes_by_shape():
     assert prefers_skinny(1, 2048, 2048) and prefers_skinny(16, 2048, 8192) and prefers_skinny(4, 3072, 2048)
     assert not prefers_skinny(8, 3072, 2048) and not prefers_skinny(1, 16384, 2048)
     assert prefers_skinny(2, 6448, 1536) and not prefers_skinny(4, 6448, 1536)  # Granite-4.0-H-1B's in_proj
+    assert prefers_skinny(32, 2048, 2048) and prefers_skinny(17, 1024, 3072)  # o / down shapes up to 32 rows
+    assert not prefers_skinny(32, 3072, 2048) and not prefers_skinny(24, 6144, 1024)
     assert not prefers_skinny(MAX_M + 1, 2048, 2048)
 
 
 @cuda
-@pytest.mark.parametrize("m,n,k,skinny", [(1, 2048, 2048, True), (3, 2048, 8192, True), (8, 3072, 2048, False)])
+@pytest.mark.parametrize("m,n,k,skinny", [(1, 2048, 2048, True), (3, 2048, 8192, True), (8, 3072, 2048, False),
+                                          (32, 1024, 3072, True), (32, 3072, 2048, False)])
 def test_linear_matches_torch(monkeypatch, m, n, k, skinny):
     from ostinato.layers import linear
     from ostinato.layers.triton_ops import skinny_gemm
@@ -292,7 +296,7 @@ def check_gate_up(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, unfused: 
     assert (got == unfused).double().mean() >= 0.99
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])  # FMA kernel up to 4, tl.dot above
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 32])  # FMA kernel up to 4, tl.dot above (x padded to 32 past 16)
 # I not a multiple of BLOCK_N; K = 200: the masked tail tile only; K = 50: rows not 16-byte aligned
 @pytest.mark.parametrize("i,k", [(37, 200), (19, 50)])
 def test_gate_up_small(m, i, k):

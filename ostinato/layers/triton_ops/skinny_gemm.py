@@ -1,6 +1,6 @@
-"""y = x @ W^T at decode batch sizes (M <= 16), W an nn.Linear weight [N, K]: a weight-streaming kernel.
+"""y = x @ W^T at decode batch sizes (M <= 32), W an nn.Linear weight [N, K]: a weight-streaming kernel.
 
-At M <= 16 the layer is a read of W, so what counts is keeping HBM busy. cuBLAS tiles for large M: at M = 1
+At M <= 32 the layer is a read of W, so what counts is keeping HBM busy. cuBLAS tiles for large M: at M = 1
 it launches a few dozen CTAs, or splits K into a second reduce kernel. Here each program owns BLOCK_N rows
 of W across all of K, so no program needs another's result: one launch, a grid fixed by the shapes, no
 workspace, no atomics, the same bits on every call. K tiles stream through a cp.async ring in shared memory,
@@ -9,7 +9,7 @@ so a program keeps num_stages - 1 tiles of W in flight. M picks the inner produc
 - M <= 4: CUDA-core FMAs into an fp32 [M_PAD, BLOCK_N, BLOCK_K] accumulator (32-64 registers a thread),
   summed over K once after the loop. BLOCK_N can go down to 4, so N = 2048 still gives 512 programs.
 - M > 4: tl.dot on the tensor cores (at M = 16 the FMAs would take about as long as the load), x padded to
-  16 rows. Its tiles are >= 16 a side, so N = 2048 gives 128 programs.
+  16 rows (32 past 16). Its tiles are >= 16 a side, so N = 2048 gives 128 programs.
 
 Split-K would give more programs at small N; without atomics into a pre-zeroed buffer it needs a persistent
 workspace and an arrival counter per tile (the last program to arrive sums the partials in a fixed order).
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 
-MAX_M = 16
+MAX_M = 32
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -169,7 +169,7 @@ def _skinny_dot_kernel(
 
 
 class SkinnyConfig(NamedTuple):
-    m_pad: int  # x rows in a tile: next power of 2 >= M, 16 for tl.dot
+    m_pad: int  # x rows in a tile: next power of 2 >= M, 16 or 32 for tl.dot
     block_n: int
     block_k: int
     use_dot: bool
@@ -200,7 +200,9 @@ def config_for(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) 
         block_n = 32 if not gated and triton.cdiv(n, 32) >= 2 * num_sms else 16
         few = triton.cdiv(n, block_n) < 2 * num_sms
         stages = 4 if few and not gated else 3
-        return SkinnyConfig(16, block_n, min(512 if few else 256, k_cap), True, num_warps, stages)
+        # 17-32 rows: x padded to 32, the same W tiles (H200 sweep at M = 32, skinny-gemm-m32-h200-20261126.json:
+        # K tiles of 512 beat 256 by 10-28% on the o / down shapes, though a stage is then 48 KB)
+        return SkinnyConfig(16 if m <= 16 else 32, block_n, min(512 if few else 256, k_cap), True, num_warps, stages)
     m_pad = triton.next_power_of_2(m)
     # programs resident an SM, by registers: ~72 a thread at m_pad = 1 (32 W elements a thread), ~125 with
     # 64 accumulators (Triton 3.9, sm_90)
@@ -332,7 +334,7 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16, last dim contiguous) @ weight [N, K]^T -> [M, N] in x's dtype, fp32 accumulation.
+    """x [M, K] (M <= MAX_M, last dim contiguous) @ weight [N, K]^T -> [M, N] in x's dtype, fp32 accumulation.
     `out`: [M, N] to write into (last dim contiguous); `config` overrides config_for (for tuning; ignored
     under torch.compile)."""
     _check(x, weight, out)
@@ -363,7 +365,7 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
                         config: SkinnyConfig | None = None) -> torch.Tensor:
     """silu_and_mul(skinny_linear(x, weight)) in one launch, without the [M, 2I] intermediate: x [M, K]
-    (M <= 16, last dim contiguous), weight the fused gate_up weight [2I, K] (gate rows, then up rows) ->
+    (M <= MAX_M, last dim contiguous), weight the fused gate_up weight [2I, K] (gate rows, then up rows) ->
     silu(x @ weight[:I]^T) * (x @ weight[I:]^T), [M, I] in x's dtype. `out`: [M, I] to write into (last
     dim contiguous); `config` overrides config_for(m, I, k, gated=True) (ignored under torch.compile)."""
     _check(x, weight, out, gated=True)
