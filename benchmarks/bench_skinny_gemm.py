@@ -11,9 +11,9 @@ python benchmarks/bench_skinny_gemm.py [--out PATH] [--sweep]
 --sweep also times variants of each heuristic config (one field changed at a time); takes minutes.
 
 python benchmarks/bench_skinny_gemm.py --prenorm --shapes 3072x2048 8192x2048g 4096x1024 6448x1536 --ms 1 2
---prenorm times a norm and its projection: fused_add_rms_norm then the skinny kernel (two launches), or then
-cuBLAS (and silu_and_mul), against skinny_norm_linear (one) at prenorm_config's tiles, per shape and M <= 16; a
-`g` after a shape is the gated gate_up form (N the output width I, W [2I, K]). With --sweep, also the fused kernel at
+--prenorm times a norm and its projection as the model runs them: fused_add_rms_norm then the skinny kernel
+(two launches) against skinny_norm_linear (one) at prenorm_config's tiles, per shape and M <= 2; a `g` after a
+shape is the gated gate_up form (N the output width I, W [2I, K]). With --sweep, also the fused kernel at
 config_for's tiles and wider ones.
 """
 
@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from common import RESULTS, copy_bandwidth, device_tag, write_report
 
-from ostinato.layers.activation import silu_and_mul
 from ostinato.layers.norm import fused_add_rms_norm
 from ostinato.layers.triton_ops.skinny_gemm import (
     MAX_M,
@@ -165,31 +164,19 @@ def bench_prenorm(shape: str, ms: list[int], args: argparse.Namespace, bw: float
             h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-6)
             return project(h, w)
 
-        def cublas_pair(w, x=x, residual=residual):  # the norm, then cuBLAS (and the activation's kernel)
-            h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-6)
-            y = F.linear(h, w)
-            return silu_and_mul(y) if gated else y
-
         cfg = prenorm_config(m, n, k, props.multi_processor_count, gated)
         row = {"N": n, "K": k, "M": m, "gated": gated, "dtype": args.dtype, "weight_bytes": w_bytes,
                "config": cfg._asdict(), "pair_us": graph_us([functools.partial(pair, w) for w in ws], args.reps),
-               "plain_us": graph_us([functools.partial(project, x, w) for w in ws], args.reps),
-               "cublas_pair_us": graph_us([functools.partial(cublas_pair, w) for w in ws], args.reps)}
+               "plain_us": graph_us([functools.partial(project, x, w) for w in ws], args.reps)}
         plain = config_for(m, n, k, props.multi_processor_count, gated)  # the tiles of the GEMV alone
-        if cfg.use_dot:  # K tiles, warps and stages around the tensor-core form's registers
-            others = [cfg._replace(block_k=bk, num_warps=w, num_stages=st) for bk in (128, 256) for w in (4, 8)
-                      for st in (3, 4)]
-        else:
-            others = [plain, cfg._replace(block_n=cfg.block_n * 2, block_k=max(16, cfg.block_k // 2)),
-                      cfg._replace(block_n=cfg.block_n * 2)]
-        configs = [cfg] + ([c for c in others if c != cfg] if args.sweep else [])
+        configs = [cfg] + ([c for c in (plain, cfg._replace(block_n=cfg.block_n * 2, block_k=max(16, cfg.block_k // 2)),
+                                        cfg._replace(block_n=cfg.block_n * 2)) if c != cfg] if args.sweep else [])
         for i, c in enumerate(configs):
             calls = [functools.partial(skinny_norm_linear, x, w, 1e-6, residual, gated=gated, config=c) for w in ws]
             row["fused_us" if i == 0 else f"fused_us {short(c)}"] = graph_us(calls, args.reps)
         rows.append(row)
         extra = "".join(f"  {key[9:]} {v:.2f}" for key, v in row.items() if key.startswith("fused_us "))
-        print(f"{shape:>12}{m:>4}  norm+gemv {row['pair_us']:7.2f} us  norm+cuBLAS {row['cublas_pair_us']:7.2f} us  "
-              f"fused {row['fused_us']:7.2f} us  "
+        print(f"{shape:>12}{m:>4}  norm+gemv {row['pair_us']:7.2f} us  fused {row['fused_us']:7.2f} us  "
               f"gemv alone {row['plain_us']:7.2f} us ({w_bytes / row['plain_us'] / 1e6:.2f} TB/s)  {short(cfg)}"
               f"{extra}", flush=True)
     return rows

@@ -7,7 +7,6 @@ so bf16 is checked on the GPU. With a GPU the same small cases run on it, plus t
 and fp16 and a CUDA-graph replay.
 """
 
-import itertools
 import os
 import re
 import shutil
@@ -472,7 +471,7 @@ def check_prenorm(m, n, k, dtype, seed, gated, config=None, with_residual=True):
     return out
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 16])  # the FMA form up to 2 rows, the tensor-core form above
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("with_residual", [True, False])
 # K = 200: the masked tail tile only; K = 50: rows not 16-byte aligned
@@ -486,8 +485,6 @@ def test_prenorm_small(m, gated, with_residual, n, k):
     (1, SkinnyConfig(1, 4, 32, False, 4, 3)),
     (2, SkinnyConfig(2, 8, 64, False, 4, 2)),
     (2, SkinnyConfig(4, 2, 16, False, 2, 1)),
-    (5, SkinnyConfig(16, 16, 32, True, 4, 3)),
-    (16, SkinnyConfig(16, 16, 64, True, 2, 2)),
 ])
 @pytest.mark.parametrize("gated", [False, True])
 def test_prenorm_k_tiles(m, config, gated):
@@ -501,8 +498,8 @@ def test_prenorm_matches_unfused_pair():
     from ostinato.layers.norm import fused_add_rms_norm_torch
     from ostinato.layers.triton_ops.skinny_gemm import skinny_norm_linear
 
-    for m, gated in itertools.product((2, 6), (False, True)):
-        x, residual, norm_w, w = prenorm_inputs(m, 40, 256, torch.float16, seed=5, gated=gated)
+    for gated in (False, True):
+        x, residual, norm_w, w = prenorm_inputs(2, 40, 256, torch.float16, seed=5, gated=gated)
         h, new_residual = fused_add_rms_norm_torch(x, residual, norm_w, 1e-6)
         unfused = silu_and_mul_torch(skinny_linear(h, w)) if gated else skinny_linear(h, w)
         out, got_residual = skinny_norm_linear(x, folded(w, norm_w), 1e-6, residual, gated=gated)
@@ -516,9 +513,10 @@ def test_prenorm_bad_inputs():
 
     x, residual, _, w = prenorm_inputs(2, 8, 32, torch.float16, seed=0)
     cases = [
-        ({"x": x.repeat(9, 1), "residual": None}, r"x.shape\[0\] \(M = 18\) must be at most 16"),
+        ({"x": torch.cat([x, x])[:3], "residual": None}, r"x.shape\[0\] \(M = 3\) must be at most 2"),
         ({"residual": residual[:1]}, r"residual.shape must equal x.shape"),
         ({"residual": residual.float()}, r"residual.dtype"),
+        ({"config": SkinnyConfig(16, 16, 32, True, 4, 3)}, r"config.use_dot must be False"),
     ]
     for change, message in cases:
         kwargs = {"x": x, "weight": w, "eps": 1e-6, "residual": residual, **change}
@@ -547,7 +545,7 @@ def test_fold_norm_weight():
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2])
 # Llama-3.2-1B's qkv and gate_up, Qwen3-0.6B's qkv, Granite-4.0-H-1B's in_proj and MLP gate_up
 @pytest.mark.parametrize("n,k,gated", [(3072, 2048, False), (8192, 2048, True), (4096, 1024, False),
                                        (6448, 1536, False), (4096, 1536, True)])
@@ -556,7 +554,7 @@ def test_prenorm_real(m, dtype, n, k, gated):
 
 
 @cuda
-@pytest.mark.parametrize("m,gated", [(1, False), (2, True), (8, False), (16, True)])
+@pytest.mark.parametrize("m,gated", [(1, False), (2, True)])
 def test_prenorm_cuda_graph(m, gated):
     from ostinato.layers.triton_ops.skinny_gemm import skinny_norm_linear
 
@@ -574,10 +572,10 @@ def test_prenorm_cuda_graph(m, gated):
 
 
 @cuda
-@pytest.mark.parametrize("m,fused", [(1, True), (2, True), (3, True), (16, True), (17, False)])
+@pytest.mark.parametrize("m,fused", [(1, True), (2, True), (3, False)])
 @pytest.mark.parametrize("gated", [False, True])
 def test_norm_linear_layers(monkeypatch, m, fused, gated):
-    """layers/norm_linear after the fold: the fused kernel at <= 16 rows, the norm and the projection apart above;
+    """layers/norm_linear after the fold: the fused kernel at <= 2 rows, the norm and the projection apart above;
     both within the dtype's rounding of the float64 reference, the residual stream exact; under torch.compile
     the same."""
     from ostinato.layers import norm_linear

@@ -5,11 +5,9 @@ latency: Qwen3-0.6B's 57 norms took about 96 us of a 1 ms step at bs 1 (H100). T
 - `fold_norm_weight`, once the weights are in, multiplies the norm's weight into the projection's input columns
   (W[:, k] * w[k]) and sets the norm's weight to ones, so the projection of the bare normalised row is the same
   linear map;
-- on the GPU at up to skinny_gemm.PRENORM_MAX_M rows the skinny kernel runs the projection and applies the norm as
-  it streams x (`triton_ops/skinny_gemm.skinny_norm_linear`): its FMA form up to 2 rows, where the projection
-  takes the skinny kernel anyway, and its tensor-core form at 3-16 rows, where it also stands in for cuBLAS (and
-  silu_and_mul) on the qkv and gate_up shapes, one launch for two or three. Otherwise, and on the CPU, the norm
-  and the projection run as two ops, as before.
+- on the GPU at up to skinny_gemm.PRENORM_MAX_M rows, where the projection runs on the skinny kernel's FMA path
+  anyway, that kernel applies the norm as it streams x (`triton_ops/skinny_gemm.skinny_norm_linear`). Otherwise,
+  and on the CPU, the norm and the projection run as two ops, as before.
 Both return what the unfused pair returns: (projection output, the residual stream after the add).
 
 A norm is folded only where it is the only reader of its output and the projection a plain or column-parallel
@@ -19,7 +17,7 @@ Linear (every rank holds all of K).
 import torch
 from torch import nn
 
-from ostinato.layers.linear import cuda_gate_up_silu, cuda_linear, gate_up_silu, prefers_skinny
+from ostinato.layers.linear import GATED_MAX_M, cuda_gate_up_silu, cuda_linear, gate_up_silu, prefers_skinny
 from ostinato.layers.norm import RMSNorm
 
 
@@ -41,7 +39,8 @@ def _fused(x: torch.Tensor, residual: torch.Tensor | None, eps: float, weight: t
     from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
     m = x.shape[0]
-    if not 1 <= m <= skinny_gemm.PRENORM_MAX_M or (m <= 2 and not gated and not prefers_skinny(m, *weight.shape)):
+    skinny = m <= GATED_MAX_M if gated else prefers_skinny(m, *weight.shape)
+    if not (skinny and 1 <= m <= skinny_gemm.PRENORM_MAX_M):
         return None
     ok = skinny_gemm.supports_gate_up(x, weight) if gated else skinny_gemm.supports(x, weight)
     if not ok or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape

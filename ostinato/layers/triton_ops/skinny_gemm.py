@@ -22,11 +22,10 @@ BLOCK_N gate rows and the BLOCK_N up rows I further on, accumulates both from th
 silu_and_mul's rounding (gate and up rounded to the dtype, silu rounded, product rounded) before its one
 store: the bits of silu_and_mul(skinny_linear(x, W)) without the [M, 2I] round trip or the second launch.
 
-skinny_norm_linear puts the RMSNorm before the layer (and the residual add before that) into either kernel,
-under the constexpr PRENORM, for M <= 16: each program adds the residual to its x tiles, sums their squares as
-they stream (it walks all of K anyway) and scales its fp32 sums by the inverse RMS after the loop (a norm is a
-per-row scale, so the MMA takes x + residual as it is); program 0 writes x + residual out. The norm's weight is
-folded into W beforehand (layers/norm_linear.py).
+skinny_norm_linear puts the RMSNorm before the layer (and the residual add before that) into the FMA kernel,
+under the constexpr PRENORM, for M <= 2: each program adds the residual to its x tiles, sums their squares as
+they stream (it walks all of K anyway) and scales its fp32 sums by the inverse RMS after the loop; program 0
+writes x + residual out. The norm's weight is folded into W beforehand (layers/norm_linear.py).
 """
 
 import functools
@@ -126,23 +125,10 @@ def _skinny_fma_kernel(
 
 
 @triton.jit
-def _prenorm_dot_tile(x, r_ptrs, ro_ptrs, mask, ss, store, HAS_RES: tl.constexpr):
-    """One K tile of the tensor-core form's pre-norm: x (plus the residual, rounded to x's dtype, stored where
-    `store`) -> (x in its dtype for the dot, the rows' sums of squares so far [K_SPLIT, M_PAD])."""
-    if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(ro_ptrs, x, mask=mask & store)
-    xf = x.to(tl.float32)
-    return x, ss + tl.sum(xf * xf, axis=2)
-
-
-@triton.jit
 def _skinny_dot_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
-    R, R_out, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    K_SPLIT: tl.constexpr, GATED: tl.constexpr, PRENORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    K_SPLIT: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
     # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
@@ -158,41 +144,25 @@ def _skinny_dot_kernel(
     u_ptrs = W + (rows + N) * stride_wn + offs_k
     acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
-    # PRENORM: the RMSNorm is a per-row scale, so the MMA takes x (+ R) as it is and the fp32 sums are scaled by
-    # the inverse RMS after the loop; each program sums the rows' squares as x streams, program 0 writes x + R
-    r_ptrs = R + offs_m * stride_rm + offs_k
-    ro_ptrs = R_out + offs_m * stride_rom + offs_k
-    ss = tl.zeros((K_SPLIT, M_PAD), dtype=tl.float32)
-    store = (offs_m * 0 + tl.program_id(0)) == 0  # a tensor: the interpreter masks with no scalar
     k_full = K - K % BLOCK_K
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
-        if PRENORM:
-            x, ss = _prenorm_dot_tile(x, r_ptrs + k, ro_ptrs + k, m_mask, ss, store, HAS_RES)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k), (0, 2, 1)), acc)
         if GATED:
             acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k), (0, 2, 1)), acc_u)
     if k_full < K:
         k_mask = offs_k < K - k_full
         x = tl.load(x_ptrs + k_full, mask=m_mask & k_mask, other=0.0)
-        if PRENORM:
-            x, ss = _prenorm_dot_tile(x, r_ptrs + k_full, ro_ptrs + k_full, m_mask & k_mask, ss, store, HAS_RES)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k_full, mask=k_mask, other=0.0), (0, 2, 1)), acc)
         if GATED:
             acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k_full, mask=k_mask, other=0.0), (0, 2, 1)), acc_u)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=0)
-    if PRENORM:
-        inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)[:, None]  # [M_PAD, 1]
-        y *= inv_rms
     if GATED:
-        u = tl.sum(acc_u, axis=0)
-        if PRENORM:
-            u *= inv_rms
-        y = _silu_mul(y, u, Out.dtype.element_ty)
+        y = _silu_mul(y, tl.sum(acc_u, axis=0), Out.dtype.element_ty)
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
@@ -333,19 +303,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
     meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
                 GATED=gated, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert cfg.m_pad >= m
+    if cfg.use_dot:
+        assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16 and prenorm is None
+        # one K slice a warp, each >= 16 (the MMA's K)
+        _skinny_dot_kernel[grid](*args, **meta, K_SPLIT=min(cfg.num_warps, cfg.block_k // 16))
+        return
     if prenorm is None:
         norm_args = (x, x, 0, 0, 0.0)  # unread
     else:
         r = x if prenorm.residual is None else prenorm.residual
         r_out = x if prenorm.residual_out is None else prenorm.residual_out
         norm_args = (r, r_out, r.stride(0), r_out.stride(0), prenorm.eps)
-    meta |= dict(PRENORM=prenorm is not None, HAS_RES=prenorm is not None and prenorm.residual is not None)
-    if cfg.use_dot:
-        assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16
-        # one K slice a warp, each >= 16 (the MMA's K)
-        _skinny_dot_kernel[grid](*args, *norm_args, **meta, K_SPLIT=min(cfg.num_warps, cfg.block_k // 16))
-        return
-    _skinny_fma_kernel[grid](*args, *norm_args, **meta)
+    _skinny_fma_kernel[grid](*args, *norm_args, **meta, PRENORM=prenorm is not None,
+                             HAS_RES=prenorm is not None and prenorm.residual is not None)
 
 
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -408,8 +378,8 @@ def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
     return out
 
 
-PRENORM_MAX_M = 16  # up to 2 rows the FMA form; 3-16 the tensor-core form (at M = 4 the FMA form's fused GEMVs were
-# slower than the norm and the GEMV apart: H100, bench_decode.py, Llama-3.2-1B bs 4, GPU forward 1.50 against 1.29 ms)
+PRENORM_MAX_M = 2  # the FMA kernel's (the tl.dot one feeds x to the MMA unscaled); at M = 4 the fused GEMVs were
+# slower than the norm and the GEMV apart (H100, bench_decode.py: Llama-3.2-1B bs 4, GPU forward 1.50 against 1.29 ms)
 
 
 def prenorm_config(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> SkinnyConfig:
@@ -417,12 +387,7 @@ def prenorm_config(m: int, n: int, k: int, num_sms: int = 132, gated: bool = Fal
     residual from L2 for each of its K tiles, so a program of few W rows is taken wider (block_n doubled,
     block_k halved: the same W bytes a tile) until those reads are at most a quarter of its W reads. H100,
     `bench_skinny_gemm.py --prenorm --sweep`: Llama-3.2-1B's qkv at M = 1 8.29 -> 6.09 us (4 -> 8 rows), Qwen3-0.6B's
-    at M = 2 5.82 -> 4.94 us (8 -> 16); Llama's at M = 2 6.58 -> 6.95 us, the one measured loss.
-    From 3 rows: the tensor-core form's tiles (config_for at 16 padded rows), with K tiles of at most 256 and 3
-    stages: at 512 the residual's tiles and the squares took ptxas to 255 registers and spills (Triton 3.6, sm_90)."""
-    if m > 2:
-        cfg = config_for(max(m, 5), n, k, num_sms, gated)
-        return cfg._replace(block_k=min(cfg.block_k, 256), num_stages=3)
+    at M = 2 5.82 -> 4.94 us (8 -> 16); Llama's at M = 2 6.58 -> 6.95 us, the one measured loss."""
     cfg = config_for(m, n, k, num_sms, gated)
     rows = 2 if gated else 1
     while 4 * 2 * cfg.m_pad > rows * cfg.block_n and cfg.block_k > 16:
@@ -441,8 +406,7 @@ def skinny_norm_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
     silu_and_mul of it when `gated`) -> (out, x + residual), or (out, x) with no residual. `weight` holds the
     norm's weight already (W * norm_weight, column by column: layers/norm_linear.fold_norm_weight). One launch
     instead of the norm's and the GEMV's. The normalised row is never rounded to the dtype (the unfused pair
-    rounds it; the tensor-core form scales the fp32 sums of x + residual by the inverse RMS after its loop), so
-    results agree with rms_norm + skinny_linear to the dtype's rounding, not bit for bit.
+    rounds it), so results agree with rms_norm + skinny_linear to the dtype's rounding, not bit for bit.
     x [M, K] with M <= PRENORM_MAX_M, residual [M, K] in x's dtype."""
     _check(x, weight, None, gated=gated)
     m, k = x.shape
@@ -454,6 +418,8 @@ def skinny_norm_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
         _check_like_x("residual", residual, x)
         if residual.stride(1) != 1 and k > 1:
             raise ValueError(f"residual.stride(1) must be 1 (rows contiguous), got strides {residual.stride()}")
+    if config is not None and config.use_dot:
+        raise ValueError("config.use_dot must be False with a pre-norm (the FMA kernel applies it)")
     out = torch.empty(m, weight.shape[0] // (2 if gated else 1), dtype=x.dtype, device=x.device)
     residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     config = config or prenorm_config(m, out.shape[1], k, _num_sms(x.device), gated)
