@@ -3,10 +3,10 @@
 At a few rows a linear layer is a read of its weight. cuBLAS reads the o_proj / down_proj shapes at
 1.4-2.4 TB/s at M = 1 (few CTAs, or split-K plus a reduce kernel); the skinny kernel at 1.8-3.3 on an H200
 (`benchmarks/bench_skinny_gemm.py`). It loses on wide outputs (gate_up, N = 8 K: 0.86-0.99x), and on
-qkv-shaped ones (N = 1.5 K) once M > 4, so those stay on cuBLAS. Granite-4.0-H's Mamba in_proj (N = 4.2 K) it
-takes at M <= 2 (1.01x and 1.13x, 0.93x at M = 4), where it also keeps the step's chain of Programmatic
-Dependent Launches unbroken (`triton_ops/pdl.py`). The choice depends only on shapes, so a
-captured graph keeps the one it made at capture.
+qkv-shaped ones (N = 1.5-4 K) once M > 4, so those stay on cuBLAS. Granite-4.0-H's Mamba in_proj (N = 4.2 K) it
+takes at M <= 4 (1.01x and 1.13x at M <= 2, 0.93x at M = 4 alone, but faster in the step), where it also keeps
+the step's chain of Programmatic Dependent Launches unbroken (`triton_ops/pdl.py`). The choice depends only on
+shapes, so a captured graph keeps the one it made at capture.
 """
 
 import torch
@@ -15,7 +15,8 @@ from torch import nn
 
 from ostinato.layers.activation import silu_and_mul
 
-GATED_MAX_M = 4  # the gated kernel's FMA path; its tensor-core path (M > 4) is not measured faster
+GATED_MAX_M = 4  # the gated kernel's FMA path; with its tensor-core path up to 16 rows (and qkv on the skinny kernel)
+# steps at bs 8-16 were 1-3% slower (H200, decode-route-h200-20261126.json)
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
@@ -23,8 +24,12 @@ def prefers_skinny(m: int, n: int, k: int) -> bool:
     N x K = 2048 x 2048, 2048 x 8192 at M <= 16 faster; 3072 x 2048 faster at M <= 4; 6448 x 1536 at M <= 2;
     16384 x 2048 never). At M = 17-32 the o / down shapes (N <= K) only: H200, M = 32, cuBLAS -> skinny 6.24 ->
     5.47 us (2048 x 2048), 13.97 -> 12.17 (2048 x 8192), 5.91 -> 4.99 (1024 x 2048), 7.64 -> 5.83 (1024 x 3072);
-    every N > K shape slower, and every shape at M = 64 (skinny-gemm-m32-h200-20261126.json)."""
-    return (m <= 32 and n <= k) or (m <= 4 and n <= 2 * k) or (m <= 2 and n <= 5 * k)
+    every N > K shape slower, and every shape at M = 64 (skinny-gemm-m32-h200-20261126.json). Up to N = 5 K at
+    M <= 4: the qkv of Qwen3-0.6B (4096 x 1024) and Granite-4.0-H-1B's in_proj follow a norm launched with PDL,
+    which overlaps the skinny kernel's start and not cuBLAS's (H200 steps at bs 4: Qwen3-0.6B 0.893 -> 0.873 ms,
+    Granite 1.715 -> 1.706; at bs 8-16 every N > K shape on the skinny kernel was slower:
+    decode-route-h200-20261126.json)."""
+    return (m <= 32 and n <= k) or (m <= 4 and n <= 5 * k)
 
 
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
