@@ -11,9 +11,9 @@ python benchmarks/bench_skinny_gemm.py [--out PATH] [--sweep]
 --sweep also times variants of each heuristic config (one field changed at a time); takes minutes.
 
 python benchmarks/bench_skinny_gemm.py --prenorm --shapes 3072x2048 8192x2048g 4096x1024 6448x1536 --ms 1 2
---prenorm times a norm and its projection as the model runs them: fused_add_rms_norm then the skinny kernel
-(two launches) against skinny_norm_linear (one) at prenorm_config's tiles, per shape and M <= 2; a `g` after a
-shape is the gated gate_up form (N the output width I, W [2I, K]). With --sweep, also the fused kernel at
+--prenorm times a norm and its projection: fused_add_rms_norm then the skinny kernel (two launches), or then
+cuBLAS (and silu_and_mul), against skinny_norm_linear (one, M <= 2) at prenorm_config's tiles, per shape and M; a
+`g` after a shape is the gated gate_up form (N the output width I, W [2I, K]). With --sweep, also the fused kernel at
 config_for's tiles and wider ones.
 """
 
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from common import RESULTS, copy_bandwidth, device_tag, write_report
 
+from ostinato.layers.activation import silu_and_mul
 from ostinato.layers.norm import fused_add_rms_norm
 from ostinato.layers.triton_ops.skinny_gemm import (
     MAX_M,
@@ -156,7 +157,7 @@ def bench_prenorm(shape: str, ms: list[int], args: argparse.Namespace, bw: float
     norm_w = torch.ones(k, dtype=dtype, device=device)
     project = skinny_gate_up_silu if gated else skinny_linear
     rows = []
-    for m in [m for m in ms if m <= PRENORM_MAX_M]:
+    for m in [m for m in ms if m <= MAX_M]:  # the fused kernel up to PRENORM_MAX_M rows, the pairs above too
         x, residual = (torch.randn(m, k, generator=gen, device=device).to(dtype) for _ in range(2))
         ws = [weights[i % copies] for i in range(args.calls)]
 
@@ -164,20 +165,30 @@ def bench_prenorm(shape: str, ms: list[int], args: argparse.Namespace, bw: float
             h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-6)
             return project(h, w)
 
-        cfg = prenorm_config(m, n, k, props.multi_processor_count, gated)
+        def cublas_pair(w, x=x, residual=residual):  # the norm, then cuBLAS (and the activation's kernel)
+            h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-6)
+            y = F.linear(h, w)
+            return silu_and_mul(y) if gated else y
+
+        fused = m <= PRENORM_MAX_M
+        cfg = prenorm_config(m, n, k, props.multi_processor_count, gated) if fused else None
         row = {"N": n, "K": k, "M": m, "gated": gated, "dtype": args.dtype, "weight_bytes": w_bytes,
-               "config": cfg._asdict(), "pair_us": graph_us([functools.partial(pair, w) for w in ws], args.reps),
-               "plain_us": graph_us([functools.partial(project, x, w) for w in ws], args.reps)}
+               "config": cfg and cfg._asdict(),
+               "pair_us": graph_us([functools.partial(pair, w) for w in ws], args.reps),
+               "plain_us": graph_us([functools.partial(project, x, w) for w in ws], args.reps),
+               "cublas_pair_us": graph_us([functools.partial(cublas_pair, w) for w in ws], args.reps)}
         plain = config_for(m, n, k, props.multi_processor_count, gated)  # the tiles of the GEMV alone
-        configs = [cfg] + ([c for c in (plain, cfg._replace(block_n=cfg.block_n * 2, block_k=max(16, cfg.block_k // 2)),
-                                        cfg._replace(block_n=cfg.block_n * 2)) if c != cfg] if args.sweep else [])
+        configs = [] if not fused else [cfg] + (
+            [c for c in (plain, cfg._replace(block_n=cfg.block_n * 2, block_k=max(16, cfg.block_k // 2)),
+                         cfg._replace(block_n=cfg.block_n * 2)) if c != cfg] if args.sweep else [])
         for i, c in enumerate(configs):
             calls = [functools.partial(skinny_norm_linear, x, w, 1e-6, residual, gated=gated, config=c) for w in ws]
             row["fused_us" if i == 0 else f"fused_us {short(c)}"] = graph_us(calls, args.reps)
         rows.append(row)
         extra = "".join(f"  {key[9:]} {v:.2f}" for key, v in row.items() if key.startswith("fused_us "))
-        print(f"{shape:>12}{m:>4}  norm+gemv {row['pair_us']:7.2f} us  fused {row['fused_us']:7.2f} us  "
-              f"gemv alone {row['plain_us']:7.2f} us ({w_bytes / row['plain_us'] / 1e6:.2f} TB/s)  {short(cfg)}"
+        fused_col = f"fused {row['fused_us']:7.2f} us  {short(cfg)}" if fused else "fused -"
+        print(f"{shape:>12}{m:>4}  norm+gemv {row['pair_us']:7.2f} us  norm+cuBLAS {row['cublas_pair_us']:7.2f} us  "
+              f"gemv alone {row['plain_us']:7.2f} us ({w_bytes / row['plain_us'] / 1e6:.2f} TB/s)  {fused_col}"
               f"{extra}", flush=True)
     return rows
 
