@@ -38,7 +38,7 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
                 Out="*bf16")
     # as the backend launches it from 8 rows on Hopper (COMBINE=0: as under 8 rows, with a stage-2 launch); BLOCK_S
     # 4 is the combine's tile at split caps 3-4 (decode_attention sizes it by the scratch's depth)
-    engine = dict(COMBINE=os.environ.get("COMBINE", "1") == "1", BLOCK_S=4, PDL=True)
+    engine = dict(COMBINE=os.environ.get("COMBINE", "1") == "1", BLOCK_S=4, PDL=True, ROPE=False, HAS_NORM=False)
     if os.environ.get("ROPE") == "1":  # rope_attend's launch: q and the new K/V before rotary
         engine |= dict(ROPE=True, HAS_NORM=os.environ.get("NORM") == "1")  # NORM=1: Qwen3's q/k norm
         ptrs |= dict(Positions="*i64", Loc="*i64", K_new="*bf16", V_new="*bf16", Cos_sin="*fp32", QW="*fp32",

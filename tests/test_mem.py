@@ -100,6 +100,20 @@ def test_kv_pool_roundtrip(dtype):
         pool.layer_of(pool.get_store_buffer(1)[1])  # a V buffer is no layer's K buffer
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_kv_pool_layout(dtype):
+    """fp8 buffers are head-major (each head's slots contiguous), others token-major; either way indexed
+    [slot, head, dim], and `head_major` overrides the default."""
+    fp8 = dtype == torch.float8_e4m3fn
+    for head_major in (None, not fp8):
+        pool = MHATokenToKVPool(32, dtype, head_num=2, head_dim=8, layer_num=1, device="cpu", head_major=head_major)
+        major = fp8 if head_major is None else head_major
+        assert pool.head_major == major
+        for buf in (*pool.get_kv_buffer(0), *pool.get_store_buffer(0)):
+            assert buf.shape == (32, 2, 8)
+            assert buf.stride() == ((8, 32 * 8, 1) if major else (16, 8, 1))
+
+
 @pytest.mark.parametrize("page", [1, 4])
 def test_batched_decode_extend_equals_per_request_extend(page):
     gen = torch.Generator().manual_seed(page)

@@ -44,13 +44,14 @@ class Env:
 
 
 def make_env(page: int, heads: int, kv_heads: int, dim: int, *, dtype=torch.float32, device=TINY_DEVICE,
-             slots=1024, max_reqs=8, max_ctx=128, seed=0, small_blocks=True, cache_dtype=None) -> Env:
+             slots=1024, max_reqs=8, max_ctx=128, seed=0, small_blocks=True, cache_dtype=None,
+             head_major=None) -> Env:
     gen = torch.Generator(device).manual_seed(seed)
     req_pool = ReqToTokenPool(max_reqs, max_ctx, device)
     alloc = TokenToKVPoolAllocator(slots, page, device)
     # hand pages out in a random order, so a request's slots are scattered over the pool
     alloc.free_pages = alloc.free_pages[torch.randperm(len(alloc.free_pages), generator=gen, device=device)]
-    cache = MHATokenToKVPool(slots, cache_dtype or dtype, kv_heads, dim, 1, device)
+    cache = MHATokenToKVPool(slots, cache_dtype or dtype, kv_heads, dim, 1, device, head_major=head_major)
     tri = TritonAttentionBackend(req_pool, cache, num_heads=heads, page_size=page)
     if small_blocks:  # the interpreter's shapes: several blocks and splits per request
         tri.decode_block_n = tri.extend_block_m = tri.extend_block_n = 16
@@ -151,6 +152,26 @@ def test_decode_matches_torch(page, group, combine):
     check_stored(env, batch, k, v)
     assert env.tri.num_kv_splits.tolist() == [1, 2, 5, 3]
     check(env, batch, out, q, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+@pytest.mark.parametrize("page", [1, 4])
+def test_kv_layouts_give_the_same_bits(mode, page):
+    """A token-major and a head-major pool (the kernels take the buffers' strides) hold the same K/V and give the
+    same output bits, with the same requests, pages and inputs."""
+    outs, stored = [], []
+    for head_major in (False, True):
+        env = make_env(page, 4, 2, 16, seed=page + 3, head_major=head_major)
+        k_buf, _ = env.cache.get_kv_buffer(0)
+        assert (k_buf.stride(0), k_buf.stride(1)) == ((16, k_buf.shape[0] * 16) if head_major else (32, 16))
+        prefix, new = ([0, 16, 79], [1, 1, 1]) if mode is ForwardMode.DECODE else ([0, 21, 50], [37, 19, 1])
+        rows = new_requests(env, prefix)
+        batch = make_batch(env, mode, rows, prefix, new)
+        q, k, v = qkv(env, sum(new))
+        outs.append(run_triton(env, batch, q, k, v))
+        stored.append([b.clone() for b in env.cache.get_kv_buffer(0)])
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(stored[0], stored[1], strict=True))
 
 
 def test_one_split_combined_in_stage1_gives_stage2_bits():
@@ -381,18 +402,20 @@ SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3": (16, 8, 128)}
 
 
 def cuda_env(page: int, shape: str, seed: int, slots: int = 64 * 4096 + 4096, max_reqs: int = 72,
-             cache_dtype: torch.dtype | None = None) -> Env:
+             cache_dtype: torch.dtype | None = None, head_major: bool | None = None) -> Env:
     heads, kv_heads, dim = SHAPES[shape]
     return make_env(page, heads, kv_heads, dim, dtype=torch.bfloat16, device="cuda", slots=slots,
-                    max_reqs=max_reqs, max_ctx=4096 + 32, seed=seed, small_blocks=False, cache_dtype=cache_dtype)
+                    max_reqs=max_reqs, max_ctx=4096 + 32, seed=seed, small_blocks=False, cache_dtype=cache_dtype,
+                    head_major=head_major)
 
 
 @cuda
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("bs", [1, 7, 64])
-def test_cuda_decode_matches_torch(page, shape, bs):
-    env = cuda_env(page, shape, seed=bs + page)
+@pytest.mark.parametrize("head_major", [False, True])
+def test_cuda_decode_matches_torch(page, shape, bs, head_major):
+    env = cuda_env(page, shape, seed=bs + page, head_major=head_major)
     lens = torch.randint(1, 4096, (bs,), generator=torch.Generator().manual_seed(bs)).tolist()
     lens[0] = 4095  # seq len 4096: all 16 splits
     if bs > 1:

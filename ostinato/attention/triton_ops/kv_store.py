@@ -51,9 +51,9 @@ def _store_kv_kernel(
         v = round_to_fp8(v.to(tl.float32) / tl.load(V_scale), 2, 2.0**-14, 2.0**7, 57344.0)
         k = k.to(tl.float8e5).to(tl.uint8, bitcast=True)
         v = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    tl.store(K_buf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :],
+    tl.store(K_buf + slot * stride_kbs + offs_h[:, None].to(tl.int64) * stride_kbh + offs_d[None, :],
              k.to(K_buf.dtype.element_ty), mask=mask)
-    tl.store(V_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :],
+    tl.store(V_buf + slot * stride_vbs + offs_h[:, None].to(tl.int64) * stride_vbh + offs_d[None, :],
              v.to(V_buf.dtype.element_ty), mask=mask)
     if PDL:  # the decode kernel's programs come in as this grid's last programs finish (pdl.py)
         tl.extra.cuda.gdc_launch_dependents()

@@ -158,7 +158,7 @@ def attend_kv_block(
     MASK_N False: the block is whole (n0 + BLOCK_N <= kv_end), no key mask; MASK_D False: d_mask is all true.
     """
     slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE, MASK_N)
-    k = load_tile(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
+    k = load_tile(K_buf + slots[None, :] * stride_kbs + kv_head.to(tl.int64) * stride_kbh + offs_d[:, None],
                   d_mask, n_mask, MASK_D, MASK_N)  # [BLOCK_D, BLOCK_N]
     if QK_FP8:  # q is e4m3: an fp8 tensor-core dot on the stored bytes
         dot_dtype = tl.float16
@@ -174,7 +174,7 @@ def attend_kv_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_tile(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+    v = load_tile(V_buf + slots[:, None] * stride_vbs + kv_head.to(tl.int64) * stride_vbh + offs_d[None, :],
                   n_mask, d_mask, MASK_N, MASK_D)  # [BLOCK_N, BLOCK_D]
     if V_CVT:  # fp16 dots on CUDA (the caller's promise); see the module doc
         v = fp8_to_fp16_fixed(v, KV_FP8)

@@ -50,8 +50,8 @@ def rotate_store_kv(K, V, K_buf, V_buf, slot, offs_h, mask, offs_d, d_mask, cos,
     src = V + offs_h[:, None] * stride_vh + offs_d[None, :]
     v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     v2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    k_dst = K_buf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :]
-    v_dst = V_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :]
+    k_dst = K_buf + slot * stride_kbs + offs_h[:, None].to(tl.int64) * stride_kbh + offs_d[None, :]
+    v_dst = V_buf + slot * stride_vbs + offs_h[:, None].to(tl.int64) * stride_vbh + offs_d[None, :]
     if KV_FP8 == 0:
         tl.store(k_dst, k1.to(K_buf.dtype.element_ty), mask=mask)
         tl.store(k_dst + half, k2.to(K_buf.dtype.element_ty), mask=mask)
