@@ -10,7 +10,8 @@ does not (the GEMM after attention waits for all of it), and which hides the cos
 20 calls a graph replay; us per call, KV bytes read per second, and each tweak's largest difference from the
 entry's output (relative to its largest value).
 
-OSTINATO_PDL=0 python benchmarks/bench_decode_entries.py [--entries-only] [--kv fp8] [--dims 64] [--out PATH]
+OSTINATO_PDL=0 python benchmarks/bench_decode_entries.py [--entries-only] [--kv fp8] [--dims 64] [--bs 32 128]
+                                                     [--layout engine|token|head] [--out PATH]
                                                      # ~3 min on an H200 for everything
 python benchmarks/bench_decode_entries.py --smoke   # CPU, Triton's interpreter: one tiny case, checks the script
 """
@@ -55,12 +56,14 @@ def tweaks(entry: dict, fp8: bool) -> list[tuple[str, dict]]:
 
 
 def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
-             timed: bool) -> list[dict]:
+             timed: bool, layout: str = "engine") -> list[dict]:
     heads, kv_heads = HEADS[dim]
     dtype = torch.bfloat16 if timed else torch.float32
     slots = bs * ctx + 1  # slot 0: the sink
-    k = torch.randn(slots, kv_heads, dim, device=dev, dtype=dtype)
-    v = torch.randn(slots, kv_heads, dim, device=dev, dtype=dtype)
+    # the pool's layouts (mem/kv_cache.py): token-major, or head-major (fp8's in the engine) as a permuted view
+    head_major = layout == "head" or (layout == "engine" and fp8)
+    k, v = (torch.randn(kv_heads, slots, dim, device=dev, dtype=dtype).permute(1, 0, 2) if head_major
+            else torch.randn(slots, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
     fp8_args = {}
     if fp8:
         k, v = (x.to(torch.float8_e4m3fn).view(torch.uint8) for x in (k, v))
@@ -92,6 +95,7 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
         call()
         ref = out.float().clone() if ref is None else ref
         row = dict(kv="fp8_e4m3" if fp8 else "bf16", dim=dim, bs=bs, ctx=ctx, setting=name, splits=cap,
+                   head_major=head_major,
                    entry=dict(cfg),
                    rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item())
         if timed:
@@ -114,6 +118,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=400, help="no new case starts after this many seconds")
     ap.add_argument("--kv", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128], choices=[64, 128])
+    ap.add_argument("--layout", default="engine", choices=["engine", "token", "head"],
+                    help="the KV buffers' layout: the engine's (fp8 head-major, bf16 token-major), or one for both")
+    ap.add_argument("--bs", type=int, nargs="+", default=[8, 32, 64, 128, 256], help="batch sizes")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, one tiny case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -121,14 +128,15 @@ def main() -> None:
     dev = torch.device("cuda" if timed else "cpu")
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if timed else 132
     kvs = [kv == "fp8" for kv in args.kv]
-    cases = ([(fp8, dim, bs, ctx) for fp8 in kvs for dim in args.dims for bs in (8, 32, 64, 128, 256)
+    cases = ([(fp8, dim, bs, ctx) for fp8 in kvs for dim in args.dims for bs in args.bs
               for ctx in (128, 1024, 4096)] if timed else [(fp8, 64, 9, 100) for fp8 in kvs])
     start, rows = time.time(), []
     for case in cases:
         if time.time() - start > args.budget_s:
             print("budget spent: stopping", flush=True)
             break
-        rows += run_case(*case, entries_only=args.entries_only, num_sms=num_sms, dev=dev, timed=timed)
+        rows += run_case(*case, entries_only=args.entries_only, num_sms=num_sms, dev=dev, timed=timed,
+                         layout=args.layout)
     if timed:
         path = args.out or os.path.join(RESULTS, f"decode-entries-{device_tag(dev)}.json")
         with open(path, "w") as f:

@@ -88,7 +88,12 @@ class TritonAttentionBackend(AttentionBackend):
                      programs_per_sm=4),
             64: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
                      programs_per_sm=8),
-            128: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
+            # 5 stages since fp8 caches went head-major (a head's slots one run): H200, Llama-3.2-1B, bs 128 at
+            # contexts 128 / 1024 / 4096, kernel 8.15 / 47.35 / 156.15 -> 8.40 / 45.39 / 147.60 us
+            # (`bench_decode_entries.py --kv fp8 --dims 64 --bs 32 128 256`, decode-entries-fp8-head-major-h200-
+            # 20261126.json) and step 1.408 / 1.995 / 3.760 -> 1.438 / 1.947 / 3.505 ms (decode-fp8-bs128-stages-
+            # h200-20261126.json, two runs each)
+            128: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
                       programs_per_sm=16, min_tokens_per_split=128),
             # the sweep's bs-256 pick (1 split, 3 stages) matched this entry's kernel time at 1,024 tokens but made
             # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200): this one stays. Capped at
