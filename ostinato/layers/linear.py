@@ -21,7 +21,7 @@ GATED_MAX_M = 4  # the gated kernel's FMA path; with its tensor-core path up to 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
     """Whether x [m, k] @ W [n, k]^T is faster on the skinny kernel than on cuBLAS (measured shapes:
-    N x K = 2048 x 2048, 2048 x 8192 at M <= 16 faster; 3072 x 2048 faster at M <= 4; 6448 x 1536 at M <= 2;
+    N x K = 2048 x 2048, 2048 x 8192 at M <= 16 faster; 3072 x 2048 faster at M <= 4; 6448 x 1536 at M <= 2 alone;
     16384 x 2048 never). At M = 17-32 the o / down shapes (N <= K) only: H200, M = 32, cuBLAS -> skinny 6.24 ->
     5.47 us (2048 x 2048), 13.97 -> 12.17 (2048 x 8192), 5.91 -> 4.99 (1024 x 2048), 7.64 -> 5.83 (1024 x 3072);
     every N > K shape slower, and every shape at M = 64 (skinny-gemm-m32-h200-20261126.json). Up to N = 5 K at
