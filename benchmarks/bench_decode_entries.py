@@ -35,6 +35,7 @@ from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
     decode_kwargs,
     table_entry,
 )
+from ostinato.mem.kv_cache import MHATokenToKVPool  # noqa: E402
 
 HEADS = {64: (32, 8), 128: (16, 8)}  # head dim -> (query heads, KV heads)
 
@@ -60,13 +61,15 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
     heads, kv_heads = HEADS[dim]
     dtype = torch.bfloat16 if timed else torch.float32
     slots = bs * ctx + 1  # slot 0: the sink
-    # the pool's layouts (mem/kv_cache.py): token-major, or head-major (fp8's in the engine) as a permuted view
-    head_major = layout == "head" or (layout == "engine" and fp8)
-    k, v = (torch.randn(kv_heads, slots, dim, device=dev, dtype=dtype).permute(1, 0, 2) if head_major
-            else torch.randn(slots, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
+    # the engine's pool, in its layout for the dtype ("engine") or the one asked for
+    pool = MHATokenToKVPool(slots, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev,
+                            head_major=None if layout == "engine" else layout == "head")
+    k, v = pool.get_store_buffer(0)
+    for buf in (k, v):  # never time on zeros
+        x = torch.randn(buf.shape, device=dev, dtype=dtype)
+        buf.copy_(x.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else x)
     fp8_args = {}
     if fp8:
-        k, v = (x.to(torch.float8_e4m3fn).view(torch.uint8) for x in (k, v))
         scale = torch.ones(1, device=dev)
         fp8_args = dict(kv_fp8=torch.float8_e4m3fn, k_scale=scale, v_scale=scale)
     q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
@@ -95,7 +98,7 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
         call()
         ref = out.float().clone() if ref is None else ref
         row = dict(kv="fp8_e4m3" if fp8 else "bf16", dim=dim, bs=bs, ctx=ctx, setting=name, splits=cap,
-                   head_major=head_major,
+                   head_major=pool.head_major,
                    entry=dict(cfg),
                    rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item())
         if timed:

@@ -282,10 +282,14 @@ class TritonAttentionBackend(AttentionBackend):
         self.init_forward_metadata_capture(bs, req_pool_indices, seq_lens)
 
     # ------------------------------------------------------------------ forward
+    def _fuses_rope_store(self, q: torch.Tensor) -> bool:
+        """Whether rotary and the K/V store run in one of our kernels (rope_store_kv, or stage 1 in rope_attend)."""
+        fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
+        return fuse and self.kv_store == "fused"
+
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionSpec, batch: ForwardBatch,
               rope: Rope | None = None) -> torch.Tensor:
-        fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
-        if rope is None or not fuse or self.kv_store != "fused":
+        if rope is None or not self._fuses_rope_store(q):
             return super().store(q, k, v, layer, batch, rope)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
@@ -298,11 +302,10 @@ class TritonAttentionBackend(AttentionBackend):
         """Decode batches of up to decode_rope_max_bs rows: stage 1 rotates q and stores the new K/V itself
         (decode_attention's `new`), one launch a layer fewer than rope_store_kv then the decode kernel."""
         bs = q.shape[0]
-        fuse = self.fuse_rope_store if self.fuse_rope_store is not None else q.is_cuda
         d = layer.head_dim
         # stage 1 joins the rotated halves into the row: power-of-two head dims
-        if (batch.mode is not ForwardMode.DECODE or not fuse or self.kv_store != "fused"
-                or bs > self.decode_rope_max_bs or d & (d - 1)):
+        if (batch.mode is not ForwardMode.DECODE or not self._fuses_rope_store(q) or bs > self.decode_rope_max_bs
+                or d & (d - 1)):
             return None
         new = NewTokens(rope.positions, batch.out_cache_loc, k.view(bs, layer.num_kv_heads, d),
                         v.view(bs, layer.num_kv_heads, d), rope.cos_sin, rope.q_norm_weight, rope.k_norm_weight,
