@@ -64,9 +64,8 @@ def rotate_store_kv(K, V, K_buf, V_buf, slot, offs_h, mask, offs_d, d_mask, cos,
         tl.store(v_dst + half, _fp8_byte(v2, V_scale, KV_FP8), mask=mask)
 
 
-# No helper is called for the rotation (Triton's interpreter re-patches its language on every nested jit call,
-# which made the CPU tests through the engine several times slower): the q and k branches repeat the rotary
-# kernel's arithmetic, rounding for rounding (`layers/triton_ops/rotary.py`; the tests compare bits).
+# The rotation is the rotary kernel's own `norm_rotate`, rounding for rounding (`layers/triton_ops/rotary.py`; the
+# tests compare bits); the K/V branch is `rotate_store_kv`, which decode stage 1 calls too.
 @triton.jit
 def _rope_store_kernel(
     Positions, Loc, Q, K, V, Q_out, K_buf, V_buf, Cos_sin, QW, KW, K_scale, V_scale,
