@@ -212,7 +212,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="back-to-back calls in each captured graph")
     ap.add_argument("--reps", type=int, default=50, help="graph replays timed (median)")
     ap.add_argument("--sweep", action="store_true", help="also time variants of each heuristic config")
-    ap.add_argument("--prenorm", action="store_true", help="norm + projection against the fused kernel (M <= 2)")
+    ap.add_argument("--prenorm", action="store_true",
+                    help="a norm then the skinny kernel or cuBLAS, against the fused kernel (M <= 2)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/skinny-gemm-<device>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
