@@ -11,7 +11,8 @@ does not (the GEMM after attention waits for all of it), and which hides the cos
 entry's output (relative to its largest value).
 
 OSTINATO_PDL=0 python benchmarks/bench_decode_entries.py [--entries-only] [--kv fp8] [--dims 64] [--bs 32 128]
-                                                     [--layout engine|token|head] [--out PATH]
+                                                     [--layout engine|token|head] [--stages 7 10]
+                                                     [--out PATH]
                                                      # ~3 min on an H200 for everything
 python benchmarks/bench_decode_entries.py --smoke   # CPU, Triton's interpreter: one tiny case, checks the script
 """
@@ -56,8 +57,16 @@ def tweaks(entry: dict, fp8: bool) -> list[tuple[str, dict]]:
     return out
 
 
+def deeper(entry: dict, stages: list[int]) -> list[tuple[str, dict]]:
+    """The entry at other pipeline depths (a key block's K/V buffers grow with num_stages: 2 at 5, 3 at 7, 4 at
+    10 for the one-warp fp8 entries, `sass_decode_attention.py`), alone and with twice the split cap."""
+    pps = entry.get("programs_per_sm", 2)
+    return [(f"{tag}stages{n}", entry | dict(num_stages=n) | knobs) for n in stages
+            for tag, knobs in (("", {}), ("splits2x_", dict(programs_per_sm=pps * 2)))]
+
+
 def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
-             timed: bool, layout: str = "engine") -> list[dict]:
+             timed: bool, layout: str = "engine", stages: list[int] | None = None) -> list[dict]:
     heads, kv_heads = HEADS[dim]
     dtype = torch.bfloat16 if timed else torch.float32
     slots = bs * ctx + 1  # slot 0: the sink
@@ -79,7 +88,8 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
     counters = torch.zeros(bs * kv_heads, dtype=torch.int32, device=dev)
     entry = table_entry(TritonAttentionBackend.decode_table_for(dim, fp8), bs)
     out_rows, ref = [], None
-    for name, cfg in [("entry", entry)] + ([] if entries_only else tweaks(entry, fp8)):
+    settings = [("entry", entry)] + ([] if entries_only else tweaks(entry, fp8)) + deeper(entry, stages or [])
+    for name, cfg in settings:
         cap = TritonAttentionBackend.split_cap(bs, cfg.get("programs_per_sm", 2), kv_heads, num_sms,
                                                TritonAttentionBackend.max_kv_splits)
         num_splits = torch.empty(bs, dtype=torch.int32, device=dev)
@@ -124,6 +134,8 @@ def main() -> None:
     ap.add_argument("--layout", default="engine", choices=["engine", "token", "head"],
                     help="the KV buffers' layout: the engine's (fp8 head-major, bf16 token-major), or one for both")
     ap.add_argument("--bs", type=int, nargs="+", default=[8, 32, 64, 128, 256], help="batch sizes")
+    ap.add_argument("--stages", type=int, nargs="*", default=[],
+                    help="also time each entry at these num_stages (deeper K/V pipelines), alone and with 2x splits")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, one tiny case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -139,7 +151,7 @@ def main() -> None:
             print("budget spent: stopping", flush=True)
             break
         rows += run_case(*case, entries_only=args.entries_only, num_sms=num_sms, dev=dev, timed=timed,
-                         layout=args.layout)
+                         layout=args.layout, stages=args.stages)
     if timed:
         path = args.out or os.path.join(RESULTS, f"decode-entries-{device_tag(dev)}.json")
         with open(path, "w") as f:
