@@ -13,8 +13,9 @@ activities (kernels, copies, sets) of one forward (a graph replay with its input
 `step_launches` the same for the whole step (inputs, forward, sampling, the copy to the host), `kernel_ms` their
 summed GPU time per forward and `gap_ms` = forward_ms - kernel_ms: the time the GPU sat between the forward's
 kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). `--rope-store fused kernel unfused` runs
-each model as the engine does (rotary + KV store inside the decode kernel up to `decode_rope_max_bs` rows, the
-fused `attention/triton_ops/rope_store.py` kernel above), with that kernel at every batch size, and with neither.
+each model as the engine does (rotary + KV store inside the decode kernel up to the backend's rope_attend cap, by
+head dim, the fused `attention/triton_ops/rope_store.py` kernel above), with that kernel at every batch size, and
+with neither.
 
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128
@@ -255,7 +256,7 @@ def main() -> None:
     ap.add_argument("--page-size", nargs="+", type=int, default=[1], help="e.g. 1 16: one pass each")
     ap.add_argument("--rope-store", nargs="+", default=["fused"], choices=["fused", "kernel", "unfused"],
                     help="rotary fused with the KV store (as the engine does: in the decode kernel up to "
-                         "decode_rope_max_bs rows), in the rope_store kernel at every size, or not fused "
+                         "the rope_attend cap), in the rope_store kernel at every size, or not fused "
                          "(Triton backend): one pass each")
     ap.add_argument("--pdl", nargs="+", default=[None], choices=["on", "off"],
                     help="Programmatic Dependent Launch for the Triton kernels (Hopper): one pass each "

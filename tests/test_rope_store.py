@@ -266,6 +266,10 @@ def test_rope_attend_declines_what_it_does_not_fuse():
     env.tri.init_forward_metadata(batch)
     env.tri.decode_rope_max_bs = 4  # the batch has 5 rows
     assert env.tri.rope_attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch, rope) is None
+    env.tri.decode_rope_max_bs = None  # the cap by head dim: 4 for a dim (16) the table does not name
+    assert env.tri.rope_attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch, rope) is None
+    env.tri.decode_rope_max_bs_by_dim = {16: 8}
+    assert env.tri.rope_attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch, rope) is not None
     env.tri.decode_rope_max_bs = 8
     env.tri.fuse_rope_store = False
     assert env.tri.rope_attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch, rope) is None

@@ -35,9 +35,12 @@ class TritonAttentionBackend(AttentionBackend):
     # at 1,024 tokens 0.920 -> 0.938). bs 2-4 not measured. OSTINATO_DECODE_COMBINE=0: never.
     combine_min_bs = 8
     # Up to this many rows a decode step's stage 1 also does rope_store's work (rope_attend): one launch a layer
-    # fewer. H200 (README): bs 1 x 128 Llama-3.2-1B 0.881 -> 0.865 ms a step, Qwen3-0.6B 0.761 -> 0.745; taken up
-    # to 32 rows, Qwen3-0.6B's bs 8 was 1% slower (Llama-3.2-1B's 0.7% faster).
-    decode_rope_max_bs = 4
+    # fewer. By head dim (decode_rope_max_bs_by_dim, else 4) unless decode_rope_max_bs overrides it for every dim.
+    # H200 (README): bs 1 x 128 Llama-3.2-1B 0.881 -> 0.865 ms a step, Qwen3-0.6B 0.761 -> 0.745; taken up to 32
+    # rows, Qwen3-0.6B (dim 128, q/k norm) was 1% slower at bs 8 and Llama-3.2-1B (dim 64) 0.7% faster. H100, dim
+    # 64 up to 32 rows (Llama-3.2-1B, README): 0.5-1.2% faster steps at bs 8-32, but bf16 bs 16 (0.3% slower).
+    decode_rope_max_bs: int | None = None
+    decode_rope_max_bs_by_dim = {64: 32}
     min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
     decode_block_n = 64
     # The decode kernel's launch settings, by KV dtype and head dim (decode_table_for), then by batch size: a
@@ -299,13 +302,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     def rope_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionSpec,
                     batch: ForwardBatch, rope: Rope) -> torch.Tensor | None:
-        """Decode batches of up to decode_rope_max_bs rows: stage 1 rotates q and stores the new K/V itself
-        (decode_attention's `new`), one launch a layer fewer than rope_store_kv then the decode kernel."""
+        """Decode batches up to the cap (decode_rope_max_bs, else by head dim): stage 1 rotates q and stores the new
+        K/V itself (decode_attention's `new`), one launch a layer fewer than rope_store_kv then the decode kernel."""
         bs = q.shape[0]
         d = layer.head_dim
         # stage 1 joins the rotated halves into the row: power-of-two head dims
-        if (batch.mode is not ForwardMode.DECODE or not self._fuses_rope_store(q) or bs > self.decode_rope_max_bs
-                or d & (d - 1)):
+        cap = self.decode_rope_max_bs
+        cap = self.decode_rope_max_bs_by_dim.get(d, 4) if cap is None else cap
+        if batch.mode is not ForwardMode.DECODE or not self._fuses_rope_store(q) or bs > cap or d & (d - 1):
             return None
         new = NewTokens(rope.positions, batch.out_cache_loc, k.view(bs, layer.num_kv_heads, d),
                         v.view(bs, layer.num_kv_heads, d), rope.cos_sin, rope.q_norm_weight, rope.k_norm_weight,
