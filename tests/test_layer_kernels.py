@@ -99,6 +99,22 @@ def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype, s
     close(want, silu_and_mul_ref(x), REF_TOL[dtype])
 
 
+def check_silu_and_mul_norm(num_tokens: int, intermediate: int, hidden: int, dtype: torch.dtype, seed: int) -> None:
+    """The deferred-norm form: gate and up scaled by the inverse RMS of h's rows first, against the torch twin
+    and against float64 (silu(s * gate) * s * up, s = rsqrt(mean(h^2) + eps))."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    x = randn(gen, num_tokens, 2 * intermediate, dtype=dtype, scale=30.0)  # a projection of an unnormalised row
+    h = randn(gen, num_tokens, hidden, dtype=dtype, scale=7.0, shift=0.5)
+    got, want = triton_ops.silu_and_mul(x, (h, EPS)), silu_and_mul_torch(x, (h, EPS))
+    assert got.shape == (num_tokens, intermediate) and got.dtype == dtype
+    close(got, want, TOL[dtype])
+    inv = torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + EPS)
+    gate, up = x.double().chunk(2, dim=-1)
+    # gate and up are rounded to the dtype after the scale: twice the plain form's error
+    close(want, silu_and_mul_ref(torch.cat([gate * inv, up * inv], -1)), tuple(2 * t for t in REF_TOL[dtype]))
+    assert not torch.equal(got, triton_ops.silu_and_mul(x))  # the scale was applied
+
+
 _tables: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -163,6 +179,12 @@ def test_silu_and_mul_small(num_tokens, intermediate, dtype):
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
+@pytest.mark.parametrize("num_tokens,intermediate,hidden", [(1, 64, 32), (3, 40, 48)])  # 48: a masked h block
+def test_silu_and_mul_norm_small(num_tokens, intermediate, hidden, dtype):
+    check_silu_and_mul_norm(num_tokens, intermediate, hidden, dtype, seed=hidden)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 3, 24)])  # 24: half 12, a masked block
 def test_rotary_small(heads, kv_heads, head_dim, qk_norm, dtype):
@@ -212,6 +234,7 @@ def test_norms_real(hidden, dtype, num_tokens):
 @pytest.mark.parametrize("intermediate", [8192, 11008])  # 11008: a partial last block
 def test_silu_and_mul_real(intermediate, dtype, num_tokens):
     check_silu_and_mul(num_tokens, intermediate, dtype, seed=num_tokens)
+    check_silu_and_mul_norm(num_tokens, intermediate, 2048, dtype, seed=num_tokens)
 
 
 @cuda

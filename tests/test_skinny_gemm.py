@@ -153,6 +153,29 @@ def test_bad_inputs_raise(field, kwargs):
         skinny_linear(**kwargs)
 
 
+@pytest.mark.parametrize("field,kwargs", [
+    ("add.shape", dict(add=torch.randn(2, 4).half())),
+    ("add.dtype", dict(add=torch.randn(2, 8))),
+    ("add.stride(1)", dict(add=torch.randn(8, 2).half().T)),
+])
+def test_add_bad_inputs_raise(field, kwargs):
+    x, w = torch.randn(2, 32).half(), torch.randn(8, 32).half()
+    with pytest.raises(ValueError, match=re.escape(field)):
+        skinny_linear(x, w, **kwargs)
+
+
+@pytest.mark.parametrize("m", [3, 8, 20])  # the FMA form; the tensor-core form with x padded to 16, to 32
+def test_add_epilogue(m):
+    """skinny_linear(..., add=r) adds r in the epilogue: the bits of skinny_linear(x, w) + r (the output rounded
+    to the dtype, then the sum), in one launch."""
+    gen = torch.Generator(DEVICE).manual_seed(m)
+    x, w = randn(gen, m, 96, dtype=torch.float16), randn(gen, 40, 96, dtype=torch.float16)
+    r = randn(gen, m, 40, dtype=torch.float16) * 8
+    got = skinny_linear(x, w, add=r)
+    assert torch.equal(got, skinny_linear(x, w) + r)
+    torch.testing.assert_close(got.double(), reference(x, w) + r.double(), atol=3e-2, rtol=2e-3)
+
+
 @pytest.mark.parametrize("field,kwargs", _bad_inputs(gated=True), ids=[f for f, _ in _bad_inputs(gated=True)])
 def test_gate_up_bad_inputs_raise(field, kwargs):
     with pytest.raises(ValueError, match=re.escape(field)):
@@ -570,6 +593,43 @@ def test_prenorm_cuda_graph(m, gated):
         out, new_residual = outs[-1]
         want, want_residual = skinny_norm_linear(x, w, 1e-6, residual, gated=gated)
         assert torch.equal(out, want) and torch.equal(new_residual, want_residual)
+
+
+@cuda
+@pytest.mark.parametrize("m,defers", [(4, False), (5, True), (8, True), (32, True), (33, False)])
+def test_attn_out_norm_gate_up_silu(monkeypatch, m, defers):
+    """o_proj, the residual add, the post-attention norm and gate_up + silu (layers/norm_linear): at 5-32 rows
+    without the norm's launch (o_proj's kernel adds the residual, silu_and_mul applies the norm's scale), else as
+    o_proj then norm_gate_up_silu. Both within the dtype's rounding of float64 over the residual stream they
+    return, and that stream within o_proj's rounding of float64; graph replay equals eager."""
+    from ostinato.layers import norm_linear
+    from ostinato.layers.linear import Linear
+    from ostinato.layers.norm import RMSNorm
+
+    taken = []
+    real = norm_linear._defers_norm
+    monkeypatch.setattr(norm_linear, "_defers_norm", lambda *a: taken.append(real(*a)) or taken[-1])
+    a, residual, norm_w, gu_w = prenorm_inputs(m, 4096, 2048, torch.bfloat16, seed=m, gated=True)
+    o_w = randn(torch.Generator(DEVICE).manual_seed(-m), 2048, 2048, dtype=torch.bfloat16) * 2048**-0.5
+    o_proj = Linear(2048, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    o_proj.weight.data = o_w.clone()
+    norm = RMSNorm(2048, 1e-6).cuda().to(torch.bfloat16)
+    norm.weight.data = norm_w.clone()
+    gate_up = Linear(2048, gu_w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+    gate_up.weight.data = gu_w.clone()
+    norm_linear.fold_norm_weight(norm, gate_up)
+    with torch.inference_mode():
+        out, h = norm_linear.attn_out_norm_gate_up_silu(o_proj, a, residual, norm, gate_up)
+        assert taken == [defers]
+        replayed = []
+        graph = captured(lambda: replayed.append(norm_linear.attn_out_norm_gate_up_silu(o_proj, a, residual, norm,
+                                                                                        gate_up)))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(replayed[-1][0], out) and torch.equal(replayed[-1][1], h)
+    torch.testing.assert_close(h.double(), reference(a, o_w) + residual.double(), atol=3e-2, rtol=1e-2)
+    want, _ = prenorm_reference(h, None, norm_w, gu_w, 1e-6, gated=True)
+    torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
 
 
 @cuda

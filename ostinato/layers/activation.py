@@ -4,15 +4,21 @@ import torch
 import torch.nn.functional as F
 
 
-def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_torch(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
+    if norm is not None:  # the deferred RMSNorm's per-row scale (triton_ops/silu_and_mul.py's module doc)
+        h, eps = norm
+        hf = h.float()
+        inv_rms = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        gate, up = (gate.float() * inv_rms).to(x.dtype), (up.float() * inv_rms).to(x.dtype)
     return F.silu(gate) * up
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+def silu_and_mul(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]. `norm` (h [T, D], eps): x is the gate_up projection of h's bare
+    rows (the RMSNorm's weight folded into gate_up), and gate and up are first scaled by each row's inverse RMS."""
     if x.is_cuda:
         from ostinato.layers import triton_ops  # lazily: see its docstring
 
-        return triton_ops.silu_and_mul(x)
-    return silu_and_mul_torch(x)
+        return triton_ops.silu_and_mul(x, norm)
+    return silu_and_mul_torch(x, norm)

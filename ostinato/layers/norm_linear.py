@@ -12,11 +12,20 @@ Both return what the unfused pair returns: (projection output, the residual stre
 
 A norm is folded only where it is the only reader of its output and the projection a plain or column-parallel
 Linear (every rank holds all of K).
+
+Above GATED_MAX_M rows (up to the skinny kernel's MAX_M), where gate_up runs on cuBLAS and its activation is a
+kernel of its own, the post-attention norm needs no launch either (`attn_out_norm_gate_up_silu`): o_proj's skinny
+kernel adds the residual in its epilogue and writes the new residual stream h; gate_up projects h's bare rows;
+and the activation kernel scales gate and up by each row's inverse RMS, which it takes from h itself. The norm is
+a per-row scale, so it commutes with the linear map; results agree with the unfused chain to the dtype's
+rounding (gate_up's outputs are rounded before the scale, not the normalised row before gate_up).
 """
 
 import torch
 from torch import nn
 
+from ostinato.distributed.parallel_state import tp_size
+from ostinato.layers.activation import silu_and_mul
 from ostinato.layers.linear import GATED_MAX_M, cuda_gate_up_silu, cuda_linear, gate_up_silu, prefers_skinny
 from ostinato.layers.norm import RMSNorm
 
@@ -101,3 +110,30 @@ def norm_gate_up_silu(norm: RMSNorm, gate_up: nn.Linear, x: torch.Tensor,
     """norm_linear for the MLP's fused gate/up layer, with its activation: (gate_up_silu(gate_up,
     norm(x + residual)), x + residual)."""
     return _norm_project(norm, gate_up, x, residual, gated=True)
+
+
+def _defers_norm(o_proj: nn.Linear, a: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                 gate_up: nn.Linear) -> bool:
+    """Whether attn_out_norm_gate_up_silu takes its one-launch-fewer form for these inputs."""
+    if not (a.is_cuda and a.dim() == 2 and norm.weight_folded and not torch.compiler.is_compiling()
+            and tp_size() == 1 and o_proj.bias is None and gate_up.bias is None):
+        return False
+    from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
+
+    m = a.shape[0]
+    return (GATED_MAX_M < m <= skinny_gemm.MAX_M and prefers_skinny(m, *o_proj.weight.shape)
+            and skinny_gemm.supports(a, o_proj.weight) and residual.shape == (m, o_proj.weight.shape[0])
+            and residual.dtype == a.dtype and residual.stride(1) == 1)
+
+
+def attn_out_norm_gate_up_silu(o_proj: nn.Linear, a: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                               gate_up: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention block's tail and the MLP's head: (gate_up_silu(gate_up, norm(o_proj(a) + residual)),
+    o_proj(a) + residual). At GATED_MAX_M-MAX_M rows on the GPU (a folded norm, tp 1) without the norm's launch:
+    see the module doc."""
+    if not _defers_norm(o_proj, a, residual, norm, gate_up):
+        return norm_gate_up_silu(norm, gate_up, o_proj(a), residual)
+    from ostinato.layers.triton_ops import skinny_gemm
+
+    h = skinny_gemm.skinny_linear(a, o_proj.weight, add=residual)
+    return silu_and_mul(cuda_linear(h, gate_up.weight), norm=(h, norm.eps)), h

@@ -8,7 +8,8 @@ The layers pass a residual stream: layer(positions, hidden, residual) -> (hidden
 residual add is fused into the next RMSNorm, and the norm into the projection after it at decode sizes
 (layers/norm_linear.py). On CUDA at bs 1-2 a layer issues: add+norm+qkv GEMV, rotary (with Qwen3's q/k norm) fused
 with the KV store, attention, o_proj GEMV, add+norm+gate_up GEMV with silu_and_mul, down GEMV; at larger batches
-the norms and silu_and_mul are launches of their own.
+the norms and silu_and_mul are launches of their own, except, at 5-32 rows, the post-attention norm: o_proj's kernel
+adds the residual, and silu_and_mul applies the norm's per-row scale to gate_up's outputs.
 """
 
 from collections.abc import Iterable
@@ -21,7 +22,7 @@ from ostinato.attention.base import AttentionSpec
 from ostinato.attention.op import attention
 from ostinato.layers.linear import gate_up_silu
 from ostinato.layers.norm import RMSNorm
-from ostinato.layers.norm_linear import fold_norm_weight, norm_gate_up_silu, norm_linear
+from ostinato.layers.norm_linear import attn_out_norm_gate_up_silu, fold_norm_weight, norm_linear
 from ostinato.layers.parallel_linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -58,24 +59,25 @@ class DecoderAttention(nn.Module):
                                        self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x))
+        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Everything after the qkv projection (the decoder layer runs that one fused with its norm)."""
+        """Everything between the qkv projection and o_proj (the decoder layer runs those two fused with their
+        neighbours): the attention output, [T, heads x head_dim]."""
         # strided views into the qkv output (row stride q_size + 2 * kv_size), never copied: both attention
         # backends read them through their strides. Sliced, not split: autograd forbids in-place writes to
         # split()'s views, and the CPU graph stand-in replays outside inference mode.
         q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : -self.kv_size], qkv[:, -self.kv_size :]
         if positions.dim() == 1:  # plain RoPE: the attention op rotates q and k, fused with its KV store where it can
             norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            return self.o_proj(attention(q, k, v, self.layer_id, positions, self.rotary.cos_sin, *norm))
+            return attention(q, k, v, self.layer_id, positions, self.rotary.cos_sin, *norm)
         # M-RoPE's [3, T] positions (a vision model's image extend): rotated here
         q_heads, k_heads = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             self.rotary(positions, q_heads, k_heads)
         else:  # Qwen3: per-head RMSNorm, fused into the rotary op
             self.rotary(positions, q_heads, k_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return self.o_proj(attention(q, k, v, self.layer_id))
+        return attention(q, k, v, self.layer_id)
 
 
 class GatedMLP(nn.Module):
@@ -102,8 +104,9 @@ class DecoderLayer(nn.Module):
         """x is the previous layer's MLP output (or the embeddings, with residual None for the first layer);
         returns this layer's MLP output and the residual stream it still has to be added to."""
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        x = self.self_attn.attend(positions, qkv)
-        x, residual = norm_gate_up_silu(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
+        a = self.self_attn.attend(positions, qkv)
+        x, residual = attn_out_norm_gate_up_silu(self.self_attn.o_proj, a, residual, self.post_attention_layernorm,
+                                                 self.mlp.gate_up_proj)
         return self.mlp.down_proj(x), residual
 
 

@@ -51,6 +51,16 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
+def _add_after(y, Add, stride_am, offs_m, offs_n, mask, dtype: tl.constexpr, HAS_ADD: tl.constexpr):
+    """With HAS_ADD, y (fp32 sums) rounded to the dtype, plus Add's [M, N] tile, in fp32 (the caller rounds the
+    sum): torch's `linear(x, W) + add` in the dtype, the residual add after a projection as HF rounds it."""
+    if HAS_ADD:
+        a = tl.load(Add + offs_m[:, None] * stride_am + offs_n[None, :], mask=mask, other=0.0)
+        y = y.to(dtype).to(tl.float32) + a.to(tl.float32)
+    return y
+
+
+@triton.jit
 def _prenorm_tile(x, r_ptrs, ro_ptrs, mask, ss, store, HAS_RES: tl.constexpr):
     """One K tile of the pre-norm: x (plus the residual, rounded to x's dtype as HF adds residuals, and stored
     where `store`) -> (the fp32 row, the sums of squares so far)."""
@@ -67,6 +77,7 @@ def _skinny_fma_kernel(
     R, R_out, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     GATED: tl.constexpr, PRENORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
+    Add=None, stride_am=0, HAS_ADD: tl.constexpr = False,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,6 +132,7 @@ def _skinny_fma_kernel(
             u *= inv_rms
         y = _silu_mul(y, u, Out.dtype.element_ty)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y = _add_after(y, Add, stride_am, offs_m, offs_n, mask, Out.dtype.element_ty, HAS_ADD)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -129,6 +141,7 @@ def _skinny_dot_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     K_SPLIT: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
+    Add=None, stride_am=0, HAS_ADD: tl.constexpr = False,
 ):
     # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
     # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
@@ -165,6 +178,7 @@ def _skinny_dot_kernel(
         y = _silu_mul(y, tl.sum(acc_u, axis=0), Out.dtype.element_ty)
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y = _add_after(y, Add, stride_am, offs_m, offs_n, mask, Out.dtype.element_ty, HAS_ADD)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -289,19 +303,23 @@ class PreNorm(NamedTuple):
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig | None,
-            gated: bool = False, prenorm: PreNorm | None = None) -> None:
+            gated: bool = False, prenorm: PreNorm | None = None, add: torch.Tensor | None = None) -> None:
     (m, k), n = x.shape, out.shape[1]  # gated: n = I, half of weight's rows
     if m == 0 or n == 0:
         return
     if k == 0:
         out.zero_()  # gated too: silu(0) * 0
+        if add is not None:
+            out.add_(add)
         return
     cfg = config or config_for(m, n, k, _num_sms(x.device), gated)
     grid = (triton.cdiv(n, cfg.block_n),)
     args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     pdl = pdl_enabled(x)
     meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                GATED=gated, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                GATED=gated, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                Add=out if add is None else add, stride_am=0 if add is None else add.stride(0),
+                HAS_ADD=add is not None)
     assert cfg.m_pad >= m
     if cfg.use_dot:
         assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16 and prenorm is None
@@ -333,18 +351,30 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_M, last dim contiguous) @ weight [N, K]^T -> [M, N] in x's dtype, fp32 accumulation.
     `out`: [M, N] to write into (last dim contiguous); `config` overrides config_for (for tuning; ignored
-    under torch.compile)."""
+    under torch.compile). `add` [M, N] in x's dtype (last dim contiguous): added after the projection in the
+    kernel's epilogue, rounded as `skinny_linear(x, weight) + add` is (a residual add without its launch)."""
     _check(x, weight, out)
+    if add is not None:
+        _check_add(add, x, weight.shape[0])
     if torch.compiler.is_compiling():  # opaque node for torch.compile; eager skips the op's ~25 us dispatch
         y = skinny_linear_op(x, weight)
+        y = y if add is None else y + add
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, config)
+    _launch(x, weight, out, config, add=add)
     return out
+
+
+def _check_add(add: torch.Tensor, x: torch.Tensor, n: int) -> None:
+    if add.shape != (x.shape[0], n):
+        raise ValueError(f"add.shape must be {(x.shape[0], n)}, got {tuple(add.shape)}")
+    _check_like_x("add", add, x)
+    if add.stride(1) != 1 and n > 1:
+        raise ValueError(f"add.stride(1) must be 1 (rows contiguous), got strides {add.stride()}")
 
 
 def _skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
