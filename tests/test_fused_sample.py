@@ -63,6 +63,21 @@ def test_fused_equals_torch_sampler(vocab, min_p, cut):
     assert fused.max().item() < vocab
 
 
+@pytest.mark.parametrize("kinds", ["top_k", "top_p", "both"])
+def test_cut_search_over_many_splits(kinds):
+    """The cut search spread over a row's splits (5 here): batches with top_k rows only, top_p rows only (a
+    search with no row is skipped), and both, against the torch sampler."""
+    vocab, b = 4 * 2048 + 11, 3
+    gen = torch.Generator().manual_seed(len(kinds))
+    kw = {"top_k": [dict(top_k=k) for k in (1, 7, 300)], "top_p": [dict(top_p=p) for p in (0.2, 0.8, 0.99)],
+          "both": [dict(top_k=40, top_p=0.5), dict(top_k=2, top_p=0.99), dict(top_k=500, top_p=0.9)]}[kinds]
+    params = [SamplingParams(temperature=0.5 + 0.4 * i, **kw[i]) for i in range(b)]
+    logits = (torch.randn(b, vocab, generator=gen) * 3).to(DEVICE)
+    t = SamplingTensors.from_params(params, [11, 22, 33], [5, 6, 7], vocab, DEVICE)
+    assert (t.need_top_k, t.need_top_p) == {"top_k": (True, False), "top_p": (False, True), "both": (True, True)}[kinds]
+    assert torch.equal(sample_fused(logits, t).cpu(), sample_torch(logits, t).cpu())
+
+
 def test_all_greedy_steps_skip_the_kernels():
     t = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 2, [1, 2], [0, 0], 1000, DEVICE)
     assert not t.fused_ok

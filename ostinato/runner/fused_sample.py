@@ -4,8 +4,9 @@ It draws exactly what `sampler.sample_torch` draws: Gumbel-max over logits / tem
 counter-based noise (`hash_uniform`'s hash, computed in uint32 arithmetic), after the same min_p filter;
 greedy rows take the first index of the maximum. A step reads the logits once (twice with min_p: the row
 maximum first) instead of the eager path's ~25 elementwise passes over [B, V]. top_k and top_p become one
-logit cut per row, found without sorting by a 16-way search over the floats' order (`_threshold_kernel`):
-the same cut `sample_torch` reads off its sorted row. Fixed grids, no host sync: capturable in a CUDA graph.
+logit cut per row, found without sorting by a 16-way search over the floats' order, each pass spread over
+the row's splits (`_cut_pass_kernel`): the same cut `sample_torch` reads off its sorted row. Fixed grids, no
+host sync: capturable in a CUDA graph.
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
 the GPU and its CPU interpreter when the kernel is decorated).
@@ -107,79 +108,175 @@ def _order_key(x):
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
+# The cut search runs over many programs per row: a row's splits each count their columns for the candidates
+# of a pass, and every program of the next pass sums those counts in split order (so all agree, bit for bit)
+# and narrows the key range itself. Eight 16-way passes narrow the 2**32 keys to one (16**8 = 2**32).
+PASSES = 8
+_PASSES = tl.constexpr(PASSES)
+
+
 @triton.jit
-def _search_key(row_ptr, vocab_size, div, x_max, log_min_p, lo, hi, k, floor_key, mass_goal,
-                TOP_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr):
-    """The largest order key c in [lo, hi] whose predicate holds, for a predicate that holds at lo and fails
-    from some key on: count(key(x) >= c) >= k (top_k), or the softmax mass of those x >= mass_goal (top_p),
-    over the row's x = logits / div kept by min_p and by key(x) >= floor_key. Each pass over the row tests
-    NWAY - 1 keys at once, so the 2**32 keys take 8 passes for NWAY = 16."""
+def _candidates(lo, hi, NWAY: tl.constexpr):
+    """NWAY order keys from lo to hi (the first is lo, for which the predicate holds)."""
+    step = (hi - lo + NWAY - 1) // NWAY
+    return tl.minimum(lo + tl.arange(0, NWAY).to(tl.int64) * step, hi)
+
+
+@triton.jit
+def _narrow(lo, hi, acc, goal, NWAY: tl.constexpr):
+    """One step of the search for the largest order key whose predicate holds (the predicate holds at lo and
+    fails from some key on: the count, or the softmax mass, of the row's x with key >= c reaches goal), given
+    acc, each candidate's count or mass: lo moves to the last candidate that reaches goal, hi below the next
+    one. A finished range (hi <= lo) stays."""
     j = tl.arange(0, NWAY)
-    lo = lo.to(tl.int64)
-    hi = hi.to(tl.int64)
-    while hi > lo:
-        step = (hi - lo + NWAY - 1) // NWAY
-        cand = tl.minimum(lo + j.to(tl.int64) * step, hi)  # cand[0] = lo holds already
-        acc = tl.zeros([NWAY], tl.float32)
-        for start in range(0, vocab_size, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")) / div
-            x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
-            key = _order_key(x).to(tl.int64)
-            kept = key >= floor_key
-            if TOP_P:
-                w = tl.where(kept, tl.exp(x - x_max), 0.0)
-            else:
-                w = tl.where(kept & (offs < vocab_size), 1.0, 0.0)
-            acc += tl.sum(tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0), axis=1)
-        goal = mass_goal if TOP_P else k.to(tl.float32)
-        ok = (acc >= goal) | (j == 0)
-        best = tl.max(tl.where(ok, j, 0), axis=0)
-        new_lo = tl.max(tl.where(j == best, cand, -(2**62)), axis=0)
-        nxt = tl.min(tl.where(j == best + 1, cand, 2**62), axis=0)
-        hi = tl.where(best == NWAY - 1, hi, tl.minimum(hi, nxt - 1))
-        lo = new_lo
-    return lo
+    cand = _candidates(lo, hi, NWAY)
+    ok = (acc >= goal) | (j == 0)
+    best = tl.max(tl.where(ok, j, 0), axis=0)
+    new_lo = tl.max(tl.where(j == best, cand, -(2**62)), axis=0)
+    nxt = tl.min(tl.where(j == best + 1, cand, 2**62), axis=0)
+    new_hi = tl.where(best == NWAY - 1, hi, tl.minimum(hi, nxt - 1))
+    live = hi > lo
+    return tl.where(live, new_lo, lo), tl.where(live, new_hi, hi)
+
+
+@triton.jit
+def _count(row_ptr, lo, hi, div, x_max, log_min_p, floor_key, cand, TOP_P: tl.constexpr, NWAY: tl.constexpr,
+           BLOCK: tl.constexpr):
+    """For each candidate key c: the count (TOP_P: the softmax mass exp(x - x_max)) of columns lo .. hi of the
+    row whose x = logits / div, kept by min_p and by key(x) >= floor_key, has key(x) >= c."""
+    acc = tl.zeros([NWAY, BLOCK], tl.float32)  # summed over the block's lanes once, after the loop
+    cand = cand.to(tl.int32)  # keys are int32; the candidates lie between two of them
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < hi
+        x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")) / div
+        x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
+        key = _order_key(x)
+        kept = (key >= floor_key) & valid
+        if TOP_P:
+            w = tl.where(kept, tl.exp(x - x_max), 0.0)
+        else:
+            w = tl.where(kept, 1.0, 0.0)
+        acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0)
+    return tl.sum(acc, axis=1)
 
 
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
 
 
 @triton.jit
-def _threshold_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, Cuts, vocab_size, greedy_eps,
-                      HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr):
+def _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr,
+               SPLITS_POW2: tl.constexpr):
+    """(temperature, whether the row samples, the max of logits / temperature, log min_p) of a row."""
+    temp = tl.load(Temps + row)
+    s = tl.arange(0, SPLITS_POW2)
+    x_max = tl.max(tl.load(SplitMax + row * num_splits + s, mask=s < num_splits, other=float("-inf")), axis=0)
+    log_min_p = float("-inf")
+    if HAS_MIN_P:
+        log_min_p = tl.log(tl.load(MinPs + row))
+    return temp, temp >= greedy_eps, x_max, log_min_p
+
+
+@triton.jit
+def _summed(Part, slot, row, b, num_splits, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """The previous pass's counts of a row, summed over its splits in order."""
+    s = tl.arange(0, SPLITS_POW2)
+    j = tl.arange(0, NWAY)
+    part = tl.load(Part + ((slot * b + row) * num_splits + s[:, None]) * NWAY + j[None, :],
+                   mask=(s < num_splits)[:, None], other=0.0)
+    return tl.sum(part, axis=0)
+
+
+@triton.jit
+def _last_range(State, Part, slot, row, b, num_splits, goal, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """The key range after the pass that wrote `slot`: its range narrowed by its counts."""
+    lo = tl.load(State + (row * 2 + slot) * 2)
+    hi = tl.load(State + (row * 2 + slot) * 2 + 1)
+    return _narrow(lo, hi, _summed(Part, slot, row, b, num_splits, NWAY, SPLITS_POW2), goal, NWAY)
+
+
+@triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits"])
+def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Z, CutK, vocab_size,
+                     split_len, num_splits, b, pass_idx, greedy_eps, PHASE: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                     NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """One pass of the cut search for (row, split). PHASE 0: top_k's search (count >= k); 1: the top_k cut and
+    the softmax mass of the columns it keeps (Z, for top_p's goal); 2: top_p's search (mass >= top_p x Z's sum).
+    A search pass takes its key range from the last pass (State and Part at slot (pass_idx - 1) % 2; pass 0
+    starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its counts beside it."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
+    top_k = tl.load(TopKs + row)
+    top_p = tl.load(TopPs + row)
+    row_ptr = Logits + row * stride_l
+    lo_col = split * split_len
+    hi_col = tl.minimum(lo_col + split_len, vocab_size)
+    if PHASE == 1:
+        cut_k = tl.full([], _NEG_INF_KEY, tl.int64)
+        if samples & (top_k < vocab_size):  # the top_k search's last pass wrote slot (_PASSES - 1) % 2
+            cut_k, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, top_k.to(tl.float32),
+                                   NWAY, SPLITS_POW2)
+        if split == 0:
+            tl.store(CutK + row, cut_k)
+        if samples & (top_p < 1.0):
+            w = tl.zeros([BLOCK], tl.float32)
+            for start in range(lo_col, hi_col, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                valid = offs < hi_col
+                x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")) / temp
+                x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
+                w += tl.where((_order_key(x).to(tl.int64) >= cut_k) & valid, tl.exp(x - x_max), 0.0)
+            tl.store(Z + row * num_splits + split, tl.sum(w, axis=0))
+    else:
+        if PHASE == 0:
+            active = samples & (top_k < vocab_size)
+            floor_key = tl.full([], _NEG_INF_KEY, tl.int64)
+            goal = top_k.to(tl.float32)
+        else:
+            active = samples & (top_p < 1.0)
+            floor_key = tl.load(CutK + row)
+            s = tl.arange(0, SPLITS_POW2)
+            goal = top_p * tl.sum(tl.load(Z + row * num_splits + s, mask=s < num_splits, other=0.0), axis=0)
+        if active:
+            if pass_idx == 0:
+                lo = floor_key
+                hi = _order_key(x_max).to(tl.int64)
+            else:
+                lo, hi = _last_range(State, Part, (pass_idx - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
+            slot = pass_idx % 2
+            if split == 0:
+                tl.store(State + (row * 2 + slot) * 2, lo)
+                tl.store(State + (row * 2 + slot) * 2 + 1, hi)
+            acc = _count(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, floor_key.to(tl.int32),
+                         _candidates(lo, hi, NWAY), TOP_P=PHASE == 2, NWAY=NWAY, BLOCK=BLOCK)
+            tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _cut_finish_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Z, CutK, Cuts, vocab_size, num_splits, b,
+                       greedy_eps, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                       NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
     value at which the renormalized mass reaches top_p."""
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = Logits + row * stride_l
-    temp = tl.load(Temps + row)
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
     top_k = tl.load(TopKs + row)
     top_p = tl.load(TopPs + row)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
-    uses_cut = (top_k < vocab_size).to(tl.int32) + (top_p < 1.0).to(tl.int32)
-    if (temp >= greedy_eps).to(tl.int32) * uses_cut > 0:
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, vocab_size, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = tl.maximum(m, tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")) / temp)
-        x_max = tl.max(m, axis=0)
-        log_min_p = float("-inf")
-        if HAS_MIN_P:
-            log_min_p = tl.log(tl.load(MinPs + row))
-        hi = _order_key(x_max).to(tl.int64)
-        if top_k < vocab_size:
-            cut = _search_key(row_ptr, vocab_size, temp, x_max, log_min_p, cut, hi, top_k, cut, 0.0,
-                              TOP_P=False, NWAY=NWAY, BLOCK=BLOCK)
-        if top_p < 1.0:
-            z = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, vocab_size, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")) / temp
-                x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
-                z += tl.where(_order_key(x).to(tl.int64) >= cut, tl.exp(x - x_max), 0.0)
-            cut = _search_key(row_ptr, vocab_size, temp, x_max, log_min_p, cut, hi, top_k, cut,
-                              top_p * tl.sum(z, axis=0), TOP_P=True, NWAY=NWAY, BLOCK=BLOCK)
+    last = (_PASSES - 1) % 2
+    if HAS_P:
+        if samples & (top_p < 1.0):
+            s = tl.arange(0, SPLITS_POW2)
+            goal = top_p * tl.sum(tl.load(Z + row * num_splits + s, mask=s < num_splits, other=0.0), axis=0)
+            cut, _ = _last_range(State, Part, last, row, b, num_splits, goal, NWAY, SPLITS_POW2)
+        elif samples:
+            cut = tl.load(CutK + row)
+    elif HAS_K:
+        if samples & (top_k < vocab_size):
+            cut, _ = _last_range(State, Part, last, row, b, num_splits, top_k.to(tl.float32), NWAY, SPLITS_POW2)
     bits = cut.to(tl.int32)
     bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     tl.store(Cuts + row, bits.to(tl.float32, bitcast=True))
@@ -187,20 +284,23 @@ def _threshold_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, Cuts, vocab_
 
 _BLOCK = 2048
 _SEARCH_BLOCK = 512
+_NWAY = 16
 _TARGET_PROGRAMS = 512  # a few waves over an H100/H200's 132 SMs
 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None,
                  top_ks: torch.Tensor | None, top_ps: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor,
-                 vocab_size: int, greedy_eps: float) -> torch.Tensor:
+                 vocab_size: int, greedy_eps: float, cut_phases: tuple[bool, bool] = (True, True)) -> torch.Tensor:
     """int64 [B] token ids from float32 logits [B, >= vocab_size] (last dim contiguous); columns past
     `vocab_size` are ignored. `min_ps` None: no row filters by min_p; `top_ks` / `top_ps` None: no row has
-    top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none).
-    With them, one program per row first finds the row's cut (`_threshold_kernel`).
+    top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none),
+    and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped). With them the
+    rows' cuts come first: `PASSES` launches per search over (row, split) programs (`_cut_pass_kernel`), then
+    one program per row (`_cut_finish_kernel`).
 
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
-    index) picks the token. With min_p a first pass finds each split's maximum (the filter needs the row's).
+    index) picks the token. With min_p or a cut a first pass finds each split's maximum (they need the row's).
     """
     b = logits.shape[0]
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
@@ -209,23 +309,36 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     split_len, num_splits = split_plan(b, vocab_size)
     grid = (b, num_splits)
     dev = logits.device
+    pow2 = triton.next_power_of_2(num_splits)
     split_max = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
-    if min_ps is not None:
+    if min_ps is not None or top_ks is not None:
         _split_max_kernel[grid](logits, logits.stride(0), temperatures, split_max, vocab_size, split_len,
                                 num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8)
+    min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
     cuts = split_max
     if top_ks is not None:
+        has_k, has_p = cut_phases
+        state = torch.empty(b, 2, 2, dtype=torch.int64, device=dev)  # (lo, hi) of the last two passes
+        part = torch.empty(2, b, num_splits, _NWAY, dtype=torch.float32, device=dev)
+        z = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
+        cut_k = torch.empty(b, dtype=torch.int64, device=dev)
+        args = (logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, z, cut_k,
+                vocab_size, split_len, num_splits, b)
+        meta = dict(HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2, num_warps=8)
+        phases = ([(0, p) for p in range(PASSES)] if has_k else []) + (
+            [(1, 0)] + [(2, p) for p in range(PASSES)] if has_p else [])
+        for phase, pass_idx in phases:
+            _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, PHASE=phase, **meta)
         cuts = torch.empty(b, dtype=torch.float32, device=dev)
-        _threshold_kernel[(b,)](logits, logits.stride(0), temperatures,
-                                min_ps if min_ps is not None else temperatures, top_ks, top_ps, cuts, vocab_size,
-                                greedy_eps, HAS_MIN_P=min_ps is not None, NWAY=16, BLOCK=_SEARCH_BLOCK,
-                                num_warps=8)
+        _cut_finish_kernel[(b,)](temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, z, cut_k, cuts,
+                                 vocab_size, num_splits, b, greedy_eps, HAS_K=has_k, HAS_P=has_p,
+                                 HAS_MIN_P=min_ps is not None, NWAY=_NWAY, SPLITS_POW2=pow2, num_warps=1)
     vals = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
     idx = torch.empty(b, num_splits, dtype=torch.int64, device=dev)
     _split_sample_kernel[grid](
-        logits, logits.stride(0), temperatures, min_ps if min_ps is not None else temperatures, split_max, cuts,
+        logits, logits.stride(0), temperatures, min_p_arg, split_max, cuts,
         seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P=min_ps is not None,
-        HAS_CUT=top_ks is not None, BLOCK=_BLOCK, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=8,
+        HAS_CUT=top_ks is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8,
     )
     return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]
 

@@ -320,7 +320,8 @@ def sample_fused(logits: Tensor, t: SamplingTensors) -> Tensor:
     x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
     cut = t.need_top_k or t.need_top_p
     return fused_sample(x, t.temperatures, t.min_ps if t.need_min_p else None, t.top_ks if cut else None,
-                        t.top_ps if cut else None, t.seeds, t.steps, logits.shape[-1], GREEDY_EPS)
+                        t.top_ps if cut else None, t.seeds, t.steps, logits.shape[-1], GREEDY_EPS,
+                        cut_phases=(t.need_top_k, t.need_top_p))
 
 
 def sample_torch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> Tensor:

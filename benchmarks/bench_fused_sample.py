@@ -1,0 +1,70 @@
+"""The fused sampler's cost per step (runner/fused_sample.py) at a real vocabulary: temperature alone, top_k,
+top_p and both, each timed eagerly (kernel launches from Python, as the engine launches them) and as a replayed
+CUDA graph (the GPU's time alone).
+
+python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256] [--out FILE]   # GPU
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from common import RESULTS, device_tag
+
+from ostinato.runner.fused_sample import fused_sample
+
+SETTINGS = [(None, None), (200, None), (None, 0.9), (50, 0.9)]  # (top_k, top_p)
+
+
+def timed(fn, iters: int = 20) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev, v, rows = torch.device("cuda"), args.vocab, []
+    for b in args.batch_sizes:
+        logits = torch.randn(b, v, device=dev) * 3
+        temps = torch.full((b,), 0.6, device=dev)
+        seeds = torch.arange(b, device=dev)
+        steps = torch.zeros(b, dtype=torch.int64, device=dev)
+        for top_k, top_p in SETTINGS:
+            cut = top_k is not None or top_p is not None
+            tk = torch.full((b,), top_k or v, dtype=torch.int64, device=dev) if cut else None
+            tp = torch.full((b,), top_p or 1.0, device=dev) if cut else None
+
+            def step(x=logits, t=temps, tk=tk, tp=tp, s=seeds, n=steps,
+                     phases=(top_k is not None, top_p is not None)) -> torch.Tensor:
+                return fused_sample(x, t, None, tk, tp, s, n, v, 1e-5, cut_phases=phases)
+
+            step()
+            eager = timed(step)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph.replay()
+            rows.append(dict(batch_size=b, top_k=top_k, top_p=top_p, eager_ms=eager, graph_ms=timed(graph.replay)))
+            print(f"bs {b:3} top_k {top_k} top_p {top_p}: eager {eager:.3f} ms, graph {rows[-1]['graph_ms']:.3f} ms",
+                  flush=True)
+    report = dict(device=torch.cuda.get_device_name(dev), vocab=v,
+                  command=" ".join([os.path.basename(sys.executable)] + sys.argv), rows=rows)
+    path = args.out or os.path.join(RESULTS, f"fused-sample-{device_tag(dev)}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
