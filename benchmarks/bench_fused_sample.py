@@ -6,13 +6,12 @@ python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
-from common import RESULTS, device_tag
+from common import RESULTS, device_tag, write_report
 
 from ostinato.runner.fused_sample import fused_sample
 
@@ -60,10 +59,7 @@ def main() -> None:
                   flush=True)
     report = dict(device=torch.cuda.get_device_name(dev), vocab=v,
                   command=" ".join([os.path.basename(sys.executable)] + sys.argv), rows=rows)
-    path = args.out or os.path.join(RESULTS, f"fused-sample-{device_tag(dev)}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print("wrote", path)
+    write_report(report, args.out or os.path.join(RESULTS, f"fused-sample-{device_tag(dev)}.json"))
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ not needed and is stubbed). GPU only.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 import types
 
 import torch
-from common import RESULTS, device_tag
+from common import RESULTS, device_tag, write_report
 
 # Llama-3.2-1B in gpt-fast's ModelArgs terms (its table stops at Llama-3.1): 16 layers, 32 query and 8 KV heads
 # of 64, the llama3 rope scaling of the HF config. The LM head is a separate weight (HF ties it to the
@@ -83,10 +82,7 @@ def main() -> None:
               flush=True)
     report = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
                   command=" ".join([os.path.basename(sys.executable)] + sys.argv), rows=rows)
-    path = args.out or os.path.join(RESULTS, f"gpt-fast-{device_tag(dev)}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print("wrote", path)
+    write_report(report, args.out or os.path.join(RESULTS, f"gpt-fast-{device_tag(dev)}.json"))
 
 
 if __name__ == "__main__":

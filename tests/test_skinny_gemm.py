@@ -595,6 +595,24 @@ def test_prenorm_cuda_graph(m, gated):
         assert torch.equal(out, want) and torch.equal(new_residual, want_residual)
 
 
+def bf16_linear(w: torch.Tensor) -> "torch.nn.Linear":
+    """A bias-free CUDA bf16 Linear holding a copy of w [N, K]."""
+    from ostinato.layers.linear import Linear
+
+    layer = Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+    layer.weight.data = w.clone()
+    return layer
+
+
+def bf16_norm(w: torch.Tensor) -> "torch.nn.Module":
+    """A CUDA bf16 RMSNorm (eps 1e-6) holding a copy of the weight w."""
+    from ostinato.layers.norm import RMSNorm
+
+    norm = RMSNorm(w.shape[0], 1e-6).cuda().to(torch.bfloat16)
+    norm.weight.data = w.clone()
+    return norm
+
+
 @cuda
 @pytest.mark.parametrize("m,defers", [(4, False), (5, True), (8, True), (32, True), (33, False)])
 def test_attn_out_norm_gate_up_silu(monkeypatch, m, defers):
@@ -603,20 +621,13 @@ def test_attn_out_norm_gate_up_silu(monkeypatch, m, defers):
     o_proj then norm_gate_up_silu. Both within the dtype's rounding of float64 over the residual stream they
     return, and that stream within o_proj's rounding of float64; graph replay equals eager."""
     from ostinato.layers import norm_linear
-    from ostinato.layers.linear import Linear
-    from ostinato.layers.norm import RMSNorm
 
     taken = []
     real = norm_linear._defers_norm
     monkeypatch.setattr(norm_linear, "_defers_norm", lambda *a: taken.append(real(*a)) or taken[-1])
     a, residual, norm_w, gu_w = prenorm_inputs(m, 4096, 2048, torch.bfloat16, seed=m, gated=True)
     o_w = randn(torch.Generator(DEVICE).manual_seed(-m), 2048, 2048, dtype=torch.bfloat16) * 2048**-0.5
-    o_proj = Linear(2048, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
-    o_proj.weight.data = o_w.clone()
-    norm = RMSNorm(2048, 1e-6).cuda().to(torch.bfloat16)
-    norm.weight.data = norm_w.clone()
-    gate_up = Linear(2048, gu_w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
-    gate_up.weight.data = gu_w.clone()
+    o_proj, norm, gate_up = bf16_linear(o_w), bf16_norm(norm_w), bf16_linear(gu_w)
     norm_linear.fold_norm_weight(norm, gate_up)
     with torch.inference_mode():
         out, h = norm_linear.attn_out_norm_gate_up_silu(o_proj, a, residual, norm, gate_up)
@@ -640,8 +651,6 @@ def test_norm_linear_layers(monkeypatch, m, fused, gated):
     both within the dtype's rounding of the float64 reference, the residual stream exact; under torch.compile
     the same."""
     from ostinato.layers import norm_linear
-    from ostinato.layers.linear import Linear
-    from ostinato.layers.norm import RMSNorm
     from ostinato.layers.triton_ops import skinny_gemm
 
     calls = []
@@ -649,10 +658,7 @@ def test_norm_linear_layers(monkeypatch, m, fused, gated):
     monkeypatch.setattr(skinny_gemm, "skinny_norm_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     fn = norm_linear.norm_gate_up_silu if gated else norm_linear.norm_linear
     x, residual, norm_w, w = prenorm_inputs(m, 2048, 2048, torch.bfloat16, seed=m, gated=gated)
-    norm = RMSNorm(2048, 1e-6).cuda().to(torch.bfloat16)
-    norm.weight.data = norm_w.clone()
-    proj = Linear(2048, w.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
-    proj.weight.data = w.clone()
+    norm, proj = bf16_norm(norm_w), bf16_linear(w)
     norm_linear.fold_norm_weight(norm, proj)
     with torch.inference_mode():
         out, new_residual = fn(norm, proj, x, residual)
