@@ -36,9 +36,10 @@ class TritonAttentionBackend(AttentionBackend):
     combine_min_bs = 8
     # Up to this many rows a decode step's stage 1 also does rope_store's work (rope_attend): one launch a layer
     # fewer. By head dim (decode_rope_max_bs_by_dim, else 4) unless decode_rope_max_bs overrides it for every dim.
-    # H200 (README): bs 1 x 128 Llama-3.2-1B 0.881 -> 0.865 ms a step, Qwen3-0.6B 0.761 -> 0.745; taken up to 32
-    # rows, Qwen3-0.6B (dim 128, q/k norm) was 1% slower at bs 8 and Llama-3.2-1B (dim 64) 0.7% faster. H100, dim
-    # 64 up to 32 rows (Llama-3.2-1B, README): 0.5-1.2% faster steps at bs 8-32, but bf16 bs 16 (0.3% slower).
+    # Figures in docs/gpu-notes.md. H200: bs 1 x 128 Llama-3.2-1B 0.881 -> 0.865 ms a step, Qwen3-0.6B 0.761 ->
+    # 0.745; taken up to 32 rows, Qwen3-0.6B (dim 128, q/k norm) was 1% slower at bs 8 and Llama-3.2-1B (dim 64)
+    # 0.7% faster. H100, dim 64 up to 32 rows (Llama-3.2-1B): 0.5-1.2% faster steps at bs 8-32, but bf16 bs 16
+    # (0.3% slower).
     decode_rope_max_bs: int | None = None
     decode_rope_max_bs_by_dim = {64: 32}
     min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
@@ -84,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
             4: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32),
             # programs_per_sm 4, not the sweep's pick of 8 (9 splits at bs 9-16, the same kernel time to 3%): with 8,
-            # tests/test_fp8_kv.py's graph and eager engines parted in the last bits (see the README)
+            # tests/test_fp8_kv.py's graph and eager engines parted in the last bits (see docs/gpu-notes.md)
             8: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
                     programs_per_sm=4),
             32: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
@@ -101,7 +102,7 @@ class TritonAttentionBackend(AttentionBackend):
             # the sweep's bs-256 pick (1 split, 3 stages) matched this entry's kernel time at 1,024 tokens but made
             # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200): this one stays. Capped at
             # 128 registers (ptxas gave ~134-154) for 16 programs an SM instead of 12-15: kernel us at contexts 128
-            # / 1024 / 4096, 19.6 / 103.4 / 364.4 -> 14.4 / 85.8 / 305.8 (H200, README)
+            # / 1024 / 4096, 19.6 / 103.4 / 364.4 -> 14.4 / 85.8 / 305.8 (H200, docs/gpu-notes.md)
             256: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
                       programs_per_sm=16, min_tokens_per_split=128, maxnreg=128),
         },

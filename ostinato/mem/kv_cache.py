@@ -70,7 +70,7 @@ class MHATokenToKVPool(KVCache):
     reader indexes it the same way and the kernels take its strides). Head-major is the default for fp8
     caches: a head's row of a slot is then 64 bytes at head dim 64, and the split-KV decode kernel reads a
     request's contiguous slots as one run per head instead of 64-byte pieces 512 bytes apart. H200,
-    Llama-3.2-1B, ms a step token-major -> head-major, two runs each (README):
+    Llama-3.2-1B, ms a step token-major -> head-major, two runs each (docs/gpu-notes.md):
     - fp8: bs 128 x 4096 3.918 -> 3.708, bs 256 x 1024 2.746 -> 2.716, bs 32 x 4096 1.705 -> 1.694;
     - bf16 (128-byte rows): 1% slower at those shapes, so it stays token-major.
     """

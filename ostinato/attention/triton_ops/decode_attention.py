@@ -482,7 +482,7 @@ def decode_attention(
                      HAS_NORM=has_norm)
     # KV heads in the grid's first dimension: the programs of one request's heads launch side by side and read
     # the same slots' rows (a slot holds every head) at about the same time (H200, 1-3% faster kernels at
-    # contexts 1,024-4,096, about 1% faster steps; README)
+    # contexts 1,024-4,096, about 1% faster steps; docs/gpu-notes.md)
     if per_prog > 1 and k_buf.stride(1) == head_dim and v_buf.stride(1) == head_dim:  # a slot's heads contiguous
         _decode_stage1_kv_group_kernel[(num_kv_heads // per_prog, bs, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale,
