@@ -595,6 +595,24 @@ def test_prenorm_cuda_graph(m, gated):
         assert torch.equal(out, want) and torch.equal(new_residual, want_residual)
 
 
+@pytest.mark.parametrize("m", [5, 8, 20])
+def test_deferred_norm_gate_up_silu(m):
+    """The deferred post-attention norm's composition (norm_linear.deferred_norm_gate_up_silu: o_proj with the
+    residual added in its epilogue, gate_up on the bare row, the activation scaling by the row's inverse RMS)
+    against float64 o_proj + residual, RMSNorm, gate_up and silu_and_mul; on the CPU through Triton's
+    interpreter (fp16), on CUDA in bf16."""
+    from ostinato.layers.norm_linear import deferred_norm_gate_up_silu
+
+    dtype = torch.bfloat16 if GPU else torch.float16
+    a, residual, norm_w, gu_w = prenorm_inputs(m, 96, 64, dtype, seed=m, gated=True)
+    o_w = randn(torch.Generator(DEVICE).manual_seed(-m), 64, 64, dtype=dtype) * 64**-0.5
+    act, h = deferred_norm_gate_up_silu(o_w, a, residual, 1e-6, folded(gu_w, norm_w))
+    assert torch.equal(h, skinny_linear(a, o_w) + residual)
+    want, _ = prenorm_reference(h, None, norm_w, gu_w, 1e-6, gated=True)
+    tol = 3e-2 if GPU else 5e-3  # the gate's and up's roundings after the scale, and W * norm_w's
+    torch.testing.assert_close(act.double(), want, atol=tol, rtol=tol)
+
+
 def bf16_linear(w: torch.Tensor) -> "torch.nn.Linear":
     """A bias-free CUDA bf16 Linear holding a copy of w [N, K]."""
     from ostinato.layers.linear import Linear

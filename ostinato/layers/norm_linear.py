@@ -133,7 +133,16 @@ def attn_out_norm_gate_up_silu(o_proj: nn.Linear, a: torch.Tensor, residual: tor
     see the module doc."""
     if not _defers_norm(o_proj, a, residual, norm, gate_up):
         return norm_gate_up_silu(norm, gate_up, o_proj(a), residual)
+    return deferred_norm_gate_up_silu(o_proj.weight, a, residual, norm.eps, gate_up.weight)
+
+
+def deferred_norm_gate_up_silu(o_weight: torch.Tensor, a: torch.Tensor, residual: torch.Tensor, eps: float,
+                               gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deferred form's three launches (see the module doc): (act, h) with h = a @ o_weight^T + residual from the
+    skinny kernel's epilogue, and act = silu_and_mul(h @ gate_up_weight^T) with gate and up scaled by h's inverse
+    RMS. gate_up_weight holds the norm's weight (folded). On CPU tensors the skinny kernel needs Triton's
+    interpreter; the projection is then F.linear and the activation its torch twin."""
     from ostinato.layers.triton_ops import skinny_gemm
 
-    h = skinny_gemm.skinny_linear(a, o_proj.weight, add=residual)
-    return silu_and_mul(cuda_linear(h, gate_up.weight), norm=(h, norm.eps)), h
+    h = skinny_gemm.skinny_linear(a, o_weight, add=residual)
+    return silu_and_mul(cuda_linear(h, gate_up_weight), norm=(h, eps)), h
