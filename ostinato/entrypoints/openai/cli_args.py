@@ -38,7 +38,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def default_api_server_count() -> int:
     """HTTP processes where none were asked for: a quarter of the cores this process may use, 1 to 4 (4 on a
     16-core GPU host, 1 on a 2-core machine). One HTTP process saturates at a few hundred concurrent streams,
-    where four keep the engine's batch full (README, Serve); the engine core and the detokenizer take cores too."""
+    where four keep the engine's batch full (docs/serve-notes.md); the engine core and the detokenizer take cores
+    too."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(4, cores // 4))
 
