@@ -196,82 +196,76 @@ def _last_range(State, Part, slot, row, b, num_splits, goal, NWAY: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits"])
-def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Z, CutK, vocab_size,
-                     split_len, num_splits, b, pass_idx, greedy_eps, PHASE: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                     NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
-    """One pass of the cut search for (row, split). PHASE 0: top_k's search (count >= k); 1: the top_k cut and
-    the softmax mass of the columns it keeps (Z, for top_p's goal); 2: top_p's search (mass >= top_p x Z's sum).
-    A search pass takes its key range from the last pass (State and Part at slot (pass_idx - 1) % 2; pass 0
-    starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its counts beside it."""
+def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
+                     split_len, num_splits, b, pass_idx, greedy_eps, TOP_P: tl.constexpr, HAS_K: tl.constexpr,
+                     HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """One pass of a cut search for (row, split): top_k's (count >= k), or with TOP_P top_p's (softmax mass >=
+    top_p x the mass top_k keeps). A pass takes its key range from the last one (State and Part at slot
+    (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
+    counts beside it. top_p's floor is top_k's cut, which its pass 0 finishes and stores in CutK; its goal needs
+    the mass above that floor, which is pass 0's count for its first candidate (the floor itself), so pass 1
+    sums it and stores the goal in Goal."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     top_k = tl.load(TopKs + row)
-    top_p = tl.load(TopPs + row)
-    row_ptr = Logits + row * stride_l
-    lo_col = split * split_len
-    hi_col = tl.minimum(lo_col + split_len, vocab_size)
-    if PHASE == 1:
-        cut_k = tl.full([], _NEG_INF_KEY, tl.int64)
-        if samples & (top_k < vocab_size):  # the top_k search's last pass wrote slot (_PASSES - 1) % 2
-            cut_k, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, top_k.to(tl.float32),
-                                   NWAY, SPLITS_POW2)
-        if split == 0:
-            tl.store(CutK + row, cut_k)
-        if samples & (top_p < 1.0):
-            w = tl.zeros([BLOCK], tl.float32)
-            for start in range(lo_col, hi_col, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                valid = offs < hi_col
-                x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")) / temp
-                x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
-                w += tl.where((_order_key(x).to(tl.int64) >= cut_k) & valid, tl.exp(x - x_max), 0.0)
-            tl.store(Z + row * num_splits + split, tl.sum(w, axis=0))
-    else:
-        if PHASE == 0:
-            active = samples & (top_k < vocab_size)
+    goal = top_k.to(tl.float32)
+    if TOP_P:
+        top_p = tl.load(TopPs + row)
+        active = samples & (top_p < 1.0)
+        if pass_idx == 0:
             floor_key = tl.full([], _NEG_INF_KEY, tl.int64)
-            goal = top_k.to(tl.float32)
+            if HAS_K:  # top_k's search wrote its last pass at slot (_PASSES - 1) % 2
+                if samples & (top_k < vocab_size):
+                    floor_key, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, goal, NWAY,
+                                               SPLITS_POW2)
+            if split == 0:  # every sampling row's: the finish kernel reads it for rows without top_p too
+                tl.store(CutK + row, floor_key)
         else:
-            active = samples & (top_p < 1.0)
             floor_key = tl.load(CutK + row)
-            s = tl.arange(0, SPLITS_POW2)
-            goal = top_p * tl.sum(tl.load(Z + row * num_splits + s, mask=s < num_splits, other=0.0), axis=0)
-        if active:
-            if pass_idx == 0:
-                lo = floor_key
-                hi = _order_key(x_max).to(tl.int64)
-            else:
-                lo, hi = _last_range(State, Part, (pass_idx - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
-            slot = pass_idx % 2
+        if pass_idx == 1:
+            goal = top_p * tl.sum(tl.where(tl.arange(0, NWAY) == 0, _summed(Part, 0, row, b, num_splits, NWAY,
+                                                                                SPLITS_POW2), 0.0), axis=0)
             if split == 0:
-                tl.store(State + (row * 2 + slot) * 2, lo)
-                tl.store(State + (row * 2 + slot) * 2 + 1, hi)
-            acc = _count(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, floor_key.to(tl.int32),
-                         _candidates(lo, hi, NWAY), TOP_P=PHASE == 2, NWAY=NWAY, BLOCK=BLOCK)
-            tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
+                tl.store(Goal + row, goal)
+        elif pass_idx > 1:
+            goal = tl.load(Goal + row)
+    else:
+        active = samples & (top_k < vocab_size)
+        floor_key = tl.full([], _NEG_INF_KEY, tl.int64)
+    if active:
+        if pass_idx == 0:
+            lo = floor_key
+            hi = _order_key(x_max).to(tl.int64)
+        else:
+            lo, hi = _last_range(State, Part, (pass_idx - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
+        slot = pass_idx % 2
+        if split == 0:
+            tl.store(State + (row * 2 + slot) * 2, lo)
+            tl.store(State + (row * 2 + slot) * 2 + 1, hi)
+        lo_col = split * split_len
+        acc = _count(Logits + row * stride_l, lo_col, tl.minimum(lo_col + split_len, vocab_size), temp, x_max,
+                     log_min_p, floor_key.to(tl.int32), _candidates(lo, hi, NWAY), TOP_P=TOP_P, NWAY=NWAY,
+                     BLOCK=BLOCK)
+        tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _cut_finish_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Z, CutK, Cuts, vocab_size, num_splits, b,
-                       greedy_eps, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                       NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
+def _cut_finish_kernel(Temps, TopKs, TopPs, State, Part, Goal, CutK, Cuts, vocab_size, num_splits, b, greedy_eps,
+                       HAS_K: tl.constexpr, HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
     value at which the renormalized mass reaches top_p."""
     row = tl.program_id(0).to(tl.int64)
-    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
-                                                 SPLITS_POW2)
+    samples = tl.load(Temps + row) >= greedy_eps
     top_k = tl.load(TopKs + row)
     top_p = tl.load(TopPs + row)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     last = (_PASSES - 1) % 2
     if HAS_P:
         if samples & (top_p < 1.0):
-            s = tl.arange(0, SPLITS_POW2)
-            goal = top_p * tl.sum(tl.load(Z + row * num_splits + s, mask=s < num_splits, other=0.0), axis=0)
-            cut, _ = _last_range(State, Part, last, row, b, num_splits, goal, NWAY, SPLITS_POW2)
+            cut, _ = _last_range(State, Part, last, row, b, num_splits, tl.load(Goal + row), NWAY, SPLITS_POW2)
         elif samples:
             cut = tl.load(CutK + row)
     elif HAS_K:
@@ -320,19 +314,19 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
         has_k, has_p = cut_phases
         state = torch.empty(b, 2, 2, dtype=torch.int64, device=dev)  # (lo, hi) of the last two passes
         part = torch.empty(2, b, num_splits, _NWAY, dtype=torch.float32, device=dev)
-        z = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
+        goal = torch.empty(b, dtype=torch.float32, device=dev)  # top_p x the mass above top_k's cut
         cut_k = torch.empty(b, dtype=torch.int64, device=dev)
-        args = (logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, z, cut_k,
-                vocab_size, split_len, num_splits, b)
-        meta = dict(HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2, num_warps=8)
-        phases = ([(0, p) for p in range(PASSES)] if has_k else []) + (
-            [(1, 0)] + [(2, p) for p in range(PASSES)] if has_p else [])
-        for phase, pass_idx in phases:
-            _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, PHASE=phase, **meta)
+        args = (logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, goal,
+                cut_k, vocab_size, split_len, num_splits, b)
+        meta = dict(HAS_K=has_k, HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
+                    num_warps=8)
+        for top_p in [False] * has_k + [True] * has_p:
+            for pass_idx in range(PASSES):
+                _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, TOP_P=top_p, **meta)
         cuts = torch.empty(b, dtype=torch.float32, device=dev)
-        _cut_finish_kernel[(b,)](temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, z, cut_k, cuts,
-                                 vocab_size, num_splits, b, greedy_eps, HAS_K=has_k, HAS_P=has_p,
-                                 HAS_MIN_P=min_ps is not None, NWAY=_NWAY, SPLITS_POW2=pow2, num_warps=1)
+        _cut_finish_kernel[(b,)](temperatures, top_ks, top_ps, state, part, goal, cut_k, cuts, vocab_size,
+                                 num_splits, b, greedy_eps, HAS_K=has_k, HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2,
+                                 num_warps=1)
     vals = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
     idx = torch.empty(b, num_splits, dtype=torch.int64, device=dev)
     _split_sample_kernel[grid](
