@@ -11,7 +11,7 @@ does not (the GEMM after attention waits for all of it), and which hides the cos
 entry's output (relative to its largest value).
 
 OSTINATO_PDL=0 python benchmarks/bench_decode_entries.py [--entries-only] [--kv fp8] [--dims 64] [--bs 32 128]
-                                                     [--layout engine|token|head] [--stages 7 10]
+                                                     [--layout engine|token|head] [--stages 7 10] [--fold]
                                                      [--out PATH]
                                                      # ~3 min on an H200 for everything
 python benchmarks/bench_decode_entries.py --smoke   # CPU, Triton's interpreter: one tiny case, checks the script
@@ -65,8 +65,18 @@ def deeper(entry: dict, stages: list[int]) -> list[tuple[str, dict]]:
             for tag, knobs in (("", {}), ("splits2x_", dict(programs_per_sm=pps * 2)))]
 
 
+def folded(entry: dict) -> list[tuple[str, dict]]:
+    """The entry with stage 1's rows folded over the keys (decode_attention's `fold`), at key blocks of 64 and 128
+    and a few depths and warp counts (a folded block does the softmax of block_n / (16 / group) keys a row)."""
+    fold = entry | dict(fold=True)
+    return [("fold_b64", fold | dict(block_n=64)), ("fold_b64_s3", fold | dict(block_n=64, num_stages=3)),
+            ("fold_b128", fold | dict(block_n=128)), ("fold_b128_s3", fold | dict(block_n=128, num_stages=3)),
+            ("fold_b128_s2", fold | dict(block_n=128, num_stages=2)),
+            ("fold_b128_w2", fold | dict(block_n=128, num_warps=2, num_stages=3))]
+
+
 def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
-             timed: bool, layout: str = "engine", stages: list[int] | None = None) -> list[dict]:
+             timed: bool, layout: str = "engine", stages: list[int] | None = None, fold: bool = False) -> list[dict]:
     heads, kv_heads = HEADS[dim]
     dtype = torch.bfloat16 if timed else torch.float32
     slots = bs * ctx + 1  # slot 0: the sink
@@ -88,7 +98,8 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
     counters = torch.zeros(bs * kv_heads, dtype=torch.int32, device=dev)
     entry = table_entry(TritonAttentionBackend.decode_table_for(dim, fp8), bs)
     out_rows, ref = [], None
-    settings = [("entry", entry)] + ([] if entries_only else tweaks(entry, fp8)) + deeper(entry, stages or [])
+    settings = ([("entry", entry)] + ([] if entries_only else tweaks(entry, fp8)) + deeper(entry, stages or [])
+                + (folded(entry) if fold else []))
     for name, cfg in settings:
         cap = TritonAttentionBackend.split_cap(bs, cfg.get("programs_per_sm", 2), kv_heads, num_sms,
                                                TritonAttentionBackend.max_kv_splits)
@@ -136,6 +147,7 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", default=[8, 32, 64, 128, 256], help="batch sizes")
     ap.add_argument("--stages", type=int, nargs="*", default=[],
                     help="also time each entry at these num_stages (deeper K/V pipelines), alone and with 2x splits")
+    ap.add_argument("--fold", action="store_true", help="also time each entry with stage 1's rows folded")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, one tiny case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -151,7 +163,7 @@ def main() -> None:
             print("budget spent: stopping", flush=True)
             break
         rows += run_case(*case, entries_only=args.entries_only, num_sms=num_sms, dev=dev, timed=timed,
-                         layout=args.layout, stages=args.stages)
+                         layout=args.layout, stages=args.stages, fold=args.fold)
     if timed:
         path = args.out or os.path.join(RESULTS, f"decode-entries-{device_tag(dev)}.json")
         with open(path, "w") as f:

@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and figures, in device calls of under 10 minutes each:
-#   bash benchmarks/gpu_suite.sh tests     the GPU tests (kernels, graphs, fused sampler, fp8 KV, shutdown,
-#                                          prefix cache)
-#   bash benchmarks/gpu_suite.sh tests-features  the GPU tests of piecewise graphs, Mamba kernels, VLM on CUDA
-#   bash benchmarks/gpu_suite.sh tests-models  the models against transformers on the GPU (tests/test_gpu.py),
-#                                          and decoding with PDL on vs off (tests/test_pdl.py)
+#   bash benchmarks/gpu_suite.sh tests     every GPU test (kernels, graphs, fused sampler, fp8 KV, piecewise graphs,
+#                                          Mamba kernels, VLM on CUDA, the models against transformers, PDL on vs
+#                                          off, prefix cache, shutdown), in parallel processes: ~3 min cold
 #   bash benchmarks/gpu_suite.sh decode    ms per token through LLM.generate (greedy and T=0.6), decode ms/step
 #                                          with torch.compile for 11 sizes, bf16 vs fp8 KV and page 1 vs 16,
 #                                          the KV-store variants
@@ -28,30 +26,33 @@ quiet() { grep --line-buffered -vE "it/s\]|Generating|Capturing|Compiling"; }
 keep() { tee "$OUT/$1.full.log" | tail -"$2" | tee "$OUT/$1.log"; }
 case "$part" in
 tests)
-  # test_gpu.py (both models against transformers) and test_pdl.py run in tests-models: with test_gpu.py the list
-  # took over 330 s on an H100 host. The kernel tests ran as one group until 2026-11-26, when a fresh H200 took
-  # it past its 300 s limit and its log came back empty; split, the two took 124 s and 63 s of pytest time, and
-  # the features group 119 s (191 + 589 + 60 passed). On a fresh H100 (2026-11-26, Triton's cache cold) the kernel
-  # and core groups ran past 200 s and 150 s with nothing logged; warm, they took 109 s and 77 s (220 and 915
-  # passed). So the features group has its own part, and these two more time
+  # Every GPU test file, in parallel pytest processes (one per file or per chain): Triton compiles in each
+  # process on a CPU core of its own. Run one after another, the groups ran past their limits on a fresh machine
+  # with Triton's cache cold (2026-11-26: logs came back empty); in parallel a cold H100 ran them all in 174 s.
+  # Files that build engines run in chains, never more than three engines at once; test_shutdown runs alone
+  # after the rest, since it reads the device's free memory. One line a file in $OUT/tests.log, every output in
+  # $OUT/tests.full.log (a device call brings back at most 8 files).
   # (test_sampling_features_gpu.py's structured-output test needs the xgrammar wheel carried, else it skips)
-  timeout 300 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_decode_graph.py \
-      tests/test_fp8_kv.py tests/test_fp8_decode_variants.py tests/test_rope_store.py tests/test_layer_kernels.py \
-      -s 2>&1 | quiet | keep tests-kernels 40
-  timeout 270 python -m pytest -q -p no:cacheprovider tests/test_fused_sample.py tests/test_sampler.py \
-      tests/test_extend_graph.py tests/test_decode_compile.py tests/test_shutdown.py tests/test_gpu_prefix.py \
-      tests/test_skinny_gemm.py tests/test_logits.py tests/test_sampling_features_gpu.py tests/test_memset_hoist.py \
-      -s 2>&1 | quiet | keep tests-core 40
-  ;;
-tests-features)
-  timeout 400 python -m pytest -q -p no:cacheprovider tests/test_piecewise_gpu.py tests/test_ssm_scan_kernel.py \
-      tests/test_granite_hybrid_gpu.py tests/test_vlm.py -k "gpu or cuda or GPU or Cuda or kernel" 2>&1 | quiet \
-      | keep tests-features 30
-  ;;
-tests-models)
-  timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -s 2>&1 | quiet | tail -30 \
-      | tee "$OUT/tests-models.log"
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_pdl.py 2>&1 | quiet | keep tests-pdl 5
+  logs=$(mktemp -d)
+  t() { local n=$1; shift; timeout 540 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1
+        echo "$n: $(grep -v '^$' "$logs/$n.log" | tail -1)"; }
+  k="gpu or cuda or GPU or Cuda or kernel"
+  {
+    t attention tests/test_triton_attention.py &
+    t fp8_variants tests/test_fp8_decode_variants.py &
+    t layer_kernels tests/test_layer_kernels.py tests/test_skinny_gemm.py &
+    t sampler tests/test_fused_sample.py tests/test_sampler.py tests/test_logits.py tests/test_memset_hoist.py &
+    t ssm_scan tests/test_ssm_scan_kernel.py -k "$k" &
+    (t decode_graph tests/test_decode_graph.py; t fp8_kv tests/test_fp8_kv.py; t rope_store tests/test_rope_store.py
+     t extend_graph tests/test_extend_graph.py) &
+    (t models tests/test_gpu.py; t pdl tests/test_pdl.py; t decode_compile tests/test_decode_compile.py) &
+    (t piecewise tests/test_piecewise_gpu.py; t granite tests/test_granite_hybrid_gpu.py -k "$k"
+     t vlm tests/test_vlm.py -k "$k"; t prefix tests/test_gpu_prefix.py; t sampling_features tests/test_sampling_features_gpu.py) &
+    wait
+    t shutdown tests/test_shutdown.py
+  } | tee "$OUT/tests.log"
+  for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done | quiet > "$OUT/tests.full.log"
+  grep -h -E "^(FAILED|ERROR)" "$logs"/*.log | tee -a "$OUT/tests.log"
   ;;
 decode)
   for m in llama-3.2-1b qwen3-0.6b; do

@@ -5,7 +5,8 @@ registers and shared memory allow, the loads in flight that gives, and the SASS 
 
 python benchmarks/sass_decode_attention.py                       # the bf16 and fp8 defaults
 python benchmarks/sass_decode_attention.py fp8:fp16:64:1:5:whole  # kv:variant:block_n:warps:stages[:whole]
-MAXNREG=128 TOP=30 COMBINE=0 python benchmarks/sass_decode_attention.py ...  # a register cap, 30 opcodes, no combine
+MAXNREG=128 TOP=30 COMBINE=0 PAGE=1 python benchmarks/sass_decode_attention.py ...  # a register cap, 30 opcodes,
+                                                                                     # no combine, pages of 1
 ROPE=1 [NORM=1] python benchmarks/sass_decode_attention.py ...  # stage 1 rotating q, storing the new K/V (rope_attend)
 """
 
@@ -23,10 +24,13 @@ from triton.compiler import ASTSource
 
 da = importlib.import_module("ostinato.attention.triton_ops.decode_attention")
 TOP = int(os.environ.get("TOP", "8"))  # opcodes shown
+PAGE = int(os.environ.get("PAGE", "16"))  # the pool's page size
 MAXNREG = {"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}  # a register cap for ptxas
 VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT=True, V_CVT=True),
                       bits=dict(FP16_DOT=True, CVT_BITS=True, BITS_FACTOR=256.0),
-                      qk8=dict(QK_FP8=True), qk8_vcvt=dict(QK_FP8=True, V_CVT=True))
+                      qk8=dict(QK_FP8=True), qk8_vcvt=dict(QK_FP8=True, V_CVT=True),
+                      fp16_fold=dict(FP16_DOT=True, FOLD=True),
+                      fp16_vcvt_fold=dict(FP16_DOT=True, V_CVT=True, FOLD=True), bf16_fold=dict(FOLD=True))
 
 
 def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: int, whole: bool, page: int = 16):
@@ -52,8 +56,8 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
         fn = da._decode_stage1_kernel
         consts = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=block_n, PRECISION="tf32",
                       PAGE=page_const, KV_FP8=int(fp8), FP16_DOT=False, V_CVT=False, CVT_BITS=False, QK_FP8=False,
-                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=4) | engine
-        if fp8:
+                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=4, FOLD=False) | engine
+        if fp8 or variant == "bf16_fold":
             consts |= VARIANT_CONSTS[variant]
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -98,7 +102,7 @@ def report(spec: str) -> None:
     parts = spec.split(":")
     kv, variant, block_n, warps, stages = parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4])
     whole = len(parts) > 5 and parts[5] == "whole"
-    k = compile_stage1(kv == "fp8", variant, block_n, warps, stages, whole)
+    k = compile_stage1(kv == "fp8", variant, block_n, warps, stages, whole, PAGE)
     regs = int(re.search(r"REG:(\d+)", cuobjdump(k.asm["cubin"], "-res-usage")).group(1))
     smem = k.metadata.shared
     bufs = [int(x) for x in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", k.asm["ttgir"])]

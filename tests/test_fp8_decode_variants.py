@@ -18,6 +18,7 @@ from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
     compute_num_kv_splits,
     decode_attention,
     decode_kwargs,
+    fold_applies,
     table_entry,
 )
 
@@ -126,6 +127,55 @@ def test_kv_group_on_a_bf16_cache():
                                                           -1), vv)
     for out in outs:
         assert (out - ref).abs().max() < 2e-3
+
+
+@interpreted
+@pytest.mark.parametrize(("group", "block_n", "cache", "page", "combine"), [
+    (4, 64, torch.float8_e4m3fn, 1, False), (4, 32, torch.float16, 4, True), (2, 128, torch.float8_e5m2, 16, True),
+    (8, 32, torch.float16, 1, False), (1, 128, torch.float8_e4m3fn, 4, True)])
+def test_folded_rows_match_float64(group, block_n, cache, page, combine):
+    """stage 1 with its rows folded over the keys (`fold`) against float64 attention over the same cache values,
+    and against the unfolded kernel: contexts that end inside a block, inside a chunk, and before some chunks of
+    their only block (those rows see no key), requests of one token, empty last splits, splits combined in stage 1
+    or by stage 2."""
+    gen = torch.Generator().manual_seed(group * 100 + block_n)
+    bs, kv_heads, dim = 5, 2, 16
+    heads, ctxs = group * kv_heads, [3 * block_n + 5, block_n // 2 + 1, 1, 2 * block_n, 9]
+    req_to_token = paged_table(bs, max(ctxs), page, gen)
+    n = int(req_to_token.max()) + page
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen) * 2 for _ in range(2))
+    if cache == torch.float16:
+        kb, vb = k.half(), v.half()
+        k8, v8, fp8, scales = kb, vb, None, (torch.tensor([1.0]), torch.tensor([1.0]))
+    else:
+        k8, v8 = k.to(cache), v.to(cache)
+        kb, vb, fp8 = k8.view(torch.uint8), v8.view(torch.uint8), cache
+        scales = (torch.tensor([0.5]), torch.tensor([3.0]))
+    q = torch.randn(bs, heads, dim, generator=gen).half()
+    seq_lens = torch.tensor(ctxs, dtype=torch.int32)
+    ref = fp8_decode_reference(q, k8, v8, req_to_token, seq_lens, *scales)
+    splits = torch.empty(bs, dtype=torch.int32)
+    compute_num_kv_splits(seq_lens, splits, block_n, 4)  # 4 splits of 3 * block_n + 5 tokens: the last one empty
+    outs = []
+    for fold in (False, True):
+        counters = torch.zeros(bs * kv_heads, dtype=torch.int32) if combine else None
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, kb, vb, out, req_to_token, torch.arange(bs), seq_lens, splits,
+                         torch.empty(bs, heads, 4, dim), torch.empty(bs, heads, 4), dim**-0.5, block_n=block_n,
+                         page_size=page, kv_fp8=fp8, k_scale=scales[0], v_scale=scales[1], whole_blocks=True,
+                         fp16_dot=fp8 is not None, fold=fold, counters=counters)
+        assert counters is None or not counters.any()
+        outs.append(out.double())
+    for out in outs:  # fp16 q, p and output
+        assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-3
+    assert not torch.equal(outs[0], outs[1])  # the folded kernel ran: its sums come in another order
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-3 * ref.abs().max().item(), rtol=0)
+
+
+def test_fold_applies_to_power_of_two_groups_with_whole_chunks():
+    assert fold_applies(4, 64) and fold_applies(4, 32) and fold_applies(2, 128) and fold_applies(1, 128)
+    assert not fold_applies(4, 16)  # 4 chunks of 4 keys
+    assert not fold_applies(3, 64) and not fold_applies(16, 64)  # a group of 16 fills the rows already
 
 
 def test_settings_table_lookup():

@@ -209,9 +209,26 @@ def test_decode_stage1_rope_store_equals_rope_store_kernel(page, heads, kv_heads
     same output and cache, bit for bit in the interpreter (on the GPU to the dtype's rounding). Seq lens 1 to 80
     with at most 4 splits, so at 80 the new token's split is not the last one (that one is empty), and the torch
     backend as the reference."""
+    check_rope_attend(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, combine)
+
+
+@pytest.mark.parametrize(("page", "heads", "kv_heads", "dim", "dtype", "cache_dtype", "qk_norm", "combine"), [
+    (4, 8, 2, 32, torch.float32, torch.float32, True, True),
+    (1, 4, 1, 16, torch.float16, torch.float8_e4m3fn, False, True),
+    pytest.param(1, 32, 8, 64, torch.bfloat16, torch.bfloat16, False, True, marks=cuda),
+    pytest.param(1, 16, 8, 128, torch.bfloat16, torch.float8_e4m3fn, True, False, marks=cuda)])
+def test_decode_stage1_rope_store_with_folded_rows(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, combine):
+    """The same with stage 1's rows folded over the keys (every settings entry with `fold`): each query head is
+    rotated once per chunk, and the new token's K/V stored once."""
+    check_rope_attend(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, combine, fold=True)
+
+
+def check_rope_attend(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, combine, fold=False):
     seed = page + heads + dim + (cache_dtype in FP8) * 100 + qk_norm * 1000 + combine
     env, batch, positions, qkv, (q, k, v), norm = setup(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, seed,
                                                         ForwardMode.DECODE, decode_prefix=(0, 13, 79, 7, 40))
+    if fold:
+        env.tri.decode_table = {bs: e | dict(fold=True) for bs, e in env.tri.decode_table.items()}
     env.tri.max_kv_splits = 4
     env.tri.decode_rope_max_bs = 8
     env.tri.combine_min_bs = 1 if combine else 10**9

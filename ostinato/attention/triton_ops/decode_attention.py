@@ -25,7 +25,9 @@ from ostinato.attention.triton_ops.paged_softmax import (
     bits_factor,
     block_slots,
     fp8_code,
+    fp8_to_fp16_fixed,
     kv_to_dot,
+    load_tile,
     page_arg,
 )
 from ostinato.attention.triton_ops.rope_store import rotate_store_kv
@@ -98,6 +100,62 @@ def _rope_q_store_kv(Q, K_new, V_new, K_buf, V_buf, Positions, Loc, Cos_sin, QW,
 
 
 @triton.jit
+def _attend_kv_block_folded(
+    q, acc, m_i, l_i, n0, kv_end, K_buf, V_buf, req_row, kv_head, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    offs_d, d_mask, qk_scale, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, KV_FP8: tl.constexpr, V_CVT: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
+):
+    """attend_kv_block with the dot's rows folded over the keys (stage 1's FOLD): q holds the GROUP query heads
+    CHUNKS = BLOCK_H / GROUP times (row r: head r % GROUP, chunk r // GROUP), and row r keeps the online softmax of
+    its chunk of the block, keys n0 + chunk * W .. + W. One q.K^T over all BLOCK_N keys (the same tensor-core work
+    as BLOCK_N / W padded dots) gives every row every score; each row keeps its chunk's by an in-register select,
+    so the softmax runs on [BLOCK_H, W], none of it on padding rows. p goes back block-diagonally ([BLOCK_H,
+    BLOCK_N], 0 outside a row's chunk) into p.V. A row may see no key of a block (its chunk past kv_end): its
+    running max then stays -inf, and the shift below keeps its terms 0, not NaN."""
+    BLOCK_H: tl.constexpr = q.shape[0]
+    CHUNKS: tl.constexpr = BLOCK_H // GROUP
+    W: tl.constexpr = BLOCK_N // CHUNKS
+    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE, MASK_N)
+    k = load_tile(K_buf + slots[None, :] * stride_kbs + kv_head.to(tl.int64) * stride_kbh + offs_d[:, None],
+                  d_mask, n_mask, MASK_D, MASK_N)  # [BLOCK_D, BLOCK_N]
+    s_all = tl.dot(q, kv_to_dot(k, KV_FP8, False, q.dtype), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+    chunk = tl.arange(0, BLOCK_H) // GROUP
+    own = chunk[:, None] == tl.arange(0, CHUNKS)[None, :]  # [BLOCK_H, CHUNKS]: a row's chunk
+    s = tl.sum(tl.where(own[:, :, None], tl.reshape(s_all, [BLOCK_H, CHUNKS, W]), 0.0), 1) * qk_scale
+    if MASK_N:
+        s = tl.where(n0 + chunk[:, None] * W + tl.arange(0, W)[None, :] < kv_end, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(s - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_tile(V_buf + slots[:, None] * stride_vbs + kv_head.to(tl.int64) * stride_vbh + offs_d[None, :],
+                  n_mask, d_mask, MASK_N, MASK_D)  # [BLOCK_N, BLOCK_D]
+    if V_CVT:
+        v = fp8_to_fp16_fixed(v, KV_FP8)
+    else:
+        v = kv_to_dot(v, KV_FP8, False, q.dtype)
+    p_bd = tl.reshape(tl.where(own[:, :, None], p[:, None, :], 0.0), [BLOCK_H, BLOCK_N])
+    acc = acc * alpha[:, None] + tl.dot(p_bd.to(q.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _unfold_rows(acc, m_i, l_i, GROUP: tl.constexpr):
+    """FOLD's rows back to one per query head: the CHUNKS rows of a head merged as split-KV's partials are
+    (weights 2^(m - max)); a head none of whose chunks saw a key keeps m -inf and l 0."""
+    BLOCK_H: tl.constexpr = acc.shape[0]
+    BLOCK_D: tl.constexpr = acc.shape[1]
+    CHUNKS: tl.constexpr = BLOCK_H // GROUP
+    m3 = tl.reshape(m_i, [CHUNKS, GROUP])
+    m_h = tl.max(m3, 0)
+    w = tl.exp2(m3 - tl.where(m_h == float("-inf"), 0.0, m_h)[None, :])
+    l_h = tl.sum(tl.reshape(l_i, [CHUNKS, GROUP]) * w, 0)
+    acc_h = tl.sum(tl.reshape(acc, [CHUNKS, GROUP, BLOCK_D]) * w[:, :, None], 0)
+    return acc_h, m_h, l_h
+
+
+@triton.jit
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, K_scale, V_scale,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
@@ -112,7 +170,7 @@ def _decode_stage1_kernel(
     GROUP_P2: tl.constexpr = 1, PDL: tl.constexpr = False,
     Positions=None, Loc=None, K_new=None, V_new=None, Cos_sin=None, QW=None, KW=None,
     stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0, stride_cs=0, eps=0.0,
-    ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
+    ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
     b = tl.program_id(1)
@@ -141,6 +199,9 @@ def _decode_stage1_kernel(
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
+    if FOLD:  # every row a query head: the group's heads once per chunk of the key blocks
+        heads = kv_head * GROUP + offs_h % GROUP
+        h_mask = offs_h >= 0
     if ROPE:  # Q, K_new, V_new before rotary: rotate here, and the new token's split stores its K/V first
         q = _rope_q_store_kv(Q, K_new, V_new, K_buf, V_buf, Positions, Loc, Cos_sin, QW, KW, K_scale,
                              V_scale, b, kv_head, heads, h_mask, split == (seq_len - 1) // per_split,
@@ -163,7 +224,22 @@ def _decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     req_row = Req_to_token + req * stride_r2t
-    if WHOLE_BLOCKS:  # the whole blocks without key masks, then the request's last partial block with them
+    if FOLD:
+        whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, whole_end, BLOCK_N):
+            acc, m_i, l_i = _attend_kv_block_folded(
+                q, acc, m_i, l_i, n0, end, K_buf, V_buf, req_row, kv_head, stride_kbs, stride_kbh, stride_vbs,
+                stride_vbh, offs_d, d_mask, qk_scale, GROUP, BLOCK_N, PRECISION, PAGE, KV_FP8, V_CVT,
+                MASK_N=False, MASK_D=HEAD_DIM != BLOCK_D)
+        if whole_end < end:
+            acc, m_i, l_i = _attend_kv_block_folded(
+                q, acc, m_i, l_i, whole_end, end, K_buf, V_buf, req_row, kv_head, stride_kbs, stride_kbh,
+                stride_vbs, stride_vbh, offs_d, d_mask, qk_scale, GROUP, BLOCK_N, PRECISION, PAGE, KV_FP8, V_CVT,
+                MASK_N=True, MASK_D=HEAD_DIM != BLOCK_D)
+        acc, m_i, l_i = _unfold_rows(acc, m_i, l_i, GROUP)
+        heads = kv_head * GROUP + tl.arange(0, GROUP)
+        h_mask = heads >= 0
+    elif WHOLE_BLOCKS:  # the whole blocks without key masks, then the request's last partial block with them
         whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         for n0 in range(start, whole_end, BLOCK_N):
             acc, m_i, l_i = attend_kv_block(
@@ -320,6 +396,12 @@ def _decode_stage1_kv_group_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def fold_applies(group: int, block_n: int) -> bool:
+    """Whether stage 1's FOLD fits: a power-of-two GQA group of at most 8 (two or more chunks in the dot's 16 rows),
+    and key blocks of at least 8 keys a chunk."""
+    return group & (group - 1) == 0 and group <= 8 and block_n % (16 // group) == 0 and block_n // (16 // group) >= 8
+
+
 def kv_group_size(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """KV heads per program for the kv_group variant: enough that the query heads fill 16 rows, when the head
     count divides and the shapes are powers of two; else 1 (the variant does not apply)."""
@@ -365,6 +447,8 @@ FP8_DECODE_VARIANTS: dict[str, dict] = {
     "qk8": dict(qk_fp8=True),
     "qk8_vcvt": dict(qk_fp8=True, v_cvt=True),
     "kv_group": dict(fp16_dot=True, kv_group=True),  # several KV heads per program (see its kernel)
+    "fp16_fold": dict(fp16_dot=True, fold=True),  # the dot's rows folded over the keys (see decode_attention)
+    "fp16_vcvt_fold": dict(fp16_dot=True, v_cvt=True, fold=True),
 }
 
 
@@ -414,7 +498,7 @@ def decode_attention(
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
     v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
     kv_group: bool = False, counters: torch.Tensor | None = None, maxnreg: int | None = None,
-    new: NewTokens | None = None,
+    new: NewTokens | None = None, fold: bool = False,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -437,6 +521,10 @@ def decode_attention(
     request's last split program to finish (`_combine_if_last`), and no stage-2 launch follows. Without it a
     second launch combines them.
 
+    `fold` (any cache): the 16 dot rows hold the GQA group's query heads once per chunk of each key block, and
+    each row keeps the softmax of its chunk only (`_attend_kv_block_folded`); where the group is a power of two
+    up to 8 and block_n holds 16 / group chunks of >= 8 keys, else ignored. Not with `qk_fp8` or `cvt_bits`.
+
     `new`: q comes before rotary, and stage 1 rotates it and stores the new tokens' K/V (`NewTokens`) as
     rope_store_kv would have, the same bits, without its launch. Head dims that are powers of two; `kv_group`
     is then ignored.
@@ -454,7 +542,9 @@ def decode_attention(
     fp8 = fp8_code(kv_fp8, k_buf)
     k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
     v_scale = mid_lse if v_scale is None else v_scale
-    per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group else 1
+    fold = bool(fold and fold_applies(group, block_n))
+    assert not (fold and fp8 and (qk_fp8 or cvt_bits)), "fold runs the plain fp8 read or v_cvt"
+    per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group and not fold else 1
     # V widened by inline asm (paged_softmax's V_CVT): CUDA and 16-bit q only; elsewhere the plain conversion
     assert not (v_cvt and cvt_bits), "v_cvt widens exactly; cvt_bits' scale factor would be applied to V too"
     v_cvt_on = bool(v_cvt and fp8 and q.is_cuda and q.dtype != torch.float32)
@@ -506,7 +596,7 @@ def decode_attention(
             FP16_DOT=bool((fp16_dot or cvt_bits or v_cvt_on) and fp8 and q.dtype != torch.float32),
             V_CVT=v_cvt_on, CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
             BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), **tail,
-            GROUP_P2=triton.next_power_of_2(group), num_warps=num_warps,
+            GROUP_P2=triton.next_power_of_2(group), FOLD=fold, num_warps=num_warps,
             num_stages=num_stages,
         )
     if combine:
