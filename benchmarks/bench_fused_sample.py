@@ -3,9 +3,11 @@ top_p and both, each timed eagerly (kernel launches from Python, as the engine l
 CUDA graph (the GPU's time alone).
 
 python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256] [--out FILE]   # GPU
+    [--baseline PATH]   # also time another copy of fused_sample.py (e.g. the last commit's), in turns
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -31,9 +33,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--baseline", default=None, help="another fused_sample.py, timed beside this tree's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev, v, rows = torch.device("cuda"), args.vocab, []
+    impls = {"tree": fused_sample}
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("fused_sample_baseline", args.baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        impls = {"baseline": module.fused_sample} | impls
     for b in args.batch_sizes:
         logits = torch.randn(b, v, device=dev) * 3
         temps = torch.full((b,), 0.6, device=dev)
@@ -44,19 +53,22 @@ def main() -> None:
             tk = torch.full((b,), top_k or v, dtype=torch.int64, device=dev) if cut else None
             tp = torch.full((b,), top_p or 1.0, device=dev) if cut else None
 
-            def step(x=logits, t=temps, tk=tk, tp=tp, s=seeds, n=steps,
-                     phases=(top_k is not None, top_p is not None)) -> torch.Tensor:
-                return fused_sample(x, t, None, tk, tp, s, n, v, 1e-5, cut_phases=phases)
+            for name, fn in impls.items():
 
-            step()
-            eager = timed(step)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+                def step(x=logits, t=temps, tk=tk, tp=tp, s=seeds, n=steps, fn=fn,
+                         phases=(top_k is not None, top_p is not None)) -> torch.Tensor:
+                    return fn(x, t, None, tk, tp, s, n, v, 1e-5, cut_phases=phases)
+
                 step()
-            graph.replay()
-            rows.append(dict(batch_size=b, top_k=top_k, top_p=top_p, eager_ms=eager, graph_ms=timed(graph.replay)))
-            print(f"bs {b:3} top_k {top_k} top_p {top_p}: eager {eager:.3f} ms, graph {rows[-1]['graph_ms']:.3f} ms",
-                  flush=True)
+                eager = timed(step)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                graph.replay()
+                rows.append(dict(impl=name, batch_size=b, top_k=top_k, top_p=top_p, eager_ms=eager,
+                                 graph_ms=timed(graph.replay)))
+                print(f"{name:8} bs {b:3} top_k {top_k} top_p {top_p}: eager {eager:.3f} ms, graph "
+                      f"{rows[-1]['graph_ms']:.3f} ms", flush=True)
     report = dict(device=torch.cuda.get_device_name(dev), vocab=v,
                   command=" ".join([os.path.basename(sys.executable)] + sys.argv), rows=rows)
     write_report(report, args.out or os.path.join(RESULTS, f"fused-sample-{device_tag(dev)}.json"))

@@ -78,6 +78,44 @@ def test_cut_search_over_many_splits(kinds):
     assert torch.equal(sample_fused(logits, t).cpu(), sample_torch(logits, t).cpu())
 
 
+@pytest.mark.parametrize("vocab", [3 * 2048 + 5] + ([151_936] if GPU else []))
+def test_cuts_are_the_sorted_rows_thresholds(vocab):
+    """The cut itself, each row's threshold on logits / temperature, not just the token drawn under it: top_k's
+    is the k-th largest value exactly; top_p's (after min_p and top_k) holds at least top_p of the renormalized
+    mass at and above it, and less strictly above it (float64, to fp32 summation's rounding). Rows with ties, a
+    few distinct values only, and k past the number of survivors of the search's second pass."""
+    from ostinato.runner.fused_sample import row_cuts, split_plan
+
+    gen = torch.Generator().manual_seed(vocab)
+    ks = [1, 7, 300, 2000, vocab, 50, vocab, 40]
+    ps = [1.0, 1.0, 1.0, 1.0, 0.3, 1.0, 0.9, 0.95]
+    min_ps = [0.0] * 7 + [0.01]
+    b = len(ks)
+    logits = torch.randn(b, vocab, generator=gen) * 3
+    logits[5] = torch.randint(0, 6, (vocab,), generator=gen).float()  # a few values, many ties
+    temps = torch.tensor([0.6, 1.0, 0.7, 1.3, 0.5, 1.0, 0.8, 1.1])
+    assert split_plan(b, vocab)[1] > 1
+    args = [t.to(DEVICE) for t in (logits, temps)]
+    cuts = row_cuts(*args, torch.tensor(min_ps, device=DEVICE), torch.tensor(ks, device=DEVICE),
+                    torch.tensor(ps, device=DEVICE), vocab, 1e-5).cpu()
+    x = logits / temps[:, None]
+    x = x.masked_fill(x - x.amax(-1, keepdim=True) < torch.tensor(min_ps).log()[:, None], float("-inf"))
+    s = x.sort(-1, descending=True).values
+    for r in range(b):
+        kth = s[r, ks[r] - 1].item() if ks[r] < vocab else float("-inf")
+        # compiled, Triton's fp32 `/` is div.full (<= 2 ulp): the kernel's x may sit an ulp or two from torch's
+        near = (s[r] - cuts[r]).abs().argmin()
+        cut = s[r, near].item() if (s[r, near] - cuts[r]).abs() <= (5e-7 if GPU else 0.0) * cuts[r].abs() else cuts[r]
+        if ps[r] == 1.0:
+            assert cut == kth, (r, cuts[r].item(), kth)
+            continue
+        xr = x[r][x[r] >= kth].double()
+        mass = (xr - xr.max()).exp()
+        at_or_above, above = mass[xr >= cut].sum(), mass[xr > cut].sum()
+        goal = ps[r] * mass.sum()
+        assert at_or_above >= goal * (1 - 1e-5) and above < goal * (1 + 1e-5), (r, at_or_above, above, goal)
+
+
 def test_all_greedy_steps_skip_the_kernels():
     t = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 2, [1, 2], [0, 0], 1000, DEVICE)
     assert not t.fused_ok
