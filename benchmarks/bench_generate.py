@@ -18,8 +18,10 @@ from common import RESULTS, copy_bandwidth, device_tag, write_report
 from ostinato import LLM, SamplingParams
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int = 0) -> float:
-    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0, top_k=top_k)
+def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int = 0,
+                   top_p: float = 1.0) -> float:
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0, top_k=top_k,
+                            top_p=top_p)
     batch = [{"prompt_token_ids": p} for p in prompts]
     t = time.perf_counter()
     out = llm.generate(batch, params, use_tqdm=False)
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=32)
     ap.add_argument("--long", type=int, default=288)
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k for sampled rows (0: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p for sampled rows (1: off)")
     ap.add_argument("--repeats", type=int, default=3, help="each length is timed this often; the median counts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -58,18 +61,21 @@ def main() -> None:
                        for _ in range(bs)]
             for temperature in args.temperature:
                 top_k = args.top_k if temperature > 0 else 0
-                timed_generate(llm, prompts, args.short, temperature, top_k)  # warm-up
+                top_p = args.top_p if temperature > 0 else 1.0
+                timed_generate(llm, prompts, args.short, temperature, top_k, top_p)  # warm-up
                 med = {}
                 for n in (args.short, args.long):
-                    times = sorted(timed_generate(llm, prompts, n, temperature, top_k) for _ in range(args.repeats))
+                    times = sorted(timed_generate(llm, prompts, n, temperature, top_k, top_p)
+                                   for _ in range(args.repeats))
                     med[n] = times[len(times) // 2]
                 ms = (med[args.long] - med[args.short]) / (args.long - args.short) * 1e3
                 mean_ctx = args.prompt_len + (args.short + args.long) / 2
                 floor_ms = (runner.weight_bytes + bs * mean_ctx * kv_token) / bw * 1e3
                 rows.append({"model": model, "batch_size": bs, "temperature": temperature, "top_k": top_k,
-                             "ms_per_token": ms, "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms})
-                print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} {ms:8.3f} ms/token   "
-                      f"floor {floor_ms:.3f} ({floor_ms / ms:.0%})", flush=True)
+                             "top_p": top_p, "ms_per_token": ms, "floor_ms": floor_ms,
+                             "fraction_of_floor": floor_ms / ms})
+                print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} top_p {top_p:<4g} {ms:8.3f} "
+                      f"ms/token   floor {floor_ms:.3f} ({floor_ms / ms:.0%})", flush=True)
         getattr(llm, "shutdown", lambda: None)()  # frees the GPU memory for the next model
         del llm
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
