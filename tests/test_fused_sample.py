@@ -83,7 +83,7 @@ def test_cuts_are_the_sorted_rows_thresholds(vocab):
     """The cut itself, each row's threshold on logits / temperature, not just the token drawn under it: top_k's
     is the k-th largest value exactly; top_p's (after min_p and top_k) holds at least top_p of the renormalized
     mass at and above it, and less strictly above it (float64, to fp32 summation's rounding). Rows with ties, a
-    few distinct values only, and k past the number of survivors of the search's second pass."""
+    few distinct values only, and a cut far below the row's maximum."""
     from ostinato.runner.fused_sample import row_cuts, split_plan
 
     gen = torch.Generator().manual_seed(vocab)
@@ -93,6 +93,7 @@ def test_cuts_are_the_sorted_rows_thresholds(vocab):
     b = len(ks)
     logits = torch.randn(b, vocab, generator=gen) * 3
     logits[5] = torch.randint(0, 6, (vocab,), generator=gen).float()  # a few values, many ties
+    logits[3] *= 30  # a wide row: the k-th largest far below the maximum
     temps = torch.tensor([0.6, 1.0, 0.7, 1.3, 0.5, 1.0, 0.8, 1.1])
     assert split_plan(b, vocab)[1] > 1
     args = [t.to(DEVICE) for t in (logits, temps)]

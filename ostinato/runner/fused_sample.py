@@ -6,9 +6,8 @@ first index of the maximum. (Exactly so in Triton's interpreter. Compiled for CU
 div.full.f32, up to 2 ulp from torch's, so a draw decided within an ulp or two can differ.) A step reads the
 logits once (twice with min_p: the row maximum first) instead of the eager path's ~25 elementwise passes over
 [B, V]. top_k and top_p become one logit cut per row, found without sorting by a 16-way search over the floats'
-order, each pass spread over the row's splits (`_cut_pass_kernel`), the passes after the second over the columns
-the second left in range: the same cut `sample_torch` reads off its sorted row. Fixed grids, no host sync:
-capturable in a CUDA graph.
+order, each pass spread over the row's splits (`_cut_pass_kernel`): the same cut `sample_torch` reads off its
+sorted row. Fixed grids, no host sync: capturable in a CUDA graph.
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
 the GPU and its CPU interpreter when the kernel is decorated).
@@ -142,14 +141,12 @@ def _narrow(lo, hi, acc, goal, NWAY: tl.constexpr):
 
 
 @triton.jit
-def _count(row_ptr, lo, hi, div, x_max, log_min_p, floor_key, cand, Keep, keep_lo, TOP_P: tl.constexpr,
-           NWAY: tl.constexpr, BLOCK: tl.constexpr, KEEP: tl.constexpr):
+def _count(row_ptr, lo, hi, div, x_max, log_min_p, floor_key, cand, TOP_P: tl.constexpr, NWAY: tl.constexpr,
+           BLOCK: tl.constexpr):
     """For each candidate key c: the count (TOP_P: the softmax mass exp(x - x_max)) of columns lo .. hi of the
-    row whose x = logits / div, kept by min_p and by key(x) >= floor_key, has key(x) >= c. KEEP: also write those
-    x with key(x) >= keep_lo to Keep, in column order, and return how many (else 0)."""
+    row whose x = logits / div, kept by min_p and by key(x) >= floor_key, has key(x) >= c."""
     acc = tl.zeros([NWAY, BLOCK], tl.float32)  # summed over the block's lanes once, after the loop
     cand = cand.to(tl.int32)  # keys are int32; the candidates lie between two of them
-    n = 0
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         valid = offs < hi
@@ -162,11 +159,7 @@ def _count(row_ptr, lo, hi, div, x_max, log_min_p, floor_key, cand, Keep, keep_l
         else:
             w = tl.where(kept, 1.0, 0.0)
         acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0)
-        if KEEP:
-            take = (kept & (key >= keep_lo)).to(tl.int32)
-            tl.store(Keep + n + tl.cumsum(take, 0) - 1, x, mask=take != 0)
-            n += tl.sum(take, 0)
-    return tl.sum(acc, axis=1), n
+    return tl.sum(acc, axis=1)
 
 
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
@@ -204,22 +197,15 @@ def _last_range(State, Part, slot, row, b, num_splits, goal, NWAY: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits"])
-def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, Keep,
-                     KeepCount, vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, TOP_P: tl.constexpr,
-                     HAS_K: tl.constexpr,
+def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
+                     split_len, num_splits, b, pass_idx, greedy_eps, TOP_P: tl.constexpr, HAS_K: tl.constexpr,
                      HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
     """One pass of a cut search for (row, split): top_k's (count >= k), or with TOP_P top_p's (softmax mass >=
     top_p x the mass top_k keeps). A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
     counts beside it. top_p's floor is top_k's cut, which its pass 0 finishes and stores in CutK; its goal needs
     the mass above that floor, which is pass 0's count for its first candidate (the floor itself), so pass 1
-    sums it and stores the goal in Goal.
-
-    Passes 0 and 1 read every column of the split; pass 1 also writes its split's survivors, the x whose key is
-    >= its range's lo, to Keep (KeepCount: how many), and each later pass reads the last one's survivors alone
-    (its candidates all lie in the last pass's range, so no other column counts for them) and keeps its own. Under
-    a floor (top_p's search after top_k's) pass 0 keeps instead: the columns at or above top_k's cut. On random
-    logits pass 1 keeps about half a row, pass 2 a few %, pass 3 under 1%."""
+    sums it and stores the goal in Goal."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
@@ -260,23 +246,9 @@ def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, Sta
             tl.store(State + (row * 2 + slot) * 2, lo)
             tl.store(State + (row * 2 + slot) * 2 + 1, hi)
         lo_col = split * split_len
-        cand = _candidates(lo, hi, NWAY)
-        keep = Keep + (row * num_splits + split) * split_len  # this split's survivors
-        # the pass that keeps: 1, or 0 under a floor (top_p after top_k: the few columns above top_k's cut)
-        keep_pass = tl.where(floor_key > _NEG_INF_KEY, 0, 1)
-        if pass_idx <= keep_pass:  # every column of the split; the keeping pass keeps those with key >= its lo
-            acc, n = _count(Logits + row * stride_l, lo_col, tl.minimum(lo_col + split_len, vocab_size), temp,
-                            x_max, log_min_p, floor_key.to(tl.int32), cand, keep, lo.to(tl.int32), TOP_P=TOP_P,
-                            NWAY=NWAY, BLOCK=BLOCK, KEEP=pass_idx == keep_pass)
-            if pass_idx == keep_pass:
-                tl.store(KeepCount + row * num_splits + split, n)
-        else:  # a later pass's candidates are all >= the last pass's lo: the survivors hold every column they
-            # count; they are kept again, in place, those >= this pass's lo (a block is read before its survivors
-            # are written, at or below where it was read)
-            acc, n = _count(keep, 0, tl.load(KeepCount + row * num_splits + split), 1.0, x_max, float("-inf"),
-                            floor_key.to(tl.int32), cand, keep, lo.to(tl.int32), TOP_P=TOP_P, NWAY=NWAY, BLOCK=BLOCK,
-                            KEEP=True)
-            tl.store(KeepCount + row * num_splits + split, n)
+        acc = _count(Logits + row * stride_l, lo_col, tl.minimum(lo_col + split_len, vocab_size), temp, x_max,
+                     log_min_p, floor_key.to(tl.int32), _candidates(lo, hi, NWAY), TOP_P=TOP_P, NWAY=NWAY,
+                     BLOCK=BLOCK)
         tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
 
 
@@ -367,11 +339,9 @@ def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps
     part = torch.empty(2, b, num_splits, _NWAY, dtype=torch.float32, device=dev)
     goal = torch.empty(b, dtype=torch.float32, device=dev)  # top_p x the mass above top_k's cut
     cut_k = torch.empty(b, dtype=torch.int64, device=dev)
-    keep = torch.empty(b, num_splits, split_len, dtype=torch.float32, device=dev)  # pass 1's survivors
-    keep_count = torch.empty(b, num_splits, dtype=torch.int32, device=dev)
     min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
     args = (logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, goal,
-            cut_k, keep, keep_count, vocab_size, split_len, num_splits, b)
+            cut_k, vocab_size, split_len, num_splits, b)
     meta = dict(HAS_K=has_k, HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
                 num_warps=8)
     for top_p in [False] * has_k + [True] * has_p:
