@@ -7,6 +7,7 @@ GPU: python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b --batc
 """
 
 import argparse
+import importlib.util
 import os
 import random
 import sys
@@ -45,8 +46,17 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k for sampled rows (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p for sampled rows (1: off)")
     ap.add_argument("--repeats", type=int, default=3, help="each length is timed this often; the median counts")
+    ap.add_argument("--sampler", default=None,
+                    help="another fused_sample.py (e.g. an earlier commit's) in place of the tree's for sampled rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.sampler:  # sampler.sample_fused looks fused_sample up in its module at each call
+        import ostinato.runner.fused_sample as tree_sampler
+
+        spec = importlib.util.spec_from_file_location("fused_sample_other", args.sampler)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        tree_sampler.fused_sample = other.fused_sample
 
     rows, device = [], None
     for model in args.models:
