@@ -7,13 +7,12 @@ python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256
 """
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
 
 import torch
-from common import RESULTS, device_tag, write_report
+from common import RESULTS, device_tag, load_file_module, write_report
 
 from ostinato.runner.fused_sample import fused_sample
 
@@ -39,10 +38,7 @@ def main() -> None:
     dev, v, rows = torch.device("cuda"), args.vocab, []
     impls = {"tree": fused_sample}
     if args.baseline:
-        spec = importlib.util.spec_from_file_location("fused_sample_baseline", args.baseline)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        impls = {"baseline": module.fused_sample} | impls
+        impls = {"baseline": load_file_module(args.baseline, "fused_sample_baseline").fused_sample} | impls
     for b in args.batch_sizes:
         logits = torch.randn(b, v, device=dev) * 3
         temps = torch.full((b,), 0.6, device=dev)

@@ -7,14 +7,13 @@ GPU: python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b --batc
 """
 
 import argparse
-import importlib.util
 import os
 import random
 import sys
 import time
 
 import torch
-from common import RESULTS, copy_bandwidth, device_tag, write_report
+from common import RESULTS, copy_bandwidth, device_tag, load_file_module, write_report
 
 from ostinato import LLM, SamplingParams
 
@@ -53,10 +52,7 @@ def main() -> None:
     if args.sampler:  # sampler.sample_fused looks fused_sample up in its module at each call
         import ostinato.runner.fused_sample as tree_sampler
 
-        spec = importlib.util.spec_from_file_location("fused_sample_other", args.sampler)
-        other = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(other)
-        tree_sampler.fused_sample = other.fused_sample
+        tree_sampler.fused_sample = load_file_module(args.sampler, "fused_sample_other").fused_sample
 
     rows, device = [], None
     for model in args.models:

@@ -1,5 +1,6 @@
 """What every benchmark script shares: the measured bandwidth for the floor, the device tag, the report."""
 
+import importlib.util
 import json
 import os
 import statistics
@@ -85,6 +86,14 @@ def device_tag(device: torch.device) -> str:
         return device.type
     name = torch.cuda.get_device_name(device)
     return "h100" if "H100" in name else "h200" if "H200" in name else name.replace(" ", "-").lower()
+
+
+def load_file_module(path: str, name: str):
+    """A Python file as a module of its own (e.g. an earlier commit's copy of one of ours, timed beside the tree's)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_report(report: dict, path: str) -> None:

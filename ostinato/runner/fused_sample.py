@@ -307,7 +307,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     pow2 = triton.next_power_of_2(num_splits)
     min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
     split_max, cuts = _split_max_and_cuts(logits, temperatures, min_ps, top_ks, top_ps, vocab_size, greedy_eps,
-                                          cut_phases)
+                                          cut_phases, split_len, num_splits)
     vals = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
     idx = torch.empty(b, num_splits, dtype=torch.int64, device=dev)
     _split_sample_kernel[grid](
@@ -320,11 +320,12 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
 
 def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None,
                         top_ks: torch.Tensor | None, top_ps: torch.Tensor | None, vocab_size: int, greedy_eps: float,
-                        cut_phases: tuple[bool, bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_sample's first kernels: each split's max of logits / temperature (with min_p or a cut; else left
-    unwritten), and each row's cut (a float32 [B] tensor; without top_ks, the split maxima, unread)."""
+                        cut_phases: tuple[bool, bool], split_len: int,
+                        num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_sample's first kernels over the batch's split plan: each split's max of logits / temperature (with
+    min_p or a cut; else left unwritten), and each row's cut (a float32 [B] tensor; without top_ks, the split
+    maxima, unread)."""
     b = logits.shape[0]
-    split_len, num_splits = split_plan(b, vocab_size)
     grid = (b, num_splits)
     dev = logits.device
     pow2 = triton.next_power_of_2(num_splits)
@@ -359,7 +360,9 @@ def row_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Ten
              cut_phases: tuple[bool, bool] = (True, True)) -> torch.Tensor:
     """The threshold fused_sample applies to each row's logits / temperature (-inf: it cuts nothing), float32 [B]:
     the search's result alone, for tests. Arguments as fused_sample's."""
-    return _split_max_and_cuts(logits, temperatures, min_ps, top_ks, top_ps, vocab_size, greedy_eps, cut_phases)[1]
+    plan = split_plan(logits.shape[0], vocab_size)
+    return _split_max_and_cuts(logits, temperatures, min_ps, top_ks, top_ps, vocab_size, greedy_eps, cut_phases,
+                               *plan)[1]
 
 
 def split_plan(batch: int, vocab_size: int) -> tuple[int, int]:

@@ -26,7 +26,9 @@ def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr
     mask = offs < n_cols
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM:  # the deferred RMSNorm's scale (rms_norm.py's sum; masked lanes add 0)
+    # the deferred RMSNorm's scale (rms_norm.py's sum; masked lanes add 0). Each of a row's programs sums h itself:
+    # a few KB from L2 per program, where sharing it would take the launch the deferral removes
+    if NORM:
         offs_h = tl.arange(0, BLOCK_H)
         h = tl.load(H + row * stride_h + offs_h, mask=offs_h < h_cols, other=0.0).to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / h_cols + eps)
