@@ -25,9 +25,14 @@ python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b granite-4.0-h
     --pdl off on     # Programmatic Dependent Launch off vs on
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:128 --modes graph \
     --rope-store fused unfused --out benchmarks/results/decode-rope-store-h200.json   # launches, fused vs not
+python benchmarks/bench_decode.py --models llama-3.2-1b --cases 32:128 32:288 --modes graph --no-launches \
+    --decode-entry table "32:min_tokens_per_split=512" "32:block_n=64,num_warps=2"   # decode-kernel settings in
+                                                                                  # the graph, one pass each
 """
 
 import argparse
+import ast
+import copy
 import gc
 import os
 import sys
@@ -38,6 +43,7 @@ from common import RESULTS, copy_bandwidth, device_tag, write_report
 
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.attention.triton_backend import TritonAttentionBackend
+from ostinato.attention.triton_ops.decode_attention import table_entry
 from ostinato.config import EngineArgs
 from ostinato.engine.request import Request
 from ostinato.engine.scheduler import ScheduledBatch
@@ -150,8 +156,25 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
             "kernel_ms": ms["forward"] - ms["prepare"]}
 
 
+def patch_decode_tables(spec: str) -> None:
+    """`--decode-entry` value: "table" (as the tree has it), or ";"-separated "BS:key=value,key=value" changes to
+    the decode settings entry that batch size BS takes, in every (KV dtype, head dim) table (an entry keyed BS is
+    added if the table has none). BS a power of two, as the tables' keys are (a batch takes the entry of its next
+    power of two). Values are Python literals (16, True, "fp16_vcvt")."""
+    if spec == "table":
+        return
+    for part in spec.split(";"):
+        bs, changes = part.split(":", 1)
+        if int(bs) & (int(bs) - 1):
+            raise ValueError(f"--decode-entry {part!r}: the batch size must be a power of two")
+        update = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in changes.split(","))}
+        for table in TritonAttentionBackend.decode_tables.values():
+            table[int(bs)] = table_entry(table, int(bs)) | update
+
+
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
-                page_size: int = 1, rope_store: str = "fused", use_pdl: str | None = None) -> tuple[list[dict], dict]:
+                page_size: int = 1, rope_store: str = "fused", use_pdl: str | None = None,
+                decode_entry: str = "table") -> tuple[list[dict], dict]:
     need = max(bs * (ctx + page_size) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
@@ -166,6 +189,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     if use_pdl is not None:  # else as OSTINATO_PDL set it
         pdl.ENABLED = use_pdl == "on"  # read at each kernel launch, so also by the capture
     use_pdl = "on" if pdl.ENABLED else "off"
+    tables = copy.deepcopy(TritonAttentionBackend.decode_tables)
+    patch_decode_tables(decode_entry)  # read when the backend is built
     runner = ModelRunner(eargs, load_model_source(name, "dummy"))
     gc.collect()
     gc.freeze()  # as EngineCore does after start-up: no collection walks the model's objects mid-timing
@@ -183,7 +208,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     if runner.mamba_pool is not None:
         state_per_req = 2 * runner.mamba_pool.bytes() // (runner.mamba_pool.size + 1)
     gr = runner.graph_runner
-    print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}, pdl {use_pdl}): weights "
+    print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}, pdl {use_pdl}, decode entry "
+          f"{decode_entry}): weights "
           f"{runner.weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, capture {gr.capture_seconds:.1f} s for "
           f"{gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
@@ -200,7 +226,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
             step_ms, fwd_ms = time_steps(runner, sched, graph, iters, overlap=mode != "graph-sync")
             row = {"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
                    "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile,
-                   "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store, "pdl": use_pdl}
+                   "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store, "pdl": use_pdl,
+                   "decode_entry": decode_entry}
             if args.launches:
                 if graph not in launches:
                     launches[graph] = launch_stats(runner, sched, graph, iters=min(iters, 10))
@@ -224,6 +251,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     torch.cuda.empty_cache()
     TritonAttentionBackend.fuse_rope_store = None
     TritonAttentionBackend.decode_rope_max_bs = rope_max_bs
+    TritonAttentionBackend.decode_tables = tables
     pdl.ENABLED = pdl_before
     return rows, meta
 
@@ -238,7 +266,8 @@ def print_comparison(rows: list[dict]) -> None:
             continue
         launches = f", {r['launches']:.0f} launches" if "launches" in r else ""
         print(f"{r['model']:<14}bs {r['bs']:>4} ctx {r['context']:>5} {r['mode']:<10} kv {r['kv_cache_dtype']:<9} "
-              f"page {r['page_size']:>3} rope+store {r['rope_store']} pdl {r['pdl']}: {r['ms_per_step']:.3f} ms"
+              f"page {r['page_size']:>3} rope+store {r['rope_store']} pdl {r['pdl']} entry {r['decode_entry']}: "
+              f"{r['ms_per_step']:.3f} ms"
               f"{launches}, "
               f"{base[key] / r['ms_per_step']:.3f}x of the first configuration")
 
@@ -261,6 +290,9 @@ def main() -> None:
     ap.add_argument("--pdl", nargs="+", default=[None], choices=["on", "off"],
                     help="Programmatic Dependent Launch for the Triton kernels (Hopper): one pass each "
                     "(default: as OSTINATO_PDL sets it, on)")
+    ap.add_argument("--decode-entry", nargs="+", default=["table"],
+                    help='decode-kernel settings, one pass each: "table", or "BS:key=value,..." (";" between '
+                         "batch sizes) changes to the entry BS takes (see patch_decode_tables)")
     ap.add_argument("--no-launches", dest="launches", action="store_false",
                     help="skip the launch count and gap columns (torch.profiler over a few steps per row)")
     ap.add_argument("--modes", nargs="+", default=["eager", "graph", "graph-sync"],
@@ -281,9 +313,10 @@ def main() -> None:
             for page in args.page_size:
                 for rope in args.rope_store:
                     for use_pdl in args.pdl:
-                        r, m = bench_model(name, args, bw, kv, page, rope, use_pdl)
-                        rows += r
-                        meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}"] = m
+                        for entry in args.decode_entry:
+                            r, m = bench_model(name, args, bw, kv, page, rope, use_pdl, entry)
+                            rows += r
+                            meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}/{entry}"] = m
     print_comparison(rows)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,

@@ -65,36 +65,58 @@ def _combine_if_last(Counter, counter_idx, num_splits, b, heads, h_mask, offs_d,
 
 
 @triton.jit
-def _rope_q_store_kv(Q, K_new, V_new, K_buf, V_buf, Positions, Loc, Cos_sin, QW, KW, K_scale, V_scale,
-                     b, kv_head, heads, h_mask, stores,
-                     stride_qb, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
-                     KV_FP8: tl.constexpr):
-    """rope_store.py's work for one request and KV head, inside stage 1: the group's query heads rotated (returned
-    as [BLOCK_H, BLOCK_D] in Q's dtype, the padding rows 0) and, where `stores` (the program whose split holds the
-    new token), the new token's K rotated and V written into its slot, with rope_store's roundings, so the bits
-    are the unfused path's. HEAD_DIM a power of two (the halves joined side by side make the row)."""
+def _halves(x, HEAD_DIM: tl.constexpr):
+    """Rows [n, HEAD_DIM] (HEAD_DIM a power of two) -> their two halves [n, HEAD_DIM / 2], fp32."""
+    x1, x2 = tl.split(tl.permute(tl.reshape(x.to(tl.float32), [x.shape[0], 2, HEAD_DIM // 2]), (0, 2, 1)))
+    return x1, x2
+
+
+@triton.jit
+def _load_new_token(Q, K_new, V_new, Positions, Loc, b, kv_head, heads, h_mask,
+                    stride_qb, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, HEAD_DIM: tl.constexpr):
+    """rope_attend's loads for one request and KV head, all before rotary, raw (stage 1 issues them with its other
+    first loads, and uses none before rotary's cos / sin rows are asked for): the position, the group's q rows,
+    and the new token's slot and K / V rows of this KV head (every program loads those; only the one whose split
+    holds the token stores them)."""
+    offs = tl.arange(0, HEAD_DIM)[None, :]
+    pos = tl.load(Positions + b, volatile=True).to(tl.int64)  # volatile: see _decode_stage1_kernel
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs, mask=h_mask[:, None], other=0.0)
+    one_head = kv_head + tl.arange(0, 1)
+    k = tl.load(K_new + b * stride_knt + one_head[:, None] * stride_knh + offs)
+    v = tl.load(V_new + b * stride_vnt + one_head[:, None] * stride_vnh + offs)
+    slot = tl.load(Loc + b).to(tl.int64)
+    return pos, q, k, v, slot
+
+
+@triton.jit
+def _rope_q_store_kv(pos, q, k, v, slot, K_buf, V_buf, Cos_sin, QW, KW, K_scale, V_scale,
+                     kv_head, h_mask, stores, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
+                     dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr):
+    """rope_store.py's work for one request and KV head, inside stage 1, on `_load_new_token`'s values: the group's
+    query heads rotated (returned as [BLOCK_H, BLOCK_D] in the model dtype `dtype`, the padding rows 0) and, where
+    `stores` (the program whose split holds the new token), the new token's K rotated and V written into its slot,
+    with rope_store's roundings, so the bits are the unfused path's. HEAD_DIM a power of two (the halves joined
+    side by side make the row)."""
     half: tl.constexpr = HEAD_DIM // 2
-    dt = Q.dtype.element_ty
     offs_d = tl.arange(0, half)
     d_mask = offs_d < half
-    pos = tl.load(Positions + b).to(tl.int64)
-    cos = tl.load(Cos_sin + pos * stride_cs + offs_d).to(dt).to(tl.float32)[None, :]
-    sin = tl.load(Cos_sin + pos * stride_cs + half + offs_d).to(dt).to(tl.float32)[None, :]
-    src = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(src, mask=h_mask[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=h_mask[:, None], other=0.0).to(tl.float32)
-    q1, q2 = norm_rotate(x1, x2, QW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
-    q1 = tl.where(h_mask[:, None], q1, 0.0).to(dt)  # padding rows: 0, as a masked load gives (the norm's eps
-    q2 = tl.where(h_mask[:, None], q2, 0.0).to(dt)  # leaves them 0 too; kept explicit)
+    # [1, half] rows (not [half] vectors broadcast): in the heads' layout, no shared-memory shuffle after the loads
+    row = Cos_sin + pos * stride_cs + offs_d[None, :]
+    cos = tl.load(row).to(dtype).to(tl.float32)
+    sin = tl.load(row + half).to(dtype).to(tl.float32)
+    x1, x2 = _halves(q, HEAD_DIM)
+    q1, q2 = norm_rotate(x1, x2, QW, offs_d, d_mask, cos, sin, eps, dtype, HEAD_DIM, HAS_NORM)
+    q1 = tl.where(h_mask[:, None], q1, 0.0).to(dtype)  # padding rows: 0, as a masked load gives (the norm's eps
+    q2 = tl.where(h_mask[:, None], q2, 0.0).to(dtype)  # leaves them 0 too; kept explicit)
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, BLOCK_D))
     if stores:  # this KV head of the new token, as one [1, half] row
         one_head = kv_head + tl.arange(0, 1)
-        rotate_store_kv(K_new + b * stride_knt, V_new + b * stride_vnt, K_buf, V_buf, tl.load(Loc + b).to(tl.int64),
-                        one_head, (one_head >= 0)[:, None] & d_mask[None, :], offs_d, d_mask, cos, sin, KW, K_scale,
-                        V_scale, stride_knh, stride_vnh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps,
-                        HEAD_DIM, HAS_NORM, KV_FP8)
+        k1, k2 = _halves(k, HEAD_DIM)
+        v1, v2 = _halves(v, HEAD_DIM)
+        rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, slot, one_head, (one_head >= 0)[:, None] & d_mask[None, :],
+                        offs_d, d_mask, cos, sin, KW, K_scale, V_scale, stride_kbs, stride_kbh, stride_vbs,
+                        stride_vbh, eps, dtype, HEAD_DIM, HAS_NORM, KV_FP8)
         tl.debug_barrier()  # the stores before any of this program's threads loads the slot back
     return q
 
@@ -177,9 +199,14 @@ def _decode_stage1_kernel(
     split = tl.program_id(2)
     if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
         tl.extra.cuda.gdc_wait()
+    # The loads that need only the program's ids go out before the first wait on any (the exit of a program past
+    # the request's splits), so their round trips overlap; volatile ones, because the compiler would sink plain
+    # loads past the exit. Loaded where first used, the rotary path had waited on five round trips in turn before
+    # it asked for the first key block's slots; now on two (sm_90 SASS: the splits with the position, then cos /
+    # sin with q).
     num_splits = tl.load(Num_kv_splits + b)
-    if split >= num_splits:
-        return
+    seq_len = tl.load(Seq_lens + b, volatile=True)
+    req = tl.load(Req_pool_indices + b, volatile=True).to(tl.int64)
     v_scale = 1.0
     if KV_FP8:  # dequantize by folding the layer's scales into the scores and the output
         qk_scale = qk_scale * tl.load(K_scale)
@@ -187,13 +214,6 @@ def _decode_stage1_kernel(
         if CVT_BITS:  # bit-moved fp8 comes out BITS_FACTOR too small
             qk_scale = qk_scale * BITS_FACTOR
             v_scale = v_scale * BITS_FACTOR
-    seq_len = tl.load(Seq_lens + b)
-    req = tl.load(Req_pool_indices + b).to(tl.int64)
-    # splits are whole blocks long; the last ones may be empty (they then write lse = -inf)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
-
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < GROUP
@@ -202,15 +222,24 @@ def _decode_stage1_kernel(
     if FOLD:  # every row a query head: the group's heads once per chunk of the key blocks
         heads = kv_head * GROUP + offs_h % GROUP
         h_mask = offs_h >= 0
-    if ROPE:  # Q, K_new, V_new before rotary: rotate here, and the new token's split stores its K/V first
-        q = _rope_q_store_kv(Q, K_new, V_new, K_buf, V_buf, Positions, Loc, Cos_sin, QW, KW, K_scale,
-                             V_scale, b, kv_head, heads, h_mask, split == (seq_len - 1) // per_split,
-                             stride_qb, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                             stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
-                             HEAD_DIM, BLOCK_H, BLOCK_D, HAS_NORM, KV_FP8)
+    if ROPE:  # Q, K_new, V_new before rotary: rotated below, and the new token's split stores its K/V first
+        new_token = _load_new_token(Q, K_new, V_new, Positions, Loc, b, kv_head, heads, h_mask, stride_qb,
+                                    stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, HEAD_DIM)
     else:
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if split >= num_splits:
+        return
+    # splits are whole blocks long; the last ones may be empty (they then write lse = -inf)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    if ROPE:
+        pos, q_raw, k_new, v_new, slot = new_token
+        q = _rope_q_store_kv(pos, q_raw, k_new, v_new, slot, K_buf, V_buf, Cos_sin, QW, KW, K_scale, V_scale,
+                             kv_head, h_mask, split == (seq_len - 1) // per_split, stride_kbs, stride_kbh,
+                             stride_vbs, stride_vbh, stride_cs, eps, Q.dtype.element_ty, HEAD_DIM, BLOCK_H,
+                             BLOCK_D, HAS_NORM, KV_FP8)
     if QK_FP8:  # q per row to e4m3 (max 448), its row scale folded into the score scale
         q = q.to(tl.float32)
         amax = tl.max(tl.abs(q), 1)

@@ -32,24 +32,26 @@ def _fp8_byte(x, Scale, KV_FP8: tl.constexpr):
 
 
 @triton.jit
-def rotate_store_kv(K, V, K_buf, V_buf, slot, offs_h, mask, offs_d, d_mask, cos, sin, KW, K_scale, V_scale,
-                    stride_kh, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps,
-                    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr):
-    """One token's KV heads `offs_h` (K, V: the token's rows, before rotary): K rotated (after Qwen3's norm) and
-    rounded to the model dtype as the rotary kernel leaves it, then K and V written into cache slot `slot`
-    (quantized for an fp8 cache, as `store_kv` does). `mask` [heads, half]; offs_d the half's columns. The
-    decode kernel's stage 1 calls it too (decode_attention's `new`)."""
-    half: tl.constexpr = HEAD_DIM // 2
-    dt = K.dtype.element_ty
-    src = K + offs_h[:, None] * stride_kh + offs_d[None, :]
+def load_halves(X, offs_h, stride_h, offs_d, mask, HEAD_DIM: tl.constexpr):
+    """The halves [heads, half] of heads `offs_h` of one token's row X (before rotary), fp32."""
+    src = X + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    k1, k2 = norm_rotate(x1, x2, KW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
-    k1 = k1.to(dt).to(tl.float32)
-    k2 = k2.to(dt).to(tl.float32)
-    src = V + offs_h[:, None] * stride_vh + offs_d[None, :]
-    v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    v2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, slot, offs_h, mask, offs_d, d_mask, cos, sin, KW, K_scale,
+                    V_scale, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps, dtype: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr):
+    """One token's KV heads `offs_h`, given as their halves before rotary (`load_halves`; the model dtype
+    `dtype`): K rotated (after Qwen3's norm) and rounded to the model dtype as the rotary kernel leaves it, then K
+    and V written into cache slot `slot` (quantized for an fp8 cache, as `store_kv` does). `mask` [heads, half];
+    offs_d the half's columns. The decode kernel's stage 1 calls it too (decode_attention's `new`)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    k1, k2 = norm_rotate(k1, k2, KW, offs_d, d_mask, cos, sin, eps, dtype, HEAD_DIM, HAS_NORM)
+    k1 = k1.to(dtype).to(tl.float32)
+    k2 = k2.to(dtype).to(tl.float32)
     k_dst = K_buf + slot * stride_kbs + offs_h[:, None].to(tl.int64) * stride_kbh + offs_d[None, :]
     v_dst = V_buf + slot * stride_vbs + offs_h[:, None].to(tl.int64) * stride_vbh + offs_d[None, :]
     if KV_FP8 == 0:
@@ -90,18 +92,18 @@ def _rope_store_kernel(
     if block < q_blocks:
         offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (offs_h < NUM_Q_HEADS)[:, None] & d_mask[None, :]
-        src = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = load_halves(Q + t * stride_qt, offs_h, stride_qh, offs_d, mask, HEAD_DIM)
         out1, out2 = norm_rotate(x1, x2, QW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
         dst = Q_out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out1.to(dt), mask=mask)
         tl.store(dst + half, out2.to(dt), mask=mask)
     else:
         offs_h = (block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        rotate_store_kv(K + t * stride_kt, V + t * stride_vt, K_buf, V_buf, tl.load(Loc + t).to(tl.int64), offs_h,
-                        (offs_h < NUM_KV_HEADS)[:, None] & d_mask[None, :], offs_d, d_mask, cos, sin, KW, K_scale,
-                        V_scale, stride_kh, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps,
+        mask = (offs_h < NUM_KV_HEADS)[:, None] & d_mask[None, :]
+        k1, k2 = load_halves(K + t * stride_kt, offs_h, stride_kh, offs_d, mask, HEAD_DIM)
+        v1, v2 = load_halves(V + t * stride_vt, offs_h, stride_vh, offs_d, mask, HEAD_DIM)
+        rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, tl.load(Loc + t).to(tl.int64), offs_h, mask, offs_d, d_mask,
+                        cos, sin, KW, K_scale, V_scale, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps, dt,
                         HEAD_DIM, HAS_NORM, KV_FP8)
     if PDL:  # the decode kernel's programs come in as this grid's last programs finish (pdl.py)
         tl.extra.cuda.gdc_launch_dependents()

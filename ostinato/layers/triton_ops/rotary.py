@@ -32,10 +32,10 @@ def norm_rotate(x1, x2, W, offs_d, d_mask, cos, sin, eps, dtype: tl.constexpr, H
     """Heads' halves x1, x2 ([heads, half], fp32) -> their rotated halves (fp32), every product and sum rounded
     to `dtype` as HF's code rounds, except the last rounding, which the caller's store does; with HAS_NORM,
     Qwen3's q/k RMS norm (weight W) first. The rotary kernel and the fused rotary + KV store share it."""
-    if HAS_NORM:
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+    if HAS_NORM:  # the weight's loads first: issued before the sums wait on x
         w1 = tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HEAD_DIM // 2 + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
         x1 = _round(w1 * _round(x1 * inv_rms, dtype), dtype)
         x2 = _round(w2 * _round(x2 * inv_rms, dtype), dtype)
     out1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
