@@ -8,6 +8,8 @@ python benchmarks/sass_decode_attention.py fp8:fp16:64:1:5:whole  # kv:variant:b
 MAXNREG=128 TOP=30 COMBINE=0 PAGE=1 python benchmarks/sass_decode_attention.py ...  # a register cap, 30 opcodes,
                                                                                      # no combine, pages of 1
 ROPE=1 [NORM=1] python benchmarks/sass_decode_attention.py ...  # stage 1 rotating q, storing the new K/V (rope_attend)
+HEAD=200 python benchmarks/sass_decode_attention.py ...  # also the order of the global loads, exits, barriers and
+                                                         # shared-memory shuffles in the first 200 instructions
 """
 
 import collections
@@ -109,11 +111,17 @@ def report(spec: str) -> None:
     progs = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 228 * 1024 // (smem + 1024), 64 // warps)
     heads = 4 if variant == "kv_group" else 1
     tile = block_n * 64 * 2 * (1 if kv == "fp8" else 2) * heads
-    ops = loop_opcodes(cuobjdump(k.asm["cubin"], "-sass"))
+    sass = cuobjdump(k.asm["cubin"], "-sass")
+    ops = loop_opcodes(sass)
     per128 = sum(ops.values()) * warps * 128 // block_n // heads
     print(f"{spec:34} regs {regs:3} smem {smem:6} kv buffers {max(bufs, default=0)} programs/SM {progs:2} "
           f"in flight {progs * max(max(bufs, default=1), 1) * tile // 1024:4} KB  loop instr / 128 keys {per128:5}  "
           f"{dict(ops.most_common(TOP))}", flush=True)
+    if os.environ.get("HEAD"):  # where the kernel's first loads go out and where it first waits
+        body = [ln.strip() for ln in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/", ln)]
+        for ln in body[: int(os.environ["HEAD"])]:
+            if re.search(r"\b(LDG|EXIT|BAR|STSM|ACQBULK|LDGSTS|DEPBAR)", ln):
+                print("   ", ln.split(";")[0], flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""bench_decode.py's `--decode-entry`: the decode-kernel settings a pass runs with, patched into the backend's
-tables before the engine is built (and restored by the benchmark after)."""
+"""Benchmark helpers that patch the engine before a run: bench_decode.py's `--decode-entry` (the decode-kernel
+settings a pass runs with, patched into the backend's tables before the engine is built, and restored by the
+benchmark after) and bound_decode_launches.py (launches replaced by no-ops, for an upper bound)."""
 
 import copy
 import os
@@ -33,3 +34,23 @@ def test_patch_changes_the_entry_a_batch_size_takes_in_every_table():
             patch_decode_tables("24:num_warps=2")
     finally:
         TritonAttentionBackend.decode_tables = saved
+
+
+def test_launch_bound_replaces_the_norm_and_the_activation_with_no_launch():
+    """benchmarks/bound_decode_launches.py: the patched ops return their inputs (a view), computing nothing."""
+    import torch
+    from bound_decode_launches import skip_launches
+
+    import ostinato.layers.norm as norm
+    import ostinato.layers.norm_linear as norm_linear
+
+    saved = norm.fused_add_rms_norm, norm_linear.silu_and_mul
+    try:
+        skip_launches("norm,silu")
+        x, r = torch.randn(3, 8), torch.randn(3, 8)
+        out, res = norm.fused_add_rms_norm(x, r, torch.ones(8), 1e-6)
+        assert out is x and res is r
+        act = norm_linear.silu_and_mul(x, norm=(r, 1e-6))
+        assert act.data_ptr() == x.data_ptr() and act.shape == (3, 4)
+    finally:
+        norm.fused_add_rms_norm, norm_linear.silu_and_mul = saved

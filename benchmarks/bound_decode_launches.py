@@ -1,0 +1,38 @@
+"""An upper bound, not an engine path: decode step time with the RMSNorm launches and/or the silu_and_mul launches
+of a step replaced by no-ops that launch nothing (timing only: the numerics are wrong). What a fusion that removes
+those launches could give at most, measured in the graph as bench_decode.py measures a step.
+
+SKIP="norm" / "silu" / "norm,silu" / "" (none), then bench_decode.py's arguments:
+
+SKIP=norm,silu python benchmarks/bound_decode_launches.py --models llama-3.2-1b qwen3-0.6b --cases 32:128 32:288 \
+    --modes graph --no-launches
+
+- "norm": the fused residual add + RMSNorm (`layers.norm.fused_add_rms_norm`) returns its inputs. That is every norm
+  of a step at 5-32 rows but the first layer's (no residual yet) and the post-attention one, which is deferred into
+  silu_and_mul there.
+- "silu": the MLP's activation where the post-attention norm is deferred into it (`layers.norm_linear`, 5-32 rows)
+  returns gate_up's first half as a view.
+"""
+
+import os
+import runpy
+import sys
+
+import ostinato.layers.norm as norm
+import ostinato.layers.norm_linear as norm_linear
+
+
+def skip_launches(skip: str) -> None:
+    """Replace the launches named in `skip` (see the module doc) for this process."""
+    if "norm" in skip:
+        norm.fused_add_rms_norm = lambda x, residual, weight, eps: (x, residual)
+    if "silu" in skip:
+        norm_linear.silu_and_mul = lambda x, norm=None: x[:, : x.shape[1] // 2]
+
+
+if __name__ == "__main__":
+    skip_launches(os.environ.get("SKIP", ""))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    sys.argv = [os.path.join(here, "bench_decode.py")] + sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
