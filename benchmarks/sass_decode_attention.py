@@ -7,7 +7,8 @@ python benchmarks/sass_decode_attention.py                       # the bf16 and 
 python benchmarks/sass_decode_attention.py fp8:fp16:64:1:5:whole  # kv:variant:block_n:warps:stages[:whole]
 MAXNREG=128 TOP=30 COMBINE=0 PAGE=1 python benchmarks/sass_decode_attention.py ...  # a register cap, 30 opcodes,
                                                                                      # no combine, pages of 1
-ROPE=1 [NORM=1] python benchmarks/sass_decode_attention.py ...  # stage 1 rotating q, storing the new K/V (rope_attend)
+ROPE=1 [NORM=1] [XNORM=1] python benchmarks/sass_decode_attention.py ...  # stage 1 rotating q, storing the new K/V
+                                                                        # (rope_attend) [with the input norm's scale]
 HEAD=200 python benchmarks/sass_decode_attention.py ...  # also the order of the global loads, exits, barriers and
                                                          # shared-memory shuffles in the first 200 instructions
 """
@@ -49,6 +50,8 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
         engine |= dict(ROPE=True, HAS_NORM=os.environ.get("NORM") == "1")  # NORM=1: Qwen3's q/k norm
         ptrs |= dict(Positions="*i64", Loc="*i64", K_new="*bf16", V_new="*bf16", Cos_sin="*fp32", QW="*fp32",
                      KW="*fp32")
+        if os.environ.get("XNORM") == "1":  # and the deferred input norm's scale, from Llama-3.2-1B's 2,048-wide rows
+            ptrs |= dict(X="*bf16")
     page_const = da.page_arg(page, block_n)
     if variant == "kv_group":
         fn = da._decode_stage1_kv_group_kernel
@@ -58,7 +61,8 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
         fn = da._decode_stage1_kernel
         consts = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=block_n, PRECISION="tf32",
                       PAGE=page_const, KV_FP8=int(fp8), FP16_DOT=False, V_CVT=False, CVT_BITS=False, QK_FP8=False,
-                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=4, FOLD=False) | engine
+                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=4, FOLD=False, X_NORM="X" in ptrs,
+                      BLOCK_X=2048 if "X" in ptrs else 1) | engine
         if fp8 or variant == "bf16_fold":
             consts |= VARIANT_CONSTS[variant]
     sig, attrs = {}, {}
@@ -67,7 +71,7 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
             sig[name] = "constexpr"
         elif name in ptrs:
             sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "eps"):
+        elif name in ("qk_scale", "eps", "eps_x"):
             sig[name] = "fp32"
         else:
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]

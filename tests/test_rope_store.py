@@ -158,6 +158,56 @@ def test_fused_equals_rotary_then_store(page, heads, kv_heads, dim, dtype, cache
         assert torch.equal(got, ref)
 
 
+X_RMS_CASES = [  # page, heads, kv_heads, dim, model dtype, cache dtype, qk_norm, mode, hidden
+    (1, 4, 2, 16, torch.float32, torch.float32, False, ForwardMode.DECODE, 48),
+    (16, 4, 2, 16, torch.float16, torch.float16, True, ForwardMode.DECODE, 64),
+    (16, 6, 2, 16, torch.float16, torch.float8_e4m3fn, False, ForwardMode.EXTEND, 40),
+    pytest.param(1, 32, 8, 64, torch.bfloat16, torch.bfloat16, False, ForwardMode.DECODE, 2048, marks=cuda),
+    pytest.param(1, 16, 8, 128, torch.bfloat16, torch.bfloat16, True, ForwardMode.DECODE, 1024, marks=cuda),
+]
+
+
+def residual_rows(t: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A residual stream's rows, of very different scales (the inverse RMS varies row to row)."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    scale = torch.rand(t, 1, generator=gen, device=DEVICE) * 20 + 0.05
+    return (torch.randn(t, hidden, generator=gen, device=DEVICE) * scale).to(dtype)
+
+
+@pytest.mark.parametrize(("page", "heads", "kv_heads", "dim", "dtype", "cache_dtype", "qk_norm", "mode", "hidden"),
+                         X_RMS_CASES)
+def test_fused_with_deferred_input_norm(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, mode, hidden):
+    """rope_store_kv with `x_rms` (the layer's input norm deferred: q, k, v scaled by each row's inverse RMS of
+    the residual stream first) against the torch twin's scale (`scale_by_inv_rms`) then rope_store_kv. The scale's
+    fp32 sum is taken in another order, so an element may round the other way: within the dtype's rounding."""
+    from ostinato.layers.norm import scale_by_inv_rms
+
+    seed = page + heads + dim + hidden
+    env, batch, positions, qkv, (q, k, v), norm = setup(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm,
+                                                        seed, mode)
+    x = residual_rows(q.shape[0], hidden, dtype, seed)
+    table = llama3_table(dim)
+    loc = batch.out_cache_loc
+    k_buf, v_buf = env.cache.get_store_buffer(0)
+    before = [b.clone() for b in (k_buf, v_buf)]
+    args = (env.tri.kv_fp8, env.cache.k_scale(0), env.cache.v_scale(0))
+    got = rope_store_kv(positions, q, k, v, table, k_buf, v_buf, loc, *norm, EPS, *args, x_rms=x, x_rms_eps=EPS)
+    kv_got = [b.clone() for b in (k_buf, v_buf)]
+    for buf, b in zip((k_buf, v_buf), before, strict=True):
+        buf.copy_(b)
+    qs, ks, vs = scale_by_inv_rms(x, EPS, q, k, v)
+    want = rope_store_kv(positions, qs, ks, vs, table, k_buf, v_buf, loc, *norm, EPS, *args)
+    assert not torch.equal(qs, q)  # the scale did something
+    tol = TOL[dtype][0]
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
+    for a, b in zip(kv_got, (k_buf, v_buf), strict=True):
+        if cache_dtype in FP8:  # at most one fp8 step apart where the scaled value's rounding went the other way
+            fa, fb = a.view(cache_dtype).float(), b.view(cache_dtype).float()
+            assert ((fa - fb).abs() <= 0.125 * torch.maximum(fa.abs(), fb.abs()) + 2**-6).all()
+        else:
+            torch.testing.assert_close(a, b, atol=tol * b[loc].abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
 def test_backend_fuses_and_matches_torch_backend(mode):
     """The wiring: TritonAttentionBackend.forward with a Rope (fused) against the torch backend's rotary then
@@ -223,17 +273,31 @@ def test_decode_stage1_rope_store_with_folded_rows(page, heads, kv_heads, dim, d
     check_rope_attend(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, combine, fold=True)
 
 
-def check_rope_attend(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, combine, fold=False):
-    seed = page + heads + dim + (cache_dtype in FP8) * 100 + qk_norm * 1000 + combine
+@pytest.mark.parametrize(("page", "heads", "kv_heads", "dim", "dtype", "cache_dtype", "qk_norm", "combine", "hidden"),
+                         [(1, 4, 2, 16, torch.float32, torch.float32, False, True, 48),
+                          (4, 8, 2, 32, torch.float16, torch.float16, True, False, 64),
+                          (1, 4, 1, 16, torch.float16, torch.float8_e4m3fn, False, True, 40),
+                          pytest.param(1, 32, 8, 64, torch.bfloat16, torch.bfloat16, False, True, 2048, marks=cuda),
+                          pytest.param(1, 16, 8, 128, torch.bfloat16, torch.bfloat16, True, True, 1024, marks=cuda)])
+def test_decode_stage1_rope_store_with_deferred_input_norm(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm,
+                                                          combine, hidden):
+    """The same with the layer's input norm deferred (Rope.x_rms): stage 1 scales q and the new K/V by the row's
+    inverse RMS as rope_store_kv does; the torch backend's reference scales them in torch first."""
+    check_rope_attend(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, combine, x_rms_cols=hidden)
+
+
+def check_rope_attend(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, combine, fold=False, x_rms_cols=0):
+    seed = page + heads + dim + (cache_dtype in FP8) * 100 + qk_norm * 1000 + combine + x_rms_cols
     env, batch, positions, qkv, (q, k, v), norm = setup(page, heads, kv_heads, dim, dtype, cache_dtype, qk_norm, seed,
                                                         ForwardMode.DECODE, decode_prefix=(0, 13, 79, 7, 40))
+    x = residual_rows(q.shape[0], x_rms_cols, dtype, seed) if x_rms_cols else None
     if fold:
         env.tri.decode_table = {bs: e | dict(fold=True) for bs, e in env.tri.decode_table.items()}
     env.tri.max_kv_splits = 4
     env.tri.decode_rope_max_bs = 8
     env.tri.combine_min_bs = 1 if combine else 10**9
     env.tri.fuse_rope_store = True
-    rope = Rope(positions, llama3_table(dim), *norm, EPS)
+    rope = Rope(positions, llama3_table(dim), *norm, EPS, x, EPS)
     s = env.spec
     qs, ks = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     before = [b.clone() for b in env.cache.get_store_buffer(0)]
@@ -354,5 +418,54 @@ def test_engine_greedy_tokens_equal_fused_and_unfused(model, request, tmp_path):
     if model == "tiny-qwen3":  # and through decode graphs captured fused (on a CPU, the stand-in; one model is enough)
         runner.graph_runner = DecodeGraphRunner(runner)
         assert tokens() == unfused
+    llm.engine.check_memory_leak()
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_engine_greedy_tokens_with_the_input_norm_deferred(model, request, tmp_path, monkeypatch):
+    """Each layer's input norm deferred (layers/norm_linear.defers_input_norm, forced here at every step and on the
+    CPU, where the Triton backend runs in the interpreter): the previous layer's down adds the residual, qkv projects
+    the bare stream, and the rotary + KV store (prefill) and stage 1 (decode) scale q, k and v by the row's inverse
+    RMS. Greedy tokens equal the norm's own launch's, and top logprobs agree to fp32 rounding."""
+    import json
+
+    from ostinato import LLM
+    from ostinato.layers import norm_linear
+    from ostinato.models import llama
+    from ostinato.sampling_params import SamplingParams
+
+    if model == "tiny-llama":
+        path, kw = request.getfixturevalue("tiny_llama_path"), {}
+    else:
+        path = tmp_path / "qwen3.json"
+        path.write_text(json.dumps(TINY_QWEN3))
+        path, kw = str(path), {"load_format": "dummy"}
+    llm = LLM(path, device=DEVICE, dtype="float32", attention_backend="triton", max_total_tokens=1024, page_size=4,
+              max_running_requests=4, extend_cuda_graph_max_tokens=0, disable_cuda_graph=True,
+              disable_radix_cache=True, **kw)
+    backend = llm.engine.runner.backend
+    backend.fuse_rope_store, backend.decode_rope_max_bs = True, 4
+    seen = []
+    monkeypatch.setattr(llama, "down_add_residual", lambda *a: seen.append(1) or norm_linear.down_add_residual(*a))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=gen).tolist()} for n in (7, 4, 11)]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+
+    def run():
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+    want_tokens, want_lp = run()
+    assert not seen
+    monkeypatch.setattr(llama, "defers_input_norm", lambda x, *a: True)
+    got_tokens, got_lp = run()
+    assert len(seen) == 2 * 5  # every layer (2) of every step (1 prefill + 4 decodes)
+    assert got_tokens == want_tokens
+    for g, w in zip(got_lp, want_lp, strict=True):
+        for gs, ws in zip(g, w, strict=True):
+            assert gs.keys() == ws.keys()
+            for t in gs:
+                assert abs(gs[t].logprob - ws[t].logprob) < 1e-4
     llm.engine.check_memory_leak()
     llm.shutdown()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
+from ostinato.layers.norm import scale_by_inv_rms
 from ostinato.layers.rotary import rotary_embedding_
 from ostinato.mem.kv_cache import KVCache
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
@@ -63,11 +64,13 @@ class AttentionBackend(abc.ABC):
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionSpec", batch: ForwardBatch,
               rope: "Rope | None" = None) -> torch.Tensor:
         """Writes k/v [T, Hkv*D] at batch.out_cache_loc and returns q [T, H*D] as `attend` takes it. With `rope`, q
-        and k come before rotary and are rotated here (the unfused path: the reference of the fused one), and
-        the returned q is a new tensor; without it, q itself.
+        and k come before rotary and are rotated here, after the deferred input norm's scale if `rope.x_rms` (the
+        unfused path: the reference of the fused one), and the returned q is a new tensor; without it, q itself.
 
         It reads only q, k, v, the positions and batch.out_cache_loc, so a captured graph may hold it (piecewise
         graphs capture it inside their pieces: graphs/piecewise.py)."""
+        if rope is not None:
+            q, k, v = rope.prescaled(q, k, v)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
         if rope is not None:
@@ -131,6 +134,15 @@ class Rope:
     q_norm_weight: torch.Tensor | None = None  # [D], both or neither
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
+    # The layer's input RMSNorm, deferred (layers/norm_linear.defers_input_norm): q, k and v are the projection of
+    # these residual-stream rows [T, hidden] bare (the norm's weight folded in), and each is first scaled by its
+    # row's inverse RMS (`layers.norm.scale_by_inv_rms`), before the q/k norm and rotary
+    x_rms: torch.Tensor | None = None
+    x_rms_eps: float = 1e-6
+
+    def prescaled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v with the deferred input norm's scale applied (the torch twin; as they are without x_rms)."""
+        return (q, k, v) if self.x_rms is None else scale_by_inv_rms(self.x_rms, self.x_rms_eps, q, k, v)
 
     def rotated(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated copies of q [T, H, D] and k [T, Hkv, D] (the rotary kernel on CUDA, its torch twin on the CPU):

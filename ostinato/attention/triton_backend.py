@@ -314,7 +314,7 @@ class TritonAttentionBackend(AttentionBackend):
             return None
         new = NewTokens(rope.positions, batch.out_cache_loc, k.view(bs, layer.num_kv_heads, d),
                         v.view(bs, layer.num_kv_heads, d), rope.cos_sin, rope.q_norm_weight, rope.k_norm_weight,
-                        rope.eps)
+                        rope.eps, rope.x_rms, rope.x_rms_eps)
         out = self.forward_decode(q.view(bs, layer.num_heads, d), layer, batch, new)
         return out.view(bs, layer.num_heads * d)
 
@@ -330,7 +330,8 @@ class TritonAttentionBackend(AttentionBackend):
         """Rotates pre-rope q [T, H, D] and k, stores k and v at `loc`: one launch. Returns the rotated q."""
         a = self._kv_args(layer_id)
         return rope_store_kv(rope.positions, q, k, v, rope.cos_sin, a["k_buf"], a["v_buf"], loc, rope.q_norm_weight,
-                             rope.k_norm_weight, rope.eps, self.kv_fp8, a["k_scale"], a["v_scale"])
+                             rope.k_norm_weight, rope.eps, self.kv_fp8, a["k_scale"], a["v_scale"], rope.x_rms,
+                             rope.x_rms_eps)
 
     def _kv_args(self, layer_id: int) -> dict:
         """The cache as the kernels read it: stored bytes, page size, fp8 dtype and scales. Built once per layer

@@ -3,14 +3,13 @@
 import torch
 import torch.nn.functional as F
 
+from ostinato.layers.norm import scale_by_inv_rms
+
 
 def silu_and_mul_torch(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     if norm is not None:  # the deferred RMSNorm's per-row scale (triton_ops/silu_and_mul.py's module doc)
-        h, eps = norm
-        hf = h.float()
-        inv_rms = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-        gate, up = (gate.float() * inv_rms).to(x.dtype), (up.float() * inv_rms).to(x.dtype)
+        gate, up = scale_by_inv_rms(*norm, gate, up)
     return F.silu(gate) * up
 
 

@@ -23,6 +23,14 @@ def fused_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: to
     return rms_norm_torch(residual, weight, eps), residual
 
 
+def scale_by_inv_rms(h: torch.Tensor, eps: float, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A deferred RMSNorm's per-row scale, the torch twin of the kernels that apply it: each t [T, ...] (a
+    projection of h's bare rows, the norm's weight folded into it) times each row's inverse RMS of h [T, D], in
+    fp32, rounded to t's dtype."""
+    inv_rms = torch.rsqrt(h.float().pow(2).mean(-1) + eps)
+    return tuple((t.float() * inv_rms.view(-1, *[1] * (t.dim() - 1))).to(t.dtype) for t in ts)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda:
         from ostinato.layers import triton_ops  # lazily: see its docstring

@@ -19,6 +19,12 @@ kernel adds the residual in its epilogue and writes the new residual stream h; g
 and the activation kernel scales gate and up by each row's inverse RMS, which it takes from h itself. The norm is
 a per-row scale, so it commutes with the linear map; results agree with the unfused chain to the dtype's
 rounding (gate_up's outputs are rounded before the scale, not the normalised row before gate_up).
+
+The input norm goes the same way there (`defers_input_norm`): down's skinny kernel adds the residual in its
+epilogue (`down_add_residual`), the next layer's qkv projects the stream's bare rows, and attention scales q, k
+and v by each row's inverse RMS (`attention.base.Rope.x_rms`: inside the rotary + KV store kernels on the GPU,
+in torch elsewhere). At bs 32 on an H200 the norm launches made no-ops took 25 us from Llama-3.2-1B's 1.07 ms
+step and 44 us from Qwen3-0.6B's 1.18 ms (docs/gpu-notes.md).
 """
 
 import torch
@@ -146,3 +152,31 @@ def deferred_norm_gate_up_silu(o_weight: torch.Tensor, a: torch.Tensor, residual
 
     h = skinny_gemm.skinny_linear(a, o_weight, add=residual)
     return silu_and_mul(cuda_linear(h, gate_up_weight), norm=(h, eps)), h
+
+
+# the input norm deferred at GATED_MAX_M-MAX_M rows (module doc); a switch for A/B runs and tests
+defer_input_norm = True
+
+
+def defers_input_norm(x: torch.Tensor, norm: RMSNorm, qkv: nn.Linear, down: nn.Linear) -> bool:
+    """Whether a decoder layer at x's rows takes its input norm deferred (module doc): on the GPU, eager, tp 1, a
+    folded norm, bias-free projections, and down on the skinny kernel (it adds the residual)."""
+    if not (defer_input_norm and x.is_cuda and x.dim() == 2 and norm.weight_folded and qkv.bias is None
+            and down.bias is None and not torch.compiler.is_compiling() and tp_size() == 1):
+        return False
+    from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
+
+    m = x.shape[0]
+    return (GATED_MAX_M < m <= skinny_gemm.MAX_M and prefers_skinny(m, *down.weight.shape)
+            and x.dtype in skinny_gemm.DTYPES and down.weight.dtype == x.dtype)
+
+
+def down_add_residual(down: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """down(x) + residual, on the GPU the add in the skinny kernel's epilogue (rounded as the two ops round): the
+    residual stream after the MLP, which the next layer takes whole (its input norm deferred). Elsewhere the two
+    ops (the twin the CPU tests run the deferred layer with)."""
+    if not x.is_cuda:
+        return down(x) + residual
+    from ostinato.layers.triton_ops import skinny_gemm
+
+    return skinny_gemm.skinny_linear(x, down.weight, add=residual)

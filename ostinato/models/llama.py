@@ -8,8 +8,9 @@ The layers pass a residual stream: layer(positions, hidden, residual) -> (hidden
 residual add is fused into the next RMSNorm, and the norm into the projection after it at decode sizes
 (layers/norm_linear.py). On CUDA at bs 1-2 a layer issues: add+norm+qkv GEMV, rotary (with Qwen3's q/k norm) fused
 with the KV store, attention, o_proj GEMV, add+norm+gate_up GEMV with silu_and_mul, down GEMV; at larger batches
-the norms and silu_and_mul are launches of their own, except, at 5-32 rows, the post-attention norm: o_proj's kernel
-adds the residual, and silu_and_mul applies the norm's per-row scale to gate_up's outputs.
+silu_and_mul is a launch of its own, and so are the norms but at 5-32 rows: there o_proj's and down's kernels add
+the residual, silu_and_mul applies the post-attention norm's per-row scale to gate_up's outputs, and attention the
+input norm's to q, k and v (the layer then returns the residual stream whole, with residual None).
 """
 
 from collections.abc import Iterable
@@ -21,8 +22,14 @@ from transformers import PretrainedConfig
 from ostinato.attention.base import AttentionSpec
 from ostinato.attention.op import attention
 from ostinato.layers.linear import gate_up_silu
-from ostinato.layers.norm import RMSNorm
-from ostinato.layers.norm_linear import attn_out_norm_gate_up_silu, fold_norm_weight, norm_linear
+from ostinato.layers.norm import RMSNorm, scale_by_inv_rms
+from ostinato.layers.norm_linear import (
+    attn_out_norm_gate_up_silu,
+    defers_input_norm,
+    down_add_residual,
+    fold_norm_weight,
+    norm_linear,
+)
 from ostinato.layers.parallel_linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -61,16 +68,21 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(x)))
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               x_rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """Everything between the qkv projection and o_proj (the decoder layer runs those two fused with their
-        neighbours): the attention output, [T, heads x head_dim]."""
+        neighbours): the attention output, [T, heads x head_dim]. `x_rms` (rows, eps): qkv is the projection of
+        these residual-stream rows bare, the layer's input norm deferred (layers/norm_linear.defers_input_norm)."""
         # strided views into the qkv output (row stride q_size + 2 * kv_size), never copied: both attention
         # backends read them through their strides. Sliced, not split: autograd forbids in-place writes to
         # split()'s views, and the CPU graph stand-in replays outside inference mode.
         q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : -self.kv_size], qkv[:, -self.kv_size :]
         if positions.dim() == 1:  # plain RoPE: the attention op rotates q and k, fused with its KV store where it can
             norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            return attention(q, k, v, self.layer_id, positions, self.rotary.cos_sin, *norm)
+            x = {} if x_rms is None else dict(x_rms=x_rms[0], x_rms_eps=x_rms[1])
+            return attention(q, k, v, self.layer_id, positions, self.rotary.cos_sin, *norm, **x)
+        if x_rms is not None:
+            q, k, v = scale_by_inv_rms(*x_rms, q, k, v)
         # M-RoPE's [3, T] positions (a vision model's image extend): rotated here
         q_heads, k_heads = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
@@ -103,10 +115,18 @@ class DecoderLayer(nn.Module):
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's MLP output (or the embeddings, with residual None for the first layer);
         returns this layer's MLP output and the residual stream it still has to be added to."""
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        a = self.self_attn.attend(positions, qkv)
-        x, residual = attn_out_norm_gate_up_silu(self.self_attn.o_proj, a, residual, self.post_attention_layernorm,
+        attn = self.self_attn
+        defer = defers_input_norm(x, self.input_layernorm, attn.qkv_proj, self.mlp.down_proj)
+        if defer and residual is None:  # x is the residual stream itself: its norm deferred into attention
+            a = attn.attend(positions, attn.qkv_proj(x), x_rms=(x, self.input_layernorm.eps))
+            residual = x
+        else:
+            qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
+            a = attn.attend(positions, qkv)
+        x, residual = attn_out_norm_gate_up_silu(attn.o_proj, a, residual, self.post_attention_layernorm,
                                                  self.mlp.gate_up_proj)
+        if defer:  # the next layer (or the final norm) takes the stream whole: residual None
+            return down_add_residual(self.mlp.down_proj, x, residual), None
         return self.mlp.down_proj(x), residual
 
 

@@ -30,7 +30,7 @@ from ostinato.attention.triton_ops.paged_softmax import (
     load_tile,
     page_arg,
 )
-from ostinato.attention.triton_ops.rope_store import rotate_store_kv
+from ostinato.attention.triton_ops.rope_store import inv_rms_of, rotate_store_kv
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 from ostinato.layers.triton_ops.rotary import norm_rotate
 
@@ -73,11 +73,12 @@ def _halves(x, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _load_new_token(Q, K_new, V_new, Positions, Loc, b, kv_head, heads, h_mask,
-                    stride_qb, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, HEAD_DIM: tl.constexpr):
+                    stride_qb, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, X, stride_x, x_cols,
+                    HEAD_DIM: tl.constexpr, X_NORM: tl.constexpr, BLOCK_X: tl.constexpr):
     """rope_attend's loads for one request and KV head, all before rotary, raw (stage 1 issues them with its other
     first loads, and uses none before rotary's cos / sin rows are asked for): the position, the group's q rows,
-    and the new token's slot and K / V rows of this KV head (every program loads those; only the one whose split
-    holds the token stores them)."""
+    the new token's slot and K / V rows of this KV head (every program loads those; only the one whose split
+    holds the token stores them), and with X_NORM the request's residual-stream row (the deferred input norm)."""
     offs = tl.arange(0, HEAD_DIM)[None, :]
     pos = tl.load(Positions + b, volatile=True).to(tl.int64)  # volatile: see _decode_stage1_kernel
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs, mask=h_mask[:, None], other=0.0)
@@ -85,20 +86,30 @@ def _load_new_token(Q, K_new, V_new, Positions, Loc, b, kv_head, heads, h_mask,
     k = tl.load(K_new + b * stride_knt + one_head[:, None] * stride_knh + offs)
     v = tl.load(V_new + b * stride_vnt + one_head[:, None] * stride_vnh + offs)
     slot = tl.load(Loc + b).to(tl.int64)
-    return pos, q, k, v, slot
+    x_row = pos  # unread without X_NORM
+    if X_NORM:
+        offs_x = tl.arange(0, BLOCK_X)
+        x_row = tl.load(X + b * stride_x + offs_x, mask=offs_x < x_cols, other=0.0)
+    return pos, q, k, v, slot, x_row
 
 
 @triton.jit
-def _rope_q_store_kv(pos, q, k, v, slot, K_buf, V_buf, Cos_sin, QW, KW, K_scale, V_scale,
+def _rope_q_store_kv(pos, q, k, v, slot, x_row, K_buf, V_buf, Cos_sin, QW, KW, K_scale, V_scale,
                      kv_head, h_mask, stores, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
-                     dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr):
+                     x_cols, eps_x, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, X_NORM: tl.constexpr):
     """rope_store.py's work for one request and KV head, inside stage 1, on `_load_new_token`'s values: the group's
     query heads rotated (returned as [BLOCK_H, BLOCK_D] in the model dtype `dtype`, the padding rows 0) and, where
     `stores` (the program whose split holds the new token), the new token's K rotated and V written into its slot,
     with rope_store's roundings, so the bits are the unfused path's. HEAD_DIM a power of two (the halves joined
-    side by side make the row)."""
+    side by side make the row). With X_NORM, q, k and v are first scaled by the inverse RMS of x_row (the deferred
+    input norm), as rope_store does."""
     half: tl.constexpr = HEAD_DIM // 2
+    if X_NORM:
+        inv_rms = inv_rms_of(x_row, x_cols, eps_x)
+        q = (q.to(tl.float32) * inv_rms).to(dtype)
+        k = (k.to(tl.float32) * inv_rms).to(dtype)
+        v = (v.to(tl.float32) * inv_rms).to(dtype)
     offs_d = tl.arange(0, half)
     d_mask = offs_d < half
     # [1, half] rows (not [half] vectors broadcast): in the heads' layout, no shared-memory shuffle after the loads
@@ -193,6 +204,7 @@ def _decode_stage1_kernel(
     Positions=None, Loc=None, K_new=None, V_new=None, Cos_sin=None, QW=None, KW=None,
     stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0, stride_cs=0, eps=0.0,
     ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
+    X=None, stride_x=0, x_cols=1, eps_x=0.0, X_NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
     b = tl.program_id(1)
@@ -224,7 +236,8 @@ def _decode_stage1_kernel(
         h_mask = offs_h >= 0
     if ROPE:  # Q, K_new, V_new before rotary: rotated below, and the new token's split stores its K/V first
         new_token = _load_new_token(Q, K_new, V_new, Positions, Loc, b, kv_head, heads, h_mask, stride_qb,
-                                    stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, HEAD_DIM)
+                                    stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, X, stride_x, x_cols,
+                                    HEAD_DIM, X_NORM, BLOCK_X)
     else:
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)
@@ -235,11 +248,11 @@ def _decode_stage1_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     if ROPE:
-        pos, q_raw, k_new, v_new, slot = new_token
-        q = _rope_q_store_kv(pos, q_raw, k_new, v_new, slot, K_buf, V_buf, Cos_sin, QW, KW, K_scale, V_scale,
-                             kv_head, h_mask, split == (seq_len - 1) // per_split, stride_kbs, stride_kbh,
-                             stride_vbs, stride_vbh, stride_cs, eps, Q.dtype.element_ty, HEAD_DIM, BLOCK_H,
-                             BLOCK_D, HAS_NORM, KV_FP8)
+        pos, q_raw, k_new, v_new, slot, x_row = new_token
+        q = _rope_q_store_kv(pos, q_raw, k_new, v_new, slot, x_row, K_buf, V_buf, Cos_sin, QW, KW, K_scale,
+                             V_scale, kv_head, h_mask, split == (seq_len - 1) // per_split, stride_kbs, stride_kbh,
+                             stride_vbs, stride_vbh, stride_cs, eps, x_cols, eps_x, Q.dtype.element_ty, HEAD_DIM,
+                             BLOCK_H, BLOCK_D, HAS_NORM, KV_FP8, X_NORM)
     if QK_FP8:  # q per row to e4m3 (max 448), its row scale folded into the score scale
         q = q.to(tl.float32)
         amax = tl.max(tl.abs(q), 1)
@@ -516,6 +529,8 @@ class NewTokens(NamedTuple):
     q_norm_weight: torch.Tensor | None = None  # [D], both or neither (Qwen3)
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
+    x_rms: torch.Tensor | None = None  # [bs, hidden]: the deferred input norm's rows (attention.base.Rope.x_rms)
+    x_rms_eps: float = 1e-6
 
 
 def decode_attention(
@@ -555,8 +570,8 @@ def decode_attention(
     up to 8 and block_n holds 16 / group chunks of >= 8 keys, else ignored. Not with `qk_fp8` or `cvt_bits`.
 
     `new`: q comes before rotary, and stage 1 rotates it and stores the new tokens' K/V (`NewTokens`) as
-    rope_store_kv would have, the same bits, without its launch. Head dims that are powers of two; `kv_group`
-    is then ignored.
+    rope_store_kv would have, the same bits, without its launch; with `new.x_rms`, after the deferred input
+    norm's scale, as rope_store_kv applies it. Head dims that are powers of two; `kv_group` is then ignored.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -599,6 +614,11 @@ def decode_attention(
                      stride_knt=new.k.stride(0), stride_knh=new.k.stride(1), stride_vnt=new.v.stride(0),
                      stride_vnh=new.v.stride(1), stride_cs=new.cos_sin.stride(0), eps=new.eps, ROPE=True,
                      HAS_NORM=has_norm)
+        if new.x_rms is not None:
+            x = new.x_rms
+            assert x.shape[0] == bs and x.stride(1) == 1 and x.dtype == q.dtype
+            tail |= dict(X=x, stride_x=x.stride(0), x_cols=x.shape[1], eps_x=new.x_rms_eps, X_NORM=True,
+                         BLOCK_X=triton.next_power_of_2(x.shape[1]))
     # KV heads in the grid's first dimension: the programs of one request's heads launch side by side and read
     # the same slots' rows (a slot holds every head) at about the same time (H200, 1-3% faster kernels at
     # contexts 1,024-4,096, about 1% faster steps; docs/gpu-notes.md)

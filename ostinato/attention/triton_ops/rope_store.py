@@ -41,6 +41,20 @@ def load_halves(X, offs_h, stride_h, offs_d, mask, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def inv_rms_of(x, n_cols, eps):
+    """The inverse RMS of a row x loaded as [BLOCK] (lanes past n_cols 0), fp32 sums as silu_and_mul's deferred
+    norm takes them: the deferred input norm's scale (`Rope.x_rms`)."""
+    x = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+
+
+@triton.jit
+def scaled(x, inv_rms, dtype: tl.constexpr):
+    """fp32 x (a model-dtype value) times the deferred norm's scale, rounded to the model dtype (`scale_by_inv_rms`)."""
+    return (x * inv_rms).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, slot, offs_h, mask, offs_d, d_mask, cos, sin, KW, K_scale,
                     V_scale, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps, dtype: tl.constexpr,
                     HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr):
@@ -75,7 +89,8 @@ def _rope_store_kernel(
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, X=None, stride_x=0, x_cols=1, eps_x=0.0, X_NORM: tl.constexpr = False,
+    BLOCK_X: tl.constexpr = 1,
 ):
     if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait; the trigger is at the end
         tl.extra.cuda.gdc_wait()
@@ -85,6 +100,9 @@ def _rope_store_kernel(
     half: tl.constexpr = HEAD_DIM // 2
     dt = Q.dtype.element_ty  # the model dtype: every step below is rounded to it, as HF rounds
     pos = tl.load(Positions + t).to(tl.int64)
+    if X_NORM:  # the deferred input norm (Rope.x_rms): the token's residual-stream row, for its scale
+        offs_x = tl.arange(0, BLOCK_X)
+        x_row = tl.load(X + t * stride_x + offs_x, mask=offs_x < x_cols, other=0.0)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < half
     cos = tl.load(Cos_sin + pos * stride_cs + offs_d, mask=d_mask, other=0.0).to(dt).to(tl.float32)[None, :]
@@ -93,6 +111,9 @@ def _rope_store_kernel(
         offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (offs_h < NUM_Q_HEADS)[:, None] & d_mask[None, :]
         x1, x2 = load_halves(Q + t * stride_qt, offs_h, stride_qh, offs_d, mask, HEAD_DIM)
+        if X_NORM:
+            inv_rms = inv_rms_of(x_row, x_cols, eps_x)
+            x1, x2 = scaled(x1, inv_rms, dt), scaled(x2, inv_rms, dt)
         out1, out2 = norm_rotate(x1, x2, QW, offs_d, d_mask, cos, sin, eps, dt, HEAD_DIM, HAS_NORM)
         dst = Q_out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out1.to(dt), mask=mask)
@@ -102,6 +123,10 @@ def _rope_store_kernel(
         mask = (offs_h < NUM_KV_HEADS)[:, None] & d_mask[None, :]
         k1, k2 = load_halves(K + t * stride_kt, offs_h, stride_kh, offs_d, mask, HEAD_DIM)
         v1, v2 = load_halves(V + t * stride_vt, offs_h, stride_vh, offs_d, mask, HEAD_DIM)
+        if X_NORM:
+            inv_rms = inv_rms_of(x_row, x_cols, eps_x)
+            k1, k2 = scaled(k1, inv_rms, dt), scaled(k2, inv_rms, dt)
+            v1, v2 = scaled(v1, inv_rms, dt), scaled(v2, inv_rms, dt)
         rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, tl.load(Loc + t).to(tl.int64), offs_h, mask, offs_d, d_mask,
                         cos, sin, KW, K_scale, V_scale, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps, dt,
                         HEAD_DIM, HAS_NORM, KV_FP8)
@@ -113,7 +138,8 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   cos_sin_cache: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor,
                   q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, kv_fp8: torch.dtype | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, x_rms: torch.Tensor | None = None,
+                  x_rms_eps: float = 1e-6) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] before rotary (last dim contiguous, any other strides; not written);
     positions and loc [T]; cos_sin_cache fp32 [max_pos, D] (cos | sin); k_buf/v_buf [slots, Hkv, D] as stored.
     Writes rotated k and v at `loc` and returns rotated q as a new [T, H, D] tensor in q's dtype.
@@ -121,6 +147,10 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     With norm weights [D] (both or neither) each q/k head is RMS-normalised first. `kv_fp8`: the fp8 dtype of
     a cache stored as uint8, values stored as x / scale (`k_scale` / `v_scale`: float32 device tensors).
     Rows sharing a slot (padded rows of a captured batch all write the sink) race, harmlessly.
+
+    `x_rms` [T, hidden] (last dim contiguous): q, k and v are the projection of these rows bare, the layer's input
+    RMSNorm deferred; each is first scaled by its row's inverse RMS (eps `x_rms_eps`), rounded to the model dtype
+    (`layers.norm.scale_by_inv_rms`).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -141,6 +171,11 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     block_h = min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 512 // block_half))
     grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
     pdl = pdl_enabled(q)
+    x_args = {}
+    if x_rms is not None:
+        assert x_rms.shape[0] == num_tokens and x_rms.stride(1) == 1 and x_rms.dtype == q.dtype
+        x_args = dict(X=x_rms, stride_x=x_rms.stride(0), x_cols=x_rms.shape[1], eps_x=x_rms_eps, X_NORM=True,
+                      BLOCK_X=triton.next_power_of_2(x_rms.shape[1]))
     _rope_store_kernel[grid](
         positions, loc, q, k, v, q_out, k_buf, v_buf, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,  # unread without the norm
@@ -150,6 +185,6 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         cos_sin_cache.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
         BLOCK_HALF=block_half, HAS_NORM=has_norm, KV_FP8=fp8, PDL=pdl, launch_pdl=pdl,
-        num_warps=4 if block_h * block_half >= 256 else 1,
+        num_warps=4 if block_h * block_half >= 256 or x_rms is not None else 1, **x_args,
     )
     return q_out
