@@ -173,10 +173,11 @@ def defers_input_norm(x: torch.Tensor, norm: RMSNorm, qkv: nn.Linear, down: nn.L
 
 def down_add_residual(down: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """down(x) + residual, on the GPU the add in the skinny kernel's epilogue (rounded as the two ops round): the
-    residual stream after the MLP, which the next layer takes whole (its input norm deferred). Elsewhere the two
-    ops (the twin the CPU tests run the deferred layer with)."""
-    if not x.is_cuda:
-        return down(x) + residual
-    from ostinato.layers.triton_ops import skinny_gemm
+    residual stream after the MLP, which the next layer takes whole (its input norm deferred). Elsewhere, or for
+    what the kernel does not take, the two ops (the twin the CPU tests run the deferred layer with)."""
+    if x.is_cuda:
+        from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
-    return skinny_gemm.skinny_linear(x, down.weight, add=residual)
+        if skinny_gemm.supports(x, down.weight):
+            return skinny_gemm.skinny_linear(x, down.weight, add=residual)
+    return down(x) + residual
