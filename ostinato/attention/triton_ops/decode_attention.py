@@ -10,7 +10,8 @@ launch can be captured in a CUDA graph: programs whose split index is past the c
 
 With `new` (small decode batches: `TritonAttentionBackend.rope_attend`) stage 1 also does rope_store.py's work:
 q comes before rotary and each program rotates its group's heads, and the program whose split holds the new token
-rotates and stores that token's K/V before it walks its keys.
+rotates and stores that token's K/V before it walks its keys; with the layer's input norm deferred
+(`NewTokens.x_rms`), q, k and v are first scaled by the inverse RMS of the request's residual-stream row.
 """
 
 from typing import NamedTuple
