@@ -7,9 +7,10 @@ SKIP="norm" / "silu" / "norm,silu" / "" (none), then bench_decode.py's arguments
 SKIP=norm,silu python benchmarks/bound_decode_launches.py --models llama-3.2-1b qwen3-0.6b --cases 32:128 32:288 \
     --modes graph --no-launches
 
-- "norm": the fused residual add + RMSNorm (`layers.norm.fused_add_rms_norm`) returns its inputs. That is every norm
-  of a step at 5-32 rows but the first layer's (no residual yet) and the post-attention one, which is deferred into
-  silu_and_mul there.
+- "norm": the fused residual add + RMSNorm (`layers.norm.fused_add_rms_norm`) returns its inputs. When the figures
+  in docs/gpu-notes.md were taken, that was the input norm of every layer but the first at 5-32 rows; since the
+  input norm is deferred there (`layers.norm_linear.defers_input_norm`) no layer calls it at those rows, and the
+  option bounds the norms of other batch sizes.
 - "silu": the MLP's activation where the post-attention norm is deferred into it (`layers.norm_linear`, 5-32 rows)
   returns gate_up's first half as a view.
 """
