@@ -69,11 +69,10 @@ class AttentionBackend(abc.ABC):
 
         It reads only q, k, v, the positions and batch.out_cache_loc, so a captured graph may hold it (piecewise
         graphs capture it inside their pieces: graphs/piecewise.py)."""
-        if rope is not None:
-            q, k, v = rope.prescaled(q, k, v)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
         if rope is not None:
+            q, k, v = rope.prescaled(q, k, v)
             q, k = rope.rotated(q.view(-1, layer.num_heads, layer.head_dim), k)
             q = q.view(-1, layer.num_heads * layer.head_dim)
         self.store_kv(layer.layer_id, batch.out_cache_loc, k, v)

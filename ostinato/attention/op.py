@@ -14,7 +14,6 @@ import torch
 
 from ostinato.attention.base import AttentionBackend, AttentionSpec, Rope
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
-from ostinato.layers.norm import scale_by_inv_rms
 
 
 @dataclass
@@ -119,14 +118,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, 
               x_rms_eps: float = 1e-6) -> torch.Tensor:
     """What a model layer calls: q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]. With `positions`, q and k come before
     rotary and the backend rotates them (fused with its K/V store where it can) before the attention. With
-    `x_rms` (eager only), q, k and v are also before the layer's input RMSNorm's per-row scale (`Rope.x_rms`).
+    `x_rms` (eager, with `positions`), q, k and v are also before the layer's input RMSNorm's per-row scale
+    (`Rope.x_rms`).
 
     Under torch.compile the two steps are the custom ops above; run eagerly, their functions are called
     directly (a custom op's dispatch costs the host tens of microseconds a call on the GPU machines)."""
     compiling = torch.compiler.is_compiling()
-    assert x_rms is None or not compiling, "the deferred input norm is eager (and graph-captured) only"
-    if x_rms is not None and positions is None:
-        q, k, v = scale_by_inv_rms(x_rms, x_rms_eps, q, k, v)
+    # the deferred input norm's scale comes before rotary: with the model rotating (no positions), the model applies it
+    assert x_rms is None or (positions is not None and not compiling), "x_rms: eager, with positions, only"
     if positions is not None and compiling:
         # traced code reads the backend only: touching `_ctx.batch` would make dynamo guard on each batch
         k_cache = _backend().kv_cache.get_store_buffer(layer_id)[0]

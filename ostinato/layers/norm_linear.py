@@ -118,18 +118,28 @@ def norm_gate_up_silu(norm: RMSNorm, gate_up: nn.Linear, x: torch.Tensor,
     return _norm_project(norm, gate_up, x, residual, gated=True)
 
 
-def _defers_norm(o_proj: nn.Linear, a: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                 gate_up: nn.Linear) -> bool:
-    """Whether attn_out_norm_gate_up_silu takes its one-launch-fewer form for these inputs."""
-    if not (a.is_cuda and a.dim() == 2 and norm.weight_folded and not torch.compiler.is_compiling()
-            and tp_size() == 1 and o_proj.bias is None and gate_up.bias is None):
+def _deferrable(x: torch.Tensor, norm: RMSNorm, *linears: nn.Linear) -> bool:
+    """What both deferred norms need: on the GPU, eager, tp 1, a folded norm, bias-free projections, and
+    GATED_MAX_M < rows <= the skinny kernel's MAX_M (its epilogue adds the residual)."""
+    if not (x.is_cuda and x.dim() == 2 and norm.weight_folded and not torch.compiler.is_compiling()
+            and tp_size() == 1 and all(linear.bias is None for linear in linears)):
         return False
     from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
+    return GATED_MAX_M < x.shape[0] <= skinny_gemm.MAX_M
+
+
+def _defers_norm(o_proj: nn.Linear, a: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                 gate_up: nn.Linear) -> bool:
+    """Whether attn_out_norm_gate_up_silu takes its one-launch-fewer form for these inputs."""
+    if not _deferrable(a, norm, o_proj, gate_up):
+        return False
+    from ostinato.layers.triton_ops import skinny_gemm
+
     m = a.shape[0]
-    return (GATED_MAX_M < m <= skinny_gemm.MAX_M and prefers_skinny(m, *o_proj.weight.shape)
-            and skinny_gemm.supports(a, o_proj.weight) and residual.shape == (m, o_proj.weight.shape[0])
-            and residual.dtype == a.dtype and residual.stride(1) == 1)
+    return (prefers_skinny(m, *o_proj.weight.shape) and skinny_gemm.supports(a, o_proj.weight)
+            and residual.shape == (m, o_proj.weight.shape[0]) and residual.dtype == a.dtype
+            and residual.stride(1) == 1)
 
 
 def attn_out_norm_gate_up_silu(o_proj: nn.Linear, a: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
@@ -154,21 +164,15 @@ def deferred_norm_gate_up_silu(o_weight: torch.Tensor, a: torch.Tensor, residual
     return silu_and_mul(cuda_linear(h, gate_up_weight), norm=(h, eps)), h
 
 
-# the input norm deferred at GATED_MAX_M-MAX_M rows (module doc); a switch for A/B runs and tests
-defer_input_norm = True
-
-
 def defers_input_norm(x: torch.Tensor, norm: RMSNorm, qkv: nn.Linear, down: nn.Linear) -> bool:
-    """Whether a decoder layer at x's rows takes its input norm deferred (module doc): on the GPU, eager, tp 1, a
-    folded norm, bias-free projections, and down on the skinny kernel (it adds the residual)."""
-    if not (defer_input_norm and x.is_cuda and x.dim() == 2 and norm.weight_folded and qkv.bias is None
-            and down.bias is None and not torch.compiler.is_compiling() and tp_size() == 1):
+    """Whether a decoder layer at x's rows takes its input norm deferred (module doc): where the post-attention
+    norm can be (`_deferrable`), with down on the skinny kernel in x's dtype (it adds the residual)."""
+    if not _deferrable(x, norm, qkv, down):
         return False
-    from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
+    from ostinato.layers.triton_ops import skinny_gemm
 
-    m = x.shape[0]
-    return (GATED_MAX_M < m <= skinny_gemm.MAX_M and prefers_skinny(m, *down.weight.shape)
-            and x.dtype in skinny_gemm.DTYPES and down.weight.dtype == x.dtype)
+    return (prefers_skinny(x.shape[0], *down.weight.shape) and x.dtype in skinny_gemm.DTYPES
+            and down.weight.dtype == x.dtype)
 
 
 def down_add_residual(down: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -112,9 +112,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the previous layer's MLP output (or the embeddings, with residual None for the first layer);
-        returns this layer's MLP output and the residual stream it still has to be added to."""
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x is the previous layer's MLP output, with the residual stream it still has to be added to (residual None:
+        x is the stream itself, the embeddings or a deferring layer's output); returns the same for this layer."""
         attn = self.self_attn
         defer = defers_input_norm(x, self.input_layernorm, attn.qkv_proj, self.mlp.down_proj)
         if defer and residual is None:  # x is the residual stream itself: its norm deferred into attention
