@@ -9,7 +9,6 @@ max |skinny - torch|, `ref` the largest |y|.
 
 python benchmarks/bench_skinny_gemm.py [--out PATH] [--sweep]
 --sweep also times variants of each heuristic config (one field changed at a time); takes minutes.
---split-sweep times split-K forms of the tensor-core configs (M > 4): K split over 1-8 programs an N tile.
 
 python benchmarks/bench_skinny_gemm.py --prenorm --shapes 3072x2048 8192x2048g 4096x1024 6448x1536 --ms 1 2
 --prenorm times a norm and its projection: fused_add_rms_norm then the skinny kernel (two launches), or then
@@ -88,18 +87,9 @@ def variants(cfg: SkinnyConfig, m: int) -> list[SkinnyConfig]:
     return out
 
 
-def split_variants(cfg: SkinnyConfig) -> list[SkinnyConfig]:
-    """Split-K forms of a tensor-core config: K over 1-8 programs an N tile, at wider N tiles and both K tiles."""
-    if not cfg.use_dot:
-        return []
-    out = [cfg._replace(block_n=bn, block_k=bk, num_stages=st, split_k=sk)
-           for sk in (1, 2, 3, 4, 6, 8) for bn in (16, 32, 64) for bk in (256, 512) for st in (3, 4)]
-    return [c for c in out if c != cfg]
-
-
 def short(cfg: SkinnyConfig) -> str:
     return (f"{'dot' if cfg.use_dot else 'fma'} m{cfg.m_pad} n{cfg.block_n} k{cfg.block_k} "
-            f"w{cfg.num_warps} s{cfg.num_stages}" + (f" split{cfg.split_k}" if cfg.split_k > 1 else ""))
+            f"w{cfg.num_warps} s{cfg.num_stages}")
 
 
 def weight_copies(rows: int, k: int, args: argparse.Namespace, gen: torch.Generator,
@@ -131,10 +121,7 @@ def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: flo
             cfg = config_for(m, n, k, props.multi_processor_count)
             out = torch.empty(m, n, dtype=dtype, device=device)
             timed = []
-            sweep = variants(cfg, m) if args.sweep else []
-            sweep += split_variants(cfg) if args.split_sweep else []
-            ref = F.linear(x.float(), weights[0].float())
-            for c in [cfg, *sweep]:
+            for c in [cfg, *(variants(cfg, m) if args.sweep else [])]:
                 try:
                     calls = [functools.partial(skinny_linear, x, w, out=out, config=c) for w in ws]
                     us = graph_us(calls, args.reps)
@@ -144,21 +131,15 @@ def bench_shape(n: int, k: int, ms: list[int], args: argparse.Namespace, bw: flo
                     print(f"    {short(c)}: {type(e).__name__}", flush=True)
                     continue
                 timed.append((us, c))
-                if sweep:
-                    y1, y2 = (skinny_linear(x, weights[0], config=c) for _ in range(2))
-                    err = (y1.float() - ref).abs().max().item()
-                    print(f"    {short(c):<36}{us:>8.2f} us{w_bytes / us / 1e6:>7.2f} TB/s  err {err:.2e}"
-                          f"{'' if torch.equal(y1, y2) else '  NOT DETERMINISTIC'}", flush=True)
-                    if args.split_sweep:
-                        row.setdefault("sweep", []).append({"config": c._asdict(), "us": us, "max_abs_err": err,
-                                                            "deterministic": torch.equal(y1, y2)})
+                if args.sweep:
+                    print(f"    {short(c):<28}{us:>8.2f} us{w_bytes / us / 1e6:>7.2f} TB/s", flush=True)
             best_us, best = min(timed)
             y_torch, y = F.linear(x, weights[0]), skinny_linear(x, weights[0])
             row.update(config=cfg._asdict(), skinny_us=timed[0][0], skinny_TBps=w_bytes / timed[0][0] / 1e6,
                        speedup=torch_us / timed[0][0], frac_of_copy_bw=w_bytes / timed[0][0] / 1e6 / (bw / 1e12),
                        max_abs_err=(y.float() - y_torch.float()).abs().max().item(),
                        ref_max_abs=y_torch.float().abs().max().item())
-            if sweep:
+            if args.sweep:
                 row.update(best_config=best._asdict(), best_us=best_us, best_TBps=w_bytes / best_us / 1e6)
         rows.append(row)
         print_row(row)
@@ -231,8 +212,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="back-to-back calls in each captured graph")
     ap.add_argument("--reps", type=int, default=50, help="graph replays timed (median)")
     ap.add_argument("--sweep", action="store_true", help="also time variants of each heuristic config")
-    ap.add_argument("--split-sweep", action="store_true",
-                    help="also time split-K forms of each tensor-core config (split_variants)")
     ap.add_argument("--prenorm", action="store_true",
                     help="a norm then the skinny kernel or cuBLAS, against the fused kernel (M <= 2)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/skinny-gemm-<device>.json)")

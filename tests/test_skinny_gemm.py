@@ -101,31 +101,6 @@ def test_small_k_tiles(m, config, k, dtype):
     run_case(m, 45, k, dtype, seed=m + k, config=config)
 
 
-# split-K (tensor-core form): K over several programs an N tile, the last to finish sums the partials in split
-# order. 200 = 6 * 32 + 8: the masked tail is the last split's; split 4 of 7 tiles gives 4 splits of 2, 2, 2, 1;
-# split 8 of 7 tiles gives 7 of one
-@pytest.mark.parametrize("m,config", [
-    (7, SkinnyConfig(16, 16, 32, True, 4, 3, split_k=3)),
-    (16, SkinnyConfig(16, 32, 32, True, 4, 4, split_k=4)),
-    (24, SkinnyConfig(32, 16, 32, True, 4, 3, split_k=8)),
-    (32, SkinnyConfig(32, 16, 64, True, 4, 3, split_k=2)),
-])
-def test_split_k(m, config):
-    from ostinato.layers.triton_ops.skinny_gemm import split_workspace
-
-    gen = torch.Generator(DEVICE).manual_seed(m)
-    x, w = randn(gen, m, 200, dtype=torch.float16), randn(gen, 45, 200, dtype=torch.float16)
-    r = randn(gen, m, 45, dtype=torch.float16) * 8
-    got = skinny_linear(x, w, config=config)
-    check(got, x, w)
-    # a second launch finds the counts reset; the same bits whichever program finished last
-    assert torch.equal(skinny_linear(x, w, config=config), got)
-    assert torch.equal(skinny_linear(x, w, config=config, add=r), got + r)
-    assert not split_workspace(x.device)[1].any()
-    one = skinny_linear(x, w, config=config._replace(split_k=1))
-    torch.testing.assert_close(got, one, atol=2e-3, rtol=2e-3)  # fp32 sums in another order, rounded once
-
-
 def test_strided_x_and_out():
     """Rows of x and of out may be strided (slices of wider buffers); out is written in place."""
     gen = torch.Generator(DEVICE).manual_seed(7)
@@ -265,29 +240,6 @@ def test_cuda_graph():
             graph.replay()
             assert torch.equal(out, skinny_linear(x, w))
             check(out, x, w)
-
-
-@cuda
-@pytest.mark.parametrize("m", [5, 16, 32])
-@pytest.mark.parametrize("n,k", [(1024, 3072), (2048, 2048), (1024, 2048), (2048, 8192)])
-def test_split_k_real(m, n, k):
-    """Split-K at the o / down shapes, eager and replayed, many launches in a row: no lost or doubled partials."""
-    gen = torch.Generator("cuda").manual_seed(m + n)
-    for split in (2, 3, 8):
-        config = config_for(m, n, k)._replace(split_k=split, block_k=256)
-        x, w = randn(gen, m, k, dtype=torch.bfloat16), randn(gen, n, k, dtype=torch.bfloat16)
-        r = randn(gen, m, n, dtype=torch.bfloat16)
-        with torch.inference_mode():
-            first = skinny_linear(x, w, config=config)
-            check(first, x, w)
-            for _ in range(20):
-                assert torch.equal(skinny_linear(x, w, config=config), first)
-            out = torch.empty_like(first)
-            graph = captured(lambda x=x, w=w, out=out, c=config, r=r: skinny_linear(x, w, out=out, config=c, add=r))
-            for _ in range(3):
-                x.copy_(randn(gen, m, k, dtype=torch.bfloat16))
-                graph.replay()
-                assert torch.equal(out, skinny_linear(x, w, config=config) + r)
 
 
 @cuda

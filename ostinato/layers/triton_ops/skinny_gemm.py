@@ -11,10 +11,12 @@ so a program keeps num_stages - 1 tiles of W in flight. M picks the inner produc
 - M > 4: tl.dot on the tensor cores (at M = 16 the FMAs would take about as long as the load), x padded to
   16 rows (32 past 16). Its tiles are >= 16 a side, so N = 2048 gives 128 programs.
 
-Split-K would give more programs at small N; without atomics into a pre-zeroed buffer it needs a persistent
-workspace and an arrival counter per tile (the last program to arrive sums the partials in a fixed order).
-Left out: the shapes here fill the SMs without it, the closest call being M > 4 at N = 2048 (128 programs
-for 132 SMs).
+Split-K would give more programs at small N (Qwen3-0.6B's o / down, N = 1024, get 64 at M > 4). Built once
+(af4f44c: a persistent workspace, an arrival count per N tile, the last program summing the partials in split
+order) and slower at every o / down shape of Llama-3.2-1B and Qwen3-0.6B at M = 8, 16 and 32, by 6-26% at the
+best of 70 split / tile / stage settings (H100, `bench_skinny_gemm.py --split-sweep` at that commit,
+benchmarks/results/skinny-split-sweep-h100-20261126-s17.json): a program's time here is mostly latency, and the
+arrival count and the partials' round trip add to it.
 
 skinny_gate_up_silu is the MLP's gate_up projection with its activation: W the fused [2I, K] weight, out
 silu(x @ W[:I]^T) * (x @ W[I:]^T), [M, I]. Both kernels take it under the constexpr GATED: a program owns
@@ -137,29 +139,17 @@ def _skinny_fma_kernel(
 
 
 @triton.jit
-def _store_out(y, Out, stride_om, Add, stride_am, offs_n, M, N, M_PAD: tl.constexpr, HAS_ADD: tl.constexpr):
-    """The epilogue: y [M_PAD, BLOCK_N] (fp32 sums) plus Add where HAS_ADD, rounded to Out's dtype and stored."""
-    offs_m = tl.arange(0, M_PAD)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    y = _add_after(y, Add, stride_am, offs_m, offs_n, mask, Out.dtype.element_ty, HAS_ADD)
-    tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _skinny_dot_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     K_SPLIT: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
     Add=None, stride_am=0, HAS_ADD: tl.constexpr = False,
-    Part=None, Counter=None, k_per=0, num_splits=1, SPLIT: tl.constexpr = False,
 ):
     # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
     # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
     SUB_K: tl.constexpr = BLOCK_K // K_SPLIT
-    tl.static_assert(not (SPLIT and GATED))
     offs_m = tl.arange(0, M_PAD)[None, :, None]
-    pid_n = tl.program_id(0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = (tl.arange(0, K_SPLIT) * SUB_K)[:, None, None] + tl.arange(0, SUB_K)[None, None, :]
     # rows as in the FMA kernel: x's past M masked, W's past N clamped, GATED's up rows N further on
     m_mask = offs_m < M
@@ -169,22 +159,16 @@ def _skinny_dot_kernel(
     u_ptrs = W + (rows + N) * stride_wn + offs_k
     acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
-    if SPLIT:  # split-K: program (n, s) sums K [s * k_per, (s + 1) * k_per), k_per a multiple of BLOCK_K
-        k_lo = tl.program_id(1) * k_per
-        k_end = tl.minimum(k_lo + k_per, K)
-    else:
-        k_lo = 0
-        k_end = K
-    k_full = tl.minimum(k_end, K - K % BLOCK_K)  # the masked tail tile, if any, is the last split's
+    k_full = K - K % BLOCK_K
     if PDL:
         tl.extra.cuda.gdc_wait()
-    for k in tl.range(k_lo, k_full, BLOCK_K, num_stages=NUM_STAGES):
+    for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + k, mask=m_mask, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k), (0, 2, 1)), acc)
         if GATED:
             acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k), (0, 2, 1)), acc_u)
-    if k_full < k_end:
-        k_mask = offs_k < k_end - k_full
+    if k_full < K:
+        k_mask = offs_k < K - k_full
         x = tl.load(x_ptrs + k_full, mask=m_mask & k_mask, other=0.0)
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + k_full, mask=k_mask, other=0.0), (0, 2, 1)), acc)
         if GATED:
@@ -194,26 +178,10 @@ def _skinny_dot_kernel(
     y = tl.sum(acc, axis=0)
     if GATED:
         y = _silu_mul(y, tl.sum(acc_u, axis=0), Out.dtype.element_ty)
-    if SPLIT:
-        # Part holds each N tile's num_splits partial [M_PAD, BLOCK_N] tiles side by side. The last of a tile's
-        # programs to count itself in sums them in split order (the same bits whichever finishes last), writes
-        # the output and resets the count to 0 for the next launch. The barrier puts every thread's partial
-        # stores before the release; the reads bypass L1 (other SMs wrote them)
-        TILE: tl.constexpr = M_PAD * BLOCK_N
-        part_ptrs = (Part + pid_n.to(tl.int64) * num_splits * TILE + tl.arange(0, M_PAD)[:, None] * BLOCK_N
-                     + tl.arange(0, BLOCK_N)[None, :])
-        tl.store(part_ptrs + tl.program_id(1) * TILE, y)
-        tl.debug_barrier()
-        done = tl.atomic_add(Counter + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:
-            tl.debug_barrier()
-            tl.store(Counter + pid_n, 0)
-            y = tl.load(part_ptrs, cache_modifier=".cg")
-            for s in range(1, num_splits):
-                y += tl.load(part_ptrs + s * TILE, cache_modifier=".cg")
-            _store_out(y, Out, stride_om, Add, stride_am, offs_n, M, N, M_PAD, HAS_ADD)
-    else:
-        _store_out(y, Out, stride_om, Add, stride_am, offs_n, M, N, M_PAD, HAS_ADD)
+    offs_m = tl.arange(0, M_PAD)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y = _add_after(y, Add, stride_am, offs_m, offs_n, mask, Out.dtype.element_ty, HAS_ADD)
+    tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
 
 class SkinnyConfig(NamedTuple):
@@ -223,7 +191,6 @@ class SkinnyConfig(NamedTuple):
     use_dot: bool
     num_warps: int
     num_stages: int  # K tiles in flight per program: num_stages - 1 (cp.async ring in shared memory)
-    split_k: int = 1  # tensor-core form: K split over this many programs an N tile (fewer where K has fewer tiles)
 
 
 def config_for(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> SkinnyConfig:
@@ -270,20 +237,6 @@ def config_for(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) 
     # >= 16 KB of W in flight per program, and at least two tiles
     num_stages = min(5, max(3, 1 + triton.cdiv(16384, tile * block_k * 2)))
     return SkinnyConfig(m_pad, tile // rows, block_k, False, num_warps, num_stages)
-
-
-SPLIT_PARTIALS = 1 << 19  # fp32 partial sums (2 MB), enough for 512 programs of 32 x 32 tiles
-SPLIT_COUNTERS = 1024  # N tiles
-
-
-@functools.cache
-def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split-K form's partial sums and its per-N-tile arrival counts, one pair per device for the process's
-    lifetime (captured graphs keep their addresses). The counts are 0 between launches: each launch's last program
-    of an N tile resets its count. Launches on one device run one at a time (a decode step is one stream), so
-    they can share it."""
-    return (torch.empty(SPLIT_PARTIALS, dtype=torch.float32, device=device),
-            torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device))
 
 
 @functools.cache
@@ -372,15 +325,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
     assert cfg.m_pad >= m
     if cfg.use_dot:
         assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16 and prenorm is None
-        tiles = triton.cdiv(k, cfg.block_k)
-        per = triton.cdiv(tiles, cfg.split_k)
-        splits = triton.cdiv(tiles, per)  # none empty
-        if splits > 1:
-            assert not gated
-            part, counter = split_workspace(x.device)
-            assert grid[0] * splits * cfg.m_pad * cfg.block_n <= part.numel() and grid[0] <= counter.numel()
-            grid = (grid[0], splits)
-            meta.update(SPLIT=True, Part=part, Counter=counter, k_per=per * cfg.block_k, num_splits=splits)
         # one K slice a warp, each >= 16 (the MMA's K)
         _skinny_dot_kernel[grid](*args, **meta, K_SPLIT=min(cfg.num_warps, cfg.block_k // 16))
         return
