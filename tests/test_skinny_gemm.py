@@ -206,7 +206,45 @@ def test_config_invariants(m, n, k):
         assert cfg.use_dot or cfg.m_pad * cfg.block_k >= 256
 
 
+def test_prefetch_lines(monkeypatch):
+    """Lines of each W row asked of L2 before the PDL wait: the first K tiles of the form's count, in 128-byte
+    lines, a power of two; none when the count is 0."""
+    from ostinato.layers.triton_ops import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "PREFETCH_TILES", (2, 1))
+    fma, dot = config_for(1, 2048, 2048), config_for(32, 2048, 2048)
+    assert skinny_gemm.prefetch_lines(fma, 2) == triton.next_power_of_2(2 * fma.block_k * 2 // 128)
+    assert skinny_gemm.prefetch_lines(dot, 2) == triton.next_power_of_2(dot.block_k * 2 // 128)
+    assert skinny_gemm.prefetch_lines(SkinnyConfig(1, 4, 16, False, 4, 3), 2) == 1  # a tile under a line
+    monkeypatch.setattr(skinny_gemm, "PREFETCH_TILES", (0, 0))
+    assert skinny_gemm.prefetch_lines(fma, 2) == 0 == skinny_gemm.prefetch_lines(dot, 2)
+
+
 # ---------------------------------------------------------------- real shapes on the GPU
+@cuda
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 32])
+def test_prefetch_changes_no_bits(monkeypatch, m):
+    """The L2 prefetch before the PDL wait (Hopper) leaves every output bit as it was, plain, gated and pre-norm."""
+    from ostinato.layers.triton_ops import skinny_gemm
+
+    gen = torch.Generator("cuda").manual_seed(m)
+    x, w = randn(gen, m, 2048, dtype=torch.bfloat16), randn(gen, 4096, 2048, dtype=torch.bfloat16)
+    r = randn(gen, m, 2048, dtype=torch.bfloat16)
+
+    def outputs():
+        outs = [skinny_linear(x, w), skinny_linear(x, w[:2048], add=r)]
+        if m <= 4:
+            outs.append(skinny_gate_up_silu(x, w))
+        if m <= 2:
+            outs += list(skinny_gemm.skinny_norm_linear(x, w, 1e-6, r))
+        return outs
+
+    with torch.inference_mode():
+        monkeypatch.setattr(skinny_gemm, "PREFETCH_TILES", (0, 0))
+        plain = outputs()
+        monkeypatch.setattr(skinny_gemm, "PREFETCH_TILES", (4, 2))
+        for a, b in zip(outputs(), plain, strict=True):
+            assert torch.equal(a, b)
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", range(1, MAX_M + 1))

@@ -4,8 +4,10 @@ A decode step is a chain of a few hundred short kernels, and each kernel boundar
 plus the launch and ramp-up of the next. With PDL a kernel may start while the kernel before it is still
 finishing: its programs get resident and wait there, so the launch and ramp-up overlap the previous kernel's
 tail. Measured on an H200: 0.3-0.7 us less per kernel in a CUDA graph (`benchmarks/bench_pdl.py`); decode
-steps 3-10% faster (`benchmarks/bench_decode.py --pdl off on`). Loading a GEMV's first weight tile before the
-wait was slower (Llama-3.2-1B bs 1: 0.991 against 0.949 ms a step), so every kernel waits first.
+steps 3-10% faster (`benchmarks/bench_decode.py --pdl off on`). Loading a GEMV's first weight tile into registers
+before the wait was slower (Llama-3.2-1B bs 1: 0.991 against 0.949 ms a step), so every kernel waits first; but the
+skinny GEMVs ask L2 for their first weight tiles before it (`prefetch.global.L2`: no registers held, and weights
+are no kernel's output), 0.4-3% faster steps at bs 1-32 (skinny_gemm.py's `_prefetch_tiles`).
 
 The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL: tl.constexpr`:
 - every program calls `gdc_wait()` before it reads anything an earlier kernel wrote and before it writes

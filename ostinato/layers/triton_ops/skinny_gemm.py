@@ -31,6 +31,7 @@ writes x + residual out. The norm's weight is folded into W beforehand (layers/n
 """
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -74,12 +75,24 @@ def _prenorm_tile(x, r_ptrs, ro_ptrs, mask, ss, store, HAS_RES: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(W, rows, stride_wn, K, LINES: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines of W's `rows` (clamped to the row's K elements): fire and forget,
+    no registers held, values unchanged. Issued before the PDL wait, so a program's first W tiles come from HBM
+    while the previous kernel finishes."""
+    per_line: tl.constexpr = 128 // (W.dtype.element_ty.primitive_bitwidth // 8)
+    cols = tl.minimum(tl.arange(0, LINES) * per_line, K - 1)
+    ptrs = W + rows[:, None] * stride_wn + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     R, R_out, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     GATED: tl.constexpr, PRENORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, PDL: tl.constexpr = False,
-    Add=None, stride_am=0, HAS_ADD: tl.constexpr = False,
+    Add=None, stride_am=0, HAS_ADD: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
 ):
     offs_m = tl.arange(0, M_PAD)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,6 +114,11 @@ def _skinny_fma_kernel(
     ss = tl.zeros((M_PAD, 1, BLOCK_K), dtype=tl.float32)
     store = (offs_m * 0 + tl.program_id(0) == 0)[:, None, None]  # a tensor: the interpreter masks with no scalar
     k_full = K - K % BLOCK_K
+    if PREFETCH_LINES:  # W is no kernel's output
+        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        _prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
+        if GATED:
+            _prefetch_rows(W, w_rows + N, stride_wn, K, PREFETCH_LINES)
     if PDL:  # layers/triton_ops/pdl.py: x is the previous kernel's output
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
@@ -143,7 +161,7 @@ def _skinny_dot_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     K_SPLIT: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-    Add=None, stride_am=0, HAS_ADD: tl.constexpr = False,
+    Add=None, stride_am=0, HAS_ADD: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
 ):
     # a K tile is K_SPLIT batches of a batched tl.dot, one a warp: independent accumulator chains instead of
     # one chain of BLOCK_K / 16 dependent MMAs, summed after the loop
@@ -160,6 +178,11 @@ def _skinny_dot_kernel(
     acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
+    if PREFETCH_LINES:  # as in the FMA kernel
+        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        _prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
+        if GATED:
+            _prefetch_rows(W, w_rows + N, stride_wn, K, PREFETCH_LINES)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
@@ -237,6 +260,34 @@ def config_for(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) 
     # >= 16 KB of W in flight per program, and at least two tiles
     num_stages = min(5, max(3, 1 + triton.cdiv(16384, tile * block_k * 2)))
     return SkinnyConfig(m_pad, tile // rows, block_k, False, num_warps, num_stages)
+
+
+def _prefetch_tiles() -> tuple[int, int]:
+    """K tiles of W a program asks L2 for before its PDL wait, (FMA form, tensor-core form);
+    OSTINATO_GEMV_PREFETCH_TILES="fma,dot" sets them (0: none). H100, GPU forward ms a step at bs 1 / 4 / 8 / 32 x
+    128, none -> 1 tile -> 2 tiles (`bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 4:128 8:128
+    32:128 --modes graph --no-launches --iters 100`, decode-gemv-l2first-{none,1tile,2tiles}-h100-20261126-s17*.json;
+    "none" ran first and last, with the same figures):
+    - Llama-3.2-1B: 1.085 / 1.186 / 1.215 / 1.287 -> 1.081 / 1.183 / 1.204 / 1.278 -> 1.080 / 1.171 / 1.207 / 1.282;
+    - Qwen3-0.6B: 0.838 / 0.955 / 1.053 / 1.252 -> 0.842 / 0.935 / 1.033 / 1.234 -> 0.826 / 0.923 / 1.046 / 1.247.
+    bs 1-4 run the FMA form, bs 8-32 the tensor-core one. A second call, none / (2, 1) twice each and (4, 1) once
+    (decode-pf-*-h100-20261126-s17*.json): Llama-3.2-1B 1.085 / 1.183 / 1.214 / 1.282 -> 1.080 / 1.170 / 1.204 /
+    1.273, Qwen3-0.6B 0.834 / 0.948 / 1.050 / 1.246 -> 0.822 / 0.919 / 1.030 / 1.228; (4, 1) no better at bs 4."""
+    spec = os.environ.get("OSTINATO_GEMV_PREFETCH_TILES", "2,1").split(",")
+    fma = int(spec[0])
+    return fma, int(spec[1]) if len(spec) > 1 else fma
+
+
+PREFETCH_TILES = _prefetch_tiles()
+
+
+def prefetch_lines(cfg: SkinnyConfig, element_size: int) -> int:
+    """128-byte lines of each W row a program asks L2 for before its PDL wait: its first K tiles (PREFETCH_TILES,
+    by form), rounded up to a power of two; 0: none."""
+    tiles = PREFETCH_TILES[cfg.use_dot]
+    if tiles <= 0:
+        return 0
+    return triton.next_power_of_2(max(1, tiles * cfg.block_k * element_size // 128))
 
 
 @functools.cache
@@ -321,7 +372,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
     meta = dict(M_PAD=cfg.m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
                 GATED=gated, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 Add=out if add is None else add, stride_am=0 if add is None else add.stride(0),
-                HAS_ADD=add is not None)
+                HAS_ADD=add is not None, PREFETCH_LINES=prefetch_lines(cfg, x.element_size()) if pdl else 0)
     assert cfg.m_pad >= m
     if cfg.use_dot:
         assert min(cfg.m_pad, cfg.block_n, cfg.block_k) >= 16 and prenorm is None
