@@ -392,6 +392,32 @@ def check_graph_path(env: Env, lens_a: list[int], lens_b: list[int], pad_to: int
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
+def test_early_kv_only_where_the_splits_were_counted_before(monkeypatch):
+    """Stage 1 reads its split bounds before its PDL wait only where no kernel just ahead wrote them: eagerly
+    (counted at metadata time) and in graph mode past the layer that counts them inside the capture; and only
+    where the table entry asks for it."""
+    import ostinato.attention.triton_backend as backend
+
+    env = make_env(1, 4, 2, 16)
+    rows = new_requests(env, [20, 7])
+    batch, (q, k, v) = decode_step(env, rows, [20, 7])
+    seen = []
+    monkeypatch.setattr(backend, "decode_attention", lambda **kw: seen.append(kw["early_kv"]))
+    table = {bs: dict(e) for bs, e in env.tri.decode_table.items()}
+    table[1]["early_kv"] = True
+    env.tri.decode_table = table
+    env.tri.init_forward_metadata(batch)
+    env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
+    env.tri.init_cuda_graph_state(4)
+    env.tri.init_forward_metadata_capture(2, batch.req_pool_indices, batch.seq_lens)
+    env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)  # counts the splits: layer 0
+    env.tri.splits_layer_id = 1  # as if layer 1 had counted them: layer 0 is past it
+    env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
+    table[1]["early_kv"] = False
+    env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
+    assert seen == [True, False, True, False]
+
+
 def test_graph_path_follows_buffers_and_ignores_padded_rows():
     env = make_env(4, 8, 2, 16, seed=7, max_reqs=6)
     check_graph_path(env, lens_a=[40, 3, 70], lens_b=[0, 22], pad_to=4, max_bs=5, atol=1e-4)

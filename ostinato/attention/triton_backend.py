@@ -49,7 +49,17 @@ class TritonAttentionBackend(AttentionBackend):
     # padded graph replay and an eager pass agree. An entry holds the kernel settings (block_n, warps, stages,
     # whole_blocks; for fp8 the variant, decode_attention.FP8_DECODE_VARIANTS) and may set the split knobs:
     # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's), and maxnreg
-    # (a register cap for ptxas, so more one-warp programs fit an SM).
+    # (a register cap for ptxas, so more one-warp programs fit an SM), and early_kv (decode_attention's: stage 1
+    # reads its split's bounds and asks L2 for its first key block before its PDL wait). H100, GPU forward ms a
+    # step, early_kv off -> on at every entry, two runs each alternating (`bench_decode.py --models llama-3.2-1b
+    # qwen3-0.6b --cases 1:128 1:1024 2:128 4:128 8:128 16:128 16:1024 32:128 32:1024 64:128 128:128 --modes graph
+    # --no-launches --iters 100 --decode-entry "1:early_kv=True;...;256:early_kv=True"` with
+    # OSTINATO_DECODE_EARLY_KV=0 / 1, decode-earlykv-*-h100-20261126-s17*.json): Llama-3.2-1B bs 1 x 128 / 1 x
+    # 1024 / 2 / 32 / 32 x 1024 / 64 1.084 / 1.114 / 1.087 / 1.276 / 1.587 / 1.477 -> 1.077 / 1.106 / 1.082 /
+    # 1.274 / 1.583 / 1.469, but bs 4 1.174 -> 1.178 and bs 128 1.674 -> 1.714; Qwen3-0.6B bs 1 x 128 / 1 x 1024 /
+    # 16 / 32 / 64 0.822 / 0.968 / 1.086 / 1.227 / 1.577 -> 0.817 / 0.882 / 1.074 / 1.215 / 1.569, but bs 4 0.919
+    # -> 0.926; fp8 cache (Llama-3.2-1B) bs 1 1.077 -> 1.071, 32 x 4096 2.016 -> 2.007, 256 x 1024 3.285 -> 3.323.
+    # Entries where it was level or slower, or not timed, leave it off.
     # A captured graph serves every context length of its batch size with one entry, so entries are chosen over
     # contexts 128, 1024 and 4096 together (least geometric-mean slowdown against each context's best:
     # `bench_decode_attention.py --robust`). Entries from 8 rows up come from the H200 sweep of 2026-11-26, run
@@ -65,14 +75,14 @@ class TritonAttentionBackend(AttentionBackend):
     # end to end took bs 128 x 4096 from 5.03 to 4.29 ms a step (H200; kv_splits_cap's 2 programs per SM gave 1).
     decode_tables: dict[tuple[bool, int], dict[int, dict]] = {
         (False, 64): {
-            1: dict(num_warps=2, num_stages=2, whole_blocks=True),
+            1: dict(num_warps=2, num_stages=2, whole_blocks=True, early_kv=True),
             4: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32),
             8: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
             16: dict(num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
-            32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
+            32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, early_kv=True),
             64: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
-                     min_tokens_per_split=128),
+                     min_tokens_per_split=128, early_kv=True),
             128: dict(num_warps=1, num_stages=2),
             256: dict(num_warps=2, num_stages=2, whole_blocks=True),
         },
@@ -81,7 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
             # kernels than "fp16" at every batch size and context timed (H200, `bench_decode_entries.py --kv fp8`,
             # decode-entries-fp8-h200-20261126.json): bs 32 6.99 / 16.07 / 49.40 -> 6.23 / 14.15 / 43.56 us, bs
             # 256 13.88 / 84.08 / 300.61 -> 13.49 / 79.59 / 281.68. bs 1-7 were not timed with it.
-            1: dict(variant="fp16", block_n=64, num_warps=4, num_stages=2, whole_blocks=True),
+            1: dict(variant="fp16", block_n=64, num_warps=4, num_stages=2, whole_blocks=True, early_kv=True),
             4: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32),
             # programs_per_sm 4, not the sweep's pick of 8 (9 splits at bs 9-16, the same kernel time to 3%): with 8,
@@ -89,7 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
             8: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
                     programs_per_sm=4),
             32: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
-                     programs_per_sm=4),
+                     programs_per_sm=4, early_kv=True),
             64: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
                      programs_per_sm=8),
             # 5 stages since fp8 caches went head-major (a head's slots one run): H200, Llama-3.2-1B, bs 128 at
@@ -107,11 +117,12 @@ class TritonAttentionBackend(AttentionBackend):
                       programs_per_sm=16, min_tokens_per_split=128, maxnreg=128),
         },
         (False, 128): {
-            1: dict(num_warps=4, num_stages=2, whole_blocks=True),
+            1: dict(num_warps=4, num_stages=2, whole_blocks=True, early_kv=True),
             4: dict(num_warps=4, num_stages=2, whole_blocks=True, programs_per_sm=4),
             8: dict(num_warps=2, num_stages=2, whole_blocks=True, programs_per_sm=4),
-            16: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, min_tokens_per_split=32),
-            32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True),
+            16: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, min_tokens_per_split=32,
+                     early_kv=True),
+            32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, early_kv=True),
             128: dict(block_n=32, num_warps=1, num_stages=3, whole_blocks=True),
         },
         (True, 128): {
@@ -372,7 +383,8 @@ class TritonAttentionBackend(AttentionBackend):
             if self.splits_layer_id is None:
                 self.splits_layer_id = layer.layer_id
             num_kv_splits = self.graph_num_kv_splits[:bs]
-            if layer.layer_id == self.splits_layer_id:  # once per pass, on the device, inside the capture
+            splits_ready = layer.layer_id != self.splits_layer_id
+            if not splits_ready:  # once per pass, on the device, inside the capture
                 compute_num_kv_splits(self.graph_seq_lens, num_kv_splits, self._min_tokens_per_split(bs), splits)
             req_pool_indices, seq_lens = self.graph_req_pool_indices, self.graph_seq_lens
             mid_o = self.graph_mid_o[:bs, :num_heads, :splits, :head_dim]
@@ -380,26 +392,29 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             num_kv_splits, req_pool_indices, seq_lens = self.num_kv_splits, self.req_pool_indices, self.seq_lens
             mid_o = mid_lse = None
+            splits_ready = True  # init_forward_metadata's
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self._decode(q, out, layer, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, new)
+        self._decode(q, out, layer, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, new, splits_ready)
         return out
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionSpec, req_pool_indices: torch.Tensor,
                 seq_lens: torch.Tensor, num_kv_splits: torch.Tensor, mid_o: torch.Tensor | None = None,
-                mid_lse: torch.Tensor | None = None, new: NewTokens | None = None) -> None:
-        """Split-KV decode of q [bs, H, D] (rows may be a view) into out; fresh scratch unless given."""
+                mid_lse: torch.Tensor | None = None, new: NewTokens | None = None, splits_ready: bool = False) -> None:
+        """Split-KV decode of q [bs, H, D] (rows may be a view) into out; fresh scratch unless given.
+        `splits_ready`: num_kv_splits, seq_lens and the tables were written before the kernel just ahead
+        (decode_attention's `early_kv`)."""
         bs, num_heads, head_dim = q.shape
         if mid_o is None:
             splits = self.kv_splits_cap(bs)
             mid_o = torch.empty(bs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
         combine = self.combine_splits and bs >= self.combine_min_bs
+        kwargs = dict(block_n=self.decode_block_n) | decode_kwargs(table_entry(self.decode_table, bs))
+        kwargs["early_kv"] = kwargs.get("early_kv", False) and splits_ready
         decode_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
-            counters=self.decode_counters if combine else None, new=new,
-            **self._kv_args(layer.layer_id),
-            **(dict(block_n=self.decode_block_n) | decode_kwargs(table_entry(self.decode_table, bs))),
+            counters=self.decode_counters if combine else None, new=new, **self._kv_args(layer.layer_id), **kwargs,
         )
 
 

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.l2_prefetch import lines_for, prefetch_rows
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 
 MAX_M = 32
@@ -75,18 +76,6 @@ def _prenorm_tile(x, r_ptrs, ro_ptrs, mask, ss, store, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(W, rows, stride_wn, K, LINES: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines of W's `rows` (clamped to the row's K elements): fire and forget,
-    no registers held, values unchanged. Issued before the PDL wait, so a program's first W tiles come from HBM
-    while the previous kernel finishes."""
-    per_line: tl.constexpr = 128 // (W.dtype.element_ty.primitive_bitwidth // 8)
-    cols = tl.minimum(tl.arange(0, LINES) * per_line, K - 1)
-    ptrs = W + rows[:, None] * stride_wn + cols[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     R, R_out, stride_rm, stride_rom, eps,
@@ -114,11 +103,11 @@ def _skinny_fma_kernel(
     ss = tl.zeros((M_PAD, 1, BLOCK_K), dtype=tl.float32)
     store = (offs_m * 0 + tl.program_id(0) == 0)[:, None, None]  # a tensor: the interpreter masks with no scalar
     k_full = K - K % BLOCK_K
-    if PREFETCH_LINES:  # W is no kernel's output
+    if PREFETCH_LINES:  # W is no kernel's output (l2_prefetch.py)
         w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        _prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
+        prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
         if GATED:
-            _prefetch_rows(W, w_rows + N, stride_wn, K, PREFETCH_LINES)
+            prefetch_rows(W, w_rows + N, stride_wn, K, PREFETCH_LINES)
     if PDL:  # layers/triton_ops/pdl.py: x is the previous kernel's output
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
@@ -180,9 +169,9 @@ def _skinny_dot_kernel(
     k_full = K - K % BLOCK_K
     if PREFETCH_LINES:  # as in the FMA kernel
         w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        _prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
+        prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
         if GATED:
-            _prefetch_rows(W, w_rows + N, stride_wn, K, PREFETCH_LINES)
+            prefetch_rows(W, w_rows + N, stride_wn, K, PREFETCH_LINES)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
@@ -285,9 +274,7 @@ def prefetch_lines(cfg: SkinnyConfig, element_size: int) -> int:
     """128-byte lines of each W row a program asks L2 for before its PDL wait: its first K tiles (PREFETCH_TILES,
     by form), rounded up to a power of two; 0: none."""
     tiles = PREFETCH_TILES[cfg.use_dot]
-    if tiles <= 0:
-        return 0
-    return triton.next_power_of_2(max(1, tiles * cfg.block_k * element_size // 128))
+    return lines_for(tiles * cfg.block_k * element_size) if tiles > 0 else 0
 
 
 @functools.cache
