@@ -413,9 +413,11 @@ def test_early_kv_only_where_the_splits_were_counted_before(monkeypatch):
     env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)  # counts the splits: layer 0
     env.tri.splits_layer_id = 1  # as if layer 1 had counted them: layer 0 is past it
     env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
+    table[1]["early_kv"] = 3  # key blocks to ask L2 for
+    env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
     table[1]["early_kv"] = False
     env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
-    assert seen == [True, False, True, False]
+    assert seen == [True, False, True, 3, False]
 
 
 def test_graph_path_follows_buffers_and_ignores_padded_rows():

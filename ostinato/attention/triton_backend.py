@@ -59,7 +59,14 @@ class TritonAttentionBackend(AttentionBackend):
     # 1.274 / 1.583 / 1.469, but bs 4 1.174 -> 1.178 and bs 128 1.674 -> 1.714; Qwen3-0.6B bs 1 x 128 / 1 x 1024 /
     # 16 / 32 / 64 0.822 / 0.968 / 1.086 / 1.227 / 1.577 -> 0.817 / 0.882 / 1.074 / 1.215 / 1.569, but bs 4 0.919
     # -> 0.926; fp8 cache (Llama-3.2-1B) bs 1 1.077 -> 1.071, 32 x 4096 2.016 -> 2.007, 256 x 1024 3.285 -> 3.323.
-    # Entries where it was level or slower, or not timed, leave it off.
+    # Entries where it was level or slower, or not timed, leave it off. An int asks for that many key blocks: at
+    # bs 1 four blocks beat one and two, and at bs 32 one beat two and four (`--decode-entry "1:early_kv=B;32:
+    # early_kv=B"`, decode-earlykv-blocks-*-h100-20261126-s17*.json; Qwen3-0.6B bs 1 x 4096 1.337 / 1.204 / 1.152
+    # ms, bs 32 x 128 1.212 / 1.228 / 1.265). The final tables, off -> on, two runs each alternating
+    # (decode-earlykv-final-*-h100-20261126-s17*.json): Qwen3-0.6B bs 1 x 128 / 1024 / 4096 0.822 / 0.969 / 1.364
+    # -> 0.822 / 0.898 / 1.159, bs 2 x 1024 0.988 -> 0.953, bs 16 / 32 / 64 x 128 1.088 / 1.231 / 1.576 -> 1.080 /
+    # 1.217 / 1.568; Llama-3.2-1B bs 1 x 128 / 1024 / 4096 1.079 / 1.111 / 1.203 -> 1.075 / 1.101 / 1.187, bs 2 x
+    # 1024 1.126 -> 1.111, bs 64 1.477 -> 1.467, bs 32 level.
     # A captured graph serves every context length of its batch size with one entry, so entries are chosen over
     # contexts 128, 1024 and 4096 together (least geometric-mean slowdown against each context's best:
     # `bench_decode_attention.py --robust`). Entries from 8 rows up come from the H200 sweep of 2026-11-26, run
@@ -75,7 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
     # end to end took bs 128 x 4096 from 5.03 to 4.29 ms a step (H200; kv_splits_cap's 2 programs per SM gave 1).
     decode_tables: dict[tuple[bool, int], dict[int, dict]] = {
         (False, 64): {
-            1: dict(num_warps=2, num_stages=2, whole_blocks=True, early_kv=True),
+            1: dict(num_warps=2, num_stages=2, whole_blocks=True, early_kv=4),
             4: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32),
             8: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
@@ -117,7 +124,7 @@ class TritonAttentionBackend(AttentionBackend):
                       programs_per_sm=16, min_tokens_per_split=128, maxnreg=128),
         },
         (False, 128): {
-            1: dict(num_warps=4, num_stages=2, whole_blocks=True, early_kv=True),
+            1: dict(num_warps=4, num_stages=2, whole_blocks=True, early_kv=4),
             4: dict(num_warps=4, num_stages=2, whole_blocks=True, programs_per_sm=4),
             8: dict(num_warps=2, num_stages=2, whole_blocks=True, programs_per_sm=4),
             16: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, min_tokens_per_split=32,
@@ -410,7 +417,7 @@ class TritonAttentionBackend(AttentionBackend):
             mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
         combine = self.combine_splits and bs >= self.combine_min_bs
         kwargs = dict(block_n=self.decode_block_n) | decode_kwargs(table_entry(self.decode_table, bs))
-        kwargs["early_kv"] = kwargs.get("early_kv", False) and splits_ready
+        kwargs["early_kv"] = kwargs.get("early_kv", False) if splits_ready else False
         decode_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,

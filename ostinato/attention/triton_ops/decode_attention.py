@@ -211,7 +211,7 @@ def _decode_stage1_kernel(
     stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0, stride_cs=0, eps=0.0,
     ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
     X=None, stride_x=0, x_cols=1, eps_x=0.0, X_NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1,
-    KV_LINES: tl.constexpr = 0,
+    KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
     b = tl.program_id(1)
@@ -221,7 +221,8 @@ def _decode_stage1_kernel(
     # loads past the exit. Loaded where first used, the rotary path had waited on five round trips in turn before
     # it asked for the first key block's slots; now on two (sm_90 SASS: the splits with the position, then cos /
     # sin with q). KV_LINES: before the PDL wait (none of them is the kernel ahead's output: decode_attention's
-    # `early_kv`), and then the split's first key block goes to L2 (its K and V rows' first KV_LINES lines)
+    # `early_kv`), and then the split's first KV_BLOCKS key blocks go to L2 (their K and V rows' first KV_LINES
+    # lines)
     if PDL and KV_LINES == 0:  # layers/triton_ops/pdl.py: nothing read or written before the wait
         tl.extra.cuda.gdc_wait()
     num_splits = tl.load(Num_kv_splits + b)
@@ -231,10 +232,13 @@ def _decode_stage1_kernel(
         if split < num_splits:
             per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
             first = split * per
-            slots, _, _ = block_slots(Req_to_token + req * stride_r2t, first, tl.minimum(first + per, seq_len),
-                                      BLOCK_N, PAGE)
-            prefetch_rows(K_buf + kv_head.to(tl.int64) * stride_kbh, slots, stride_kbs, HEAD_DIM, KV_LINES)
-            prefetch_rows(V_buf + kv_head.to(tl.int64) * stride_vbh, slots, stride_vbs, HEAD_DIM, KV_LINES)
+            last = tl.minimum(first + per, seq_len)
+            for blk in tl.static_range(KV_BLOCKS):
+                if first + blk * BLOCK_N < last:
+                    slots, _, _ = block_slots(Req_to_token + req * stride_r2t, first + blk * BLOCK_N, last,
+                                              BLOCK_N, PAGE)
+                    prefetch_rows(K_buf + kv_head.to(tl.int64) * stride_kbh, slots, stride_kbs, HEAD_DIM, KV_LINES)
+                    prefetch_rows(V_buf + kv_head.to(tl.int64) * stride_vbh, slots, stride_vbs, HEAD_DIM, KV_LINES)
         if PDL:
             tl.extra.cuda.gdc_wait()
     v_scale = 1.0
@@ -560,7 +564,7 @@ def decode_attention(
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
     v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
     kv_group: bool = False, counters: torch.Tensor | None = None, maxnreg: int | None = None,
-    new: NewTokens | None = None, fold: bool = False, early_kv: bool = False,
+    new: NewTokens | None = None, fold: bool = False, early_kv: bool | int = False,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -592,9 +596,10 @@ def decode_attention(
     norm's scale, as rope_store_kv applies it. Head dims that are powers of two; `kv_group` is then ignored.
 
     `early_kv` (CUDA, under PDL): stage 1 reads its split's bounds (num_kv_splits, seq_lens, req_pool_indices,
-    req_to_token) before its PDL wait and asks L2 for its first key block's K and V rows. Only where the caller
-    knows that none of those was written by the kernel just ahead of this one: a kernel that wrote one and then
-    triggered (or ended) may not have flushed its writes yet. OSTINATO_DECODE_EARLY_KV=0 turns it off.
+    req_to_token) before its PDL wait and asks L2 for its first key block's K and V rows (an int: that many
+    blocks). Only where the caller knows that none of those was written by the kernel just ahead of this one: a
+    kernel that wrote one and then triggered (or ended) may not have flushed its writes yet.
+    OSTINATO_DECODE_EARLY_KV=0 turns it off.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -671,6 +676,7 @@ def decode_attention(
             GROUP_P2=triton.next_power_of_2(group), FOLD=fold, num_warps=num_warps,
             num_stages=num_stages,
             KV_LINES=lines_for(head_dim * k_buf.element_size()) if pdl and early_kv and EARLY_KV else 0,
+            KV_BLOCKS=int(early_kv) or 1,
         )
     if combine:
         return
