@@ -293,10 +293,11 @@ def test_compile():
 def test_linear_routes_by_shape():
     from ostinato.layers.linear import prefers_skinny
 
-    assert prefers_skinny(1, 2048, 2048) and prefers_skinny(16, 2048, 8192) and prefers_skinny(4, 3072, 2048)
-    assert not prefers_skinny(8, 3072, 2048) and not prefers_skinny(1, 16384, 2048)
-    assert prefers_skinny(4, 6448, 1536) and not prefers_skinny(8, 6448, 1536)  # Granite-4.0-H-1B's in_proj
-    assert prefers_skinny(4, 4096, 1024) and not prefers_skinny(5, 4096, 1024)  # Qwen3-0.6B's qkv
+    assert prefers_skinny(1, 2048, 2048) and prefers_skinny(32, 2048, 8192) and prefers_skinny(4, 3072, 2048)
+    assert prefers_skinny(16, 3072, 2048) and not prefers_skinny(17, 3072, 2048) and not prefers_skinny(33, 2048, 2048)
+    assert not prefers_skinny(1, 16384, 2048)  # gate_up
+    assert prefers_skinny(16, 6448, 1536) and not prefers_skinny(17, 6448, 1536)  # Granite-4.0-H-1B's in_proj
+    assert prefers_skinny(16, 4096, 1024) and not prefers_skinny(17, 4096, 1024)  # Qwen3-0.6B's qkv
     assert prefers_skinny(32, 2048, 2048) and prefers_skinny(17, 1024, 3072)  # o / down shapes up to 32 rows
     assert not prefers_skinny(32, 3072, 2048) and not prefers_skinny(24, 6144, 1024)
     assert not prefers_skinny(MAX_M + 1, 2048, 2048)

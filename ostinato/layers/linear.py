@@ -15,21 +15,28 @@ from torch import nn
 
 from ostinato.layers.activation import silu_and_mul
 
-GATED_MAX_M = 4  # the gated kernel's FMA path; with its tensor-core path up to 16 rows (and qkv on the skinny kernel)
-# steps at bs 8-16 were 1-3% slower (H200, decode-route-h200-20261126.json)
+GATED_MAX_M = 4  # the gated kernel's FMA path; with its tensor-core path up to 16 rows, steps at bs 8-16 were 1-3%
+# slower (H200, decode-route-h200-20261126.json; qkv on the skinny kernel alone was level there then)
+
+# Up to this many rows the wide shapes too (N <= 5 K: qkv, Granite's in_proj). Since the skinny kernels ask L2 for
+# their first weight tiles before their PDL wait (and the kernel after them may start under PDL, which it cannot
+# after cuBLAS), 16 rows pay: H100, GPU forward ms a step at bs 8 / 16 / 32 x 128, 4 -> 16 -> 32 rows, two runs of 4
+# and 16 (`bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 8:128 16:128 32:128 --modes graph --no-launches
+# --iters 100`, decode-wide-*-h100-20261126-s17*.json): Llama-3.2-1B 1.208 / 1.247 / 1.271 -> 1.199 / 1.233 / 1.271
+# -> bs 32 1.301; Qwen3-0.6B 1.037 / 1.076 / 1.217 -> 1.025 / 1.057 / 1.213 -> bs 32 1.258; Granite-4.0-H-1B bs 8 /
+# 16 2.228 / 2.608 -> 2.210 / 2.610 (one run each).
+WIDE_MAX_M = 16
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
-    """Whether x [m, k] @ W [n, k]^T is faster on the skinny kernel than on cuBLAS (measured shapes:
-    N x K = 2048 x 2048, 2048 x 8192 at M <= 16 faster; 3072 x 2048 faster at M <= 4; 6448 x 1536 at M <= 2 alone;
-    16384 x 2048 never). At M = 17-32 the o / down shapes (N <= K) only: H200, M = 32, cuBLAS -> skinny 6.24 ->
-    5.47 us (2048 x 2048), 13.97 -> 12.17 (2048 x 8192), 5.91 -> 4.99 (1024 x 2048), 7.64 -> 5.83 (1024 x 3072);
-    every N > K shape slower, and every shape at M = 64 (skinny-gemm-m32-h200-20261126.json). Up to N = 5 K at
-    M <= 4: the qkv of Qwen3-0.6B (4096 x 1024) and Granite-4.0-H-1B's in_proj follow a norm launched with PDL,
-    which overlaps the skinny kernel's start and not cuBLAS's (H200 steps at bs 4: Qwen3-0.6B 0.893 -> 0.873 ms,
-    Granite 1.715 -> 1.706; at bs 8-16 every N > K shape on the skinny kernel was slower:
-    decode-route-h200-20261126.json)."""
-    return (m <= 32 and n <= k) or (m <= 4 and n <= 5 * k)
+    """Whether x [m, k] @ W [n, k]^T is faster on the skinny kernel than on cuBLAS: the o / down shapes (N <= K)
+    up to 32 rows, and shapes up to N = 5 K up to WIDE_MAX_M rows; wider ones (gate_up, N = 8 K) and M > 32 never.
+    H200, M = 32, cuBLAS -> skinny: 6.24 -> 5.47 us (2048 x 2048), 13.97 -> 12.17 (2048 x 8192), 5.91 -> 4.99 (1024
+    x 2048), 7.64 -> 5.83 (1024 x 3072); every N > K shape slower there, and every shape at M = 64
+    (skinny-gemm-m32-h200-20261126.json). Where the kernel after the GEMV launches with PDL, the skinny kernel's
+    start overlaps its predecessor's tail and lets its successor's start overlap its own, which cuBLAS does not
+    (H200 steps at bs 4: Qwen3-0.6B 0.893 -> 0.873 ms, Granite 1.715 -> 1.706; decode-route-h200-20261126.json)."""
+    return (m <= 32 and n <= k) or (m <= WIDE_MAX_M and n <= 5 * k)
 
 
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
