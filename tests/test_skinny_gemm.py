@@ -218,6 +218,13 @@ def test_prefetch_lines(monkeypatch):
     assert skinny_gemm.prefetch_lines(SkinnyConfig(1, 4, 16, False, 4, 3), 2) == 1  # a tile under a line
     monkeypatch.setattr(skinny_gemm, "PREFETCH_TILES", (0, 0))
     assert skinny_gemm.prefetch_lines(fma, 2) == 0 == skinny_gemm.prefetch_lines(dot, 2)
+    for value, tiles in (("2,1", (2, 1)), ("3", (3, 3)), ("0", (0, 0))):
+        monkeypatch.setenv("OSTINATO_GEMV_PREFETCH_TILES", value)
+        assert skinny_gemm._prefetch_tiles() == tiles
+    for bad in ("x", "1,2,3", "-1", ""):
+        monkeypatch.setenv("OSTINATO_GEMV_PREFETCH_TILES", bad)
+        with pytest.raises(ValueError, match="OSTINATO_GEMV_PREFETCH_TILES"):
+            skinny_gemm._prefetch_tiles()
 
 
 # ---------------------------------------------------------------- real shapes on the GPU

@@ -50,23 +50,14 @@ class TritonAttentionBackend(AttentionBackend):
     # whole_blocks; for fp8 the variant, decode_attention.FP8_DECODE_VARIANTS) and may set the split knobs:
     # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's), and maxnreg
     # (a register cap for ptxas, so more one-warp programs fit an SM), and early_kv (decode_attention's: stage 1
-    # reads its split's bounds and asks L2 for its first key block before its PDL wait). H100, GPU forward ms a
-    # step, early_kv off -> on at every entry, two runs each alternating (`bench_decode.py --models llama-3.2-1b
-    # qwen3-0.6b --cases 1:128 1:1024 2:128 4:128 8:128 16:128 16:1024 32:128 32:1024 64:128 128:128 --modes graph
-    # --no-launches --iters 100 --decode-entry "1:early_kv=True;...;256:early_kv=True"` with
-    # OSTINATO_DECODE_EARLY_KV=0 / 1, decode-earlykv-*-h100-20261126-s17*.json): Llama-3.2-1B bs 1 x 128 / 1 x
-    # 1024 / 2 / 32 / 32 x 1024 / 64 1.084 / 1.114 / 1.087 / 1.276 / 1.587 / 1.477 -> 1.077 / 1.106 / 1.082 /
-    # 1.274 / 1.583 / 1.469, but bs 4 1.174 -> 1.178 and bs 128 1.674 -> 1.714; Qwen3-0.6B bs 1 x 128 / 1 x 1024 /
-    # 16 / 32 / 64 0.822 / 0.968 / 1.086 / 1.227 / 1.577 -> 0.817 / 0.882 / 1.074 / 1.215 / 1.569, but bs 4 0.919
-    # -> 0.926; fp8 cache (Llama-3.2-1B) bs 1 1.077 -> 1.071, 32 x 4096 2.016 -> 2.007, 256 x 1024 3.285 -> 3.323.
-    # Entries where it was level or slower, or not timed, leave it off. An int asks for that many key blocks: at
-    # bs 1 four blocks beat one and two, and at bs 32 one beat two and four (`--decode-entry "1:early_kv=B;32:
-    # early_kv=B"`, decode-earlykv-blocks-*-h100-20261126-s17*.json; Qwen3-0.6B bs 1 x 4096 1.337 / 1.204 / 1.152
-    # ms, bs 32 x 128 1.212 / 1.228 / 1.265). The final tables, off -> on, two runs each alternating
-    # (decode-earlykv-final-*-h100-20261126-s17*.json): Qwen3-0.6B bs 1 x 128 / 1024 / 4096 0.822 / 0.969 / 1.364
-    # -> 0.822 / 0.898 / 1.159, bs 2 x 1024 0.988 -> 0.953, bs 16 / 32 / 64 x 128 1.088 / 1.231 / 1.576 -> 1.080 /
-    # 1.217 / 1.568; Llama-3.2-1B bs 1 x 128 / 1024 / 4096 1.079 / 1.111 / 1.203 -> 1.075 / 1.101 / 1.187, bs 2 x
-    # 1024 1.126 -> 1.111, bs 64 1.477 -> 1.467, bs 32 level.
+    # reads its split's bounds and asks L2 for its first key block, an int: that many, before its PDL wait). It is on
+    # where it measured faster (H100, `bench_decode.py ... --decode-entry "1:early_kv=True;...;256:early_kv=True"`
+    # against OSTINATO_DECODE_EARLY_KV=0, decode-earlykv-*-h100-20261126-s17*.json, docs/gpu-notes.md); at bs 4-8,
+    # Llama-3.2-1B's bs 128 and fp8 bs 256 it was slower (0.3-2.4%), and it is off where untimed. Four blocks at bs
+    # 1 (Qwen3-0.6B 1 x 4096 1.337 / 1.204 / 1.152 ms for 1 / 2 / 4), one at bs 32. The final tables, GPU forward ms,
+    # off -> on: Qwen3-0.6B bs 1 x 128 / 1024 / 4096 0.822 / 0.969 / 1.364 -> 0.822 / 0.898 / 1.159, bs 16 / 32 / 64
+    # 1.088 / 1.231 / 1.576 -> 1.080 / 1.217 / 1.568; Llama-3.2-1B bs 1 x 1024 / 4096 1.111 / 1.203 -> 1.101 /
+    # 1.187, bs 64 1.477 -> 1.467, bs 32 level.
     # A captured graph serves every context length of its batch size with one entry, so entries are chosen over
     # contexts 128, 1024 and 4096 together (least geometric-mean slowdown against each context's best:
     # `bench_decode_attention.py --robust`). Entries from 8 rows up come from the H200 sweep of 2026-11-26, run

@@ -76,6 +76,16 @@ def _prenorm_tile(x, r_ptrs, ro_ptrs, mask, ss, store, HAS_RES: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_w(W, w_rows, stride_wn, N, K, LINES: tl.constexpr, GATED: tl.constexpr):
+    """Before the PDL wait (W is no kernel's output): the first LINES lines of the program's W rows (and GATED's up
+    rows N further on) into L2 (l2_prefetch.py); nothing where LINES is 0."""
+    if LINES:
+        prefetch_rows(W, w_rows, stride_wn, K, LINES)
+        if GATED:
+            prefetch_rows(W, w_rows + N, stride_wn, K, LINES)
+
+
+@triton.jit
 def _skinny_fma_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
     R, R_out, stride_rm, stride_rom, eps,
@@ -90,7 +100,8 @@ def _skinny_fma_kernel(
     # never stored. GATED: N is the output width I, W rows n (gate) and I + n (up) make output column n
     m_mask = (offs_m < M)[:, None, None]
     x_ptrs = X + offs_m[:, None, None] * stride_xm + offs_k
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None]
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows = w_rows[None, :, None]
     w_ptrs = W + rows * stride_wn + offs_k
     u_ptrs = W + (rows + N) * stride_wn + offs_k
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -103,11 +114,7 @@ def _skinny_fma_kernel(
     ss = tl.zeros((M_PAD, 1, BLOCK_K), dtype=tl.float32)
     store = (offs_m * 0 + tl.program_id(0) == 0)[:, None, None]  # a tensor: the interpreter masks with no scalar
     k_full = K - K % BLOCK_K
-    if PREFETCH_LINES:  # W is no kernel's output (l2_prefetch.py)
-        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
-        if GATED:
-            prefetch_rows(W, w_rows + N, stride_wn, K, PREFETCH_LINES)
+    _prefetch_w(W, w_rows, stride_wn, N, K, PREFETCH_LINES, GATED)
     if PDL:  # layers/triton_ops/pdl.py: x is the previous kernel's output
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
@@ -161,17 +168,14 @@ def _skinny_dot_kernel(
     # rows as in the FMA kernel: x's past M masked, W's past N clamped, GATED's up rows N further on
     m_mask = offs_m < M
     x_ptrs = X + offs_m * stride_xm + offs_k  # [K_SPLIT, M_PAD, SUB_K]
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None]
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows = w_rows[None, :, None]
     w_ptrs = W + rows * stride_wn + offs_k  # [.., BLOCK_N, ..]
     u_ptrs = W + (rows + N) * stride_wn + offs_k
     acc = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((K_SPLIT, M_PAD, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    if PREFETCH_LINES:  # as in the FMA kernel
-        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
-        if GATED:
-            prefetch_rows(W, w_rows + N, stride_wn, K, PREFETCH_LINES)
+    _prefetch_w(W, w_rows, stride_wn, N, K, PREFETCH_LINES, GATED)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
@@ -262,9 +266,15 @@ def _prefetch_tiles() -> tuple[int, int]:
     bs 1-4 run the FMA form, bs 8-32 the tensor-core one. A second call, none / (2, 1) twice each and (4, 1) once
     (decode-pf-*-h100-20261126-s17*.json): Llama-3.2-1B 1.085 / 1.183 / 1.214 / 1.282 -> 1.080 / 1.170 / 1.204 /
     1.273, Qwen3-0.6B 0.834 / 0.948 / 1.050 / 1.246 -> 0.822 / 0.919 / 1.030 / 1.228; (4, 1) no better at bs 4."""
-    spec = os.environ.get("OSTINATO_GEMV_PREFETCH_TILES", "2,1").split(",")
-    fma = int(spec[0])
-    return fma, int(spec[1]) if len(spec) > 1 else fma
+    value = os.environ.get("OSTINATO_GEMV_PREFETCH_TILES", "2,1")
+    try:
+        tiles = [int(v) for v in value.split(",")]
+    except ValueError:
+        tiles = []
+    if not 1 <= len(tiles) <= 2 or min(tiles) < 0:
+        raise ValueError(f"OSTINATO_GEMV_PREFETCH_TILES must be one or two tile counts >= 0 (\"fma,dot\"), "
+                         f"got {value!r}")
+    return tiles[0], tiles[-1]
 
 
 PREFETCH_TILES = _prefetch_tiles()
