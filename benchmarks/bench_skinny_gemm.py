@@ -15,6 +15,11 @@ python benchmarks/bench_skinny_gemm.py --prenorm --shapes 3072x2048 8192x2048g 4
 cuBLAS (and silu_and_mul), against skinny_norm_linear (one, M <= 2) at prenorm_config's tiles, per shape and M; a
 `g` after a shape is the gated gate_up form (N the output width I, W [2I, K]). With --sweep, also the fused kernel at
 config_for's tiles and wider ones.
+
+python benchmarks/bench_skinny_gemm.py --wide --shapes 3072x2048 8192x2048g 4096x1024 3072x1024g --ms 8 16 32
+--wide times triton_ops/wide_gemm.py (W's rows on the MMA's M side) against what the engine runs without it at 5-32
+rows: cuBLAS (plain), or cuBLAS then silu_and_mul with the deferred norm's scale (`g`: gate_up), and the skinny
+kernel (plain). With --sweep, also its tiles around config_for's.
 """
 
 import argparse
@@ -29,6 +34,7 @@ from common import RESULTS, copy_bandwidth, device_tag, write_report
 
 from ostinato.layers.activation import silu_and_mul
 from ostinato.layers.norm import fused_add_rms_norm
+from ostinato.layers.triton_ops import wide_gemm
 from ostinato.layers.triton_ops.skinny_gemm import (
     MAX_M,
     PRENORM_MAX_M,
@@ -193,6 +199,66 @@ def bench_prenorm(shape: str, ms: list[int], args: argparse.Namespace, bw: float
     return rows
 
 
+def wide_variants(cfg: wide_gemm.WideConfig) -> list[wide_gemm.WideConfig]:
+    """Tiles around config_for's: rows a program, K tile, stages, warps."""
+    out = []
+    for block_n in (32, 64, 128):
+        for block_k in (64, 128):
+            for stages in (3, 4, 6):
+                for warps in (4, 8) if block_n == 128 else (4,):
+                    c = cfg._replace(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps)
+                    if c != cfg:
+                        out.append(c)
+    return out
+
+
+def bench_wide(shape: str, ms: list[int], args: argparse.Namespace, device: torch.device) -> list[dict]:
+    gated = shape.endswith("g")
+    n, k = (int(v) for v in shape.rstrip("g").split("x"))
+    dtype = getattr(torch, args.dtype)
+    props = torch.cuda.get_device_properties(device)
+    gen = torch.Generator(device).manual_seed(n + k)
+    weights, w_bytes = weight_copies(2 * n if gated else n, k, args, gen, device)
+    ws = [weights[i % len(weights)] for i in range(args.calls)]
+    eps = 1e-6
+    rows = []
+    for m in [m for m in ms if wide_gemm.MIN_M <= m <= wide_gemm.MAX_M]:
+        x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+        if gated:
+            def base(w, x=x):  # the engine's deferred-norm form at 5-32 rows
+                return silu_and_mul(F.linear(x, w), norm=(x, eps))
+            ref = silu_and_mul(F.linear(x, weights[0]), norm=(x, eps))
+        else:
+            base = functools.partial(F.linear, x)
+            ref = F.linear(x, weights[0])
+        row = {"N": n, "K": k, "M": m, "gated": gated, "dtype": args.dtype, "weight_bytes": w_bytes,
+               "cublas_us": graph_us([functools.partial(base, w) for w in ws], args.reps)}
+        if not gated:
+            row["skinny_us"] = graph_us([functools.partial(skinny_linear, x, w) for w in ws], args.reps)
+        cfg = wide_gemm.config_for(m, n, k, props.multi_processor_count, gated)
+        timed = []
+        for c in [cfg, *(wide_variants(cfg) if args.sweep else [])]:
+            fn = functools.partial(wide_gemm.wide_linear, x, gated=gated, norm_eps=eps if gated else None, config=c)
+            try:
+                us = graph_us([functools.partial(fn, w) for w in ws], args.reps)
+            except Exception as e:  # a variant past the shared memory limit
+                print(f"    {tuple(c)}: {type(e).__name__}", flush=True)
+                continue
+            timed.append((us, c))
+            if args.sweep:
+                print(f"    {shape} M={m} {tuple(c)} {us:8.2f} us", flush=True)
+        y = wide_gemm.wide_linear(x, weights[0], gated=gated, norm_eps=eps if gated else None, config=cfg)
+        best_us, best = min(timed)
+        row.update(config=cfg._asdict(), wide_us=timed[0][0], best_us=best_us, best_config=best._asdict(),
+                   max_abs_err=(y.float() - ref.float()).abs().max().item(), ref_max_abs=ref.float().abs().max().item())
+        rows.append(row)
+        skinny = "" if gated else f"  skinny {row['skinny_us']:7.2f} us"
+        print(f"{shape:>12}{m:>4}  cuBLAS{'+act' if gated else ''} {row['cublas_us']:7.2f} us{skinny}"
+              f"  wide {row['wide_us']:7.2f} us {tuple(cfg)}  best {best_us:7.2f} us {tuple(best)}"
+              f"  err {row['max_abs_err']:.2e} (ref {row['ref_max_abs']:.1f})", flush=True)
+    return rows
+
+
 def print_row(r: dict) -> None:
     line = f"{r['N']:>6}x{r['K']:<6}{r['M']:>4}{r['torch_us']:>9.2f}{r['torch_TBps']:>7.2f}"
     if "skinny_us" in r:
@@ -214,6 +280,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time variants of each heuristic config")
     ap.add_argument("--prenorm", action="store_true",
                     help="a norm then the skinny kernel or cuBLAS, against the fused kernel (M <= 2)")
+    ap.add_argument("--wide", action="store_true", help="triton_ops/wide_gemm.py against cuBLAS (M 5-32)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/skinny-gemm-<device>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -221,12 +288,14 @@ def main() -> None:
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name(device)}, {args.dtype})")
-    if args.prenorm:
+    if args.prenorm or args.wide:
         with torch.inference_mode():
-            rows = [r for shape in args.shapes for r in bench_prenorm(shape, args.ms, args, bw, device)]
+            rows = [r for shape in args.shapes for r in (bench_wide(shape, args.ms, args, device) if args.wide
+                                                         else bench_prenorm(shape, args.ms, args, bw, device))]
         report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                   "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12, "rows": rows}
-        write_report(report, args.out or os.path.join(RESULTS, f"skinny-prenorm-{device_tag(device)}.json"))
+        kind = "wide" if args.wide else "prenorm"
+        write_report(report, args.out or os.path.join(RESULTS, f"skinny-{kind}-{device_tag(device)}.json"))
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     print(f"{'N x K':<13}{'M':>4}{'torch us':>9}{'TB/s':>7}{'skinny':>9}{'TB/s':>7}{'speed':>8}{'copy':>6}"

@@ -1,13 +1,16 @@
-"""nn.Linear whose decode-sized calls on the GPU may run the skinny GEMM kernel instead of cuBLAS.
+"""nn.Linear whose decode-sized calls on the GPU may run a Triton kernel instead of cuBLAS.
 
 At a few rows a linear layer is a read of its weight. cuBLAS reads the o_proj / down_proj shapes at
 1.4-2.4 TB/s at M = 1 (few CTAs, or split-K plus a reduce kernel); the skinny kernel at 1.8-3.3 on an H200
 (`benchmarks/bench_skinny_gemm.py`). It loses on wide outputs (gate_up, N = 8 K: 0.86-0.99x), and on
-qkv-shaped ones (N = 1.5-4 K) once M > 4, so those stay on cuBLAS. Granite-4.0-H's Mamba in_proj (N = 4.2 K) it
+qkv-shaped ones (N = 1.5-4 K) once M > 4. Those go, at 5-32 rows, to triton_ops/wide_gemm.py, whose tiles put
+W's rows on the MMA's M side as cuBLAS's do, and which also applies gate_up's activation (and the deferred
+post-attention norm's scale) and launches under PDL. Granite-4.0-H's Mamba in_proj (N = 4.2 K) the skinny kernel
 takes at M <= 4 (1.01x and 1.13x at M <= 2, 0.93x at M = 4 alone, but faster in the step), where it also keeps
 the step's chain of Programmatic Dependent Launches unbroken (`triton_ops/pdl.py`). The choice depends only on
 shapes, so a captured graph keeps the one it made at capture.
 """
+import os
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +42,27 @@ def prefers_skinny(m: int, n: int, k: int) -> bool:
     return (m <= 32 and n <= k) or (m <= WIDE_MAX_M and n <= 5 * k)
 
 
+# wide weights (N > K: qkv, gate_up, Granite's in_proj) at 5-32 rows: triton_ops/wide_gemm.py, which beat cuBLAS
+# (and silu_and_mul after gate_up) at every such shape timed; OSTINATO_WIDE_GEMM=0 turns it off (for A/B runs)
+WIDE_GEMM = os.environ.get("OSTINATO_WIDE_GEMM", "1") != "0"
+
+
+def try_wide(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
+             norm_eps: float | None = None) -> torch.Tensor | None:
+    """wide_gemm.wide_linear(x, weight, gated=, norm_eps=) where it takes the call (a wide weight, 5-32 rows, see
+    wide_gemm.supports), else None."""
+    if not (WIDE_GEMM and x.is_cuda and x.dim() == 2 and x.shape[0] <= 32 and weight.shape[0] > weight.shape[1]):
+        return None
+    from ostinato.layers.triton_ops import wide_gemm  # lazily: see triton_ops' docstring
+
+    if not wide_gemm.supports(x, weight, gated):
+        return None
+    return wide_gemm.wide_linear(x, weight, gated=gated, norm_eps=norm_eps)
+
+
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if (y := try_wide(x, weight)) is not None:
+        return y
     if prefers_skinny(x.shape[0], *weight.shape):
         from ostinato.layers.triton_ops import skinny_gemm  # lazily: see triton_ops' docstring
 
@@ -54,6 +77,8 @@ def cuda_gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         if skinny_gemm.supports_gate_up(x, weight):
             return skinny_gemm.skinny_gate_up_silu(x, weight)
+    if (y := try_wide(x, weight, gated=True)) is not None:
+        return y
     return silu_and_mul(cuda_linear(x, weight))
 
 

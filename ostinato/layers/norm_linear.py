@@ -32,7 +32,14 @@ from torch import nn
 
 from ostinato.distributed.parallel_state import tp_size
 from ostinato.layers.activation import silu_and_mul
-from ostinato.layers.linear import GATED_MAX_M, cuda_gate_up_silu, cuda_linear, gate_up_silu, prefers_skinny
+from ostinato.layers.linear import (
+    GATED_MAX_M,
+    cuda_gate_up_silu,
+    cuda_linear,
+    gate_up_silu,
+    prefers_skinny,
+    try_wide,
+)
 from ostinato.layers.norm import RMSNorm
 
 
@@ -161,6 +168,8 @@ def deferred_norm_gate_up_silu(o_weight: torch.Tensor, a: torch.Tensor, residual
     from ostinato.layers.triton_ops import skinny_gemm
 
     h = skinny_gemm.skinny_linear(a, o_weight, add=residual)
+    if h.is_cuda and (act := try_wide(h, gate_up_weight, gated=True, norm_eps=eps)) is not None:
+        return act, h
     return silu_and_mul(cuda_linear(h, gate_up_weight), norm=(h, eps)), h
 
 
