@@ -233,7 +233,7 @@ def bench_wide(shape: str, ms: list[int], args: argparse.Namespace, device: torc
             ref = F.linear(x, weights[0])
         row = {"N": n, "K": k, "M": m, "gated": gated, "dtype": args.dtype, "weight_bytes": w_bytes,
                "cublas_us": graph_us([functools.partial(base, w) for w in ws], args.reps)}
-        if not gated:
+        if not gated and m <= MAX_M:
             row["skinny_us"] = graph_us([functools.partial(skinny_linear, x, w) for w in ws], args.reps)
         cfg = wide_gemm.config_for(m, n, k, props.multi_processor_count, gated)
         timed = []
@@ -252,7 +252,7 @@ def bench_wide(shape: str, ms: list[int], args: argparse.Namespace, device: torc
         row.update(config=cfg._asdict(), wide_us=timed[0][0], best_us=best_us, best_config=best._asdict(),
                    max_abs_err=(y.float() - ref.float()).abs().max().item(), ref_max_abs=ref.float().abs().max().item())
         rows.append(row)
-        skinny = "" if gated else f"  skinny {row['skinny_us']:7.2f} us"
+        skinny = f"  skinny {row['skinny_us']:7.2f} us" if "skinny_us" in row else ""
         print(f"{shape:>12}{m:>4}  cuBLAS{'+act' if gated else ''} {row['cublas_us']:7.2f} us{skinny}"
               f"  wide {row['wide_us']:7.2f} us {tuple(cfg)}  best {best_us:7.2f} us {tuple(best)}"
               f"  err {row['max_abs_err']:.2e} (ref {row['ref_max_abs']:.1f})", flush=True)

@@ -69,7 +69,7 @@ def run_case(m: int, n: int, k: int, dtype: torch.dtype, gated: bool, norm: bool
 
 
 SMALL = [  # (m, n, k): N past the tile (clamped rows), several K tiles, M at both paddings
-    (5, 96, 128), (8, 200, 192), (17, 72, 256), (32, 130, 64),
+    (5, 96, 128), (8, 200, 192), (17, 72, 256), (32, 130, 64), (40, 70, 128),
 ]
 
 
@@ -77,7 +77,7 @@ SMALL = [  # (m, n, k): N past the tile (clamped rows), several K tiles, M at bo
 @pytest.mark.parametrize("gated,norm", [(False, False), (True, False), (True, True)])
 def test_small(m, n, k, gated, norm):
     run_case(m, n, k, torch.float16, gated, norm, seed=m * 1000 + n + k,
-             config=WideConfig(16 if m <= 16 else 32, 64, 64, 4, 2))
+             config=WideConfig(max(16, 1 << (m - 1).bit_length()), 64, 64, 4, 2))
 
 
 @pytest.mark.parametrize("config", [WideConfig(32, 32, 128, 4, 3), WideConfig(32, 128, 64, 4, 2)])
@@ -88,7 +88,7 @@ def test_small_tiles(config):
 def test_config_invariants():
     """Every config the rule picks fits what the kernel needs: M padded to the MMA's N side (>= 16), K tiles that
     divide the models' K, at least one program an SM where the width allows."""
-    for m in (5, 8, 16, 17, 32):
+    for m in (5, 8, 16, 17, 32, 33, 64):
         for n, k, gated in ((3072, 2048, False), (8192, 2048, True), (4096, 1024, False), (3072, 1024, True)):
             cfg = config_for(m, n, k, 132, gated)
             assert cfg.m_pad >= max(m, 16) and k % cfg.block_k == 0 and cfg.block_n >= 32
@@ -109,12 +109,12 @@ def test_supports_needs_cuda_and_rows():
     if GPU:
         xc, wc = x.cuda(), w.cuda()
         assert supports(xc, wc) and supports(xc, wc, gated=True)
-        assert not supports(xc[:4], wc) and not supports(torch.randn(33, 64).half().cuda(), wc)
+        assert not supports(xc[:4], wc) and not supports(torch.randn(65, 64).half().cuda(), wc)
         assert not supports(torch.randn(8, 96).half().cuda(), torch.randn(256, 96).half().cuda())  # K % 64
 
 
 @cuda
-@pytest.mark.parametrize("m", [5, 8, 16, 24, 32])
+@pytest.mark.parametrize("m", [5, 8, 16, 24, 32, 48, 64])
 @pytest.mark.parametrize("n,k,gated", [(3072, 2048, False), (8192, 2048, True), (4096, 1024, False),
                                        (3072, 1024, True), (6448, 1536, False)])
 def test_real(m, n, k, gated):

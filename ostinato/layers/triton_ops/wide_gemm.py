@@ -1,4 +1,4 @@
-"""y = x @ W^T at 5-32 rows for wide weights (N > K: qkv, gate_up), W's rows on the MMA's M side.
+"""y = x @ W^T at 5-64 rows for wide weights (N > K: qkv, gate_up), W's rows on the MMA's M side.
 
 skinny_gemm.py puts x's rows on the MMA's M side (16 or 32 of them, padded), which on Hopper means the
 warp-level mma and W tiles of 16-32 rows, so every program re-reads x from L2 for as many bytes as it reads of
@@ -27,7 +27,7 @@ from ostinato.layers.triton_ops.l2_prefetch import lines_for
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 from ostinato.layers.triton_ops.skinny_gemm import DTYPES, _prefetch_w, _silu_mul
 
-MIN_M, MAX_M = 5, 32
+MIN_M, MAX_M = 5, 64
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def _wide_kernel(
 
 
 class WideConfig(NamedTuple):
-    m_pad: int  # x rows in a tile (the MMA's N side): 8, 16 or 32
+    m_pad: int  # x rows in a tile (the MMA's N side): 16, 32 or 64
     block_n: int  # W rows a program (gated: gate rows, as many up rows again)
     block_k: int
     num_warps: int
@@ -88,16 +88,19 @@ class WideConfig(NamedTuple):
 
 def config_for(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> WideConfig:
     """Tiles by shape (no autotuning: a capture must not benchmark): 64 W rows a program (gated: 64 gate + 64 up),
-    K tiles of 128, 6 stages plain and 4 gated (a stage is 24 or 40 KB of shared memory at 32 rows of x; 144 or
-    160 KB a program, one an SM). The best of 18-19 tile settings for every shape and M timed (H100, M = 8 / 16 /
-    32, Llama-3.2-1B's and Qwen3-0.6B's qkv and gate_up, `bench_skinny_gemm.py --wide --sweep`,
-    skinny-wide-sweep-h100-20261126-s18.json), except the gated K = 2048 one, where 3 stages were 1% faster."""
+    K tiles of 128, 6 stages plain and 4 gated up to 32 rows of x (a stage is 24 or 48 KB of shared memory with
+    x's second load for the norm: 144-192 KB a program, one an SM), 4 and 3 at 33-64 rows (32 and 64 KB a stage).
+    Up to 32 rows, the best of 18-19 tile settings for every shape and M timed (H100, M = 8 / 16 / 32,
+    Llama-3.2-1B's and Qwen3-0.6B's qkv and gate_up, `bench_skinny_gemm.py --wide --sweep`,
+    skinny-wide-sweep-h100-20261126-s18.json), except the gated K = 2048 one, where 3 stages were 1% faster; at 64
+    rows the best of the settings that fit for Llama-3.2-1B's gate_up (H200)."""
     m_pad = max(16, triton.next_power_of_2(m))
-    return WideConfig(m_pad, 64, 128 if k % 128 == 0 else 64, 4, 4 if gated else 6)
+    stages = (3 if gated else 4) if m_pad > 32 else (4 if gated else 6)
+    return WideConfig(m_pad, 64, 128 if k % 128 == 0 else 64, 4, stages)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether the kernel takes (x, weight): CUDA, 5-32 rows, K a multiple of 64 (no K tail), contiguous rows."""
+    """Whether the kernel takes (x, weight): CUDA, 5-64 rows, K a multiple of 64 (no K tail), contiguous rows."""
     n, k = weight.shape
     return (
         x.is_cuda and weight.is_cuda and x.device == weight.device and x.dim() == 2
