@@ -216,7 +216,6 @@ def bench_wide(shape: str, ms: list[int], args: argparse.Namespace, device: torc
     gated = shape.endswith("g")
     n, k = (int(v) for v in shape.rstrip("g").split("x"))
     dtype = getattr(torch, args.dtype)
-    props = torch.cuda.get_device_properties(device)
     gen = torch.Generator(device).manual_seed(n + k)
     weights, w_bytes = weight_copies(2 * n if gated else n, k, args, gen, device)
     ws = [weights[i % len(weights)] for i in range(args.calls)]
@@ -235,7 +234,7 @@ def bench_wide(shape: str, ms: list[int], args: argparse.Namespace, device: torc
                "cublas_us": graph_us([functools.partial(base, w) for w in ws], args.reps)}
         if not gated and m <= MAX_M:
             row["skinny_us"] = graph_us([functools.partial(skinny_linear, x, w) for w in ws], args.reps)
-        cfg = wide_gemm.config_for(m, n, k, props.multi_processor_count, gated)
+        cfg = wide_gemm.config_for(m, k, gated)
         timed = []
         for c in [cfg, *(wide_variants(cfg) if args.sweep else [])]:
             fn = functools.partial(wide_gemm.wide_linear, x, gated=gated, norm_eps=eps if gated else None, config=c)

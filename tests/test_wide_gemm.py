@@ -90,7 +90,7 @@ def test_config_invariants():
     divide the models' K, at least one program an SM where the width allows."""
     for m in (5, 8, 16, 17, 32, 33, 64):
         for n, k, gated in ((3072, 2048, False), (8192, 2048, True), (4096, 1024, False), (3072, 1024, True)):
-            cfg = config_for(m, n, k, 132, gated)
+            cfg = config_for(m, k, gated)
             assert cfg.m_pad >= max(m, 16) and k % cfg.block_k == 0 and cfg.block_n >= 32
             assert -(-n // cfg.block_n) >= 48
 
@@ -136,3 +136,24 @@ def test_cuda_graph():
     x.copy_(randn(gen, 20, 1024, dtype=torch.bfloat16, scale=3.0))
     graph.replay()
     torch.testing.assert_close(y, wide_linear(x, w, gated=True, norm_eps=EPS), atol=0, rtol=0)
+
+
+@cuda
+def test_linear_routes_wide_shapes(monkeypatch):
+    """layers/linear.py sends wide weights (N > K) at 5-64 rows here, plain and gated, and nothing else;
+    OSTINATO_WIDE_GEMM=0 (WIDE_GEMM False) sends none."""
+    from ostinato.layers import linear
+
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    w = randn(gen, 3072, 1024, dtype=torch.bfloat16, scale=1 / 32)
+    for m, wide in ((4, False), (5, True), (64, True), (65, False)):
+        x = randn(gen, m, 1024, dtype=torch.bfloat16)
+        y = linear.try_wide(x, w)
+        assert (y is not None) == wide
+        if wide:
+            assert torch.equal(linear.cuda_linear(x, w), y)
+            assert torch.equal(linear.cuda_gate_up_silu(x, w), wide_linear(x, w, gated=True))
+    x = randn(gen, 8, 1024, dtype=torch.bfloat16)
+    assert linear.try_wide(x, randn(gen, 1024, 1024, dtype=torch.bfloat16)) is None  # N <= K: the skinny kernel's
+    monkeypatch.setattr(linear, "WIDE_GEMM", False)
+    assert linear.try_wide(x, w) is None

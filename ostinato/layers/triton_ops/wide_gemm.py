@@ -2,21 +2,20 @@
 
 skinny_gemm.py puts x's rows on the MMA's M side (16 or 32 of them, padded), which on Hopper means the
 warp-level mma and W tiles of 16-32 rows, so every program re-reads x from L2 for as many bytes as it reads of
-W. Here the product is computed transposed, y^T = W @ x^T: a program owns BLOCK_N (64-128) rows of W, which fill
-the M side of the warpgroup MMA (wgmma, M = 64 a warpgroup), and x^T [K, M_PAD] is the narrow N side. x is then
-re-read per program for a quarter to an eighth of its W bytes. This is the tile shape cuBLAS picks for these
-calls (its 128 x 32 kernels); what the kernel adds is what cuBLAS cannot do:
+W. Here the product is computed transposed, y^T = W @ x^T: a program owns 64 rows of W (gated: 64 + 64), which
+fill the M side of the warpgroup MMA (wgmma, M = 64 a warpgroup), and x^T [K, M_PAD] is the narrow N side. x is
+then re-read per program for M_PAD / 64 of its W bytes (M_PAD / 128 gated). This is the tile shape cuBLAS picks
+for these calls (its 128 x 32 kernels); what the kernel adds is what cuBLAS cannot do:
 
 - GATED (gate_up): a program owns BLOCK_N gate rows and the BLOCK_N up rows I further on, and applies
   silu(gate) * up before its one store, rounded as silu_and_mul.py rounds (no [M, 2I] round trip, no launch);
 - NORM (the deferred post-attention RMSNorm, layers/norm_linear.py): x is the residual row h, the norm's weight
-  folded into W; the program sums the squares of the x tiles it streams anyway and scales gate and up by each
-  row's inverse RMS, rounded as silu_and_mul(norm=) rounds them;
+  folded into W; the program sums the squares of x's tiles as it streams them (a second load of each: see the
+  kernel) and scales gate and up by each row's inverse RMS, rounded as silu_and_mul(norm=) rounds them;
 - PDL (layers/triton_ops/pdl.py): W's first lines go to L2 before the wait (W is no kernel's output), and the
   next kernel may start after the K loop; cuBLAS launches neither way.
 """
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -86,7 +85,7 @@ class WideConfig(NamedTuple):
     num_stages: int
 
 
-def config_for(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> WideConfig:
+def config_for(m: int, k: int, gated: bool = False) -> WideConfig:
     """Tiles by shape (no autotuning: a capture must not benchmark): 64 W rows a program (gated: 64 gate + 64 up),
     K tiles of 128, 6 stages plain and 4 gated up to 32 rows of x (a stage is 24 or 48 KB of shared memory with
     x's second load for the norm: 144-192 KB a program, one an SM), 4 and 3 at 33-64 rows (32 and 64 KB a stage).
@@ -110,11 +109,6 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
     )
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False, norm_eps: float | None = None,
                 config: WideConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (fp32 sums); `gated`: weight is gate_up's [2I, K] and the
@@ -127,7 +121,7 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False, n
     if k % 64:
         raise ValueError(f"x.shape[1] (K = {k}) must be a multiple of 64")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    cfg = config or config_for(m, n, k, _num_sms(x.device), gated)
+    cfg = config or config_for(m, k, gated)
     if k % cfg.block_k or cfg.m_pad < m:
         raise ValueError(f"config {cfg} does not fit M = {m}, K = {k}")
     pdl = pdl_enabled(x)
