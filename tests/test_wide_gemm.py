@@ -5,24 +5,19 @@ Without a GPU the kernel runs in Triton's interpreter at small shapes in fp16 (t
 tl.dot); with one, the same cases, the models' shapes in bf16 and a CUDA-graph replay.
 """
 
-import os
 import re
-import shutil
 
-if shutil.which("nvidia-smi") is None:  # must be set before the kernels are decorated
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
 
-import pytest  # noqa: E402
-
-pytest.importorskip("triton", reason="the Triton kernels (or their CPU interpreter) need triton")
+pytest.importorskip("triton", reason="the Triton kernel (or its CPU interpreter, conftest.py) needs triton")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ostinato.layers.activation import silu_and_mul_torch  # noqa: E402
 from ostinato.layers.triton_ops.wide_gemm import WideConfig, config_for, supports, wide_linear  # noqa: E402
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = DEVICE == "cuda"
 cuda = pytest.mark.skipif(not GPU, reason="needs CUDA")
 EPS = 1e-6
 
