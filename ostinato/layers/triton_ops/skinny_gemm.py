@@ -46,7 +46,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
     """silu(gate) * up on fp32 sums, rounded as silu_and_mul.py's kernel rounds a [T, 2I] input of `dtype`."""
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
@@ -146,7 +146,7 @@ def _skinny_fma_kernel(
         u = tl.sum(acc_u, axis=2)
         if PRENORM:
             u *= inv_rms
-        y = _silu_mul(y, u, Out.dtype.element_ty)
+        y = silu_mul_rounded(y, u, Out.dtype.element_ty)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y = _add_after(y, Add, stride_am, offs_m, offs_n, mask, Out.dtype.element_ty, HAS_ADD)
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=mask)
@@ -193,7 +193,7 @@ def _skinny_dot_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=0)
     if GATED:
-        y = _silu_mul(y, tl.sum(acc_u, axis=0), Out.dtype.element_ty)
+        y = silu_mul_rounded(y, tl.sum(acc_u, axis=0), Out.dtype.element_ty)
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y = _add_after(y, Add, stride_am, offs_m, offs_n, mask, Out.dtype.element_ty, HAS_ADD)

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.layers.triton_ops.l2_prefetch import lines_for
+from ostinato.layers.triton_ops.l2_prefetch import lines_for, prefetch_rows
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
-from ostinato.layers.triton_ops.skinny_gemm import DTYPES, _prefetch_w, _silu_mul
+from ostinato.layers.triton_ops.skinny_gemm import DTYPES, silu_mul_rounded
 
 MIN_M, MAX_M = 5, 64
 
@@ -49,7 +49,8 @@ def _wide_kernel(
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((ROWS, M_PAD), dtype=tl.float32)
     ss = tl.zeros((M_PAD,), dtype=tl.float32)
-    _prefetch_w(W, w_rows, stride_wn, N, K, PREFETCH_LINES, False)
+    if PREFETCH_LINES:  # before the wait: W is no kernel's output (l2_prefetch.py)
+        prefetch_rows(W, w_rows, stride_wn, K, PREFETCH_LINES)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -69,7 +70,7 @@ def _wide_kernel(
             inv_rms = tl.rsqrt(ss / K + eps)[None, :]
             y = (y.to(dtype).to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
             up = (up.to(dtype).to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
-        y = _silu_mul(y, up, dtype)
+        y = silu_mul_rounded(y, up, dtype)
     else:
         y = acc
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
