@@ -96,6 +96,12 @@ def test_bad_inputs_raise():
         wide_linear(x, w)
     with pytest.raises(ValueError, match="norm_eps needs gated=True"):
         wide_linear(x[:, :64], w[:, :64], norm_eps=1e-6)
+    with pytest.raises(ValueError, match=re.escape("x.shape[0] (M = 65)")):
+        wide_linear(torch.randn(65, 64).half(), w[:, :64])
+    with pytest.raises(ValueError, match=re.escape("weight.shape[1] (128)")):
+        wide_linear(x[:, :64], torch.randn(256, 128).half())
+    with pytest.raises(ValueError, match=re.escape("weight.shape[0] (2I = 255)")):
+        wide_linear(x[:, :64], torch.randn(255, 64).half(), gated=True)
 
 
 def test_supports_needs_cuda_and_rows():

@@ -3,12 +3,13 @@
 At a few rows a linear layer is a read of its weight. cuBLAS reads the o_proj / down_proj shapes at
 1.4-2.4 TB/s at M = 1 (few CTAs, or split-K plus a reduce kernel); the skinny kernel at 1.8-3.3 on an H200
 (`benchmarks/bench_skinny_gemm.py`). It loses on wide outputs (gate_up, N = 8 K: 0.86-0.99x), and on
-qkv-shaped ones (N = 1.5-4 K) once M > 4. Those go, at 5-64 rows, to triton_ops/wide_gemm.py, whose tiles put
-W's rows on the MMA's M side as cuBLAS's do, and which also applies gate_up's activation (and the deferred
-post-attention norm's scale) and launches under PDL. Granite-4.0-H's Mamba in_proj (N = 4.2 K) the skinny kernel
-takes at M <= 4 (1.01x and 1.13x at M <= 2, 0.93x at M = 4 alone, but faster in the step), where it also keeps
-the step's chain of Programmatic Dependent Launches unbroken (`triton_ops/pdl.py`). The choice depends only on
-shapes, so a captured graph keeps the one it made at capture.
+qkv-shaped ones (N = 1.5-4 K) once M > 4 alone. Those go, at 5-64 rows, to triton_ops/wide_gemm.py, whose tiles
+put W's rows on the MMA's M side as cuBLAS's do, and which also applies gate_up's activation (and the deferred
+post-attention norm's scale) and launches under PDL; where it does not apply (K not a multiple of 64, or
+OSTINATO_WIDE_GEMM=0) the skinny kernel takes them up to WIDE_MAX_M rows and cuBLAS above. Up to 4 rows the
+skinny kernel also takes Granite-4.0-H's Mamba in_proj (N = 4.2 K: 1.01x and 1.13x at M <= 2, 0.93x at M = 4
+alone, but faster in the step), where it keeps the step's chain of Programmatic Dependent Launches unbroken
+(`triton_ops/pdl.py`). The choice depends only on shapes, so a captured graph keeps the one it made at capture.
 """
 import os
 
@@ -51,7 +52,7 @@ def try_wide(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
              norm_eps: float | None = None) -> torch.Tensor | None:
     """wide_gemm.wide_linear(x, weight, gated=, norm_eps=) where it takes the call (a wide weight, 5-64 rows, see
     wide_gemm.supports), else None."""
-    if not (WIDE_GEMM and x.is_cuda and x.dim() == 2 and x.shape[0] <= 64 and weight.shape[0] > weight.shape[1]):
+    if not (WIDE_GEMM and x.is_cuda and weight.shape[0] > weight.shape[1]):
         return None
     from ostinato.layers.triton_ops import wide_gemm  # lazily: see triton_ops' docstring
 

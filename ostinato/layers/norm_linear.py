@@ -168,7 +168,7 @@ def deferred_norm_gate_up_silu(o_weight: torch.Tensor, a: torch.Tensor, residual
     from ostinato.layers.triton_ops import skinny_gemm
 
     h = skinny_gemm.skinny_linear(a, o_weight, add=residual)
-    if h.is_cuda and (act := try_wide(h, gate_up_weight, gated=True, norm_eps=eps)) is not None:
+    if (act := try_wide(h, gate_up_weight, gated=True, norm_eps=eps)) is not None:
         return act, h
     return silu_and_mul(cuda_linear(h, gate_up_weight), norm=(h, eps)), h
 

@@ -119,8 +119,14 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False, n
     if norm_eps is not None and not gated:
         raise ValueError("norm_eps needs gated=True (the deferred post-attention norm before gate_up)")
     (m, k), n = x.shape, weight.shape[0] // (2 if gated else 1)
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"x.shape[0] (M = {m}) must be 1-{MAX_M}")
     if k % 64:
         raise ValueError(f"x.shape[1] (K = {k}) must be a multiple of 64")
+    if weight.shape[1] != k:
+        raise ValueError(f"weight.shape[1] ({weight.shape[1]}) must equal x.shape[1] ({k})")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"weight.shape[0] (2I = {weight.shape[0]}) must be even (gate rows, then as many up rows)")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = config or config_for(m, k, gated)
     if k % cfg.block_k or cfg.m_pad < m:
