@@ -17,7 +17,7 @@ cuBLAS (and silu_and_mul), against skinny_norm_linear (one, M <= 2) at prenorm_c
 config_for's tiles and wider ones.
 
 python benchmarks/bench_skinny_gemm.py --wide --shapes 3072x2048 8192x2048g 4096x1024 3072x1024g --ms 8 16 32
---wide times triton_ops/wide_gemm.py (W's rows on the MMA's M side) against what the engine runs without it at 5-32
+--wide times triton_ops/wide_gemm.py (W's rows on the MMA's M side) against what the engine runs without it at 5-64
 rows: cuBLAS (plain), or cuBLAS then silu_and_mul with the deferred norm's scale (`g`: gate_up), and the skinny
 kernel (plain). With --sweep, also its tiles around config_for's.
 """
@@ -279,7 +279,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time variants of each heuristic config")
     ap.add_argument("--prenorm", action="store_true",
                     help="a norm then the skinny kernel or cuBLAS, against the fused kernel (M <= 2)")
-    ap.add_argument("--wide", action="store_true", help="triton_ops/wide_gemm.py against cuBLAS (M 5-32)")
+    ap.add_argument("--wide", action="store_true", help="triton_ops/wide_gemm.py against cuBLAS (M 5-64)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/skinny-gemm-<device>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
