@@ -234,7 +234,7 @@ def bench_wide(shape: str, ms: list[int], args: argparse.Namespace, device: torc
                "cublas_us": graph_us([functools.partial(base, w) for w in ws], args.reps)}
         if not gated and m <= MAX_M:
             row["skinny_us"] = graph_us([functools.partial(skinny_linear, x, w) for w in ws], args.reps)
-        cfg = wide_gemm.config_for(m, k, gated)
+        cfg = wide_gemm.config_for(m, n, k, gated)
         timed = []
         for c in [cfg, *(wide_variants(cfg) if args.sweep else [])]:
             fn = functools.partial(wide_gemm.wide_linear, x, gated=gated, norm_eps=eps if gated else None, config=c)

@@ -1,4 +1,4 @@
-"""wide_linear (x @ W^T with W's rows on the MMA's M side, 5-32 rows) plain, gated and gated after a deferred
+"""wide_linear (x @ W^T with W's rows on the MMA's M side, 5-64 rows) plain, gated and gated after a deferred
 RMSNorm, against float64 references and against the ops the engine ran before it (cuBLAS, silu_and_mul).
 
 Without a GPU the kernel runs in Triton's interpreter at small shapes in fp16 (the interpreter has no bf16
@@ -75,7 +75,8 @@ def test_small(m, n, k, gated, norm):
              config=WideConfig(max(16, 1 << (m - 1).bit_length()), 64, 64, 4, 2))
 
 
-@pytest.mark.parametrize("config", [WideConfig(32, 32, 128, 4, 3), WideConfig(32, 128, 64, 4, 2)])
+@pytest.mark.parametrize("config", [WideConfig(32, 32, 128, 4, 3), WideConfig(32, 128, 64, 4, 2),
+                                    WideConfig(64, 32, 128, 4, 4)])  # the last: config_for's, 33-64 rows, few programs
 def test_small_tiles(config):
     run_case(12, 150, 256, torch.float16, True, True, seed=3, config=config)
 
@@ -85,7 +86,7 @@ def test_config_invariants():
     divide the models' K, at least one program an SM where the width allows."""
     for m in (5, 8, 16, 17, 32, 33, 64):
         for n, k, gated in ((3072, 2048, False), (8192, 2048, True), (4096, 1024, False), (3072, 1024, True)):
-            cfg = config_for(m, k, gated)
+            cfg = config_for(m, n, k, gated)
             assert cfg.m_pad >= max(m, 16) and k % cfg.block_k == 0 and cfg.block_n >= 32
             assert -(-n // cfg.block_n) >= 48
 

@@ -86,17 +86,24 @@ class WideConfig(NamedTuple):
     num_stages: int
 
 
-def config_for(m: int, k: int, gated: bool = False) -> WideConfig:
-    """Tiles by shape (no autotuning: a capture must not benchmark): 64 W rows a program (gated: 64 gate + 64 up),
-    K tiles of 128, 6 stages plain and 4 gated up to 32 rows of x (a stage is 24 or 48 KB of shared memory with
-    x's second load for the norm: 144-192 KB a program, one an SM), 4 and 3 at 33-64 rows (32 and 64 KB a stage).
-    Up to 32 rows, the best of 18-19 tile settings for every shape and M timed (H100, M = 8 / 16 / 32,
-    Llama-3.2-1B's and Qwen3-0.6B's qkv and gate_up, `bench_skinny_gemm.py --wide --sweep`,
-    skinny-wide-sweep-h100-20261126-s18.json), except the gated K = 2048 one, where 3 stages were 1% faster; at 64
-    rows the best of the settings that fit for Llama-3.2-1B's gate_up (H200)."""
+def config_for(m: int, n: int, k: int, gated: bool = False) -> WideConfig:
+    """Tiles by shape (no autotuning: a capture must not benchmark) for M rows of x, N outputs (gated: N gate and
+    N up rows of W) and K: 64 W rows a program (gated: 64 gate + 64 up), K tiles of 128, 6 stages plain and 4
+    gated up to 32 rows of x (a stage is 24 or 48 KB of shared memory with x's second load for the norm: 144-192
+    KB a program, one an SM), 4 and 3 at 33-64 rows (32 and 64 KB a stage). Up to 32 rows, the best of 18-19 tile
+    settings for every shape and M timed (H100, M = 8 / 16 / 32, Llama-3.2-1B's and Qwen3-0.6B's qkv and gate_up,
+    `bench_skinny_gemm.py --wide --sweep`, skinny-wide-sweep-h100-20261126-s18.json), except the gated K = 2048
+    one, where 3 stages were 1% faster; at 64 rows the best of the settings that fit for Llama-3.2-1B's gate_up
+    (H200). At 33-64 rows a gated W of fewer than 128 programs of 64 rows (Qwen3-0.6B's gate_up: 48, on 132 SMs)
+    takes 32 + 32 rows a program and 4 stages: H200, M = 64, 9.90 -> 7.47 us (cuBLAS + silu_and_mul 8.25;
+    skinny-wide-sweep-m64-h200-20261126-s18.json)."""
     m_pad = max(16, triton.next_power_of_2(m))
-    stages = (3 if gated else 4) if m_pad > 32 else (4 if gated else 6)
-    return WideConfig(m_pad, 64, 128 if k % 128 == 0 else 64, 4, stages)
+    block_k = 128 if k % 128 == 0 else 64
+    if m_pad > 32:
+        if gated and triton.cdiv(n, 64) < 128:
+            return WideConfig(m_pad, 32, block_k, 4, 4)
+        return WideConfig(m_pad, 64, block_k, 4, 3 if gated else 4)
+    return WideConfig(m_pad, 64, block_k, 4, 4 if gated else 6)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
@@ -128,7 +135,7 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False, n
     if gated and weight.shape[0] % 2:
         raise ValueError(f"weight.shape[0] (2I = {weight.shape[0]}) must be even (gate rows, then as many up rows)")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    cfg = config or config_for(m, k, gated)
+    cfg = config or config_for(m, n, k, gated)
     if k % cfg.block_k or cfg.m_pad < m:
         raise ValueError(f"config {cfg} does not fit M = {m}, K = {k}")
     pdl = pdl_enabled(x)
