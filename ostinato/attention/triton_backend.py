@@ -28,6 +28,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     max_kv_splits = 16  # the grid's split dimension and the scratch depth
+    cpu_num_sms = 8  # kv_splits_cap's SM count off CUDA (the interpreter): a lone request of 2 KV heads gets 8 splits
     # From combine_min_bs rows, each decode request's last split program combines the splits (no stage-2 launch;
     # counters all 0 between launches, one per batch row and KV head). H200, Llama-3.2-1B ms a step, stage 2 ->
     # combined: bs 8 x 128 1.060 -> 1.041, bs 16 x 1024 1.218 -> 1.194, bs 32 x 128 1.170 -> 1.156, bs 256 x
@@ -160,7 +161,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_table = self.decode_table_for(head_dim, self.kv_fp8 is not None)
         self._kv_args_by_layer: dict[int, dict] = {}
         cuda = self.device.type == "cuda"
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 132
+        # Off CUDA the kernels run in Triton's interpreter, one program after another: a small stand-in SM count
+        # keeps the split cap (and so the grid's mostly empty split programs) small there
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else self.cpu_num_sms
         self.combine_splits = os.environ.get("OSTINATO_DECODE_COMBINE", "1") != "0"
         # one counter per (batch row, KV head): an eager batch has at most one row per request row; a graph's
         # padded batch may have more, and init_cuda_graph_state grows them before any capture
