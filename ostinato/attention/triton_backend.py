@@ -40,9 +40,12 @@ class TritonAttentionBackend(AttentionBackend):
     # Figures in docs/gpu-notes.md. H200: bs 1 x 128 Llama-3.2-1B 0.881 -> 0.865 ms a step, Qwen3-0.6B 0.761 ->
     # 0.745; taken up to 32 rows, Qwen3-0.6B (dim 128, q/k norm) was 1% slower at bs 8 and Llama-3.2-1B (dim 64)
     # 0.7% faster. H100, dim 64 up to 32 rows (Llama-3.2-1B): 0.5-1.2% faster steps at bs 8-32, but bf16 bs 16
-    # (0.3% slower).
+    # (0.3% slower). Dim 64 up to 64 rows (H200, Llama-3.2-1B x 288 tokens, two runs each alternating,
+    # decode-rope-cap-h200-20261126-s19.txt): bs 48 1.216 / 1.213 -> 1.209 / 1.207, bs 64 1.270 / 1.270 ->
+    # 1.265 / 1.265. Dim 128 up to 32 rows in the same runs (Qwen3-0.6B): bs 8 0.929 / 0.926 -> 0.943 / 0.942,
+    # bs 16 0.971 / 0.970 -> 0.960 / 0.958, bs 32 1.219 / 1.216 -> 1.213 / 1.213; not taken (slower at bs 8).
     decode_rope_max_bs: int | None = None
-    decode_rope_max_bs_by_dim = {64: 32}
+    decode_rope_max_bs_by_dim = {64: 64}
     min_tokens_per_split = 64  # one 64-key block: a split's programs then run a single loop iteration
     decode_block_n = 64
     # The decode kernel's launch settings, by KV dtype and head dim (decode_table_for), then by batch size: a
