@@ -8,7 +8,8 @@ down 1024 x 3072. Three ways, each captured in a CUDA graph, us per GEMV and the
 - `persistent`: one launch for the whole chain, every program walking its row tiles of each GEMV, then a grid
   barrier (an atomic count in global memory, a zero-filled counter per launch);
 - `persistent+l2`: the same, and each program prefetches into L2 the rows it takes next, for the next GEMV, before
-  its barrier, so the next GEMV's first bytes are already on chip.
+  its barrier, so the next GEMV's first bytes are already on chip;
+- `load-poll`: either, with the barrier's count polled by acquire loads instead of atomic adds of 0.
 All programs of a persistent launch must be resident at once (the barrier waits for every one); the grid is
 `--per-sm` programs an SM. On the CPU (Triton's interpreter runs programs one after another, so a barrier would
 never open) each GEMV is its own launch of the same kernel: `--smoke` checks the arithmetic that way.
@@ -40,14 +41,30 @@ def _l2_prefetch(ptrs):
 
 
 @triton.jit
-def _grid_barrier(Counter, target, max_spins):
-    """Every program's stores before it, visible to every program after it (the count reaches `target`)."""
+def _load_acquire(ptrs):
+    """ld.acquire.gpu at each address: a plain load with acquire order (no read-modify-write at L2)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _poll(Counter, LOAD_POLL: tl.constexpr):
+    if LOAD_POLL:
+        return tl.max(_load_acquire(Counter + tl.zeros([1], dtype=tl.int32)), 0)
+    return tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _grid_barrier(Counter, target, max_spins, LOAD_POLL: tl.constexpr):
+    """Every program's stores before it, visible to every program after it (the count reaches `target`). The count
+    is polled by an atomic add of 0, or (LOAD_POLL) by acquire loads, which every program's poll can take from L2
+    at once instead of queueing at the atomic unit."""
     tl.debug_barrier()
     tl.atomic_add(Counter, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+    seen = _poll(Counter, LOAD_POLL)
     spins = 0
     while (seen < target) & (spins < max_spins):  # capped: a grid too large to be resident fails, not hangs
-        seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+        seen = _poll(Counter, LOAD_POLL)
         spins += 1
     tl.debug_barrier()
 
@@ -55,7 +72,7 @@ def _grid_barrier(Counter, target, max_spins):
 @triton.jit
 def _chain_kernel(W, A, Meta, Counter, first, last, max_spins,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  BARRIER: tl.constexpr, PREFETCH: tl.constexpr):
+                  BARRIER: tl.constexpr, PREFETCH: tl.constexpr, LOAD_POLL: tl.constexpr = False):
     """GEMVs `first` .. `last` - 1 of the chain. Meta[g] = (N, K, W offset, input offset, output offset) in
     elements of W / A; y_g = W_g @ A[in_g : in_g + K] written at A[out_g : out_g + N]. N % BLOCK_N == 0,
     K % BLOCK_K == 0, and the offsets multiples of 16."""
@@ -90,7 +107,7 @@ def _chain_kernel(W, A, Meta, Counter, first, last, max_spins,
                     for c in range(0, k2, BLOCK_K):
                         _l2_prefetch(tile + c)
             if BARRIER:
-                _grid_barrier(Counter, (g + 1 - first) * num_programs, max_spins)
+                _grid_barrier(Counter, (g + 1 - first) * num_programs, max_spins, LOAD_POLL)
 
 
 def chain_meta(layers: int, device: torch.device) -> tuple[torch.Tensor, int, int, list[tuple[int, ...]]]:
@@ -107,11 +124,12 @@ def chain_meta(layers: int, device: torch.device) -> tuple[torch.Tensor, int, in
 
 def run_chain(w: torch.Tensor, a: torch.Tensor, meta: torch.Tensor, counter: torch.Tensor, num_gemvs: int,
               programs: int, barrier: bool, prefetch: bool, block_n: int = 8, block_k: int = 512,
-              stages: int = 3) -> None:
+              stages: int = 3, load_poll: bool = False) -> None:
     if barrier:
         counter.zero_()
         _chain_kernel[(programs,)](w, a, meta, counter, 0, num_gemvs, 1 << 15, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   NUM_STAGES=stages, BARRIER=True, PREFETCH=prefetch, num_warps=4)
+                                   NUM_STAGES=stages, BARRIER=True, PREFETCH=prefetch, LOAD_POLL=load_poll,
+                                   num_warps=4)
         return
     for g in range(num_gemvs):  # the interpreter's form: a launch a GEMV
         _chain_kernel[(programs,)](w, a, meta, counter, g, g + 1, 0, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -186,9 +204,10 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(dev), "gemvs": num, "weight_MB": bytes_ / 1e6, "rows": []}
     a0 = a.clone()
     for name, fn in [("skinny", skinny)] + [
-            (f"persistent{'+l2' if pf else ''} {p}/SM",
-             lambda p=p, pf=pf: run_chain(w, a, meta, counter, num, p * sms, barrier=True, prefetch=pf))
-            for p in args.per_sm for pf in (False, True)]:
+            (f"persistent{'+l2' if pf else ''}{' load-poll' if lp else ''} {p}/SM",
+             lambda p=p, pf=pf, lp=lp: run_chain(w, a, meta, counter, num, p * sms, barrier=True, prefetch=pf,
+                                                 load_poll=lp))
+            for p in args.per_sm for pf in (False, True) for lp in (False, True)]:
         a.copy_(a0)
         fn()
         torch.cuda.synchronize()
