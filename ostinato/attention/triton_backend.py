@@ -112,11 +112,14 @@ class TritonAttentionBackend(AttentionBackend):
             128: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
                       programs_per_sm=16, min_tokens_per_split=128),
             # the sweep's bs-256 pick (1 split, 3 stages) matched this entry's kernel time at 1,024 tokens but made
-            # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200): this one stays. Capped at
-            # 128 registers (ptxas gave ~134-154) for 16 programs an SM instead of 12-15: kernel us at contexts 128
-            # / 1024 / 4096, 19.6 / 103.4 / 364.4 -> 14.4 / 85.8 / 305.8 (H200, docs/gpu-notes.md)
+            # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200). Capped at 128 registers
+            # (ptxas gave ~134-154) for 16 programs an SM instead of 12-15: kernel us at contexts 128 / 1024 / 4096,
+            # 19.6 / 103.4 / 364.4 -> 14.4 / 85.8 / 305.8 (H200, docs/gpu-notes.md). One split a request at 256-511
+            # rows (programs_per_sm 8, was 16: two splits), timed in the step (H200, Llama-3.2-1B, the table and
+            # then this alternating, decode-bs256-fp8-pps8-h200-20261126-s19.json): bs 256 x 128 / 1024 / 4096
+            # 1.795 / 2.774 / 6.034 and 1.789 / 2.778 / 6.045 -> 1.707 / 2.677 / 5.939 and 1.713 / 2.690 / 5.939 ms
             256: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
-                      programs_per_sm=16, min_tokens_per_split=128, maxnreg=128),
+                      programs_per_sm=8, min_tokens_per_split=128, maxnreg=128),
         },
         (False, 128): {
             1: dict(num_warps=4, num_stages=2, whole_blocks=True, early_kv=4),
