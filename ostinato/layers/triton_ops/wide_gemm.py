@@ -2,10 +2,11 @@
 
 skinny_gemm.py puts x's rows on the MMA's M side (16 or 32 of them, padded), which on Hopper means the
 warp-level mma and W tiles of 16-32 rows, so every program re-reads x from L2 for as many bytes as it reads of
-W. Here the product is computed transposed, y^T = W @ x^T: a program owns 64 rows of W (gated: 64 + 64), which
-fill the M side of the warpgroup MMA (wgmma, M = 64 a warpgroup), and x^T [K, M_PAD] is the narrow N side. x is
-then re-read per program for M_PAD / 64 of its W bytes (M_PAD / 128 gated). This is the tile shape cuBLAS picks
-for these calls (its 128 x 32 kernels); what the kernel adds is what cuBLAS cannot do:
+W. Here the product is computed transposed, y^T = W @ x^T: a program owns 64 rows of W (gated: 64 + 64, or
+32 + 32 where config_for wants more programs), which fill the M side of the warpgroup MMA (wgmma, M = 64 a
+warpgroup), and x^T [K, M_PAD] is the narrow N side. x is then re-read per program for M_PAD / 64 of its W bytes
+(M_PAD / 128 gated). This is the tile shape cuBLAS picks for these calls (its 128 x 32 kernels); what the kernel
+adds is what cuBLAS cannot do:
 
 - GATED (gate_up): a program owns BLOCK_N gate rows and the BLOCK_N up rows I further on, and applies
   silu(gate) * up before its one store, rounded as silu_and_mul.py rounds (no [M, 2I] round trip, no launch);
