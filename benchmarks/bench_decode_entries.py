@@ -12,6 +12,7 @@ entry's output (relative to its largest value).
 
 OSTINATO_PDL=0 python benchmarks/bench_decode_entries.py [--entries-only] [--kv fp8] [--dims 64] [--bs 32 128]
                                                      [--layout engine|token|head] [--stages 7 10] [--fold]
+                                                     [--contexts 4096 8192] [--splits 2 4 6]
                                                      [--out PATH]
                                                      # ~3 min on an H200 for everything
 python benchmarks/bench_decode_entries.py --smoke   # CPU, Triton's interpreter: one tiny case, checks the script
@@ -31,6 +32,7 @@ from common import RESULTS, device_tag, replay_us  # noqa: E402
 
 from ostinato.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
+    _decode_stage1_kernel,
     compute_num_kv_splits,
     decode_attention,
     decode_kwargs,
@@ -75,15 +77,72 @@ def folded(entry: dict) -> list[tuple[str, dict]]:
             ("fold_b128_w2", fold | dict(block_n=128, num_warps=2, num_stages=3))]
 
 
+def resident_programs(n_regs: int, shared: int, num_warps: int) -> int:
+    """Stage-1 programs an H100/H200 SM holds at once: the least of its register file (64K, allocated 256 a
+    warp), shared memory (228 KB, 1 KB reserved a block), 64 warps and 32 blocks."""
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * num_warps) if n_regs else 32
+    return min(by_regs, 228 * 1024 // (shared + 1024), 64 // num_warps, 32)
+
+
+def compiled(fn) -> list:
+    """The kernels Triton compiled for `fn` so far (its per-device caches), oldest first; none off CUDA."""
+    return [k for caches in getattr(fn, "device_caches", {}).values() for k in caches[0].values()]
+
+
+_KERNELS: dict[tuple, dict] = {}
+
+
+def kernel_info(key: tuple, before: int) -> dict:
+    """Registers, shared memory, warps and resident programs an SM of the stage-1 kernel a setting (`key`) ran:
+    the one compiled since `before` kernels were cached, else what this key recorded earlier (a later context
+    reuses the kernel); empty off CUDA."""
+    kernels = compiled(_decode_stage1_kernel)
+    if len(kernels) > before and hasattr(kernels[-1], "n_regs"):
+        k = kernels[-1]
+        info = dict(n_regs=k.n_regs, shared=k.metadata.shared, num_warps=k.metadata.num_warps)
+        _KERNELS[key] = info | dict(per_sm=resident_programs(**info))
+    return _KERNELS.get(key, {})
+
+
+def split_settings(entry: dict, caps: list[int]) -> list[tuple[str, dict]]:
+    """The entry at fixed split caps (the bench's own `kv_splits` key, in place of programs_per_sm's rule)."""
+    return [(f"splits{n}", entry | dict(kv_splits=n)) for n in caps]
+
+
+def group_major_buffers(group: int, bs: int, ctx: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                        dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V laid out [slot group, head, G slots, dim]: a head's G slots one run, and a group's heads side by
+    side. The kernel's [slot, head, dim] indexing reads it through a strided view (slot stride dim, head stride
+    G x dim) when slot numbers skip the other heads' runs: real slot r is (r // G) x G x heads + r % G. Each
+    request's slots start group-aligned (the first group holds the sink). Returns the views and req_to_token."""
+    groups = -(-(group + bs * ctx) // group)
+
+    def view() -> torch.Tensor:
+        flat = torch.empty(groups * group * kv_heads * dim, dtype=dtype, device=dev)
+        return torch.as_strided(flat, ((groups - 1) * group * kv_heads + group, kv_heads, dim), (dim, group * dim, 1))
+
+    real = group + torch.arange(bs * ctx, device=dev)
+    slots = (real // group) * group * kv_heads + real % group
+    return view(), view(), slots.to(torch.int32).view(bs, ctx)
+
+
 def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
-             timed: bool, layout: str = "engine", stages: list[int] | None = None, fold: bool = False) -> list[dict]:
+             timed: bool, layout: str = "engine", stages: list[int] | None = None, fold: bool = False,
+             splits: list[int] | None = None) -> list[dict]:
     heads, kv_heads = HEADS[dim]
     dtype = torch.bfloat16 if timed else torch.float32
     slots = bs * ctx + 1  # slot 0: the sink
-    # the engine's pool, in its layout for the dtype ("engine") or the one asked for
-    pool = MHATokenToKVPool(slots, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev,
-                            head_major=None if layout == "engine" else layout == "head")
-    k, v = pool.get_store_buffer(0)
+    req_to_token = torch.arange(1, slots, dtype=torch.int32, device=dev).view(bs, ctx)
+    if layout.startswith("group"):  # head-major within groups of G slots (group_major_buffers)
+        k, v, req_to_token = group_major_buffers(int(layout[5:]), bs, ctx, kv_heads, dim,
+                                                 torch.uint8 if fp8 else dtype, dev)
+        head_major = layout
+    else:  # the engine's pool, in its layout for the dtype ("engine") or the one asked for
+        pool = MHATokenToKVPool(slots, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev,
+                                head_major=None if layout == "engine" else layout == "head")
+        k, v = pool.get_store_buffer(0)
+        head_major = pool.head_major
     for buf in (k, v):  # never time on zeros
         x = torch.randn(buf.shape, device=dev, dtype=dtype)
         buf.copy_(x.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else x)
@@ -92,17 +151,16 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
         scale = torch.ones(1, device=dev)
         fp8_args = dict(kv_fp8=torch.float8_e4m3fn, k_scale=scale, v_scale=scale)
     q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
-    req_to_token = torch.arange(1, slots, dtype=torch.int32, device=dev).view(bs, ctx)
     rows = torch.arange(bs, dtype=torch.int32, device=dev)
     seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
     counters = torch.zeros(bs * kv_heads, dtype=torch.int32, device=dev)
     entry = table_entry(TritonAttentionBackend.decode_table_for(dim, fp8), bs)
     out_rows, ref = [], None
     settings = ([("entry", entry)] + ([] if entries_only else tweaks(entry, fp8)) + deeper(entry, stages or [])
-                + (folded(entry) if fold else []))
+                + (folded(entry) if fold else []) + split_settings(entry, splits or []))
     for name, cfg in settings:
-        cap = TritonAttentionBackend.split_cap(bs, cfg.get("programs_per_sm", 2), kv_heads, num_sms,
-                                               TritonAttentionBackend.max_kv_splits)
+        cap = cfg.pop("kv_splits", None) or TritonAttentionBackend.split_cap(
+            bs, cfg.get("programs_per_sm", 2), kv_heads, num_sms, TritonAttentionBackend.max_kv_splits)
         num_splits = torch.empty(bs, dtype=torch.int32, device=dev)
         compute_num_kv_splits(seq_lens, num_splits,
                               cfg.get("min_tokens_per_split", TritonAttentionBackend.min_tokens_per_split), cap)
@@ -116,11 +174,12 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
                              counters=combine, **fp8_args,
                              **(dict(block_n=TritonAttentionBackend.decode_block_n) | decode_kwargs(cfg)))
 
+        before = len(compiled(_decode_stage1_kernel))
         call()
         ref = out.float().clone() if ref is None else ref
         row = dict(kv="fp8_e4m3" if fp8 else "bf16", dim=dim, bs=bs, ctx=ctx, setting=name, splits=cap,
-                   head_major=pool.head_major,
-                   entry=dict(cfg),
+                   head_major=head_major,
+                   entry=dict(cfg), kernel=kernel_info((fp8, dim, bs, name), before),
                    rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item())
         if timed:
             torch.cuda.synchronize()
@@ -131,8 +190,11 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
             row["us"] = replay_us(graph, 20)
             row["kv_tbps"] = bs * ctx * kv_heads * dim * 2 * k.element_size() / row["us"] / 1e6
         out_rows.append(row)
+        per_sm = row["kernel"].get("per_sm", 0)
         print(f"{row['kv']:9} dim {dim:3} bs {bs:3} ctx {ctx:5} {name:19} splits<={cap:2} "
-              f"{row.get('us', 0):8.2f} us {row.get('kv_tbps', 0):5.2f} TB/s  diff {row['rel_diff']:.1e}", flush=True)
+              f"{row.get('us', 0):8.2f} us {row.get('kv_tbps', 0):5.2f} TB/s  diff {row['rel_diff']:.1e}  "
+              f"programs {bs * kv_heads * cap} ({per_sm} an SM: {bs * kv_heads * cap / max(1, per_sm * num_sms):.2f}"
+              " waves)", flush=True)
     return out_rows
 
 
@@ -142,12 +204,16 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=400, help="no new case starts after this many seconds")
     ap.add_argument("--kv", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128], choices=[64, 128])
-    ap.add_argument("--layout", default="engine", choices=["engine", "token", "head"],
-                    help="the KV buffers' layout: the engine's (fp8 head-major, bf16 token-major), or one for both")
+    ap.add_argument("--layout", default="engine", choices=["engine", "token", "head", "group32", "group128"],
+                    help="the KV buffers' layout: the engine's (fp8 head-major, bf16 token-major), or one for both "
+                         "(groupG: head-major within groups of G slots, group_major_buffers)")
     ap.add_argument("--bs", type=int, nargs="+", default=[8, 32, 64, 128, 256], help="batch sizes")
     ap.add_argument("--stages", type=int, nargs="*", default=[],
                     help="also time each entry at these num_stages (deeper K/V pipelines), alone and with 2x splits")
     ap.add_argument("--fold", action="store_true", help="also time each entry with stage 1's rows folded")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096], help="tokens a request")
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="also time each entry at these split caps (in place of its programs_per_sm rule)")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, one tiny case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -156,14 +222,14 @@ def main() -> None:
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if timed else 132
     kvs = [kv == "fp8" for kv in args.kv]
     cases = ([(fp8, dim, bs, ctx) for fp8 in kvs for dim in args.dims for bs in args.bs
-              for ctx in (128, 1024, 4096)] if timed else [(fp8, 64, 9, 100) for fp8 in kvs])
+              for ctx in args.contexts] if timed else [(fp8, 64, 9, 100) for fp8 in kvs])
     start, rows = time.time(), []
     for case in cases:
         if time.time() - start > args.budget_s:
             print("budget spent: stopping", flush=True)
             break
         rows += run_case(*case, entries_only=args.entries_only, num_sms=num_sms, dev=dev, timed=timed,
-                         layout=args.layout, stages=args.stages, fold=args.fold)
+                         layout=args.layout, stages=args.stages, fold=args.fold, splits=args.splits)
     if timed:
         path = args.out or os.path.join(RESULTS, f"decode-entries-{device_tag(dev)}.json")
         with open(path, "w") as f:

@@ -100,8 +100,13 @@ class TritonAttentionBackend(AttentionBackend):
             # tests/test_fp8_kv.py's graph and eager engines parted in the last bits (see docs/gpu-notes.md)
             8: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
                     programs_per_sm=4),
+            # programs_per_sm 6 (4 splits at 32 rows, was 3): 1,024 one-warp programs, 7.8 an SM of the 13 its
+            # 152 registers allow. H200, Llama-3.2-1B heads, kernel alone at contexts 1024 / 4096 / 8192, 3 -> 4
+            # splits: 13.71 / 44.61 / 79.89 -> 13.40 / 40.13 / 78.82 us (6 and 8 splits slower); step at
+            # bs 32 x 128 / 1024 / 4096 0.993 / 1.127 / 1.565 -> 0.994 / 1.117 / 1.501 ms
+            # (decode-entries-splits-h200-20261127-s20.json, decode-bs32-fp8-splits-h200-20261127-s20.json)
             32: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
-                     programs_per_sm=4, early_kv=True),
+                     programs_per_sm=6, early_kv=True),
             64: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
                      programs_per_sm=8),
             # 5 stages since fp8 caches went head-major (a head's slots one run): H200, Llama-3.2-1B, bs 128 at
