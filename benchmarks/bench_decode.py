@@ -195,12 +195,13 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     gc.collect()
     gc.freeze()  # as EngineCore does after start-up: no collection walks the model's objects mid-timing
     cache = runner.kv_cache
-    for layer in range(cache.layer_num):  # never time on zeros
-        for buf in cache.get_kv_buffer(layer):
+    for layer in range(cache.layer_num):  # never time on zeros; through the storage (a grouped fp8 view spans
+        for buf in cache.get_kv_buffer(layer):  # more slot numbers than it holds: mem/kv_cache.SlotLayout)
+            flat = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf.untyped_storage())
             if cache.is_fp8:  # random fp8 values (no NaN bytes), one layer-sized bf16 temporary
-                buf.copy_(torch.empty(buf.shape, dtype=torch.bfloat16, device=buf.device).normal_())
+                flat.copy_(torch.empty(flat.shape, dtype=torch.bfloat16, device=buf.device).normal_())
             else:
-                buf.normal_()
+                flat.normal_()
     cfg = runner.config
     kv_per_token = MHATokenToKVPool.bytes_per_token(cfg.num_key_value_heads, head_dim_of(cfg),
                                                     runner.kv_layers, runner.kv_cache.dtype)

@@ -19,6 +19,7 @@ python benchmarks/bench_decode_entries.py --smoke   # CPU, Triton's interpreter:
 """
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -110,42 +111,34 @@ def split_settings(entry: dict, caps: list[int]) -> list[tuple[str, dict]]:
     return [(f"splits{n}", entry | dict(kv_splits=n)) for n in caps]
 
 
-def group_major_buffers(group: int, bs: int, ctx: int, kv_heads: int, dim: int, dtype: torch.dtype,
-                        dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K and V laid out [slot group, head, G slots, dim]: a head's G slots one run, and a group's heads side by
-    side. The kernel's [slot, head, dim] indexing reads it through a strided view (slot stride dim, head stride
-    G x dim) when slot numbers skip the other heads' runs: real slot r is (r // G) x G x heads + r % G. Each
-    request's slots start group-aligned (the first group holds the sink). Returns the views and req_to_token."""
-    groups = -(-(group + bs * ctx) // group)
-
-    def view() -> torch.Tensor:
-        flat = torch.empty(groups * group * kv_heads * dim, dtype=dtype, device=dev)
-        return torch.as_strided(flat, ((groups - 1) * group * kv_heads + group, kv_heads, dim), (dim, group * dim, 1))
-
-    real = group + torch.arange(bs * ctx, device=dev)
-    slots = (real // group) * group * kv_heads + real % group
-    return view(), view(), slots.to(torch.int32).view(bs, ctx)
+def changed(entry: dict, specs: list[str]) -> list[tuple[str, dict]]:
+    """The entry with `--change` specs applied: "NAME:key=value,key=value" (values Python literals; kv_splits
+    fixes the split cap)."""
+    out = []
+    for spec in specs:
+        name, changes = spec.split(":", 1)
+        out.append((name, entry | {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in changes.split(","))}))
+    return out
 
 
 def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
              timed: bool, layout: str = "engine", stages: list[int] | None = None, fold: bool = False,
-             splits: list[int] | None = None) -> list[dict]:
+             splits: list[int] | None = None, changes: list[str] | None = None) -> list[dict]:
     heads, kv_heads = HEADS[dim]
     dtype = torch.bfloat16 if timed else torch.float32
-    slots = bs * ctx + 1  # slot 0: the sink
-    req_to_token = torch.arange(1, slots, dtype=torch.int32, device=dev).view(bs, ctx)
-    if layout.startswith("group"):  # head-major within groups of G slots (group_major_buffers)
-        k, v, req_to_token = group_major_buffers(int(layout[5:]), bs, ctx, kv_heads, dim,
-                                                 torch.uint8 if fp8 else dtype, dev)
-        head_major = layout
-    else:  # the engine's pool, in its layout for the dtype ("engine") or the one asked for
-        pool = MHATokenToKVPool(slots, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev,
-                                head_major=None if layout == "engine" else layout == "head")
-        k, v = pool.get_store_buffer(0)
-        head_major = pool.head_major
-    for buf in (k, v):  # never time on zeros
-        x = torch.randn(buf.shape, device=dev, dtype=dtype)
-        buf.copy_(x.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else x)
+    # the engine's pool, in its layout for the dtype ("engine") or the one asked for; slot numbers from its layout
+    group = int(layout[5:]) if layout.startswith("group") else (None if layout == "engine" else 0)
+    pool = MHATokenToKVPool(128 + bs * ctx, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev,
+                            head_major=None if layout == "engine" else layout == "head", slot_group=group)
+    k, v = pool.get_store_buffer(0)
+    head_major = layout if group else pool.head_major
+    # each request's slots contiguous from slot 128 (a slot group's start: the engine's allocator reserves the
+    # first group, the sink's)
+    req_to_token = pool.layout.numbers(torch.arange(128, 128 + bs * ctx, device=dev)).to(torch.int32).view(bs, ctx)
+    for buf in (k, v):  # never time on zeros; through the storage (a grouped view spans more numbers than slots)
+        flat = torch.empty(0, dtype=buf.dtype, device=dev).set_(buf.untyped_storage())
+        x = torch.randn(flat.shape, device=dev, dtype=dtype)
+        flat.copy_(x.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else x)
     fp8_args = {}
     if fp8:
         scale = torch.ones(1, device=dev)
@@ -157,7 +150,7 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
     entry = table_entry(TritonAttentionBackend.decode_table_for(dim, fp8), bs)
     out_rows, ref = [], None
     settings = ([("entry", entry)] + ([] if entries_only else tweaks(entry, fp8)) + deeper(entry, stages or [])
-                + (folded(entry) if fold else []) + split_settings(entry, splits or []))
+                + (folded(entry) if fold else []) + split_settings(entry, splits or []) + changed(entry, changes or []))
     for name, cfg in settings:
         cap = cfg.pop("kv_splits", None) or TritonAttentionBackend.split_cap(
             bs, cfg.get("programs_per_sm", 2), kv_heads, num_sms, TritonAttentionBackend.max_kv_splits)
@@ -206,7 +199,7 @@ def main() -> None:
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128], choices=[64, 128])
     ap.add_argument("--layout", default="engine", choices=["engine", "token", "head", "group32", "group128"],
                     help="the KV buffers' layout: the engine's (fp8 head-major, bf16 token-major), or one for both "
-                         "(groupG: head-major within groups of G slots, group_major_buffers)")
+                         "(groupG: head-major within groups of G slots, mem/kv_cache.SlotLayout)")
     ap.add_argument("--bs", type=int, nargs="+", default=[8, 32, 64, 128, 256], help="batch sizes")
     ap.add_argument("--stages", type=int, nargs="*", default=[],
                     help="also time each entry at these num_stages (deeper K/V pipelines), alone and with 2x splits")
@@ -214,6 +207,9 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096], help="tokens a request")
     ap.add_argument("--splits", type=int, nargs="*", default=[],
                     help="also time each entry at these split caps (in place of its programs_per_sm rule)")
+    ap.add_argument("--change", nargs="*", default=[],
+                    help='also time each entry with these changes: "NAME:key=value,..." '
+                         '(e.g. "s8:kv_splits=8,maxnreg=128")')
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, one tiny case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -229,7 +225,8 @@ def main() -> None:
             print("budget spent: stopping", flush=True)
             break
         rows += run_case(*case, entries_only=args.entries_only, num_sms=num_sms, dev=dev, timed=timed,
-                         layout=args.layout, stages=args.stages, fold=args.fold, splits=args.splits)
+                         layout=args.layout, stages=args.stages, fold=args.fold, splits=args.splits,
+                         changes=args.change)
     if timed:
         path = args.out or os.path.join(RESULTS, f"decode-entries-{device_tag(dev)}.json")
         with open(path, "w") as f:

@@ -40,7 +40,7 @@ def store_only(bs: int, kv: str, mode: str, iters: int, layers: int = 16, kv_hea
     cache = MHATokenToKVPool(65536, KV_DTYPES[kv], kv_heads, dim, layers, dev)
     backend = TritonAttentionBackend(ReqToTokenPool(1, 8, dev), cache, num_heads=32)
     set_mode(backend, cache, mode)
-    loc = torch.randperm(65535, device=dev)[:bs] + 1
+    loc = cache.layout.numbers(torch.randperm(65535, device=dev)[:bs] + 1)
     k = torch.randn(bs, kv_heads, dim, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
 

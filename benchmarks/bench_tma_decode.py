@@ -120,7 +120,8 @@ def case(fp8: bool, dim: int, bs: int, ctx: int, pages: list[int], dev: torch.de
     heads, kv_heads = HEADS[dim]
     dtype = torch.bfloat16 if timed else torch.float16
     slots = bs * ctx + 64  # page 0 (the first 64 slots): the sink; each request's slots contiguous after it
-    pool = MHATokenToKVPool(slots, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev)
+    # slot_group 0: fp8 caches head-major over the whole pool, which the TMA descriptors here are laid over
+    pool = MHATokenToKVPool(slots, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev, slot_group=0)
     k, v = pool.get_store_buffer(0)
     for buf in (k, v):  # never time on zeros
         x = torch.randn(buf.shape, device=dev, dtype=torch.float32)

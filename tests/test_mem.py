@@ -1,14 +1,14 @@
 import pytest
 import torch
 
-from ostinato.mem.kv_cache import MHATokenToKVPool
+from ostinato.mem.kv_cache import FP8_SLOT_GROUP, MHATokenToKVPool, SlotLayout
 from ostinato.mem.kv_manager import KVManager
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
 from ostinato.mem.token_allocator import TokenToKVPoolAllocator
 
 
-def make(num_pages: int, page: int, reqs: int = 8, ctx: int = 256) -> KVManager:
-    return KVManager(ReqToTokenPool(reqs, ctx, "cpu"), TokenToKVPoolAllocator(num_pages * page, page, "cpu"))
+def make(num_pages: int, page: int, reqs: int = 8, ctx: int = 256, layout: SlotLayout | None = None) -> KVManager:
+    return KVManager(ReqToTokenPool(reqs, ctx, "cpu"), TokenToKVPoolAllocator(num_pages * page, page, "cpu", layout))
 
 
 @pytest.mark.parametrize("page", [1, 4, 16])
@@ -81,19 +81,22 @@ def test_request_pool_exhaustion_and_double_free():
     pool.free(b)
 
 
+@pytest.mark.parametrize("slot_group", [None, 0, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_kv_pool_roundtrip(dtype):
-    pool = MHATokenToKVPool(32, dtype, head_num=2, head_dim=8, layer_num=3, device="cpu")
+def test_kv_pool_roundtrip(dtype, slot_group):
+    pool = MHATokenToKVPool(32, dtype, head_num=2, head_dim=8, layer_num=3, device="cpu", slot_group=slot_group)
     if dtype == torch.float8_e4m3fn:
         assert pool.store_dtype == torch.uint8
     k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
-    loc = torch.tensor([3, 9, 4, 30, 17])
+    loc = pool.layout.numbers(torch.tensor([3, 9, 4, 30, 17]))
     pool.set_kv_buffer(1, loc, k, v)
     kb, vb = pool.get_kv_buffer(1)
     assert kb.dtype == dtype
     torch.testing.assert_close(kb[loc].float(), k.to(dtype).float())
     torch.testing.assert_close(vb[loc].float(), v.to(dtype).float())
-    assert pool.bytes() == 2 * 3 * 32 * 2 * 8 * (1 if dtype == torch.float8_e4m3fn else dtype.itemsize)
+    group = pool.layout.group
+    slots = -(-32 // group) * group if group else 32  # a grouped pool holds whole groups
+    assert pool.bytes() == 2 * 3 * slots * 2 * 8 * (1 if dtype == torch.float8_e4m3fn else dtype.itemsize)
     # the rope + store op finds its layer by its K buffer
     assert [pool.layer_of(pool.get_store_buffer(i)[0]) for i in (2, 0, 1)] == [2, 0, 1]
     with pytest.raises(KeyError):
@@ -102,16 +105,48 @@ def test_kv_pool_roundtrip(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_kv_pool_layout(dtype):
-    """fp8 buffers are head-major (each head's slots contiguous), others token-major; either way indexed
-    [slot, head, dim], and `head_major` overrides the default."""
+    """fp8 buffers are head-major within groups of FP8_SLOT_GROUP slots, others token-major; either way indexed
+    [slot number, head, dim]; `head_major` (whole-pool head-major or token-major) overrides the default."""
     fp8 = dtype == torch.float8_e4m3fn
     for head_major in (None, not fp8):
         pool = MHATokenToKVPool(32, dtype, head_num=2, head_dim=8, layer_num=1, device="cpu", head_major=head_major)
+        group = FP8_SLOT_GROUP if fp8 and head_major is None else 0
+        assert pool.layout == SlotLayout(group, 2)
         major = fp8 if head_major is None else head_major
         assert pool.head_major == major
         for buf in (*pool.get_kv_buffer(0), *pool.get_store_buffer(0)):
-            assert buf.shape == (32, 2, 8)
-            assert buf.stride() == ((8, 32 * 8, 1) if major else (16, 8, 1))
+            assert buf.shape == ((group, 2, 8) if group else (32, 2, 8))
+            assert buf.stride() == ((8, (group or 32) * 8, 1) if major else (16, 8, 1))
+
+
+def test_slot_groups_memory_and_pages():
+    """With slot groups of G, memory is [group, head, G slots, dim]: every slot's rows land there through the
+    [slot number, head, dim] view, numbers and slots invert each other, and the allocator hands out pages whose
+    slot numbers are one run, after the reserved first group."""
+    G, H, D, size = 4, 3, 2, 12
+    pool = MHATokenToKVPool(size, torch.float32, head_num=H, head_dim=D, layer_num=1, device="cpu", slot_group=G)
+    layout = pool.layout
+    real = torch.arange(size)
+    numbers = layout.numbers(real)
+    assert torch.equal(layout.slots(numbers), real)
+    assert torch.equal(numbers, torch.tensor([0, 1, 2, 3, 12, 13, 14, 15, 24, 25, 26, 27]))
+    assert layout.rows(size) == 28 and pool.get_kv_buffer(0)[0].shape == (28, H, D)
+    k, v = torch.randn(size, H, D), torch.randn(size, H, D)
+    pool.set_kv_buffer(0, numbers[torch.randperm(size)].sort().values, k, v)
+    mem = torch.empty(0).set_(pool.get_store_buffer(0)[0].untyped_storage()).view(size // G, H, G, D)
+    torch.testing.assert_close(mem, k.view(size // G, G, H, D).transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(pool.read_kv(0, numbers, torch.float32)[1], v, rtol=0, atol=0)
+
+    a = TokenToKVPoolAllocator(4 * G, 2, "cpu", layout)
+    assert a.reserved_pages == 2 and a.size == 3 * G and a.available_pages() == a.usable_pages == 6
+    pages = a.alloc_pages(6)
+    assert sorted(pages.tolist()) == [2, 3, 4, 5, 6, 7]  # the first group (pages 0, 1) is the sink's
+    first = a.page_slots(pages)
+    assert torch.equal(a.pages_of(first), pages) and torch.equal(a.pages_of(first + 1), pages)
+    slots = layout.slots(first[:, None] + torch.arange(2))  # a page's numbers are one run of the pool's slots
+    assert torch.equal(slots, pages[:, None] * 2 + torch.arange(2))
+    with pytest.raises(ValueError, match="must divide the KV pool's slot group"):
+        TokenToKVPoolAllocator(32, 8, "cpu", layout)
 
 
 @pytest.mark.parametrize("page", [1, 4])
@@ -148,10 +183,16 @@ def test_batched_decode_extend_equals_per_request_extend(page):
 class PlainPages:
     """The paged pool as a plain Python model, token by token: a request's token at position i lives at offset
     i % page of its (i // page)-th page; a new page comes off the front of the free list; freed pages go to its
-    back in the order freed. The oracle for KVManager's vectorized bookkeeping."""
+    back in the order freed; a slot's number is the layout's (SlotLayout: slot groups skip the other heads' runs).
+    The oracle for KVManager's vectorized bookkeeping."""
 
-    def __init__(self, num_pages: int, page: int) -> None:
-        self.page, self.free, self.rows = page, list(range(1, num_pages)), {}
+    def __init__(self, num_pages: int, page: int, layout: SlotLayout) -> None:
+        self.page, self.free, self.rows = page, list(range(max(1, layout.group // page), num_pages)), {}
+        self.layout = layout
+
+    def number(self, slot: int) -> int:
+        g = self.layout.group
+        return slot // g * g * self.layout.heads + slot % g if g else slot
 
     def extend(self, slot: int, cur: int, new: int) -> list[int]:
         pages = self.rows.setdefault(slot, [])
@@ -161,20 +202,22 @@ class PlainPages:
         for i in range(cur, new):
             if i % self.page == 0:
                 pages.append(self.free.pop(0))
-            locs.append(pages[i // self.page] * self.page + i % self.page)
+            locs.append(self.number(pages[i // self.page] * self.page + i % self.page))
         return locs
 
     def release(self, slot: int) -> None:
         self.free += self.rows.pop(slot, [])
 
 
+@pytest.mark.parametrize("group", [0, 16])
 @pytest.mark.parametrize("page", [1, 4, 16])
-def test_extend_batch_matches_a_plain_per_token_model(page):
+def test_extend_batch_matches_a_plain_per_token_model(page, group):
     """Random batches of multi-token and one-token extends, partly filled pages, requests finishing and their
     pages coming back (the allocator merges returned pages lazily): every slot handed out, every req_to_token
-    entry and every free count equal the plain model's."""
+    entry and every free count equal the plain model's, with slot numbers as they are and in slot groups."""
     gen = torch.Generator().manual_seed(100 + page)
-    kv, model = make(90, page, reqs=12, ctx=512), PlainPages(90, page)
+    layout = SlotLayout(group, 3)
+    kv, model = make(90, page, reqs=12, ctx=512, layout=layout), PlainPages(90, page, layout)
     lens: dict[int, int] = {}
     for _ in range(80):
         if len(lens) < 12 and torch.rand(1, generator=gen) < 0.5:
@@ -198,7 +241,7 @@ def test_extend_batch_matches_a_plain_per_token_model(page):
             lens[s] = n
         for s, n in lens.items():
             assert kv.req_pool.req_to_token[s, :n].tolist() == [
-                model.rows[s][i // page] * page + i % page for i in range(n)]
+                model.number(model.rows[s][i // page] * page + i % page) for i in range(n)]
         assert kv.allocator.available_pages() == len(model.free)
     for s, n in lens.items():
         kv.release(s, n)

@@ -48,10 +48,10 @@ def make_env(page: int, heads: int, kv_heads: int, dim: int, *, dtype=torch.floa
              head_major=None) -> Env:
     gen = torch.Generator(device).manual_seed(seed)
     req_pool = ReqToTokenPool(max_reqs, max_ctx, device)
-    alloc = TokenToKVPoolAllocator(slots, page, device)
+    cache = MHATokenToKVPool(slots, cache_dtype or dtype, kv_heads, dim, 1, device, head_major=head_major)
+    alloc = TokenToKVPoolAllocator(slots, page, device, cache.layout)  # fp8: slot numbers in groups (SlotLayout)
     # hand pages out in a random order, so a request's slots are scattered over the pool
     alloc.free_pages = alloc.free_pages[torch.randperm(len(alloc.free_pages), generator=gen, device=device)]
-    cache = MHATokenToKVPool(slots, cache_dtype or dtype, kv_heads, dim, 1, device, head_major=head_major)
     tri = TritonAttentionBackend(req_pool, cache, num_heads=heads, page_size=page)
     tri.num_sms = 132  # an H200's, for the split counts these tests expect (off CUDA the backend assumes fewer)
     if small_blocks:  # the interpreter's shapes: several blocks and splits per request

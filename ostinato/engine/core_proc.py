@@ -178,7 +178,7 @@ class EngineLoop:
         return {
             "running": len(sched.running), "waiting": len(sched.waiting),
             # free counts what the prefix cache holds unused (it is evicted on demand)
-            "kv_free_pages": sched.cache.available_pages(), "kv_total_pages": alloc.num_pages - 1,
+            "kv_free_pages": sched.cache.available_pages(), "kv_total_pages": alloc.usable_pages,
             "req_slots_free": slots.available_size(), "req_slots_total": slots.size,
             "num_retractions": sched.num_retractions,
             "prefix_cache_queries": sched.cache.query_tokens, "prefix_cache_hits": sched.cache.hit_tokens,

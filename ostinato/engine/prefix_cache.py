@@ -51,8 +51,7 @@ class PrefixCache:
         """Free the pages of slots[start:end] (int64 slots or an int32 row; start page-aligned)."""
         if end > start:
             p = self.page_size
-            pages = slots[start:end:p].to(torch.int64)
-            self.kv.allocator.free_pages_(pages if p == 1 else pages // p)
+            self.kv.allocator.free_pages_(self.kv.allocator.pages_of(slots[start:end:p].to(torch.int64)))
 
     def flush_rows(self) -> None:
         """Do the queued req_to_token writes, in one copy. Whatever reads those rows runs after it: the scheduler
@@ -167,18 +166,18 @@ class PrefixCache:
             return
         a, r, t = self.kv.allocator, self.kv.req_pool, self.tree
         held = t.evictable_size + t.protected_size  # tokens in the tree, a whole number of pages
-        if t.protected_size or a.available_pages() + held // self.page_size != a.num_pages - 1 \
+        if t.protected_size or a.available_pages() + held // self.page_size != a.usable_pages \
                 or r.available_size() != r.size:
             raise RuntimeError(
-                f"KV leak: {a.num_pages - 1 - a.available_pages()} pages held, {held} tokens in the prefix "
+                f"KV leak: {a.usable_pages - a.available_pages()} pages held, {held} tokens in the prefix "
                 f"cache ({t.protected_size} locked), {r.size - r.available_size()} request slots held with no "
                 "live request")
         if not deep:
             return
         t.check()  # (the size counters used above among its invariants)
         held = t.all_slots()
-        pages = torch.cat([a.free_pages, held[:: self.page_size] // self.page_size])
-        if len(torch.unique(pages)) != len(pages) or (len(pages) and int(pages.min()) < 1):
+        pages = torch.cat([a.free_pages, a.pages_of(held[:: self.page_size])])
+        if len(torch.unique(pages)) != len(pages) or (len(pages) and int(pages.min()) < a.reserved_pages):
             raise RuntimeError("KV pool corrupt: a page is free twice, or both free and in the prefix cache")
 
 

@@ -1,10 +1,58 @@
 """Layer 3 of the memory pool: the physical K/V buffers."""
 
 import abc
+import os
+from dataclasses import dataclass
 
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# fp8 caches are laid out head-major within groups of this many slots (SlotLayout); page sizes must divide it.
+# OSTINATO_FP8_SLOT_GROUP=0: whole-pool head-major buffers (the layout before groups, for comparisons)
+FP8_SLOT_GROUP = int(os.environ.get("OSTINATO_FP8_SLOT_GROUP", "128"))
+if FP8_SLOT_GROUP < 0 or FP8_SLOT_GROUP & (FP8_SLOT_GROUP - 1):
+    raise ValueError(f"OSTINATO_FP8_SLOT_GROUP must be 0 or a power of two, got {FP8_SLOT_GROUP}")
+
+
+def slot_group_for(dtype: torch.dtype, page_size: int) -> int:
+    """The pool's slot group (SlotLayout) for a cache dtype and page size: FP8_SLOT_GROUP for fp8 where the page
+    size divides it, else 0 (fp8 then head-major, as MHATokenToKVPool defaults)."""
+    return FP8_SLOT_GROUP if dtype in FP8_DTYPES and FP8_SLOT_GROUP and FP8_SLOT_GROUP % page_size == 0 else 0
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """How slot numbers (what req_to_token holds and every kernel indexes with) map onto a pool's memory.
+
+    group 0: slot numbers are the pool's slots as they are, and a buffer is [slot, head, dim] in memory
+    (token-major) or [head, slot, dim] (head-major).
+    group G > 0 (G a multiple of the page size): memory is [slot group, head, G slots, dim]. Each head's G slots
+    are one run, as head-major gives, and a group's heads sit side by side, as token-major gives: the split-KV
+    decode kernel then reads a request's contiguous slots as runs of whole lines, with the programs of its
+    heads (launched together) reading neighbouring runs. The kernels index [slot, head, dim] with two strides
+    (dim, G x dim), which holds when slot numbers skip the other heads' runs: the pool's slot s (page p's are p x
+    page_size ..) is numbered (s // G) x G x heads + s % G. Numbers in the skipped ranges are never handed out.
+    """
+
+    group: int = 0
+    heads: int = 1
+
+    def numbers(self, slots: torch.Tensor) -> torch.Tensor:
+        """The pool's slots -> their slot numbers."""
+        if not self.group:
+            return slots
+        return slots // self.group * (self.group * self.heads) + slots % self.group
+
+    def slots(self, numbers: torch.Tensor) -> torch.Tensor:
+        """Slot numbers -> the pool's slots (the inverse of `numbers`)."""
+        if not self.group:
+            return numbers
+        span = self.group * self.heads
+        return numbers // span * self.group + numbers % span
+
+    def rows(self, size: int) -> int:
+        """Slot numbers a buffer view of a pool of `size` slots spans (up to the last slot's number)."""
+        return int(self.numbers(torch.tensor(size - 1))) + 1 if size else 0
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -65,14 +113,16 @@ class KVCache(abc.ABC):
 class MHATokenToKVPool(KVCache):
     """K and V buffers indexed [slot, kv_head, head_dim] for every layer.
 
-    In memory a buffer is token-major (a slot's heads side by side) or, with `head_major`, head-major (each
+    In memory a buffer is token-major (a slot's heads side by side), with `head_major` head-major (each
     head's slots side by side: a [kv_heads, size, head_dim] tensor seen through a permuted view, so every
-    reader indexes it the same way and the kernels take its strides). Head-major is the default for fp8
-    caches: a head's row of a slot is then 64 bytes at head dim 64, and the split-KV decode kernel reads a
-    request's contiguous slots as one run per head instead of 64-byte pieces 512 bytes apart. H200,
+    reader indexes it the same way and the kernels take its strides), or with `slot_group` G head-major within
+    groups of G slots (`SlotLayout`; a strided view of [size / G, kv_heads, G, head_dim]). Head-major rows are
+    what fp8 caches want: a head's row of a slot is 64 bytes at head dim 64, and the split-KV decode kernel reads
+    a request's contiguous slots as one run per head instead of 64-byte pieces 512 bytes apart. H200,
     Llama-3.2-1B, ms a step token-major -> head-major, two runs each (docs/gpu-notes.md):
     - fp8: bs 128 x 4096 3.918 -> 3.708, bs 256 x 1024 2.746 -> 2.716, bs 32 x 4096 1.705 -> 1.694;
     - bf16 (128-byte rows): 1% slower at those shapes, so it stays token-major.
+    fp8 caches default to groups of FP8_SLOT_GROUP slots; slot numbers then come from `layout`.
     """
 
     def __init__(
@@ -84,14 +134,22 @@ class MHATokenToKVPool(KVCache):
         layer_num: int,
         device: torch.device | str,
         head_major: bool | None = None,
+        slot_group: int | None = None,
     ) -> None:
         super().__init__(size, dtype, layer_num, device)
         self.head_num = head_num
         self.head_dim = head_dim
-        self.head_major = self.is_fp8 if head_major is None else head_major
+        group = slot_group_for(dtype, 1) if head_major is None and slot_group is None else (slot_group or 0)
+        self.layout = SlotLayout(group, head_num)
+        self.head_major = bool(group) or (self.is_fp8 if head_major is None else head_major)
         self.alt_stream: torch.cuda.Stream | None = None  # see set_kv_buffer
 
         def buffer() -> torch.Tensor:
+            if group:  # [groups, heads, G, dim] seen as [slot number, head, dim] (SlotLayout)
+                groups = -(-size // group)
+                flat = torch.zeros(groups * head_num * group * head_dim, dtype=self.store_dtype, device=device)
+                return flat.as_strided((self.layout.rows(groups * group), head_num, head_dim),
+                                       (head_dim, group * head_dim, 1))
             if self.head_major:
                 return torch.zeros(head_num, size, head_dim, dtype=self.store_dtype, device=device).permute(1, 0, 2)
             return torch.zeros(size, head_num, head_dim, dtype=self.store_dtype, device=device)
@@ -149,7 +207,7 @@ class MHATokenToKVPool(KVCache):
         buf[loc] = self.quantize(x, scale) if self.is_fp8 else x.to(self.dtype)
 
     def bytes(self) -> int:
-        per = self.k_buffer[0].numel() * self.k_buffer[0].element_size()
+        per = self.k_buffer[0].untyped_storage().nbytes()  # a grouped view spans more numbers than it holds
         return 2 * per * self.layer_num
 
     @staticmethod

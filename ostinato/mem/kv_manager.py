@@ -33,9 +33,10 @@ class KVManager:
         if self.page_size > 1:
             return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens])
         # page 1 (extend_batch's arithmetic, short-cut: this runs every decode step): a page per request
-        loc = self.allocator.alloc_pages(len(req_slots))
-        if loc is None:
+        pages = self.allocator.alloc_pages(len(req_slots))
+        if pages is None:
             return None
+        loc = self.allocator.page_slots(pages)
         table = self.req_pool.req_to_token
         rows, cols = to_device([np.asarray(req_slots, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)],
                                table.device)
@@ -70,11 +71,11 @@ class KVManager:
             host += [pick, pos % p, slots[partial], cur[partial] - 1]
         rows, cols, *paged = to_device(host, table.device)
         if p == 1:
-            loc = new_pages
+            loc = self.allocator.page_slots(new_pages)
         else:
             pick, offset, last_rows, last_cols = paged
-            last_pages = table[last_rows, last_cols].to(torch.int64) // p
-            loc = torch.cat([new_pages, last_pages])[pick] * p + offset
+            last_pages = self.allocator.pages_of(table[last_rows, last_cols].to(torch.int64))
+            loc = self.allocator.page_slots(torch.cat([new_pages, last_pages])[pick]) + offset
         table[rows, cols] = loc.to(torch.int32)
         return loc
 
@@ -94,7 +95,7 @@ class KVManager:
         """Free the request's pages (its first `kv_len` tokens hold KV) and its request slot."""
         if kv_len:
             first_slots = self.req_pool.req_to_token[req_slot, 0:kv_len : self.page_size]
-            self.allocator.free_pages_(first_slots.to(torch.int64) // self.page_size)
+            self.allocator.free_pages_(self.allocator.pages_of(first_slots.to(torch.int64)))
         self.req_pool.free(req_slot)
 
     def check_all_free(self, deep: bool = True) -> None:
@@ -102,9 +103,9 @@ class KVManager:
         `deep` also looks for a page on the free list twice (a sort of the whole list: ~1 ms on a GPU, ~0.1 s
         on a CPU at millions of pages)."""
         a, r = self.allocator, self.req_pool
-        if a.available_pages() != a.num_pages - 1 or r.available_size() != r.size:
+        if a.available_pages() != a.usable_pages or r.available_size() != r.size:
             raise RuntimeError(
-                f"KV leak: {a.num_pages - 1 - a.available_pages()} pages and "
+                f"KV leak: {a.usable_pages - a.available_pages()} pages and "
                 f"{r.size - r.available_size()} request slots held with no live request"
             )
         check_states = getattr(r, "check_all_free", None)  # hybrid models: the Mamba slots too

@@ -157,7 +157,7 @@ class RadixCache:
         freed, pages = 0, []
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
-            pages.append(leaf.value[:: self.page_size] // self.page_size)
+            pages.append(self.allocator.pages_of(leaf.value[:: self.page_size]))
             freed += len(leaf.key)
             parent = leaf.parent
             del parent.children[self._first(leaf.key)]
