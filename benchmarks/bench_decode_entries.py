@@ -121,20 +121,38 @@ def changed(entry: dict, specs: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
+def kv_interleaved_buffers(group: int, size: int, heads: int, dim: int, dtype: torch.dtype, dev: torch.device):
+    """K and V of one layer in one buffer [slot group, {K, V}, head, G slots, dim] (a question for the bench, not an
+    engine layout): the views index [slot number, head, dim] with slot numbers (s // G) x 2 x G x heads + s % G.
+    Returns the K and V views and the slot -> number map."""
+    groups = -(-size // group)
+    flat = torch.empty(groups * 2 * heads * group * dim, dtype=dtype, device=dev)
+    rows = (groups - 1) * 2 * group * heads + group
+    k = flat.as_strided((rows, heads, dim), (dim, group * dim, 1))
+    v = flat.as_strided((rows, heads, dim), (dim, group * dim, 1), heads * group * dim)
+    return k, v, lambda s: s // group * (2 * group * heads) + s % group
+
+
 def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
              timed: bool, layout: str = "engine", stages: list[int] | None = None, fold: bool = False,
              splits: list[int] | None = None, changes: list[str] | None = None) -> list[dict]:
     heads, kv_heads = HEADS[dim]
     dtype = torch.bfloat16 if timed else torch.float32
-    # the engine's pool, in its layout for the dtype ("engine") or the one asked for; slot numbers from its layout
-    group = int(layout[5:]) if layout.startswith("group") else (None if layout == "engine" else 0)
-    pool = MHATokenToKVPool(128 + bs * ctx, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev,
-                            head_major=None if layout == "engine" else layout == "head", slot_group=group)
-    k, v = pool.get_store_buffer(0)
-    head_major = layout if group else pool.head_major
-    # each request's slots contiguous from slot 128 (a slot group's start: the engine's allocator reserves the
-    # first group, the sink's)
-    req_to_token = pool.layout.numbers(torch.arange(128, 128 + bs * ctx, device=dev)).to(torch.int32).view(bs, ctx)
+    real = torch.arange(128, 128 + bs * ctx, device=dev)
+    if layout.startswith("kvgroup"):  # K and V runs of a group side by side too (kv_interleaved_buffers)
+        k, v, numbers = kv_interleaved_buffers(int(layout[7:]), 128 + bs * ctx, kv_heads, dim,
+                                               torch.uint8 if fp8 else dtype, dev)
+        req_to_token, head_major = numbers(real).to(torch.int32).view(bs, ctx), layout
+    else:
+        # the engine's pool, in its layout for the dtype ("engine") or the one asked for; slot numbers from its layout
+        group = int(layout[5:]) if layout.startswith("group") else (None if layout == "engine" else 0)
+        pool = MHATokenToKVPool(128 + bs * ctx, torch.float8_e4m3fn if fp8 else dtype, kv_heads, dim, 1, dev,
+                                head_major=None if layout == "engine" else layout == "head", slot_group=group)
+        k, v = pool.get_store_buffer(0)
+        head_major = layout if group else pool.head_major
+        # each request's slots contiguous from slot 128 (a slot group's start: the engine's allocator reserves the
+        # first group, the sink's)
+        req_to_token = pool.layout.numbers(real).to(torch.int32).view(bs, ctx)
     for buf in (k, v):  # never time on zeros; through the storage (a grouped view spans more numbers than slots)
         flat = torch.empty(0, dtype=buf.dtype, device=dev).set_(buf.untyped_storage())
         x = torch.randn(flat.shape, device=dev, dtype=dtype)
@@ -197,9 +215,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=400, help="no new case starts after this many seconds")
     ap.add_argument("--kv", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128], choices=[64, 128])
-    ap.add_argument("--layout", default="engine", choices=["engine", "token", "head", "group32", "group128"],
-                    help="the KV buffers' layout: the engine's (fp8 head-major, bf16 token-major), or one for both "
-                         "(groupG: head-major within groups of G slots, mem/kv_cache.SlotLayout)")
+    ap.add_argument("--layout", default="engine",
+                    choices=["engine", "token", "head", "group32", "group128", "kvgroup32", "kvgroup128"],
+                    help="the KV buffers' layout: the engine's (fp8 head-major in groups of 128 slots, bf16 "
+                         "token-major), or one for both (groupG: head-major within groups of G slots, "
+                         "mem/kv_cache.SlotLayout; kvgroupG: K and V side by side in each group too, "
+                         "kv_interleaved_buffers)")
     ap.add_argument("--bs", type=int, nargs="+", default=[8, 32, 64, 128, 256], help="batch sizes")
     ap.add_argument("--stages", type=int, nargs="*", default=[],
                     help="also time each entry at these num_stages (deeper K/V pipelines), alone and with 2x splits")
