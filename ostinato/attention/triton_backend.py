@@ -107,8 +107,12 @@ class TritonAttentionBackend(AttentionBackend):
             # (decode-entries-splits-h200-20261127-s20.json, decode-bs32-fp8-splits-h200-20261127-s20.json)
             32: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
                      programs_per_sm=6, early_kv=True),
-            64: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=2, whole_blocks=True,
-                     programs_per_sm=8),
+            # 5 stages and 2 splits at 33-64 rows (was 2 stages, 3 splits): 1,024 programs again. H200, kernel
+            # alone at 1024 / 4096 tokens 25.09 / 75.52 -> 22.62 / 67.88 us (decode-entries-fp8-bs64-h200-
+            # 20261127-s20.json); step at bs 64 x 128 / 1024 / 4096 1.172 / 1.422 / 2.241 -> 1.145 / 1.386 / 2.104
+            # ms (decode-bs64-fp8-entry-h200-20261127-s20.json, the table first and last)
+            64: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
+                     programs_per_sm=4),
             # 5 stages since fp8 caches went head-major (a head's slots one run): H200, Llama-3.2-1B, bs 128 at
             # contexts 128 / 1024 / 4096, kernel 8.15 / 47.35 / 156.15 -> 8.40 / 45.39 / 147.60 us
             # (`bench_decode_entries.py --kv fp8 --dims 64 --bs 32 128 256`, decode-entries-fp8-head-major-h200-
