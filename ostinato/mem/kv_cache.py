@@ -37,22 +37,23 @@ class SlotLayout:
     group: int = 0
     heads: int = 1
 
-    def numbers(self, slots: torch.Tensor) -> torch.Tensor:
+    # s + (s // G) x G x (heads - 1) = (s // G) x G x heads + s % G, without the remainder (a decode step maps its
+    # new slots: one op fewer a step)
+    def numbers(self, slots: torch.Tensor | int) -> torch.Tensor | int:
         """The pool's slots -> their slot numbers."""
         if not self.group:
             return slots
-        return slots // self.group * (self.group * self.heads) + slots % self.group
+        return slots + slots // self.group * (self.group * (self.heads - 1))
 
-    def slots(self, numbers: torch.Tensor) -> torch.Tensor:
+    def slots(self, numbers: torch.Tensor | int) -> torch.Tensor | int:
         """Slot numbers -> the pool's slots (the inverse of `numbers`)."""
         if not self.group:
             return numbers
-        span = self.group * self.heads
-        return numbers // span * self.group + numbers % span
+        return numbers - numbers // (self.group * self.heads) * (self.group * (self.heads - 1))
 
     def rows(self, size: int) -> int:
         """Slot numbers a buffer view of a pool of `size` slots spans (up to the last slot's number)."""
-        return int(self.numbers(torch.tensor(size - 1))) + 1 if size else 0
+        return self.numbers(size - 1) + 1 if size else 0
 
 
 def fp8_max(dtype: torch.dtype) -> float:

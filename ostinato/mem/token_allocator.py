@@ -7,13 +7,24 @@ out: slot 0 is the sink that padded rows of a captured graph write their K/V int
 
 import torch
 
-from ostinato.mem.kv_cache import SlotLayout
+from ostinato.mem.kv_cache import MHATokenToKVPool, SlotLayout, slot_group_for
 
 
 def reserved_pages(page_size: int, slot_group: int = 0) -> int:
     """Pages never handed out: page 0 (the sink's), or the first slot group's pages where the pool's layout has
     groups (SlotLayout)."""
     return max(1, slot_group // page_size)
+
+
+def paged_kv_pool(tokens: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
+                  device: torch.device | str) -> tuple[MHATokenToKVPool, "TokenToKVPoolAllocator"]:
+    """A KV pool and its allocator for `tokens` usable slots in pages of `page_size`, in the pool's default layout
+    for the dtype (fp8: slot groups where the page size divides them, `slot_group_for`), the reserved pages on
+    top."""
+    group = slot_group_for(dtype, page_size)
+    slots = (-(-tokens // page_size) + reserved_pages(page_size, group)) * page_size
+    pool = MHATokenToKVPool(slots, dtype, head_num, head_dim, layer_num, device, slot_group=group)
+    return pool, TokenToKVPoolAllocator(slots, page_size, device, pool.layout)
 
 
 class TokenToKVPoolAllocator:
@@ -45,7 +56,7 @@ class TokenToKVPoolAllocator:
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """The slot number of each page's first slot (its others follow it: a page lies in one slot group)."""
-        return self.layout.numbers(pages * self.page_size)
+        return self.layout.numbers(pages * self.page_size if self.page_size > 1 else pages)
 
     def pages_of(self, first_slots: torch.Tensor) -> torch.Tensor:
         """The pages of slot numbers (`page_slots`' inverse for a page's first slot; any slot of a page maps to

@@ -24,11 +24,11 @@ from ostinato.layers.mamba2 import SSD_CHUNK, ssd_workspace_bytes
 from ostinato.layers.mamba_tables import GRAPH_MAX_REQS, step_bounds
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.loader.kv_scales import KVScaleFilter
-from ostinato.mem.kv_cache import MHATokenToKVPool, slot_group_for
+from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.mem.kv_manager import KVManager
 from ostinato.mem.mamba_pool import SINK_SLOT, HybridReqToTokenPool
 from ostinato.mem.req_to_token_pool import ReqToTokenPool
-from ostinato.mem.token_allocator import TokenToKVPoolAllocator, reserved_pages
+from ostinato.mem.token_allocator import paged_kv_pool
 from ostinato.models.llama import head_dim_of
 from ostinato.models.registry import model_class
 from ostinato.runner.hybrid import is_hybrid, make_mamba_pool
@@ -207,11 +207,8 @@ class ModelRunner:
         # tensor parallel: every rank's pool holds the same slots, the fewest any rank has room for
         tokens = min_over_ranks(args.max_total_tokens or self._tokens_from_memory(per_token, head_dim, kv_dtype))
         page = args.page_size
-        group = slot_group_for(kv_dtype, page)
-        num_pages = -(-tokens // page) + reserved_pages(page, group)  # page 0 (the sink's) or the first group
-        self.kv_cache = MHATokenToKVPool(num_pages * page, kv_dtype, self.kv_heads, head_dim, self.kv_layers,
-                                         self.device, slot_group=group)
-        self.allocator = TokenToKVPoolAllocator(num_pages * page, page, self.device, self.kv_cache.layout)
+        self.kv_cache, self.allocator = paged_kv_pool(tokens, page, kv_dtype, self.kv_heads, head_dim, self.kv_layers,
+                                                      self.device)
         if self.kv_cache.is_fp8:
             self.kv_cache.set_scales(self.kv_scales)
             if not self.kv_scales:
@@ -271,11 +268,7 @@ class ModelRunner:
         """Peak memory of one forward over `chunked_prefill_size` tokens, on a throwaway pool."""
         n = self.chunked_prefill_size
         req_pool = ReqToTokenPool(1, n + 1, self.device)
-        group = slot_group_for(kv_dtype, 1)
-        slots = n + 1 + reserved_pages(1, group)
-        kv_cache = MHATokenToKVPool(slots, kv_dtype, self.kv_heads, head_dim, self.kv_layers, self.device,
-                                    slot_group=group)
-        allocator = TokenToKVPoolAllocator(slots, 1, self.device, kv_cache.layout)
+        kv_cache, allocator = paged_kv_pool(n + 1, 1, kv_dtype, self.kv_heads, head_dim, self.kv_layers, self.device)
         kv = KVManager(req_pool, allocator)
         slot = req_pool.alloc()
         loc = kv.extend(slot, 0, n)
