@@ -31,6 +31,7 @@ from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
     compute_num_kv_splits,
     decode_attention,
     decode_kwargs,
+    split_bounds,
     table_entry,
 )
 from ostinato.attention.triton_ops.paged_softmax import LOG2E  # noqa: E402
@@ -51,9 +52,7 @@ def _tma_stage1(Q, K_desc, V_desc, Req_to_token, Seq_lens, Num_kv_splits, Mid_o,
     if split >= num_splits:
         return
     seq_len = tl.load(Seq_lens + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), PAGE) * PAGE
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end, _ = split_bounds(seq_len, num_splits, split, PAGE)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_h

@@ -71,6 +71,15 @@ def _combine_if_last(Counter, counter_idx, num_splits, b, heads, h_mask, offs_d,
 
 
 @triton.jit
+def split_bounds(seq_len, num_splits, split, BLOCK: tl.constexpr):
+    """Tokens [start, end) of split `split` of a request's seq_len in num_splits, and the splits' length: whole
+    BLOCKs long, so the last splits may be short or empty."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK) * BLOCK
+    start = split * per_split
+    return start, tl.minimum(start + per_split, seq_len), per_split
+
+
+@triton.jit
 def _halves(x, HEAD_DIM: tl.constexpr):
     """Rows [n, HEAD_DIM] (HEAD_DIM a power of two) -> their two halves [n, HEAD_DIM / 2], fp32."""
     x1, x2 = tl.split(tl.permute(tl.reshape(x.to(tl.float32), [x.shape[0], 2, HEAD_DIM // 2]), (0, 2, 1)))
@@ -230,9 +239,7 @@ def _decode_stage1_kernel(
     req = tl.load(Req_pool_indices + b, volatile=True).to(tl.int64)
     if KV_LINES:
         if split < num_splits:
-            per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-            first = split * per
-            last = tl.minimum(first + per, seq_len)
+            first, last, _ = split_bounds(seq_len, num_splits, split, BLOCK_N)
             for blk in tl.static_range(KV_BLOCKS):
                 if first + blk * BLOCK_N < last:
                     slots, _, _ = block_slots(Req_to_token + req * stride_r2t, first + blk * BLOCK_N, last,
@@ -266,9 +273,7 @@ def _decode_stage1_kernel(
     if split >= num_splits:
         return
     # splits are whole blocks long; the last ones may be empty (they then write lse = -inf)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end, per_split = split_bounds(seq_len, num_splits, split, BLOCK_N)
     if ROPE:
         pos, q_raw, k_new, v_new, slot, x_row = new_token
         q = _rope_q_store_kv(pos, q_raw, k_new, v_new, slot, x_row, K_buf, V_buf, Cos_sin, QW, KW, K_scale,
@@ -412,9 +417,7 @@ def _decode_stage1_kv_group_kernel(
         v_scale = tl.load(V_scale)
     seq_len = tl.load(Seq_lens + b)
     req = tl.load(Req_pool_indices + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end, _ = split_bounds(seq_len, num_splits, split, BLOCK_N)
 
     offs_r = tl.arange(0, ROWS)
     offs_c = tl.arange(0, WIDTH)
