@@ -52,7 +52,7 @@ def _tma_stage1(Q, K_desc, V_desc, Req_to_token, Seq_lens, Num_kv_splits, Mid_o,
     if split >= num_splits:
         return
     seq_len = tl.load(Seq_lens + b)
-    start, end, _ = split_bounds(seq_len, num_splits, split, PAGE)
+    start, end, per_split = split_bounds(seq_len, num_splits, split, PAGE)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_h

@@ -239,7 +239,7 @@ def _decode_stage1_kernel(
     req = tl.load(Req_pool_indices + b, volatile=True).to(tl.int64)
     if KV_LINES:
         if split < num_splits:
-            first, last, _ = split_bounds(seq_len, num_splits, split, BLOCK_N)
+            first, last, per = split_bounds(seq_len, num_splits, split, BLOCK_N)
             for blk in tl.static_range(KV_BLOCKS):
                 if first + blk * BLOCK_N < last:
                     slots, _, _ = block_slots(Req_to_token + req * stride_r2t, first + blk * BLOCK_N, last,
@@ -417,7 +417,7 @@ def _decode_stage1_kv_group_kernel(
         v_scale = tl.load(V_scale)
     seq_len = tl.load(Seq_lens + b)
     req = tl.load(Req_pool_indices + b).to(tl.int64)
-    start, end, _ = split_bounds(seq_len, num_splits, split, BLOCK_N)
+    start, end, per_split = split_bounds(seq_len, num_splits, split, BLOCK_N)
 
     offs_r = tl.arange(0, ROWS)
     offs_c = tl.arange(0, WIDTH)
