@@ -7,8 +7,12 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import interpreter_speedup  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    interpreter_speedup.install()
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
