@@ -33,7 +33,6 @@ def install() -> bool:
     if getattr(patch_lang, "skips_repeats", False):
         return True
     patched: set[int] = set()  # ids of the language modules patched in the running kernel (empty between kernels)
-    kernel: list = []  # the running kernel's patch scope
     seen: dict[object, frozenset[int]] = {}  # helper -> the language modules its globals hold
 
     def langs_of(fn) -> frozenset[int]:
@@ -43,20 +42,19 @@ def install() -> bool:
 
     def patch_once(fn):
         langs = langs_of(fn)
-        if kernel and langs <= patched:
+        if patched and langs <= patched:  # a helper inside a kernel that patched these already
             return _AlreadyPatched()
+        kernel = not patched  # the kernel's own patch (GridExecutor's): forget the set when it is restored
         scope = patch_lang(fn)
         patched.update(langs)
-        if not kernel:  # the kernel's own patch (GridExecutor): forget the set when it is restored
+        if kernel:
             restore = scope.restore
 
             def restore_and_forget() -> None:
-                kernel.clear()
                 patched.clear()
                 restore()
 
             scope.restore = restore_and_forget
-            kernel.append(scope)
         return scope
 
     patch_once.skips_repeats = True
