@@ -1,24 +1,33 @@
-"""Experiment for #16 (bs-1 decode): is a kernel boundary between two weight-streaming GEMVs cheaper as a grid-wide
-barrier inside one persistent kernel, with the next GEMV's weights pulled into L2 before the barrier?
+"""Experiment for #16 (bs-1 decode): can one persistent kernel, its GEMVs waiting on each other inside it, stream a
+chain of weight GEMVs faster than one PDL launch a GEMV?
 
 The chain is Qwen3-0.6B's four projections a layer at one row, 28 layers (881 MB of weights, each projection's
 input the previous one's output cut to its K): qkv 4096 x 1024, o 1024 x 2048, gate_up 6144 x 1024 (ungated here),
-down 1024 x 3072. Three ways, each captured in a CUDA graph, us per GEMV and the weights' TB/s:
-- `skinny`: the engine's skinny_linear, one launch per GEMV, PDL on where the engine has it;
-- `persistent`: one launch for the whole chain, every program walking its row tiles of each GEMV, then a grid
-  barrier (an atomic count in global memory, a zero-filled counter per launch);
-- `persistent+l2`: the same, and each program prefetches into L2 the rows it takes next, for the next GEMV, before
-  its barrier, so the next GEMV's first bytes are already on chip;
-- `load-poll`: either, with the barrier's count polled by acquire loads instead of atomic adds of 0.
-All programs of a persistent launch must be resident at once (the barrier waits for every one); the grid is
-`--per-sm` programs an SM. On the CPU (Triton's interpreter runs programs one after another, so a barrier would
-never open) each GEMV is its own launch of the same kernel: `--smoke` checks the arithmetic that way.
+down 1024 x 3072. Each way is captured in a CUDA graph; us for the chain, us per GEMV, the weights' TB/s, and the
+output's difference from torch (a wait that let a program through early shows there):
+- `skinny`: the engine's skinny_linear, one launch per GEMV, PDL on where the engine has it (run first and last);
+- `launches`: the chain kernel below, one launch per GEMV without PDL;
+- `none`: one launch of the chain kernel with no waiting at all. Its sums are wrong; its time is what the
+  persistent form could reach if waiting cost nothing;
+- `barrier`: one launch, a grid barrier after every GEMV (an atomic count; `load-poll` polls it with acquire
+  loads instead of atomic adds of 0);
+- `flags`: one launch, a count per BLOCK_K chunk of each GEMV's output, raised with release order by each row
+  tile stored; a program starts a GEMV once the chunks it reads are full (_chain_kernel's SYNC 2, with its
+  `preload`, `late` and `prefetchers` options);
+- `tags`: one launch, the activations as int32 words carrying a per-launch tag, polled until tagged (SYNC 3);
+- `+l2`: a program's first row tile of the next GEMV asked of L2 before it waits;
+- `stream`: _stream_kernel, a ring of W chunks in registers that runs across row tiles and GEMVs, the tagged
+  words checked as they are used.
+All programs of a persistent launch must be resident at once. In Triton's interpreter programs run one after
+another, so `--smoke` runs the waiting forms with one program (or a launch a GEMV) on a small chain against
+torch.
 
-python benchmarks/bench_persistent_gemv.py            # H200 / H100
-python benchmarks/bench_persistent_gemv.py --smoke    # CPU: tiny chain in the interpreter against torch
+python benchmarks/bench_persistent_gemv.py --syncs none flags   # H200 / H100
+python benchmarks/bench_persistent_gemv.py --smoke               # CPU
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -30,7 +39,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+# Triton's interpreter has no inline asm: there the polls are plain volatile loads (its programs run one after
+# another, so nothing is polled for long)
+ASM_POLLS = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 QWEN3_LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # (N, K) of each projection
+SMOKE_LAYER = [(512, 256), (256, 512), (768, 256), (256, 384)]  # the same pattern, small, for the interpreter
 
 
 @triton.jit
@@ -70,16 +83,136 @@ def _grid_barrier(Counter, target, max_spins, LOAD_POLL: tl.constexpr):
 
 
 @triton.jit
+def _wait_chunks(Flags, row, chunks, target, max_spins, MAX_CHUNKS: tl.constexpr):
+    """Spin until Flags[row, :chunks] all reach `target` (one vector poll a round trip, acquire order)."""
+    offs_c = tl.arange(0, MAX_CHUNKS)
+    mask = offs_c < chunks
+    ptrs = Flags + row * MAX_CHUNKS + offs_c
+    seen = tl.min(tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="gpu"), target), 0)
+    spins = 0
+    while (seen < target) & (spins < max_spins):  # capped: a grid too large to be resident fails, not hangs
+        seen = tl.min(tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="gpu"), target), 0)
+        spins += 1
+    tl.debug_barrier()
+
+
+@triton.jit
+def _x_chunk(ptrs, TAGGED: tl.constexpr):
+    """An input chunk as fp32, from bf16 values or (TAGGED) from tagged int32 words (see _tagged_x)."""
+    x = tl.load(ptrs, cache_modifier=".cg")
+    if TAGGED:
+        x = (x & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_relaxed(ptrs):
+    """ld.relaxed.gpu at each address: a strong load (never hoisted, coherent at L2) without the L1 invalidation
+    an acquire load brings."""
+    return tl.inline_asm_elementwise("ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _poll_words(ptrs, ACQUIRE: tl.constexpr):
+    """Tagged words for a poll: acquire or relaxed loads (inline asm), or in the interpreter volatile loads."""
+    if ASM_POLLS:
+        if ACQUIRE:
+            return _load_acquire(ptrs)
+        return _load_relaxed(ptrs)
+    return tl.load(ptrs, volatile=True)
+
+
+@triton.jit
+def _all_tagged(words, tag):
+    return tl.min((((words >> 16) & 0xFFFF) == tag).to(tl.int32), 0)
+
+
+@triton.jit
+def _wait_tagged(X, k, tag, max_spins, MAX_K: tl.constexpr, ACQUIRE: tl.constexpr):
+    """Spin until the k words at X all carry `tag` (one vector load a round trip). The polls are acquire loads in
+    inline asm: a plain load of an address no store in the loop touches may be hoisted out of the loop (the wait
+    then never waits), and later plain loads of x may be moved above it. Relaxed polls (not ACQUIRE) leave the
+    order of the later x loads to the CTA barrier of the poll's reduction and to those loads going to L2 (.cg),
+    where the tagged words already are."""
+    ptrs = X + tl.minimum(tl.arange(0, MAX_K), k - 1)  # unmasked: past k re-reads word k - 1
+    ok = _all_tagged(_poll_words(ptrs, ACQUIRE), tag)
+    spins = 0
+    while (ok == 0) & (spins < max_spins):
+        ok = _all_tagged(_poll_words(ptrs, ACQUIRE), tag)
+        spins += 1
+
+
+@triton.jit
 def _chain_kernel(W, A, Meta, Counter, first, last, max_spins,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  BARRIER: tl.constexpr, PREFETCH: tl.constexpr, LOAD_POLL: tl.constexpr = False):
+                  SYNC: tl.constexpr, PREFETCH: tl.constexpr, LOAD_POLL: tl.constexpr = False,
+                  Flags=None, MAX_CHUNKS: tl.constexpr = 1, PRELOAD: tl.constexpr = 0, MAX_K: tl.constexpr = 1,
+                  PREFETCHERS: tl.constexpr = 0, LOOKAHEAD: tl.constexpr = 1, LATE_RELEASE: tl.constexpr = False):
     """GEMVs `first` .. `last` - 1 of the chain. Meta[g] = (N, K, W offset, input offset, output offset) in
     elements of W / A; y_g = W_g @ A[in_g : in_g + K] written at A[out_g : out_g + N]. N % BLOCK_N == 0,
-    K % BLOCK_K == 0, and the offsets multiples of 16."""
+    K % BLOCK_K == 0, and the offsets multiples of 16.
+
+    SYNC says how a GEMV waits for its input: 0 not at all (a launch a GEMV, or a lower bound with wrong sums);
+    1 a grid barrier after every GEMV; 2 per-chunk counts: each row tile stored adds 1 to Flags[g, its BLOCK_K
+    chunk] (release), and a program starts GEMV g only once the chunks of g - 1 it reads (K_g / BLOCK_K of them)
+    are full (BLOCK_K / BLOCK_N tiles each). So no program waits for rows it does not read, nor for programs
+    with no tile in a GEMV, and the arrivals spread over many counters instead of one. PRELOAD (0-2, K >= 2
+    BLOCK_K): that many K chunks of a program's first tile of each GEMV loaded before its wait.
+    3: tagged words, as _stream_kernel's (A int32, Counter the launch count): a program starts GEMV g once all
+    K_g words of its input carry this launch's tag (one vector poll of up to MAX_K words a round trip), with no
+    fence or count on the writer's side.
+
+    With SYNC 2, LATE_RELEASE counts a program's tiles of a GEMV after all of them (one fence a GEMV, not a tile),
+    and the last PREFETCHERS programs of the grid compute nothing: they pull each GEMV's whole W into L2
+    (cp.async.bulk.prefetch, an equal slice each) once GEMV g - 1 - LOOKAHEAD is complete, so HBM streams the
+    next weights while the others wait at a GEMV's start, and their loads find W in L2."""
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
+    num_programs = tl.num_programs(0) - PREFETCHERS
+    if pid >= num_programs:
+        _prefetcher(W, Meta, Flags, first, last, pid - num_programs, max_spins, BLOCK_N, BLOCK_K, MAX_CHUNKS,
+                    PREFETCHERS, LOOKAHEAD)
+    else:
+        _chain_programs(W, A, Meta, Counter, first, last, max_spins, pid, num_programs, BLOCK_N, BLOCK_K,
+                        NUM_STAGES, SYNC, PREFETCH, LOAD_POLL, Flags, MAX_CHUNKS, PRELOAD, MAX_K, LATE_RELEASE)
+
+
+@triton.jit
+def _bulk_prefetch(ptr, nbytes):
+    """cp.async.bulk.prefetch.L2 of nbytes at ptr (16-byte multiples), from thread 0 of the program."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;"
+        " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetcher(W, Meta, Flags, first, last, q, max_spins, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                MAX_CHUNKS: tl.constexpr, PREFETCHERS: tl.constexpr, LOOKAHEAD: tl.constexpr):
+    """Prefetcher q's slice of each GEMV's W into L2, GEMV g once GEMV g - 1 - LOOKAHEAD's output is complete
+    (every chunk's count full), so the weights in L2 at once stay about LOOKAHEAD + 1 GEMVs' worth."""
+    for g in range(first, last):
+        h = g - 1 - LOOKAHEAD
+        if h >= first:
+            _wait_chunks(Flags, h, tl.load(Meta + h * 5) // BLOCK_K, BLOCK_K // BLOCK_N, max_spins, MAX_CHUNKS)
+        lines = tl.load(Meta + g * 5) * tl.load(Meta + g * 5 + 1) // 64  # 64 bf16 elements a 128-byte line
+        per = tl.cdiv(lines, PREFETCHERS)
+        count = tl.minimum(per, lines - q * per)
+        if ASM_POLLS:
+            if count > 0:
+                _bulk_prefetch(W + tl.load(Meta + g * 5 + 2) + (q * per).to(tl.int64) * 64,
+                               (count * 128).to(tl.int32))
+
+
+@triton.jit
+def _chain_programs(W, A, Meta, Counter, first, last, max_spins, pid, num_programs,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SYNC: tl.constexpr,
+                    PREFETCH: tl.constexpr, LOAD_POLL: tl.constexpr, Flags, MAX_CHUNKS: tl.constexpr,
+                    PRELOAD: tl.constexpr, MAX_K: tl.constexpr, LATE_RELEASE: tl.constexpr):
+    """The computing programs of _chain_kernel."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    tag = tl.load(Counter) % 65535 + 1 if SYNC == 3 else 0
     for g in range(first, last):
         # every size and offset a multiple of 16 elements (32 bytes): said, so the loads of the K loop can go through
         # the cp.async ring (an alignment the compiler cannot see costs the pipelining)
@@ -88,14 +221,55 @@ def _chain_kernel(W, A, Meta, Counter, first, last, max_spins,
         w_off = tl.multiple_of(tl.load(Meta + g * 5 + 2), 16)
         in_off = tl.multiple_of(tl.load(Meta + g * 5 + 3), 16)
         out_off = tl.multiple_of(tl.load(Meta + g * 5 + 4), 16)
+        # PRELOAD: the first PRELOAD K chunks of this program's first row tile are requested before the wait (W is
+        # no program's output), so HBM has them in flight while the input's counts fill
+        first_ptrs = W + w_off + (pid * BLOCK_N + offs_n).to(tl.int64)[:, None] * k + offs_k[None, :]
+        mine = (offs_n * 0 + pid * BLOCK_N) < n  # a tensor mask: the program has a tile in this GEMV
+        if PRELOAD >= 1:
+            w_first0 = tl.load(first_ptrs, mask=mine[:, None], other=0.0)
+        if PRELOAD >= 2:
+            w_first1 = tl.load(first_ptrs + BLOCK_K, mask=mine[:, None], other=0.0)
+        if SYNC == 2:
+            if g > first:
+                if pid < n // BLOCK_N:
+                    _wait_chunks(Flags, g - 1, k // BLOCK_K, BLOCK_K // BLOCK_N, max_spins, MAX_CHUNKS)
+        if SYNC == 3:
+            if g > first:
+                if pid < n // BLOCK_N:
+                    _wait_tagged(A + in_off, k, tag, max_spins, MAX_K, LOAD_POLL)
         for t in range(pid, n // BLOCK_N, num_programs):
             rows = t * BLOCK_N + offs_n
             w_ptrs = W + w_off + rows.to(tl.int64)[:, None] * k + offs_k[None, :]
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
-                x = tl.load(A + in_off + k0 + offs_k, cache_modifier=".cg")  # another program wrote it
-                acc += tl.load(w_ptrs + k0).to(tl.float32) * x.to(tl.float32)[None, :]
-            tl.store(A + out_off + rows, tl.sum(acc, 1).to(A.dtype.element_ty))
+            k_begin = 0
+            if PRELOAD >= 1:
+                if t == pid:
+                    x = _x_chunk(A + in_off + offs_k, SYNC == 3)
+                    acc += w_first0.to(tl.float32) * x.to(tl.float32)[None, :]
+                    k_begin = BLOCK_K
+                    if PRELOAD >= 2:
+                        x = _x_chunk(A + in_off + BLOCK_K + offs_k, SYNC == 3)
+                        acc += w_first1.to(tl.float32) * x.to(tl.float32)[None, :]
+                        k_begin = 2 * BLOCK_K
+            for k0 in tl.range(k_begin, k, BLOCK_K, num_stages=NUM_STAGES):
+                x = _x_chunk(A + in_off + k0 + offs_k, SYNC == 3)  # another program wrote it
+                acc += tl.load(w_ptrs + k0).to(tl.float32) * x[None, :]
+            if SYNC == 3:
+                y = tl.sum(acc, 1).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                tl.store(A + out_off + rows, y | (tag << 16))
+            else:
+                tl.store(A + out_off + rows, tl.sum(acc, 1).to(A.dtype.element_ty))
+            if SYNC == 2:
+                if not LATE_RELEASE:  # every thread's stores of the tile before the count's release
+                    tl.debug_barrier()
+                    tl.atomic_add(Flags + g * MAX_CHUNKS + (t * BLOCK_N) // BLOCK_K, 1, sem="release",
+                                  scope="gpu")
+        if SYNC == 2:
+            if LATE_RELEASE:
+                tl.debug_barrier()
+                for t in range(pid, n // BLOCK_N, num_programs):
+                    tl.atomic_add(Flags + g * MAX_CHUNKS + (t * BLOCK_N) // BLOCK_K, 1, sem="release",
+                                  scope="gpu")
         if g + 1 < last:
             if PREFETCH:  # this program's first row tile of the next GEMV, every 128-byte line of it, into L2
                 n2 = tl.load(Meta + g * 5 + 5)
@@ -106,34 +280,180 @@ def _chain_kernel(W, A, Meta, Counter, first, last, max_spins,
                     tile = W + w2 + (pid * BLOCK_N + offs_n).to(tl.int64)[:, None] * k2 + lines[None, :]
                     for c in range(0, k2, BLOCK_K):
                         _l2_prefetch(tile + c)
-            if BARRIER:
+            if SYNC == 1:
                 _grid_barrier(Counter, (g + 1 - first) * num_programs, max_spins, LOAD_POLL)
 
 
-def chain_meta(layers: int, device: torch.device) -> tuple[torch.Tensor, int, int, list[tuple[int, ...]]]:
-    """Meta rows (N, K, W offset, in offset, out offset) for `layers` layers of QWEN3_LAYER; W and A sizes."""
+@triton.jit
+def _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The W chunk at the ring's cursor (GEMV pg, row tile pt, K chunk pc); zeros past the program's last."""
+    live = pg < last
+    g = tl.minimum(pg, last - 1)
+    k = tl.multiple_of(tl.load(Meta + g * 5 + 1), 16)
+    w_off = tl.multiple_of(tl.load(Meta + g * 5 + 2), 16)
+    ptrs = W + w_off + (pt * BLOCK_N + offs_n).to(tl.int64)[:, None] * k + pc * BLOCK_K + offs_k[None, :]
+    return tl.load(ptrs, mask=(offs_n * 0 + live.to(tl.int32))[:, None] > 0, other=0.0)
+
+
+@triton.jit
+def _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The cursor after (pg, pt, pc): the next K chunk, else this program's next row tile (every num_programs-th),
+    else its first tile of the next GEMV in which it has one. Past the last GEMV pg == last."""
+    g = tl.minimum(pg, last - 1)
+    pc += 1
+    if pc == tl.load(Meta + g * 5 + 1) // BLOCK_K:
+        pc = 0
+        pt += num_programs
+        while (pg < last) & (pt >= tl.load(Meta + tl.minimum(pg, last - 1) * 5) // BLOCK_N):
+            pg += 1
+            pt = pid
+    return pg, pt, pc
+
+
+@triton.jit
+def _tagged_x(words, ptrs, tag, check, max_spins):
+    """x's chunk from int32 words (bf16 bits low, the writer's launch tag high) loaded earlier from `ptrs`: re-read
+    until every word carries this launch's tag (where `check`), then the bf16 values as fp32. A word is stored
+    whole, so a word with the tag holds the value written with it: no fence, no count."""
+    if check:
+        ok = _all_tagged(words, tag)
+        spins = 0
+        while (ok == 0) & (spins < max_spins):  # acquire loads: see _wait_tagged
+            words = _poll_words(ptrs, False)
+            ok = _all_tagged(words, tag)
+            spins += 1
+    return (words & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _stream_kernel(W, A, Meta, Epoch, first, last, max_spins,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, CHECK: tl.constexpr):
+    """The chain as one stream of W chunks a program: a ring of DEPTH chunks in registers, its cursor running
+    ahead of the sums across row tiles and GEMVs, so a GEMV's first W bytes are in flight before its input is
+    ready. A (int32 words, see _tagged_x) carries y_g tagged with this launch's tag (1 + Epoch mod 65535); a
+    GEMV after the first re-reads an x chunk until it carries the tag (CHECK; off: no waiting, wrong sums, the
+    ring's rate alone). Work split, sizes and offsets as _chain_kernel's; K >= BLOCK_K."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    tag = tl.load(Epoch) % 65535 + 1
+    # the cursor starts at this program's first tile (a GEMV with fewer tiles than programs may have none)
+    pg = first
+    pt = pid
+    pc = pid * 0
+    while (pg < last) & (pt >= tl.load(Meta + tl.minimum(pg, last - 1) * 5) // BLOCK_N):
+        pg += 1
+    b0 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
+    pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
+    b1 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
+    pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
+    if DEPTH >= 3:
+        b2 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
+        pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
+    if DEPTH >= 4:
+        b3 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
+        pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
+    for g in range(first, last):
+        n = tl.load(Meta + g * 5)
+        k = tl.multiple_of(tl.load(Meta + g * 5 + 1), 16)
+        in_off = tl.multiple_of(tl.load(Meta + g * 5 + 3), 16)
+        out_off = tl.multiple_of(tl.load(Meta + g * 5 + 4), 16)
+        check = CHECK & (g > first)
+        x_ptrs = A + in_off + offs_k
+        words_next = tl.load(x_ptrs, cache_modifier=".cg")  # x's chunks are read a step ahead (checked when used)
+        for t in range(pid, n // BLOCK_N, num_programs):
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for c in range(0, k // BLOCK_K):
+                cur = b0
+                b0 = b1
+                if DEPTH == 2:
+                    b1 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
+                else:
+                    b1 = b2
+                    if DEPTH == 3:
+                        b2 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
+                    else:
+                        b2 = b3
+                        b3 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
+                pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
+                words = words_next
+                words_next = tl.load(x_ptrs + ((c + 1) % (k // BLOCK_K)) * BLOCK_K, cache_modifier=".cg")
+                x = _tagged_x(words, x_ptrs + c * BLOCK_K, tag, check, max_spins)
+                acc += cur.to(tl.float32) * x[None, :]
+            y = tl.sum(acc, 1).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            tl.store(A + out_off + t * BLOCK_N + offs_n, y | (tag << 16))
+
+
+def chain_meta(layers: int, device: torch.device, shapes: list[tuple[int, int]] = QWEN3_LAYER,
+               ) -> tuple[torch.Tensor, int, int, list[tuple[int, ...]]]:
+    """Meta rows (N, K, W offset, in offset, out offset) for `layers` layers of `shapes`; W and A sizes."""
     rows, w, a = [], 0, 0
-    in_off, a = 0, QWEN3_LAYER[0][1]  # A starts with x0
+    in_off, a = 0, shapes[0][1]  # A starts with x0
     for _ in range(layers):
-        for n, k in QWEN3_LAYER:
+        for n, k in shapes:
             rows.append((n, k, w, in_off, a))
             w += n * k
             in_off, a = a, a + n
     return torch.tensor(rows, dtype=torch.int64, device=device).flatten(), w, a, rows
 
 
+SYNCS = {"launches": 0, "none": 0, "barrier": 1, "flags": 2, "tags": 3}
+
+
 def run_chain(w: torch.Tensor, a: torch.Tensor, meta: torch.Tensor, counter: torch.Tensor, num_gemvs: int,
-              programs: int, barrier: bool, prefetch: bool, block_n: int = 8, block_k: int = 512,
-              stages: int = 3, load_poll: bool = False) -> None:
-    if barrier:
-        counter.zero_()
-        _chain_kernel[(programs,)](w, a, meta, counter, 0, num_gemvs, 1 << 15, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   NUM_STAGES=stages, BARRIER=True, PREFETCH=prefetch, LOAD_POLL=load_poll,
-                                   num_warps=4)
+              programs: int, sync: str, prefetch: bool, block_n: int = 8, block_k: int = 512,
+              stages: int = 3, load_poll: bool = False, flags: torch.Tensor | None = None,
+              num_warps: int = 4, preload: int = 0, max_k: int = 1, prefetchers: int = 0, lookahead: int = 1,
+              late_release: bool = False):
+    """The chain's GEMVs. sync "launches": a launch a GEMV (the interpreter's form, and the kernel's own rate without
+    a persistent grid); "none": one launch, no waiting (wrong sums: the rate's upper bound); "barrier": one launch,
+    a grid barrier after each GEMV; "flags": one launch, per-chunk counts in `flags` ([num_gemvs, chunks]); "tags":
+    one launch, a holding tagged int32 words (to_words), each GEMV waiting until its input carries the launch's tag."""
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, LOAD_POLL=load_poll, num_warps=num_warps)
+    if sync == "launches":
+        for g in range(num_gemvs):
+            _chain_kernel[(programs,)](w, a, meta, counter, g, g + 1, 0, SYNC=0, PREFETCH=False, **consts)
         return
-    for g in range(num_gemvs):  # the interpreter's form: a launch a GEMV
-        _chain_kernel[(programs,)](w, a, meta, counter, g, g + 1, 0, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   NUM_STAGES=stages, BARRIER=False, PREFETCH=False, num_warps=4)
+    if sync == "barrier":
+        counter.zero_()
+    if sync == "flags":
+        flags.zero_()
+    if sync == "tags":  # a is the tagged words; counter the launch count
+        counter.add_(1)
+    return _chain_kernel[(programs + prefetchers,)](
+        w, a, meta, counter, 0, num_gemvs, 1 << 12, SYNC=SYNCS[sync], PREFETCH=prefetch, Flags=flags,
+        MAX_CHUNKS=flags.shape[1] if flags is not None else 1, PRELOAD=preload, MAX_K=max_k,
+        PREFETCHERS=prefetchers, LOOKAHEAD=lookahead, LATE_RELEASE=late_release, **consts)
+
+
+def run_stream(w: torch.Tensor, a_words: torch.Tensor, meta: torch.Tensor, epoch: torch.Tensor, num_gemvs: int,
+               programs: int, check: bool = True, block_n: int = 8, block_k: int = 512, depth: int = 4,
+               num_warps: int = 4, first: int = 0, last: int | None = None):
+    """_stream_kernel over GEMVs first .. last - 1, a fresh tag a launch (epoch + 1: a small kernel before it).
+    Returns the compiled kernel."""
+    epoch.add_(1)
+    return _stream_kernel[(programs,)](w, a_words, meta, epoch, first, num_gemvs if last is None else last, 1 << 12,
+                                       BLOCK_N=block_n, BLOCK_K=block_k, DEPTH=depth, CHECK=check,
+                                       num_warps=num_warps)
+
+
+def resident_programs(kernel, sms: int) -> int:
+    """How many programs of a compiled kernel an H100 / H200 holds at once (registers, warps, shared memory)."""
+    warps = kernel.metadata.num_warps
+    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+    by_regs = 65536 // regs_per_warp // warps
+    by_smem = 227 * 1024 // (kernel.metadata.shared + 1024)
+    return min(by_regs, 64 // warps, by_smem) * sms
+
+
+def to_words(a: torch.Tensor) -> torch.Tensor:
+    """bf16 values as int32 words with tag 0 (no launch's tag)."""
+    return a.view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def from_words(words: torch.Tensor) -> torch.Tensor:
+    return (words & 0xFFFF).to(torch.int16).view(torch.bfloat16)
 
 
 def reference(w: torch.Tensor, a: torch.Tensor, rows: list) -> torch.Tensor:
@@ -167,29 +487,84 @@ def graph_us(fn, reps: int = 30) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=28, help="Qwen3-0.6B layers in the chain (4 GEMVs each)")
-    ap.add_argument("--per-sm", type=int, nargs="+", default=[2, 4],
+    ap.add_argument("--per-sm", type=int, nargs="*", default=[2, 4],
                     help="persistent programs an SM, one pass each (all must be resident at once)")
+    ap.add_argument("--programs", type=int, nargs="*", default=[],
+                    help="persistent grids of this many programs, besides --per-sm's")
+    ap.add_argument("--syncs", nargs="+", default=["barrier"], choices=list(SYNCS),
+                    help="how the chain kernel's GEMVs wait for their input (run_chain)")
+    ap.add_argument("--tiles", nargs="+", default=["8x512x3"],
+                    help="BLOCK_N x BLOCK_K x stages [x warps] of the chain kernel")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1],
+                    help="0 / 1: without / with the L2 prefetch of the next GEMV's first tile")
+    ap.add_argument("--preload", type=int, nargs="+", default=[0],
+                    help="flags: K chunks of each GEMV's first tile loaded before the wait (0-2)")
+    ap.add_argument("--stream-tiles", nargs="*", default=["8x512x4"],
+                    help="_stream_kernel's BLOCK_N x BLOCK_K x ring depth [x warps], on every grid")
+    ap.add_argument("--prefetchers", type=int, nargs="+", default=[0],
+                    help="flags: extra programs pulling each GEMV's W into L2 ahead of the others (0: none)")
+    ap.add_argument("--lookahead", type=int, nargs="+", default=[1],
+                    help="flags with prefetchers: W_g is pulled once GEMV g - 1 - LOOKAHEAD is complete")
+    ap.add_argument("--late-release", type=int, nargs="+", default=[0],
+                    help="flags: 0 a count's release after each tile, 1 after a program's last tile of a GEMV")
+    ap.add_argument("--load-poll", action="store_true", help="also the barrier polled by acquire loads")
     ap.add_argument("--smoke", action="store_true", help="CPU: one layer in Triton's interpreter against torch")
     ap.add_argument("--out", default=None, help="JSON path for the figures (none written without it)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     layers = 1 if args.smoke else args.layers
-    meta, w_size, a_size, rows = chain_meta(layers, dev)
+    shapes = SMOKE_LAYER if args.smoke else QWEN3_LAYER
+    meta, w_size, a_size, rows = chain_meta(layers, dev, shapes)
     gen = torch.Generator(dev).manual_seed(0)
     w = torch.empty(w_size, dtype=torch.bfloat16, device=dev)
     for n, k, wo, _, _ in rows:  # fresh random weights, scaled to keep the chain's values O(1)
         w[wo : wo + n * k] = (torch.randn(n * k, generator=gen, device=dev) / k**0.5).to(torch.bfloat16)
     a = torch.zeros(a_size, dtype=torch.bfloat16, device=dev)
-    a[: QWEN3_LAYER[0][1]] = torch.randn(QWEN3_LAYER[0][1], generator=gen, device=dev).to(torch.bfloat16)
+    a[: shapes[0][1]] = torch.randn(shapes[0][1], generator=gen, device=dev).to(torch.bfloat16)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     ref = reference(w, a, rows)
     num = len(rows)
-    if args.smoke:
-        got = a.clone()
-        run_chain(w, got, meta, counter, num, 5, barrier=False, prefetch=False)
-        err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        print(f"smoke: {num} GEMVs, max relative difference against torch {err:.2e}")
-        assert err < 2e-2, err
+
+    def flags_for(block_k: int) -> torch.Tensor:
+        return torch.zeros(num, triton.next_power_of_2(max(n for n, *_ in rows) // block_k), dtype=torch.int32,
+                           device=dev)
+
+    def rel_err(got: torch.Tensor) -> float:
+        return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+    if args.smoke:  # the interpreter runs programs one after another: "flags" only with one program
+        max_k = triton.next_power_of_2(max(k for _, k, *_ in rows))
+        for sync, programs, (bn, bk), pre, pfs in [("launches", 5, (8, 128), 0, 0), ("flags", 1, (8, 128), 2, 0),
+                                                   ("flags", 1, (4, 64), 1, 3), ("tags", 1, (8, 64), 1, 0)]:
+            got, flags = (to_words(a) if sync == "tags" else a.clone()), flags_for(bk)
+            run_chain(w, got, meta, counter, num, programs, sync, prefetch=False, block_n=bn, block_k=bk,
+                      flags=flags, preload=pre, max_k=max_k, prefetchers=pfs, late_release=pfs > 0)
+            if sync == "tags":
+                assert ((got[shapes[0][1]:] >> 16) == counter.item() % 65535 + 1).all()
+                got = from_words(got)
+            if sync == "flags":  # every chunk of every output counted full, and no count past its chunk's tiles
+                for g, (n, *_) in enumerate(rows):
+                    assert (flags[g, : n // bk] == bk // bn).all() and not flags[g, n // bk :].any(), flags[g]
+            err = rel_err(got)
+            print(f"smoke {sync} {programs} programs {bn}x{bk} preload {pre}: {num} GEMVs, max relative difference "
+                  f"against torch {err:.2e}")
+            assert err < 2e-2, err
+        epoch = torch.zeros(1, dtype=torch.int32)
+        for programs, per_gemv, depth, (bn, bk) in [(1, False, 4, (8, 128)), (3, True, 2, (8, 64)),
+                                                     (1, False, 3, (4, 128))]:
+            words = to_words(a)
+            if per_gemv:  # several programs: a launch a GEMV (each launch's first GEMV reads unchecked)
+                for g in range(num):
+                    run_stream(w, words, meta, epoch, num, programs, block_n=bn, block_k=bk, depth=depth, first=g,
+                               last=g + 1)
+            else:
+                run_stream(w, words, meta, epoch, num, programs, block_n=bn, block_k=bk, depth=depth)
+            tags = (words[shapes[0][1]:] >> 16) & 0xFFFF  # every output stored with its launch's tag
+            assert (tags == epoch.item() % 65535 + 1).all() or per_gemv and (tags > 0).all(), tags.unique()
+            err = rel_err(from_words(words))
+            print(f"smoke stream {programs} programs {bn}x{bk} depth {depth}{' a launch a GEMV' if per_gemv else ''}: "
+                  f"max relative difference against torch {err:.2e}")
+            assert err < 2e-2, err
         return
     from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
 
@@ -200,22 +575,58 @@ def main() -> None:
         for wv, io, oo, n, k in views:
             skinny_linear(a[io : io + k].view(1, k), wv, out=a[oo : oo + n].view(1, n))
 
+    grids = [p * sms for p in args.per_sm] + args.programs
+    words = to_words(a)
+    max_k = triton.next_power_of_2(max(k for _, k, *_ in rows))
+    variants = [("skinny", skinny)]
+    for tile in args.tiles:
+        bn, bk, st, *nw = (int(v) for v in tile.split("x"))
+        cfg = dict(block_n=bn, block_k=bk, stages=st, num_warps=nw[0] if nw else 4, flags=flags_for(bk))
+        for sync in args.syncs:
+            for programs in (grids if sync != "launches" else [0]):
+                for pf in (args.prefetch if sync in ("barrier", "flags", "tags") else [0]):
+                    for lp in ((False, True) if sync in ("barrier", "tags") and args.load_poll else (False,)):
+                        for pre, pfs, la, late in itertools.product(
+                                *((args.preload, args.prefetchers, args.lookahead, args.late_release)
+                                  if sync == "flags" else ([0], [0], [1], [0]))):
+                            if pfs == 0 and la != args.lookahead[0]:
+                                continue  # no prefetchers: the lookahead means nothing
+                            p = programs or max(n for n, *_ in rows) // bn  # launches: a program a row tile
+                            name = (f"{sync}{'+l2' if pf else ''}{' load-poll' if lp else ''}"
+                                    f"{f' preload {pre}' if pre else ''}{' late' if late else ''}"
+                                    f"{f' +{pfs} prefetchers {la} ahead' if pfs else ''} {tile} {p} programs")
+                            variants.append((name, lambda p=p, sync=sync, pf=pf, lp=lp, pre=pre, pfs=pfs, la=la,
+                                             late=late, cfg=cfg: run_chain(
+                                w, words if sync == "tags" else a, meta, counter, num, p, sync, prefetch=bool(pf),
+                                load_poll=lp, preload=pre, max_k=max_k, prefetchers=pfs, lookahead=la,
+                                late_release=bool(late), **cfg)))
+    epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+    for tile in args.stream_tiles:
+        bn, bk, depth, *nw = (int(v) for v in tile.split("x"))
+        cfg = dict(block_n=bn, block_k=bk, depth=depth, num_warps=nw[0] if nw else 4)
+        fits = resident_programs(run_stream(w, words, meta, epoch, num, sms, **cfg), sms)  # as checked
+        for programs in grids:
+            for check in (False, True):
+                if check and programs > fits:  # the waits would never open
+                    print(f"stream {tile} {programs} programs: skipped, {fits} fit at once")
+                    continue
+                name = f"stream{'' if check else ' (no waits)'} {tile} {programs} programs"
+                variants.append((name, lambda p=programs, c=check, cfg=cfg: run_stream(
+                    w, words, meta, epoch, num, p, check=c, **cfg)))
+    variants.append(("skinny (again)", skinny))
     bytes_ = w_size * 2
     report = {"device": torch.cuda.get_device_name(dev), "gemvs": num, "weight_MB": bytes_ / 1e6, "rows": []}
     a0 = a.clone()
-    for name, fn in [("skinny", skinny)] + [
-            (f"persistent{'+l2' if pf else ''}{' load-poll' if lp else ''} {p}/SM",
-             lambda p=p, pf=pf, lp=lp: run_chain(w, a, meta, counter, num, p * sms, barrier=True, prefetch=pf,
-                                                 load_poll=lp))
-            for p in args.per_sm for pf in (False, True) for lp in (False, True)]:
+    for name, fn in variants:
         a.copy_(a0)
+        words.copy_(to_words(a0))
         fn()
         torch.cuda.synchronize()
-        err = ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()  # a barrier let through
+        err = rel_err(from_words(words) if name.startswith(("stream", "tags")) else a)  # a wait let through early
         us = graph_us(fn)  # early (its spin cap) shows here
         row = dict(variant=name, us=us, us_per_gemv=us / num, TBps=bytes_ / us / 1e6, rel_err=err)
         report["rows"].append(row)
-        print(f"{name:24} {us:9.1f} us  {us / num:6.2f} us/GEMV  {bytes_ / us / 1e6:5.2f} TB/s  err {err:.1e}",
+        print(f"{name:44} {us:9.1f} us  {us / num:6.2f} us/GEMV  {bytes_ / us / 1e6:5.2f} TB/s  err {err:.1e}",
               flush=True)
     if args.out:
         with open(args.out, "w") as f:
