@@ -12,12 +12,12 @@ output's difference from torch (a wait that let a program through early shows th
 - `barrier`: one launch, a grid barrier after every GEMV (an atomic count; `load-poll` polls it with acquire
   loads instead of atomic adds of 0);
 - `flags`: one launch, a count per BLOCK_K chunk of each GEMV's output, raised with release order by each row
-  tile stored; a program starts a GEMV once the chunks it reads are full (_chain_kernel's SYNC 2, with its
-  `preload`, `late` and `prefetchers` options);
+  tile stored; a program starts a GEMV once the chunks it reads are full (_chain_kernel's SYNC 2);
 - `tags`: one launch, the activations as int32 words carrying a per-launch tag, polled until tagged (SYNC 3);
-- `+l2`: a program's first row tile of the next GEMV asked of L2 before it waits;
-- `stream`: _stream_kernel, a ring of W chunks in registers that runs across row tiles and GEMVs, the tagged
-  words checked as they are used.
+- `+l2`: a program's first row tile of the next GEMV asked of L2 before it waits.
+Tried at 6f56c7b and not kept (slower; docs/gpu-notes.md): loading a GEMV's first W chunks before its wait,
+counting a program's tiles once a GEMV, programs that pull W into L2 ahead of the others, and a kernel streaming
+W through a ring of registers across GEMVs.
 All programs of a persistent launch must be resident at once. In Triton's interpreter programs run one after
 another, so `--smoke` runs the waiting forms with one program (or a launch a GEMV) on a small chain against
 torch.
@@ -27,7 +27,6 @@ python benchmarks/bench_persistent_gemv.py --smoke               # CPU
 """
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -98,7 +97,7 @@ def _wait_chunks(Flags, row, chunks, target, max_spins, MAX_CHUNKS: tl.constexpr
 
 @triton.jit
 def _x_chunk(ptrs, TAGGED: tl.constexpr):
-    """An input chunk as fp32, from bf16 values or (TAGGED) from tagged int32 words (see _tagged_x)."""
+    """An input chunk as fp32, from bf16 values or (TAGGED) from tagged int32 words (SYNC 3 of _chain_kernel)."""
     x = tl.load(ptrs, cache_modifier=".cg")
     if TAGGED:
         x = (x & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -130,11 +129,11 @@ def _all_tagged(words, tag):
 
 @triton.jit
 def _wait_tagged(X, k, tag, max_spins, MAX_K: tl.constexpr, ACQUIRE: tl.constexpr):
-    """Spin until the k words at X all carry `tag` (one vector load a round trip). The polls are acquire loads in
-    inline asm: a plain load of an address no store in the loop touches may be hoisted out of the loop (the wait
-    then never waits), and later plain loads of x may be moved above it. Relaxed polls (not ACQUIRE) leave the
-    order of the later x loads to the CTA barrier of the poll's reduction and to those loads going to L2 (.cg),
-    where the tagged words already are."""
+    """Spin until the k words at X all carry `tag` (one vector load a round trip). The polls are strong loads in
+    inline asm (acquire, or relaxed without ACQUIRE): a plain load of an address no store in the loop touches may
+    be hoisted out of the loop, and the wait then never waits (the first form measured did exactly that). After
+    relaxed polls the order of the later x loads rests on the CTA barrier of the poll's reduction and on those
+    loads going to L2 (.cg), where the tagged words already are."""
     ptrs = X + tl.minimum(tl.arange(0, MAX_K), k - 1)  # unmasked: past k re-reads word k - 1
     ok = _all_tagged(_poll_words(ptrs, ACQUIRE), tag)
     spins = 0
@@ -147,69 +146,24 @@ def _wait_tagged(X, k, tag, max_spins, MAX_K: tl.constexpr, ACQUIRE: tl.constexp
 def _chain_kernel(W, A, Meta, Counter, first, last, max_spins,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                   SYNC: tl.constexpr, PREFETCH: tl.constexpr, LOAD_POLL: tl.constexpr = False,
-                  Flags=None, MAX_CHUNKS: tl.constexpr = 1, PRELOAD: tl.constexpr = 0, MAX_K: tl.constexpr = 1,
-                  PREFETCHERS: tl.constexpr = 0, LOOKAHEAD: tl.constexpr = 1, LATE_RELEASE: tl.constexpr = False):
+                  Flags=None, MAX_CHUNKS: tl.constexpr = 1, MAX_K: tl.constexpr = 1):
     """GEMVs `first` .. `last` - 1 of the chain. Meta[g] = (N, K, W offset, input offset, output offset) in
     elements of W / A; y_g = W_g @ A[in_g : in_g + K] written at A[out_g : out_g + N]. N % BLOCK_N == 0,
     K % BLOCK_K == 0, and the offsets multiples of 16.
 
-    SYNC says how a GEMV waits for its input: 0 not at all (a launch a GEMV, or a lower bound with wrong sums);
-    1 a grid barrier after every GEMV; 2 per-chunk counts: each row tile stored adds 1 to Flags[g, its BLOCK_K
-    chunk] (release), and a program starts GEMV g only once the chunks of g - 1 it reads (K_g / BLOCK_K of them)
-    are full (BLOCK_K / BLOCK_N tiles each). So no program waits for rows it does not read, nor for programs
-    with no tile in a GEMV, and the arrivals spread over many counters instead of one. PRELOAD (0-2, K >= 2
-    BLOCK_K): that many K chunks of a program's first tile of each GEMV loaded before its wait.
-    3: tagged words, as _stream_kernel's (A int32, Counter the launch count): a program starts GEMV g once all
-    K_g words of its input carry this launch's tag (one vector poll of up to MAX_K words a round trip), with no
-    fence or count on the writer's side.
-
-    With SYNC 2, LATE_RELEASE counts a program's tiles of a GEMV after all of them (one fence a GEMV, not a tile),
-    and the last PREFETCHERS programs of the grid compute nothing: they pull each GEMV's whole W into L2
-    (cp.async.bulk.prefetch, an equal slice each) once GEMV g - 1 - LOOKAHEAD is complete, so HBM streams the
-    next weights while the others wait at a GEMV's start, and their loads find W in L2."""
+    SYNC says how a GEMV waits for its input:
+    - 0: not at all (a launch a GEMV, or in one launch the rate with wrong sums);
+    - 1: a grid barrier after every GEMV;
+    - 2: per-chunk counts. Each row tile stored adds 1 to Flags[g, its BLOCK_K chunk] (release), and a program
+      starts GEMV g once the chunks of g - 1 it reads (K_g / BLOCK_K of them) are full (BLOCK_K / BLOCK_N tiles
+      each). No program waits for rows it does not read, nor for programs with no tile in a GEMV, and the
+      arrivals spread over many counters instead of one;
+    - 3: tagged words. A holds int32 words (bf16 bits low, the writer's launch tag high; Counter is the launch
+      count), and a program starts GEMV g once all K_g words of its input carry this launch's tag (a vector poll
+      of up to MAX_K words a round trip; LOAD_POLL: acquire loads, else relaxed ones). A word is stored whole,
+      so the writer needs no fence or count."""
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0) - PREFETCHERS
-    if pid >= num_programs:
-        _prefetcher(W, Meta, Flags, first, last, pid - num_programs, max_spins, BLOCK_N, BLOCK_K, MAX_CHUNKS,
-                    PREFETCHERS, LOOKAHEAD)
-    else:
-        _chain_programs(W, A, Meta, Counter, first, last, max_spins, pid, num_programs, BLOCK_N, BLOCK_K,
-                        NUM_STAGES, SYNC, PREFETCH, LOAD_POLL, Flags, MAX_CHUNKS, PRELOAD, MAX_K, LATE_RELEASE)
-
-
-@triton.jit
-def _bulk_prefetch(ptr, nbytes):
-    """cp.async.bulk.prefetch.L2 of nbytes at ptr (16-byte multiples), from thread 0 of the program."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;"
-        " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetcher(W, Meta, Flags, first, last, q, max_spins, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                MAX_CHUNKS: tl.constexpr, PREFETCHERS: tl.constexpr, LOOKAHEAD: tl.constexpr):
-    """Prefetcher q's slice of each GEMV's W into L2, GEMV g once GEMV g - 1 - LOOKAHEAD's output is complete
-    (every chunk's count full), so the weights in L2 at once stay about LOOKAHEAD + 1 GEMVs' worth."""
-    for g in range(first, last):
-        h = g - 1 - LOOKAHEAD
-        if h >= first:
-            _wait_chunks(Flags, h, tl.load(Meta + h * 5) // BLOCK_K, BLOCK_K // BLOCK_N, max_spins, MAX_CHUNKS)
-        lines = tl.load(Meta + g * 5) * tl.load(Meta + g * 5 + 1) // 64  # 64 bf16 elements a 128-byte line
-        per = tl.cdiv(lines, PREFETCHERS)
-        count = tl.minimum(per, lines - q * per)
-        if ASM_POLLS:
-            if count > 0:
-                _bulk_prefetch(W + tl.load(Meta + g * 5 + 2) + (q * per).to(tl.int64) * 64,
-                               (count * 128).to(tl.int32))
-
-
-@triton.jit
-def _chain_programs(W, A, Meta, Counter, first, last, max_spins, pid, num_programs,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SYNC: tl.constexpr,
-                    PREFETCH: tl.constexpr, LOAD_POLL: tl.constexpr, Flags, MAX_CHUNKS: tl.constexpr,
-                    PRELOAD: tl.constexpr, MAX_K: tl.constexpr, LATE_RELEASE: tl.constexpr):
-    """The computing programs of _chain_kernel."""
+    num_programs = tl.num_programs(0)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     tag = tl.load(Counter) % 65535 + 1 if SYNC == 3 else 0
@@ -221,37 +175,17 @@ def _chain_programs(W, A, Meta, Counter, first, last, max_spins, pid, num_progra
         w_off = tl.multiple_of(tl.load(Meta + g * 5 + 2), 16)
         in_off = tl.multiple_of(tl.load(Meta + g * 5 + 3), 16)
         out_off = tl.multiple_of(tl.load(Meta + g * 5 + 4), 16)
-        # PRELOAD: the first PRELOAD K chunks of this program's first row tile are requested before the wait (W is
-        # no program's output), so HBM has them in flight while the input's counts fill
-        first_ptrs = W + w_off + (pid * BLOCK_N + offs_n).to(tl.int64)[:, None] * k + offs_k[None, :]
-        mine = (offs_n * 0 + pid * BLOCK_N) < n  # a tensor mask: the program has a tile in this GEMV
-        if PRELOAD >= 1:
-            w_first0 = tl.load(first_ptrs, mask=mine[:, None], other=0.0)
-        if PRELOAD >= 2:
-            w_first1 = tl.load(first_ptrs + BLOCK_K, mask=mine[:, None], other=0.0)
-        if SYNC == 2:
-            if g > first:
-                if pid < n // BLOCK_N:
+        if g > first:
+            if pid < n // BLOCK_N:
+                if SYNC == 2:
                     _wait_chunks(Flags, g - 1, k // BLOCK_K, BLOCK_K // BLOCK_N, max_spins, MAX_CHUNKS)
-        if SYNC == 3:
-            if g > first:
-                if pid < n // BLOCK_N:
+                if SYNC == 3:
                     _wait_tagged(A + in_off, k, tag, max_spins, MAX_K, LOAD_POLL)
         for t in range(pid, n // BLOCK_N, num_programs):
             rows = t * BLOCK_N + offs_n
             w_ptrs = W + w_off + rows.to(tl.int64)[:, None] * k + offs_k[None, :]
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            k_begin = 0
-            if PRELOAD >= 1:
-                if t == pid:
-                    x = _x_chunk(A + in_off + offs_k, SYNC == 3)
-                    acc += w_first0.to(tl.float32) * x.to(tl.float32)[None, :]
-                    k_begin = BLOCK_K
-                    if PRELOAD >= 2:
-                        x = _x_chunk(A + in_off + BLOCK_K + offs_k, SYNC == 3)
-                        acc += w_first1.to(tl.float32) * x.to(tl.float32)[None, :]
-                        k_begin = 2 * BLOCK_K
-            for k0 in tl.range(k_begin, k, BLOCK_K, num_stages=NUM_STAGES):
+            for k0 in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
                 x = _x_chunk(A + in_off + k0 + offs_k, SYNC == 3)  # another program wrote it
                 acc += tl.load(w_ptrs + k0).to(tl.float32) * x[None, :]
             if SYNC == 3:
@@ -259,17 +193,9 @@ def _chain_programs(W, A, Meta, Counter, first, last, max_spins, pid, num_progra
                 tl.store(A + out_off + rows, y | (tag << 16))
             else:
                 tl.store(A + out_off + rows, tl.sum(acc, 1).to(A.dtype.element_ty))
-            if SYNC == 2:
-                if not LATE_RELEASE:  # every thread's stores of the tile before the count's release
-                    tl.debug_barrier()
-                    tl.atomic_add(Flags + g * MAX_CHUNKS + (t * BLOCK_N) // BLOCK_K, 1, sem="release",
-                                  scope="gpu")
-        if SYNC == 2:
-            if LATE_RELEASE:
+            if SYNC == 2:  # every thread's stores of the tile before the count's release
                 tl.debug_barrier()
-                for t in range(pid, n // BLOCK_N, num_programs):
-                    tl.atomic_add(Flags + g * MAX_CHUNKS + (t * BLOCK_N) // BLOCK_K, 1, sem="release",
-                                  scope="gpu")
+                tl.atomic_add(Flags + g * MAX_CHUNKS + (t * BLOCK_N) // BLOCK_K, 1, sem="release", scope="gpu")
         if g + 1 < last:
             if PREFETCH:  # this program's first row tile of the next GEMV, every 128-byte line of it, into L2
                 n2 = tl.load(Meta + g * 5 + 5)
@@ -282,107 +208,6 @@ def _chain_programs(W, A, Meta, Counter, first, last, max_spins, pid, num_progra
                         _l2_prefetch(tile + c)
             if SYNC == 1:
                 _grid_barrier(Counter, (g + 1 - first) * num_programs, max_spins, LOAD_POLL)
-
-
-@triton.jit
-def _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The W chunk at the ring's cursor (GEMV pg, row tile pt, K chunk pc); zeros past the program's last."""
-    live = pg < last
-    g = tl.minimum(pg, last - 1)
-    k = tl.multiple_of(tl.load(Meta + g * 5 + 1), 16)
-    w_off = tl.multiple_of(tl.load(Meta + g * 5 + 2), 16)
-    ptrs = W + w_off + (pt * BLOCK_N + offs_n).to(tl.int64)[:, None] * k + pc * BLOCK_K + offs_k[None, :]
-    return tl.load(ptrs, mask=(offs_n * 0 + live.to(tl.int32))[:, None] > 0, other=0.0)
-
-
-@triton.jit
-def _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The cursor after (pg, pt, pc): the next K chunk, else this program's next row tile (every num_programs-th),
-    else its first tile of the next GEMV in which it has one. Past the last GEMV pg == last."""
-    g = tl.minimum(pg, last - 1)
-    pc += 1
-    if pc == tl.load(Meta + g * 5 + 1) // BLOCK_K:
-        pc = 0
-        pt += num_programs
-        while (pg < last) & (pt >= tl.load(Meta + tl.minimum(pg, last - 1) * 5) // BLOCK_N):
-            pg += 1
-            pt = pid
-    return pg, pt, pc
-
-
-@triton.jit
-def _tagged_x(words, ptrs, tag, check, max_spins):
-    """x's chunk from int32 words (bf16 bits low, the writer's launch tag high) loaded earlier from `ptrs`: re-read
-    until every word carries this launch's tag (where `check`), then the bf16 values as fp32. A word is stored
-    whole, so a word with the tag holds the value written with it: no fence, no count."""
-    if check:
-        ok = _all_tagged(words, tag)
-        spins = 0
-        while (ok == 0) & (spins < max_spins):  # acquire loads: see _wait_tagged
-            words = _poll_words(ptrs, False)
-            ok = _all_tagged(words, tag)
-            spins += 1
-    return (words & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _stream_kernel(W, A, Meta, Epoch, first, last, max_spins,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, CHECK: tl.constexpr):
-    """The chain as one stream of W chunks a program: a ring of DEPTH chunks in registers, its cursor running
-    ahead of the sums across row tiles and GEMVs, so a GEMV's first W bytes are in flight before its input is
-    ready. A (int32 words, see _tagged_x) carries y_g tagged with this launch's tag (1 + Epoch mod 65535); a
-    GEMV after the first re-reads an x chunk until it carries the tag (CHECK; off: no waiting, wrong sums, the
-    ring's rate alone). Work split, sizes and offsets as _chain_kernel's; K >= BLOCK_K."""
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    tag = tl.load(Epoch) % 65535 + 1
-    # the cursor starts at this program's first tile (a GEMV with fewer tiles than programs may have none)
-    pg = first
-    pt = pid
-    pc = pid * 0
-    while (pg < last) & (pt >= tl.load(Meta + tl.minimum(pg, last - 1) * 5) // BLOCK_N):
-        pg += 1
-    b0 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
-    pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
-    b1 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
-    pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
-    if DEPTH >= 3:
-        b2 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
-        pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
-    if DEPTH >= 4:
-        b3 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
-        pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
-    for g in range(first, last):
-        n = tl.load(Meta + g * 5)
-        k = tl.multiple_of(tl.load(Meta + g * 5 + 1), 16)
-        in_off = tl.multiple_of(tl.load(Meta + g * 5 + 3), 16)
-        out_off = tl.multiple_of(tl.load(Meta + g * 5 + 4), 16)
-        check = CHECK & (g > first)
-        x_ptrs = A + in_off + offs_k
-        words_next = tl.load(x_ptrs, cache_modifier=".cg")  # x's chunks are read a step ahead (checked when used)
-        for t in range(pid, n // BLOCK_N, num_programs):
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for c in range(0, k // BLOCK_K):
-                cur = b0
-                b0 = b1
-                if DEPTH == 2:
-                    b1 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
-                else:
-                    b1 = b2
-                    if DEPTH == 3:
-                        b2 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
-                    else:
-                        b2 = b3
-                        b3 = _ring_load(W, Meta, pg, pt, pc, last, offs_n, offs_k, BLOCK_N, BLOCK_K)
-                pg, pt, pc = _ring_next(Meta, pg, pt, pc, pid, num_programs, last, BLOCK_N, BLOCK_K)
-                words = words_next
-                words_next = tl.load(x_ptrs + ((c + 1) % (k // BLOCK_K)) * BLOCK_K, cache_modifier=".cg")
-                x = _tagged_x(words, x_ptrs + c * BLOCK_K, tag, check, max_spins)
-                acc += cur.to(tl.float32) * x[None, :]
-            y = tl.sum(acc, 1).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            tl.store(A + out_off + t * BLOCK_N + offs_n, y | (tag << 16))
 
 
 def chain_meta(layers: int, device: torch.device, shapes: list[tuple[int, int]] = QWEN3_LAYER,
@@ -404,12 +229,11 @@ SYNCS = {"launches": 0, "none": 0, "barrier": 1, "flags": 2, "tags": 3}
 def run_chain(w: torch.Tensor, a: torch.Tensor, meta: torch.Tensor, counter: torch.Tensor, num_gemvs: int,
               programs: int, sync: str, prefetch: bool, block_n: int = 8, block_k: int = 512,
               stages: int = 3, load_poll: bool = False, flags: torch.Tensor | None = None,
-              num_warps: int = 4, preload: int = 0, max_k: int = 1, prefetchers: int = 0, lookahead: int = 1,
-              late_release: bool = False):
+              num_warps: int = 4, max_k: int = 1) -> None:
     """The chain's GEMVs. sync "launches": a launch a GEMV (the interpreter's form, and the kernel's own rate without
     a persistent grid); "none": one launch, no waiting (wrong sums: the rate's upper bound); "barrier": one launch,
     a grid barrier after each GEMV; "flags": one launch, per-chunk counts in `flags` ([num_gemvs, chunks]); "tags":
-    one launch, a holding tagged int32 words (to_words), each GEMV waiting until its input carries the launch's tag."""
+    one launch, `a` holding tagged int32 words (to_words), `counter` the launch count, `max_k` >= every K."""
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, LOAD_POLL=load_poll, num_warps=num_warps)
     if sync == "launches":
         for g in range(num_gemvs):
@@ -419,32 +243,11 @@ def run_chain(w: torch.Tensor, a: torch.Tensor, meta: torch.Tensor, counter: tor
         counter.zero_()
     if sync == "flags":
         flags.zero_()
-    if sync == "tags":  # a is the tagged words; counter the launch count
+    if sync == "tags":
         counter.add_(1)
-    return _chain_kernel[(programs + prefetchers,)](
-        w, a, meta, counter, 0, num_gemvs, 1 << 12, SYNC=SYNCS[sync], PREFETCH=prefetch, Flags=flags,
-        MAX_CHUNKS=flags.shape[1] if flags is not None else 1, PRELOAD=preload, MAX_K=max_k,
-        PREFETCHERS=prefetchers, LOOKAHEAD=lookahead, LATE_RELEASE=late_release, **consts)
-
-
-def run_stream(w: torch.Tensor, a_words: torch.Tensor, meta: torch.Tensor, epoch: torch.Tensor, num_gemvs: int,
-               programs: int, check: bool = True, block_n: int = 8, block_k: int = 512, depth: int = 4,
-               num_warps: int = 4, first: int = 0, last: int | None = None):
-    """_stream_kernel over GEMVs first .. last - 1, a fresh tag a launch (epoch + 1: a small kernel before it).
-    Returns the compiled kernel."""
-    epoch.add_(1)
-    return _stream_kernel[(programs,)](w, a_words, meta, epoch, first, num_gemvs if last is None else last, 1 << 12,
-                                       BLOCK_N=block_n, BLOCK_K=block_k, DEPTH=depth, CHECK=check,
-                                       num_warps=num_warps)
-
-
-def resident_programs(kernel, sms: int) -> int:
-    """How many programs of a compiled kernel an H100 / H200 holds at once (registers, warps, shared memory)."""
-    warps = kernel.metadata.num_warps
-    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256
-    by_regs = 65536 // regs_per_warp // warps
-    by_smem = 227 * 1024 // (kernel.metadata.shared + 1024)
-    return min(by_regs, 64 // warps, by_smem) * sms
+    _chain_kernel[(programs,)](w, a, meta, counter, 0, num_gemvs, 1 << 12, SYNC=SYNCS[sync], PREFETCH=prefetch,
+                               Flags=flags, MAX_CHUNKS=flags.shape[1] if flags is not None else 1, MAX_K=max_k,
+                               **consts)
 
 
 def to_words(a: torch.Tensor) -> torch.Tensor:
@@ -491,24 +294,15 @@ def main() -> None:
                     help="persistent programs an SM, one pass each (all must be resident at once)")
     ap.add_argument("--programs", type=int, nargs="*", default=[],
                     help="persistent grids of this many programs, besides --per-sm's")
-    ap.add_argument("--syncs", nargs="+", default=["barrier"], choices=list(SYNCS),
+    ap.add_argument("--syncs", nargs="+", default=["none", "flags"], choices=list(SYNCS),
                     help="how the chain kernel's GEMVs wait for their input (run_chain)")
     ap.add_argument("--tiles", nargs="+", default=["8x512x3"],
                     help="BLOCK_N x BLOCK_K x stages [x warps] of the chain kernel")
     ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1],
                     help="0 / 1: without / with the L2 prefetch of the next GEMV's first tile")
-    ap.add_argument("--preload", type=int, nargs="+", default=[0],
-                    help="flags: K chunks of each GEMV's first tile loaded before the wait (0-2)")
-    ap.add_argument("--stream-tiles", nargs="*", default=["8x512x4"],
-                    help="_stream_kernel's BLOCK_N x BLOCK_K x ring depth [x warps], on every grid")
-    ap.add_argument("--prefetchers", type=int, nargs="+", default=[0],
-                    help="flags: extra programs pulling each GEMV's W into L2 ahead of the others (0: none)")
-    ap.add_argument("--lookahead", type=int, nargs="+", default=[1],
-                    help="flags with prefetchers: W_g is pulled once GEMV g - 1 - LOOKAHEAD is complete")
-    ap.add_argument("--late-release", type=int, nargs="+", default=[0],
-                    help="flags: 0 a count's release after each tile, 1 after a program's last tile of a GEMV")
-    ap.add_argument("--load-poll", action="store_true", help="also the barrier polled by acquire loads")
-    ap.add_argument("--smoke", action="store_true", help="CPU: one layer in Triton's interpreter against torch")
+    ap.add_argument("--load-poll", action="store_true",
+                    help="also the barrier polled by acquire loads, and the tags by acquire (not relaxed) loads")
+    ap.add_argument("--smoke", action="store_true", help="CPU: one small layer in Triton's interpreter against torch")
     ap.add_argument("--out", default=None, help="JSON path for the figures (none written without it)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -524,6 +318,7 @@ def main() -> None:
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     ref = reference(w, a, rows)
     num = len(rows)
+    max_k = triton.next_power_of_2(max(k for _, k, *_ in rows))
 
     def flags_for(block_k: int) -> torch.Tensor:
         return torch.zeros(num, triton.next_power_of_2(max(n for n, *_ in rows) // block_k), dtype=torch.int32,
@@ -532,38 +327,21 @@ def main() -> None:
     def rel_err(got: torch.Tensor) -> float:
         return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
-    if args.smoke:  # the interpreter runs programs one after another: "flags" only with one program
-        max_k = triton.next_power_of_2(max(k for _, k, *_ in rows))
-        for sync, programs, (bn, bk), pre, pfs in [("launches", 5, (8, 128), 0, 0), ("flags", 1, (8, 128), 2, 0),
-                                                   ("flags", 1, (4, 64), 1, 3), ("tags", 1, (8, 64), 1, 0)]:
+    if args.smoke:  # the interpreter runs programs one after another: the waiting forms with one program only
+        for sync, programs, (bn, bk) in [("launches", 5, (8, 128)), ("flags", 1, (8, 128)), ("flags", 1, (4, 64)),
+                                         ("tags", 1, (8, 64))]:
             got, flags = (to_words(a) if sync == "tags" else a.clone()), flags_for(bk)
             run_chain(w, got, meta, counter, num, programs, sync, prefetch=False, block_n=bn, block_k=bk,
-                      flags=flags, preload=pre, max_k=max_k, prefetchers=pfs, late_release=pfs > 0)
-            if sync == "tags":
-                assert ((got[shapes[0][1]:] >> 16) == counter.item() % 65535 + 1).all()
-                got = from_words(got)
+                      flags=flags, max_k=max_k)
             if sync == "flags":  # every chunk of every output counted full, and no count past its chunk's tiles
                 for g, (n, *_) in enumerate(rows):
                     assert (flags[g, : n // bk] == bk // bn).all() and not flags[g, n // bk :].any(), flags[g]
+            if sync == "tags":  # every output stored with the launch's tag
+                assert (((got[shapes[0][1] :] >> 16) & 0xFFFF) == counter.item() % 65535 + 1).all()
+                got = from_words(got)
             err = rel_err(got)
-            print(f"smoke {sync} {programs} programs {bn}x{bk} preload {pre}: {num} GEMVs, max relative difference "
-                  f"against torch {err:.2e}")
-            assert err < 2e-2, err
-        epoch = torch.zeros(1, dtype=torch.int32)
-        for programs, per_gemv, depth, (bn, bk) in [(1, False, 4, (8, 128)), (3, True, 2, (8, 64)),
-                                                     (1, False, 3, (4, 128))]:
-            words = to_words(a)
-            if per_gemv:  # several programs: a launch a GEMV (each launch's first GEMV reads unchecked)
-                for g in range(num):
-                    run_stream(w, words, meta, epoch, num, programs, block_n=bn, block_k=bk, depth=depth, first=g,
-                               last=g + 1)
-            else:
-                run_stream(w, words, meta, epoch, num, programs, block_n=bn, block_k=bk, depth=depth)
-            tags = (words[shapes[0][1]:] >> 16) & 0xFFFF  # every output stored with its launch's tag
-            assert (tags == epoch.item() % 65535 + 1).all() or per_gemv and (tags > 0).all(), tags.unique()
-            err = rel_err(from_words(words))
-            print(f"smoke stream {programs} programs {bn}x{bk} depth {depth}{' a launch a GEMV' if per_gemv else ''}: "
-                  f"max relative difference against torch {err:.2e}")
+            print(f"smoke {sync} {programs} programs {bn}x{bk}: {num} GEMVs, max relative difference against torch "
+                  f"{err:.2e}")
             assert err < 2e-2, err
         return
     from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
@@ -577,7 +355,6 @@ def main() -> None:
 
     grids = [p * sms for p in args.per_sm] + args.programs
     words = to_words(a)
-    max_k = triton.next_power_of_2(max(k for _, k, *_ in rows))
     variants = [("skinny", skinny)]
     for tile in args.tiles:
         bn, bk, st, *nw = (int(v) for v in tile.split("x"))
@@ -586,33 +363,11 @@ def main() -> None:
             for programs in (grids if sync != "launches" else [0]):
                 for pf in (args.prefetch if sync in ("barrier", "flags", "tags") else [0]):
                     for lp in ((False, True) if sync in ("barrier", "tags") and args.load_poll else (False,)):
-                        for pre, pfs, la, late in itertools.product(
-                                *((args.preload, args.prefetchers, args.lookahead, args.late_release)
-                                  if sync == "flags" else ([0], [0], [1], [0]))):
-                            if pfs == 0 and la != args.lookahead[0]:
-                                continue  # no prefetchers: the lookahead means nothing
-                            p = programs or max(n for n, *_ in rows) // bn  # launches: a program a row tile
-                            name = (f"{sync}{'+l2' if pf else ''}{' load-poll' if lp else ''}"
-                                    f"{f' preload {pre}' if pre else ''}{' late' if late else ''}"
-                                    f"{f' +{pfs} prefetchers {la} ahead' if pfs else ''} {tile} {p} programs")
-                            variants.append((name, lambda p=p, sync=sync, pf=pf, lp=lp, pre=pre, pfs=pfs, la=la,
-                                             late=late, cfg=cfg: run_chain(
-                                w, words if sync == "tags" else a, meta, counter, num, p, sync, prefetch=bool(pf),
-                                load_poll=lp, preload=pre, max_k=max_k, prefetchers=pfs, lookahead=la,
-                                late_release=bool(late), **cfg)))
-    epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-    for tile in args.stream_tiles:
-        bn, bk, depth, *nw = (int(v) for v in tile.split("x"))
-        cfg = dict(block_n=bn, block_k=bk, depth=depth, num_warps=nw[0] if nw else 4)
-        fits = resident_programs(run_stream(w, words, meta, epoch, num, sms, **cfg), sms)  # as checked
-        for programs in grids:
-            for check in (False, True):
-                if check and programs > fits:  # the waits would never open
-                    print(f"stream {tile} {programs} programs: skipped, {fits} fit at once")
-                    continue
-                name = f"stream{'' if check else ' (no waits)'} {tile} {programs} programs"
-                variants.append((name, lambda p=programs, c=check, cfg=cfg: run_stream(
-                    w, words, meta, epoch, num, p, check=c, **cfg)))
+                        p = programs or max(n for n, *_ in rows) // bn  # launches: a program a row tile
+                        name = f"{sync}{'+l2' if pf else ''}{' load-poll' if lp else ''} {tile} {p} programs"
+                        variants.append((name, lambda p=p, sync=sync, pf=pf, lp=lp, cfg=cfg: run_chain(
+                            w, words if sync == "tags" else a, meta, counter, num, p, sync, prefetch=bool(pf),
+                            load_poll=lp, max_k=max_k, **cfg)))
     variants.append(("skinny (again)", skinny))
     bytes_ = w_size * 2
     report = {"device": torch.cuda.get_device_name(dev), "gemvs": num, "weight_MB": bytes_ / 1e6, "rows": []}
@@ -622,8 +377,8 @@ def main() -> None:
         words.copy_(to_words(a0))
         fn()
         torch.cuda.synchronize()
-        err = rel_err(from_words(words) if name.startswith(("stream", "tags")) else a)  # a wait let through early
-        us = graph_us(fn)  # early (its spin cap) shows here
+        err = rel_err(from_words(words) if name.startswith("tags") else a)  # a wait let through early shows here
+        us = graph_us(fn)  # and one that never opens (its spin cap) here
         row = dict(variant=name, us=us, us_per_gemv=us / num, TBps=bytes_ / us / 1e6, rel_err=err)
         report["rows"].append(row)
         print(f"{name:44} {us:9.1f} us  {us / num:6.2f} us/GEMV  {bytes_ / us / 1e6:5.2f} TB/s  err {err:.1e}",
