@@ -287,6 +287,21 @@ def graph_us(fn, reps: int = 30) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def parse_tile(ap: argparse.ArgumentParser, spec: str, shapes: list[tuple[int, int]]) -> tuple[int, int, int, int]:
+    """--tiles' "BLOCK_N x BLOCK_K x stages [x warps]" as ints, or an argparse error naming the limit broken: the
+    chain kernel needs every N a multiple of BLOCK_N and every K of BLOCK_K, both powers of two."""
+    try:
+        bn, bk, st, *nw = (int(v) for v in spec.split("x"))
+    except ValueError:
+        ap.error(f"--tiles {spec!r}: expected BLOCK_N x BLOCK_K x stages [x warps], e.g. 8x512x3")
+    if len(nw) > 1 or min(bn, bk, st, *nw) < 1 or bn & (bn - 1) or bk & (bk - 1):
+        ap.error(f"--tiles {spec!r}: four positive numbers at most, BLOCK_N and BLOCK_K powers of two")
+    if any(n % bn or k % bk for n, k in shapes):
+        ap.error(f"--tiles {spec!r}: every N {[n for n, _ in shapes]} must be a multiple of BLOCK_N and every K "
+                 f"{[k for _, k in shapes]} of BLOCK_K")
+    return bn, bk, st, nw[0] if nw else 4
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=28, help="Qwen3-0.6B layers in the chain (4 GEMVs each)")
@@ -308,6 +323,7 @@ def main() -> None:
     dev = torch.device("cpu" if args.smoke else "cuda")
     layers = 1 if args.smoke else args.layers
     shapes = SMOKE_LAYER if args.smoke else QWEN3_LAYER
+    tiles = [] if args.smoke else [parse_tile(ap, t, shapes) for t in args.tiles]  # the smoke has its own
     meta, w_size, a_size, rows = chain_meta(layers, dev, shapes)
     gen = torch.Generator(dev).manual_seed(0)
     w = torch.empty(w_size, dtype=torch.bfloat16, device=dev)
@@ -356,9 +372,8 @@ def main() -> None:
     grids = [p * sms for p in args.per_sm] + args.programs
     words = to_words(a)
     variants = [("skinny", skinny)]
-    for tile in args.tiles:
-        bn, bk, st, *nw = (int(v) for v in tile.split("x"))
-        cfg = dict(block_n=bn, block_k=bk, stages=st, num_warps=nw[0] if nw else 4, flags=flags_for(bk))
+    for tile, (bn, bk, st, nw) in zip(args.tiles, tiles, strict=True):
+        cfg = dict(block_n=bn, block_k=bk, stages=st, num_warps=nw, flags=flags_for(bk))
         for sync in args.syncs:
             for programs in (grids if sync != "launches" else [0]):
                 for pf in (args.prefetch if sync in ("barrier", "flags", "tags") else [0]):
