@@ -2,7 +2,7 @@
 of a step replaced by no-ops that launch nothing (timing only: the numerics are wrong). What a fusion that removes
 those launches could give at most, measured in the graph as bench_decode.py measures a step.
 
-SKIP="norm" / "silu" / "stage2" / "norm,silu" / "" (none), then bench_decode.py's arguments:
+SKIP="norm" / "silu" / "stage2" / "attention" / "norm,silu" / "" (none), then bench_decode.py's arguments:
 
 SKIP=norm,silu python benchmarks/bound_decode_launches.py --models llama-3.2-1b qwen3-0.6b --cases 32:128 32:288 \
     --modes graph --no-launches
@@ -15,15 +15,20 @@ SKIP=norm,silu python benchmarks/bound_decode_launches.py --models llama-3.2-1b 
   returns gate_up's first half as a view.
 - "stage2": the split-KV decode kernel's second launch (merging a request's splits, below `combine_min_bs` rows)
   launches nothing: what folding that merge into o_proj's x loads could give at most.
+- "attention": both launches of the split-KV decode kernel (stage 1, with the rotary and KV store it does at small
+  batches, and stage 2) launch nothing: the share of a step that decode attention holds on its critical path.
 """
 
+import importlib
 import os
 import runpy
 import sys
 
-import ostinato.attention.triton_ops.decode_attention as decode_attention
 import ostinato.layers.norm as norm
 import ostinato.layers.norm_linear as norm_linear
+
+# the module itself: the package's `decode_attention` attribute is the function it exports
+decode_attention = importlib.import_module("ostinato.attention.triton_ops.decode_attention")
 
 
 class _NoLaunch:
@@ -39,8 +44,10 @@ def skip_launches(skip: str) -> None:
         norm.fused_add_rms_norm = lambda x, residual, weight, eps: (x, residual)
     if "silu" in skip:
         norm_linear.silu_and_mul = lambda x, norm=None: x[:, : x.shape[1] // 2]
-    if "stage2" in skip:
+    if "stage2" in skip or "attention" in skip:
         decode_attention._decode_stage2_kernel = _NoLaunch()
+    if "attention" in skip:
+        decode_attention._decode_stage1_kernel = _NoLaunch()
 
 
 if __name__ == "__main__":
