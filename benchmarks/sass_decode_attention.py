@@ -37,9 +37,7 @@ VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT
                       bits=dict(FP16_DOT=True, CVT_BITS=True, BITS_FACTOR=256.0),
                       qk8=dict(QK_FP8=True), qk8_vcvt=dict(QK_FP8=True, V_CVT=True),
                       fp16_fold=dict(FP16_DOT=True, FOLD=True),
-                      fp16_vcvt_fold=dict(FP16_DOT=True, V_CVT=True, FOLD=True), bf16_fold=dict(FOLD=True),
-                      fp16_words=dict(FP16_DOT=True, KV_REGS=1, WORDS_ASM=True),
-                      fp16_words2=dict(FP16_DOT=True, KV_REGS=2, WORDS_ASM=True))
+                      fp16_vcvt_fold=dict(FP16_DOT=True, V_CVT=True, FOLD=True), bf16_fold=dict(FOLD=True))
 
 
 def early_lines(fp8: bool) -> int:
@@ -73,8 +71,7 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
         consts = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=block_n, PRECISION="tf32",
                       PAGE=page_const, KV_FP8=int(fp8), FP16_DOT=False, V_CVT=False, CVT_BITS=False, QK_FP8=False,
                       BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=4, FOLD=False, X_NORM="X" in ptrs,
-                      BLOCK_X=2048 if "X" in ptrs else 1, KV_LINES=early_lines(fp8), KV_BLOCKS=EARLY_KV or 1, KV_REGS=0,
-                      WORDS_ASM=False) | engine
+                      BLOCK_X=2048 if "X" in ptrs else 1, KV_LINES=early_lines(fp8), KV_BLOCKS=EARLY_KV or 1) | engine
         if fp8 or variant == "bf16_fold":
             consts |= VARIANT_CONSTS[variant]
     sig, attrs = {}, {}

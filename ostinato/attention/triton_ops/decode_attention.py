@@ -28,7 +28,6 @@ from ostinato.attention.triton_ops.paged_softmax import (
     block_slots,
     fp8_code,
     fp8_to_fp16_fixed,
-    fp8_words_to_fp16,
     kv_to_dot,
     load_tile,
     page_arg,
@@ -205,72 +204,6 @@ def _unfold_rows(acc, m_i, l_i, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _kv_words(K_words, V_words, slots, kv_head, stride_kws, stride_kwh, stride_vws, stride_vwh, n0, whole_end,
-              WORDS: tl.constexpr):
-    """A key block's K and V rows of one KV head as int32 words, [BLOCK_N, WORDS] each; nothing read (zeros) for a
-    block at or past whole_end (the blocks are whole: n0 + BLOCK_N <= whole_end or n0 >= whole_end)."""
-    offs_w = tl.arange(0, WORDS)
-    live = n0 + tl.arange(0, slots.shape[0]) < whole_end
-    mask = live[:, None] & (offs_w >= 0)[None, :]
-    kw = tl.load(K_words + slots[:, None] * stride_kws + kv_head.to(tl.int64) * stride_kwh + offs_w[None, :],
-                 mask=mask, other=0)
-    vw = tl.load(V_words + slots[:, None] * stride_vws + kv_head.to(tl.int64) * stride_vwh + offs_w[None, :],
-                 mask=mask, other=0)
-    return kw, vw
-
-
-@triton.jit
-def _attend_words(q, acc, m_i, l_i, kw, vw, qk_scale, KV_FP8: tl.constexpr, ASM: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """attend_kv_block for a whole block already in registers as fp8 words (`kv_regs`), fp16 dots."""
-    k = fp8_words_to_fp16(kw, KV_FP8, ASM)  # [BLOCK_N, HEAD_DIM]
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = fp8_words_to_fp16(vw, KV_FP8, ASM)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, input_precision=PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_whole_blocks_in_words(q, acc, m_i, l_i, start, whole_end, K_buf, V_buf, req_row, kv_head,
-                                  stride_kbs, stride_kbh, stride_vbs, stride_vbh, qk_scale,
-                                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                                  KV_FP8: tl.constexpr, PRECISION: tl.constexpr, DEPTH: tl.constexpr,
-                                  ASM: tl.constexpr):
-    """Keys start .. whole_end (whole BLOCK_N blocks) of an fp8 cache, read as int32 words DEPTH blocks ahead of the
-    block attended (1 or 2), and each block's slots one block further ahead: a block's loads go out before the
-    blocks ahead of it are attended, and their addresses are in registers by then. Strides in bytes."""
-    WORDS: tl.constexpr = HEAD_DIM // 4
-    K_words = K_buf.to(tl.pointer_type(tl.int32))
-    V_words = V_buf.to(tl.pointer_type(tl.int32))
-    skw, skh, svw, svh = stride_kbs // 4, stride_kbh // 4, stride_vbs // 4, stride_vbh // 4
-    slots, offs_n, n_mask = block_slots(req_row, start, whole_end, BLOCK_N, PAGE)
-    kw, vw = _kv_words(K_words, V_words, slots, kv_head, skw, skh, svw, svh, start, whole_end, WORDS)
-    slots, offs_n, n_mask = block_slots(req_row, start + BLOCK_N, whole_end, BLOCK_N, PAGE)
-    if DEPTH == 1:
-        for n0 in range(start, whole_end, BLOCK_N):
-            kw_next, vw_next = _kv_words(K_words, V_words, slots, kv_head, skw, skh, svw, svh, n0 + BLOCK_N,
-                                         whole_end, WORDS)
-            slots, offs_n, n_mask = block_slots(req_row, n0 + 2 * BLOCK_N, whole_end, BLOCK_N, PAGE)
-            acc, m_i, l_i = _attend_words(q, acc, m_i, l_i, kw, vw, qk_scale, KV_FP8, ASM, PRECISION)
-            kw, vw = kw_next, vw_next
-    else:
-        kw2, vw2 = _kv_words(K_words, V_words, slots, kv_head, skw, skh, svw, svh, start + BLOCK_N, whole_end,
-                             WORDS)
-        slots, offs_n, n_mask = block_slots(req_row, start + 2 * BLOCK_N, whole_end, BLOCK_N, PAGE)
-        for n0 in range(start, whole_end, BLOCK_N):
-            kw3, vw3 = _kv_words(K_words, V_words, slots, kv_head, skw, skh, svw, svh, n0 + 2 * BLOCK_N,
-                                 whole_end, WORDS)
-            slots, offs_n, n_mask = block_slots(req_row, n0 + 3 * BLOCK_N, whole_end, BLOCK_N, PAGE)
-            acc, m_i, l_i = _attend_words(q, acc, m_i, l_i, kw, vw, qk_scale, KV_FP8, ASM, PRECISION)
-            kw, vw, kw2, vw2 = kw2, vw2, kw3, vw3
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, K_scale, V_scale,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
@@ -287,7 +220,7 @@ def _decode_stage1_kernel(
     stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0, stride_cs=0, eps=0.0,
     ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
     X=None, stride_x=0, x_cols=1, eps_x=0.0, X_NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1,
-    KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1, KV_REGS: tl.constexpr = 0, WORDS_ASM: tl.constexpr = False,
+    KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
     b = tl.program_id(1)
@@ -375,20 +308,15 @@ def _decode_stage1_kernel(
         acc, m_i, l_i = _unfold_rows(acc, m_i, l_i, GROUP)
         heads = kv_head * GROUP + tl.arange(0, GROUP)
         h_mask = heads >= 0
-    elif WHOLE_BLOCKS or KV_REGS:  # the whole blocks without key masks, then the request's last partial block
+    elif WHOLE_BLOCKS:  # the whole blocks without key masks, then the request's last partial block with them
         whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-        if KV_REGS:  # fp8 read as words KV_REGS blocks ahead (decode_attention's kv_regs)
-            acc, m_i, l_i = _attend_whole_blocks_in_words(
-                q, acc, m_i, l_i, start, whole_end, K_buf, V_buf, req_row, kv_head, stride_kbs, stride_kbh,
-                stride_vbs, stride_vbh, qk_scale, HEAD_DIM, BLOCK_N, PAGE, KV_FP8, PRECISION, KV_REGS, WORDS_ASM)
-        else:
-            for n0 in range(start, whole_end, BLOCK_N):
-                acc, m_i, l_i = attend_kv_block(
-                    q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
-                    stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
-                    BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
-                    V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_N=False, MASK_D=HEAD_DIM != BLOCK_D,
-                )
+        for n0 in range(start, whole_end, BLOCK_N):
+            acc, m_i, l_i = attend_kv_block(
+                q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
+                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
+                BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_N=False, MASK_D=HEAD_DIM != BLOCK_D,
+            )
         if whole_end < end:
             acc, m_i, l_i = attend_kv_block(
                 q, acc, m_i, l_i, whole_end, end, 0, K_buf, V_buf, req_row, kv_head,
@@ -588,8 +516,6 @@ FP8_DECODE_VARIANTS: dict[str, dict] = {
     "kv_group": dict(fp16_dot=True, kv_group=True),  # several KV heads per program (see its kernel)
     "fp16_fold": dict(fp16_dot=True, fold=True),  # the dot's rows folded over the keys (see decode_attention)
     "fp16_vcvt_fold": dict(fp16_dot=True, v_cvt=True, fold=True),
-    "fp16_words": dict(fp16_dot=True, kv_regs=1),  # K/V as words in registers a block ahead (see decode_attention)
-    "fp16_words2": dict(fp16_dot=True, kv_regs=2),  # two blocks ahead
 }
 
 
@@ -641,7 +567,7 @@ def decode_attention(
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
     v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
     kv_group: bool = False, counters: torch.Tensor | None = None, maxnreg: int | None = None,
-    new: NewTokens | None = None, fold: bool = False, early_kv: bool | int = False, kv_regs: int = 0,
+    new: NewTokens | None = None, fold: bool = False, early_kv: bool | int = False,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -668,12 +594,6 @@ def decode_attention(
     each row keeps the softmax of its chunk only (`_attend_kv_block_folded`); where the group is a power of two
     up to 8 and block_n holds 16 / group chunks of >= 8 keys, else ignored. Not with `qk_fp8` or `cvt_bits`.
 
-    `kv_regs` (fp8 caches and a 16-bit q, head dims a power of two from 4; else ignored): stage 1 reads the whole
-    key blocks' K and V rows
-    as 32-bit words into registers, `kv_regs` (1 or 2) blocks ahead of the block it attends, instead of through
-    Triton's cp.async pipeline (num_stages then applies only to the last, partial block), and widens them to fp16
-    (`fp8_words_to_fp16`); fp16 dots. Not with `fold`, `kv_group`, `qk_fp8`, `cvt_bits` or `v_cvt`.
-
     `new`: q comes before rotary, and stage 1 rotates it and stores the new tokens' K/V (`NewTokens`) as
     rope_store_kv would have, the same bits, without its launch; with `new.x_rms`, after the deferred input
     norm's scale, as rope_store_kv applies it. Head dims that are powers of two; `kv_group` is then ignored.
@@ -698,12 +618,6 @@ def decode_attention(
     k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
     v_scale = mid_lse if v_scale is None else v_scale
     fold = bool(fold and fold_applies(group, block_n))
-    kv_regs = kv_regs if fp8 and q.dtype != torch.float32 else 0  # fp16 dots: a 16-bit q
-    if kv_regs:
-        assert kv_regs in (1, 2) and not (fold or kv_group or qk_fp8 or cvt_bits or v_cvt), \
-            f"kv_regs {kv_regs}: 1 or 2, and the plain fp16 read of the rest"
-        assert head_dim == block_d and head_dim >= 4 and all(
-            st % 4 == 0 for buf in (k_buf, v_buf) for st in buf.stride()[:2]), "kv_regs reads whole 4-byte words"
     assert not (fold and fp8 and (qk_fp8 or cvt_bits)), "fold runs the plain fp8 read or v_cvt"
     per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group and not fold else 1
     # V widened by inline asm (paged_softmax's V_CVT): CUDA and 16-bit q only; elsewhere the plain conversion
@@ -765,7 +679,7 @@ def decode_attention(
             GROUP_P2=triton.next_power_of_2(group), FOLD=fold, num_warps=num_warps,
             num_stages=num_stages,
             KV_LINES=lines_for(head_dim * k_buf.element_size()) if pdl and early_kv and EARLY_KV else 0,
-            KV_BLOCKS=int(early_kv) or 1, KV_REGS=kv_regs, WORDS_ASM=q.is_cuda,
+            KV_BLOCKS=int(early_kv) or 1,
         )
     if combine:
         return

@@ -17,9 +17,6 @@ Ways to read an fp8 cache (constexpr switches, for the decode kernel's sweep; al
 - CVT_BITS: fp8 -> fp16 by bit manipulation (sign and exponent/mantissa moved into place, as Marlin-style
   dequantization does) instead of the conversion instruction; e4m3 comes out 2**-8 too small (the exponent
   biases differ by 8), a factor `bits_factor` the caller folds into its scales. Needs fp16 dots.
-- words (decode_attention's `kv_regs`): K and V rows are read as 32-bit words into registers, a block or two
-  ahead of the block being attended (loop-carried, not through Triton's cp.async pipeline), and widened to fp16
-  by `fp8_words_to_fp16`: four bytes a word, Hopper's paired conversion on CUDA, the plain one elsewhere.
 - QK_FP8: q arrives quantized to e4m3 (per row, the row scales folded into qk_scale by the caller) and
   q.k^T is an fp8 tensor-core dot on the stored bytes; p.v stays a 16-bit dot (fp16).
 """
@@ -88,29 +85,6 @@ def fp8_to_fp16_fixed(x, KV_FP8: tl.constexpr):
                              "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }")
     return tl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False,
                                      pack=4)
-
-
-@triton.jit
-def fp8_words_to_fp16(w, KV_FP8: tl.constexpr, ASM: tl.constexpr):
-    """[n, W] int32 words of stored fp8 bytes -> [n, 4 W] fp16 (byte j of word i is column 4 i + j, as the bytes
-    lie in memory). ASM: Hopper's paired conversion instruction (CUDA only); else the plain conversion, the same
-    values."""
-    if ASM:
-        e4m3: tl.constexpr = KV_FP8 == 1
-        asm: tl.constexpr = ("{ .reg .b16 lo, hi; .reg .b32 p0, p1; mov.b32 {lo, hi}, $4; "
-                             + ("cvt.rn.f16x2.e4m3x2 p0, lo; cvt.rn.f16x2.e4m3x2 p1, hi; " if e4m3 else
-                                "cvt.rn.f16x2.e5m2x2 p0, lo; cvt.rn.f16x2.e5m2x2 p1, hi; ")
-                             + "mov.b32 {$0, $1}, p0; mov.b32 {$2, $3}, p1; }")
-        e0, e1, e2, e3 = tl.inline_asm_elementwise(asm=asm, constraints="=h,=h,=h,=h,r", args=[w],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=1)
-    else:
-        e0 = kv_from_store((w & 0xFF).to(tl.uint8), KV_FP8).to(tl.float16)
-        e1 = kv_from_store(((w >> 8) & 0xFF).to(tl.uint8), KV_FP8).to(tl.float16)
-        e2 = kv_from_store(((w >> 16) & 0xFF).to(tl.uint8), KV_FP8).to(tl.float16)
-        e3 = kv_from_store(((w >> 24) & 0xFF).to(tl.uint8), KV_FP8).to(tl.float16)
-    # [n, W, 2, 2]: element [i, x, y] is byte 2 x + y of word i
-    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), [w.shape[0], 4 * w.shape[1]])
 
 
 @triton.jit
