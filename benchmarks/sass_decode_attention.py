@@ -10,7 +10,6 @@ MAXNREG=128 TOP=30 COMBINE=0 PAGE=1 python benchmarks/sass_decode_attention.py .
 ROPE=1 [NORM=1] [XNORM=1] python benchmarks/sass_decode_attention.py ...  # stage 1 rotating q, storing the new K/V
                                                                         # (rope_attend) [with the input norm's scale]
 EARLY_KV=2 python benchmarks/sass_decode_attention.py ...  # with early_kv's L2 requests for 2 key blocks
-ROPE=1 PRELOAD=1 python benchmarks/sass_decode_attention.py ...  # the first key block read before the wait
 HEAD=200 python benchmarks/sass_decode_attention.py ...  # also the order of the global loads, exits, barriers and
                                                          # shared-memory shuffles in the first 200 instructions
 """
@@ -33,7 +32,6 @@ da = importlib.import_module("ostinato.attention.triton_ops.decode_attention")
 TOP = int(os.environ.get("TOP", "8"))  # opcodes shown
 PAGE = int(os.environ.get("PAGE", "16"))  # the pool's page size
 EARLY_KV = int(os.environ.get("EARLY_KV", "0"))  # decode_attention's early_kv: key blocks asked of L2 before the wait
-PRELOAD = int(os.environ.get("PRELOAD", "0"))  # decode_attention's preload: key blocks read before the wait (ROPE=1)
 MAXNREG = {"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}  # a register cap for ptxas
 VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT=True, V_CVT=True),
                       bits=dict(FP16_DOT=True, CVT_BITS=True, BITS_FACTOR=256.0),
@@ -73,8 +71,7 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
         consts = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=block_n, PRECISION="tf32",
                       PAGE=page_const, KV_FP8=int(fp8), FP16_DOT=False, V_CVT=False, CVT_BITS=False, QK_FP8=False,
                       BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=4, FOLD=False, X_NORM="X" in ptrs,
-                      BLOCK_X=2048 if "X" in ptrs else 1, KV_LINES=early_lines(fp8), KV_BLOCKS=EARLY_KV or 1,
-                      PRELOAD=PRELOAD) | engine
+                      BLOCK_X=2048 if "X" in ptrs else 1, KV_LINES=early_lines(fp8), KV_BLOCKS=EARLY_KV or 1) | engine
         if fp8 or variant == "bf16_fold":
             consts |= VARIANT_CONSTS[variant]
     sig, attrs = {}, {}

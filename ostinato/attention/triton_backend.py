@@ -52,9 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
     # batch takes the entry of the largest key <= its next power of two (decode_attention.table_entry), so a
     # padded graph replay and an eager pass agree. An entry holds the kernel settings (block_n, warps, stages,
     # whole_blocks; for fp8 the variant, decode_attention.FP8_DECODE_VARIANTS) and may set the split knobs:
-    # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's), `combine`
-    # (whether stage 1 combines the splits, in place of combine_min_bs's rule), `preload` (decode_attention's: with
-    # rotary in stage 1, the split's first key blocks read before the PDL wait), and maxnreg
+    # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's), and maxnreg
     # (a register cap for ptxas, so more one-warp programs fit an SM), and early_kv (decode_attention's: stage 1
     # reads its split's bounds and asks L2 for its first key block, an int: that many, before its PDL wait). It is on
     # where it measured faster (H100, `bench_decode.py ... --decode-entry "1:early_kv=True;...;256:early_kv=True"`
@@ -426,11 +424,9 @@ class TritonAttentionBackend(AttentionBackend):
             splits = self.kv_splits_cap(bs)
             mid_o = torch.empty(bs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
-        entry = table_entry(self.decode_table, bs)
-        combine = self.combine_splits and entry.get("combine", bs >= self.combine_min_bs)
-        kwargs = dict(block_n=self.decode_block_n) | decode_kwargs(entry)
+        combine = self.combine_splits and bs >= self.combine_min_bs
+        kwargs = dict(block_n=self.decode_block_n) | decode_kwargs(table_entry(self.decode_table, bs))
         kwargs["early_kv"] = kwargs.get("early_kv", False) if splits_ready else False
-        kwargs["preload"] = kwargs.get("preload", 0) if splits_ready else 0  # reads the same before its wait
         decode_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,

@@ -39,7 +39,6 @@ from ostinato.layers.triton_ops.rotary import norm_rotate
 
 # decode_attention's `early_kv` (OSTINATO_DECODE_EARLY_KV=0: never)
 EARLY_KV = os.environ.get("OSTINATO_DECODE_EARLY_KV", "1") != "0"
-PRELOAD_VOLATILE = tl.constexpr(os.environ.get("OSTINATO_PRELOAD_VOLATILE", "1") != "0")
 
 
 @triton.jit
@@ -113,15 +112,13 @@ def _load_new_token(Q, K_new, V_new, Positions, Loc, b, kv_head, heads, h_mask,
 def _rope_q_store_kv(pos, q, k, v, slot, x_row, K_buf, V_buf, Cos_sin, QW, KW, K_scale, V_scale,
                      kv_head, h_mask, stores, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs, eps,
                      x_cols, eps_x, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, X_NORM: tl.constexpr,
-                     NEW_ROWS: tl.constexpr = False):
+                     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, X_NORM: tl.constexpr):
     """rope_store.py's work for one request and KV head, inside stage 1, on `_load_new_token`'s values: the group's
     query heads rotated (returned as [BLOCK_H, BLOCK_D] in the model dtype `dtype`, the padding rows 0) and, where
     `stores` (the program whose split holds the new token), the new token's K rotated and V written into its slot,
     with rope_store's roundings, so the bits are the unfused path's. HEAD_DIM a power of two (the halves joined
     side by side make the row). With X_NORM, q, k and v are first scaled by the inverse RMS of x_row (the deferred
-    input norm), as rope_store does. Returns (q, k_row, v_row): with NEW_ROWS, the new token's K and V rows as
-    stored, [1, HEAD_DIM] of the cache's element type, in the storing program (zeros in the others)."""
+    input norm), as rope_store does."""
     half: tl.constexpr = HEAD_DIM // 2
     if X_NORM:
         inv_rms = inv_rms_of(x_row, x_cols, eps_x)
@@ -139,21 +136,15 @@ def _rope_q_store_kv(pos, q, k, v, slot, x_row, K_buf, V_buf, Cos_sin, QW, KW, K
     q1 = tl.where(h_mask[:, None], q1, 0.0).to(dtype)  # padding rows: 0, as a masked load gives (the norm's eps
     q2 = tl.where(h_mask[:, None], q2, 0.0).to(dtype)  # leaves them 0 too; kept explicit)
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, BLOCK_D))
-    k_row = tl.zeros([1, HEAD_DIM], dtype=K_buf.dtype.element_ty)
-    v_row = tl.zeros([1, HEAD_DIM], dtype=V_buf.dtype.element_ty)
     if stores:  # this KV head of the new token, as one [1, half] row
         one_head = kv_head + tl.arange(0, 1)
         k1, k2 = _halves(k, HEAD_DIM)
         v1, v2 = _halves(v, HEAD_DIM)
-        stored = rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, slot, one_head,
-                                 (one_head >= 0)[:, None] & d_mask[None, :], offs_d, d_mask, cos, sin, KW, K_scale,
-                                 V_scale, stride_kbs, stride_kbh, stride_vbs, stride_vbh, eps, dtype, HEAD_DIM,
-                                 HAS_NORM, KV_FP8)
+        rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, slot, one_head, (one_head >= 0)[:, None] & d_mask[None, :],
+                        offs_d, d_mask, cos, sin, KW, K_scale, V_scale, stride_kbs, stride_kbh, stride_vbs,
+                        stride_vbh, eps, dtype, HEAD_DIM, HAS_NORM, KV_FP8)
         tl.debug_barrier()  # the stores before any of this program's threads loads the slot back
-        if NEW_ROWS:
-            k_row = tl.reshape(tl.permute(tl.join(stored[0], stored[1]), (0, 2, 1)), (1, HEAD_DIM))
-            v_row = tl.reshape(tl.permute(tl.join(stored[2], stored[3]), (0, 2, 1)), (1, HEAD_DIM))
-    return q, k_row, v_row
+    return q
 
 
 @triton.jit
@@ -213,60 +204,6 @@ def _unfold_rows(acc, m_i, l_i, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _kv_tiles(K_buf, V_buf, req_row, kv_head, n0, kv_end, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-              VOLATILE: tl.constexpr = PRELOAD_VOLATILE):
-    """Keys n0 .. n0 + BLOCK_N's K ([BLOCK_D, BLOCK_N]) and V ([BLOCK_N, BLOCK_D]) tiles of one KV head as stored
-    (0 past kv_end), by volatile loads: read before stage 1's PDL wait (`PRELOAD`), where plain loads could be
-    sunk past it to their first use."""
-    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE, VOLATILE=VOLATILE)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    head = kv_head.to(tl.int64)
-    k = tl.load(K_buf + slots[None, :] * stride_kbs + head * stride_kbh + offs_d[:, None],
-                mask=d_mask[:, None] & n_mask[None, :], other=0, volatile=VOLATILE)
-    v = tl.load(V_buf + slots[:, None] * stride_vbs + head * stride_vbh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0, volatile=VOLATILE)
-    return k, v
-
-
-@triton.jit
-def _attend_tiles(q, acc, m_i, l_i, k, v, n0, kv_end, skip, qk_scale, KV_FP8: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """attend_kv_block on K / V tiles loaded before (`_kv_tiles`): keys n0 .. n0 + BLOCK_N below kv_end, but key
-    `skip` (the new token, whose slot the tiles were read from before stage 1 stored it). A row may see no key
-    here: its running max stays -inf and the shift keeps its terms 0."""
-    offs_n = n0 + tl.arange(0, k.shape[1])
-    live = (offs_n < kv_end) & (offs_n != skip)
-    s = tl.dot(q, kv_to_dot(k, KV_FP8, False, q.dtype), input_precision=PRECISION) * qk_scale
-    s = tl.where(live[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - shift)
-    p = tl.exp2(s - shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), kv_to_dot(v, KV_FP8, False, q.dtype),
-                                        input_precision=PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_one_key(q, acc, m_i, l_i, k_row, v_row, qk_scale, live, KV_FP8: tl.constexpr):
-    """One key (the new token's K / V rows as stored, [1, HEAD_DIM]) into the online softmax, where `live`; its
-    probability rounded to q's dtype as the dots take theirs."""
-    k = kv_to_dot(k_row, KV_FP8, False, q.dtype).to(tl.float32)
-    v = kv_to_dot(v_row, KV_FP8, False, q.dtype).to(tl.float32)
-    s = tl.where(live, tl.sum(q.to(tl.float32) * k, 1) * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - shift)
-    p = tl.exp2(s - shift)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, K_scale, V_scale,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
@@ -283,7 +220,7 @@ def _decode_stage1_kernel(
     stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0, stride_cs=0, eps=0.0,
     ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
     X=None, stride_x=0, x_cols=1, eps_x=0.0, X_NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1,
-    KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1, PRELOAD: tl.constexpr = 0,
+    KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
     b = tl.program_id(1)
@@ -295,25 +232,11 @@ def _decode_stage1_kernel(
     # sin with q). KV_LINES: before the PDL wait (none of them is the kernel ahead's output: decode_attention's
     # `early_kv`), and then the split's first KV_BLOCKS key blocks go to L2 (their K and V rows' first KV_LINES
     # lines)
-    # PRELOAD (with ROPE): the split's first PRELOAD key blocks are read into registers before the PDL wait too;
-    # the new token's slot among them is read stale (stage 1 stores it) and skipped, and that key is taken from
-    # the stored rows instead
-    EARLY: tl.constexpr = KV_LINES > 0 or PRELOAD > 0
-    if PDL and not EARLY:  # layers/triton_ops/pdl.py: nothing read or written before the wait
+    if PDL and KV_LINES == 0:  # layers/triton_ops/pdl.py: nothing read or written before the wait
         tl.extra.cuda.gdc_wait()
     num_splits = tl.load(Num_kv_splits + b)
     seq_len = tl.load(Seq_lens + b, volatile=True)
     req = tl.load(Req_pool_indices + b, volatile=True).to(tl.int64)
-    if PRELOAD:
-        pre_first, pre_last, pre_per = split_bounds(seq_len, num_splits, split, BLOCK_N)
-        pre_last = tl.where(split < num_splits, pre_last, pre_first)
-        k_pre0, v_pre0 = _kv_tiles(K_buf, V_buf, Req_to_token + req * stride_r2t, kv_head, pre_first, pre_last,
-                                   stride_kbs, stride_kbh, stride_vbs, stride_vbh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE)
-        k_pre1, v_pre1 = k_pre0, v_pre0
-        if PRELOAD == 2:
-            k_pre1, v_pre1 = _kv_tiles(K_buf, V_buf, Req_to_token + req * stride_r2t, kv_head, pre_first + BLOCK_N,
-                                       pre_last, stride_kbs, stride_kbh, stride_vbs, stride_vbh, HEAD_DIM, BLOCK_D,
-                                       BLOCK_N, PAGE)
     if KV_LINES:
         if split < num_splits:
             first, last, per = split_bounds(seq_len, num_splits, split, BLOCK_N)
@@ -323,8 +246,8 @@ def _decode_stage1_kernel(
                                               BLOCK_N, PAGE)
                     prefetch_rows(K_buf + kv_head.to(tl.int64) * stride_kbh, slots, stride_kbs, HEAD_DIM, KV_LINES)
                     prefetch_rows(V_buf + kv_head.to(tl.int64) * stride_vbh, slots, stride_vbs, HEAD_DIM, KV_LINES)
-    if PDL and EARLY:
-        tl.extra.cuda.gdc_wait()
+        if PDL:
+            tl.extra.cuda.gdc_wait()
     v_scale = 1.0
     if KV_FP8:  # dequantize by folding the layer's scales into the scores and the output
         qk_scale = qk_scale * tl.load(K_scale)
@@ -351,13 +274,12 @@ def _decode_stage1_kernel(
         return
     # splits are whole blocks long; the last ones may be empty (they then write lse = -inf)
     start, end, per_split = split_bounds(seq_len, num_splits, split, BLOCK_N)
-    holds_new = split == (seq_len - 1) // per_split
     if ROPE:
         pos, q_raw, k_new, v_new, slot, x_row = new_token
-        q, k_row, v_row = _rope_q_store_kv(pos, q_raw, k_new, v_new, slot, x_row, K_buf, V_buf, Cos_sin, QW, KW,
-                                           K_scale, V_scale, kv_head, h_mask, holds_new, stride_kbs, stride_kbh,
-                                           stride_vbs, stride_vbh, stride_cs, eps, x_cols, eps_x, Q.dtype.element_ty,
-                                           HEAD_DIM, BLOCK_H, BLOCK_D, HAS_NORM, KV_FP8, X_NORM, PRELOAD > 0)
+        q = _rope_q_store_kv(pos, q_raw, k_new, v_new, slot, x_row, K_buf, V_buf, Cos_sin, QW, KW, K_scale,
+                             V_scale, kv_head, h_mask, split == (seq_len - 1) // per_split, stride_kbs, stride_kbh,
+                             stride_vbs, stride_vbh, stride_cs, eps, x_cols, eps_x, Q.dtype.element_ty, HEAD_DIM,
+                             BLOCK_H, BLOCK_D, HAS_NORM, KV_FP8, X_NORM)
     if QK_FP8:  # q per row to e4m3 (max 448), its row scale folded into the score scale
         q = q.to(tl.float32)
         amax = tl.max(tl.abs(q), 1)
@@ -371,16 +293,6 @@ def _decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     req_row = Req_to_token + req * stride_r2t
-    loop_start = start
-    if PRELOAD:  # the preloaded blocks (start is pre_first), the new token on its own, then the rest as usual
-        acc, m_i, l_i = _attend_tiles(q, acc, m_i, l_i, k_pre0, v_pre0, start, end, seq_len - 1, qk_scale, KV_FP8,
-                                      PRECISION)
-        if PRELOAD == 2:
-            acc, m_i, l_i = _attend_tiles(q, acc, m_i, l_i, k_pre1, v_pre1, start + BLOCK_N, end, seq_len - 1,
-                                          qk_scale, KV_FP8, PRECISION)
-        loop_start = start + PRELOAD * BLOCK_N
-        acc, m_i, l_i = _attend_one_key(q, acc, m_i, l_i, k_row, v_row, qk_scale,
-                                        holds_new & (seq_len - 1 < loop_start), KV_FP8)
     if FOLD:
         whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         for n0 in range(start, whole_end, BLOCK_N):
@@ -397,8 +309,8 @@ def _decode_stage1_kernel(
         heads = kv_head * GROUP + tl.arange(0, GROUP)
         h_mask = heads >= 0
     elif WHOLE_BLOCKS:  # the whole blocks without key masks, then the request's last partial block with them
-        whole_end = loop_start + tl.maximum(end - loop_start, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(loop_start, whole_end, BLOCK_N):
+        whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, whole_end, BLOCK_N):
             acc, m_i, l_i = attend_kv_block(
                 q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
@@ -413,7 +325,7 @@ def _decode_stage1_kernel(
                 V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_D=HEAD_DIM != BLOCK_D,
             )
     else:
-        for n0 in range(loop_start, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             acc, m_i, l_i = attend_kv_block(
                 q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
@@ -617,9 +529,9 @@ def table_entry(table: dict[int, dict], bs: int) -> dict:
 
 
 def decode_kwargs(entry: dict) -> dict:
-    """A settings-table entry as decode_attention's keyword arguments (variant expanded; the split settings and
-    `combine`, which the caller applies, dropped)."""
-    kw = {k: v for k, v in entry.items() if k not in ("variant", "programs_per_sm", "min_tokens_per_split", "combine")}
+    """A settings-table entry as decode_attention's keyword arguments (variant expanded; the split settings,
+    which the caller applies, dropped)."""
+    kw = {k: v for k, v in entry.items() if k not in ("variant", "programs_per_sm", "min_tokens_per_split")}
     return kw | FP8_DECODE_VARIANTS[entry.get("variant", "cast")]
 
 
@@ -655,7 +567,7 @@ def decode_attention(
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
     v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
     kv_group: bool = False, counters: torch.Tensor | None = None, maxnreg: int | None = None,
-    new: NewTokens | None = None, fold: bool = False, early_kv: bool | int = False, preload: int = 0,
+    new: NewTokens | None = None, fold: bool = False, early_kv: bool | int = False,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -686,11 +598,6 @@ def decode_attention(
     rope_store_kv would have, the same bits, without its launch; with `new.x_rms`, after the deferred input
     norm's scale, as rope_store_kv applies it. Head dims that are powers of two; `kv_group` is then ignored.
 
-    `preload` (with `new` only; 1 or 2): stage 1 reads its split's first `preload` key blocks into registers before
-    its PDL wait (none of them is the kernel ahead's output: the new token, which stage 1 stores itself, is skipped
-    there and attended from the rows it stored), so after the wait only q's round trip stands before the first
-    dot. Not with `fold`, `qk_fp8` or `cvt_bits`; ignored without `new`.
-
     `early_kv` (CUDA, under PDL): stage 1 reads its split's bounds (num_kv_splits, seq_lens, req_pool_indices,
     req_to_token) before its PDL wait and asks L2 for its first key block's K and V rows (an int: that many
     blocks). Only where the caller knows that none of those was written by the kernel just ahead of this one: a
@@ -711,9 +618,6 @@ def decode_attention(
     k_scale = mid_lse if k_scale is None else k_scale  # any pointer: read only for an fp8 cache
     v_scale = mid_lse if v_scale is None else v_scale
     fold = bool(fold and fold_applies(group, block_n))
-    preload = preload if new is not None else 0
-    assert preload in (0, 1, 2) and not (preload and (fold or qk_fp8 or cvt_bits)), \
-        f"preload {preload}: 0, 1 or 2 key blocks, with the plain or v_cvt read"
     assert not (fold and fp8 and (qk_fp8 or cvt_bits)), "fold runs the plain fp8 read or v_cvt"
     per_prog = kv_group_size(num_heads, num_kv_heads, head_dim) if kv_group and not fold else 1
     # V widened by inline asm (paged_softmax's V_CVT): CUDA and 16-bit q only; elsewhere the plain conversion
@@ -775,7 +679,7 @@ def decode_attention(
             GROUP_P2=triton.next_power_of_2(group), FOLD=fold, num_warps=num_warps,
             num_stages=num_stages,
             KV_LINES=lines_for(head_dim * k_buf.element_size()) if pdl and early_kv and EARLY_KV else 0,
-            KV_BLOCKS=int(early_kv) or 1, PRELOAD=preload,
+            KV_BLOCKS=int(early_kv) or 1,
         )
     if combine:
         return

@@ -97,32 +97,30 @@ def kv_to_dot(x, KV_FP8: tl.constexpr, CVT_BITS: tl.constexpr, dtype: tl.constex
 
 
 @triton.jit
-def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASK_N: tl.constexpr = True,
-                VOLATILE: tl.constexpr = False):
+def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASK_N: tl.constexpr = True):
     """KV slots of tokens n0 .. n0 + BLOCK_N of a request (0 past kv_end). n0 is a multiple of BLOCK_N.
 
     PAGE > 1 (pages of PAGE slots, each page's slots contiguous and page-aligned): one table read per page,
     the page's first slot, then consecutive slots; PAGE 1: one read per token. MASK_N False: the caller
-    promises n0 + BLOCK_N <= kv_end (n_mask is then all true and nothing is masked). VOLATILE: the table reads
-    stay where they are written (a caller reading before its PDL wait)."""
+    promises n0 + BLOCK_N <= kv_end (n_mask is then all true and nothing is masked)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     if PAGE == 1:
         if MASK_N:
-            slots = tl.load(req_row + offs_n, mask=n_mask, other=0, volatile=VOLATILE).to(tl.int64)
+            slots = tl.load(req_row + offs_n, mask=n_mask, other=0).to(tl.int64)
         else:
-            slots = tl.load(req_row + offs_n, volatile=VOLATILE).to(tl.int64)
+            slots = tl.load(req_row + offs_n).to(tl.int64)
     elif PAGE >= BLOCK_N:  # the block lies in one page (PAGE is a multiple of BLOCK_N)
-        first = tl.load(req_row + n0, volatile=VOLATILE).to(tl.int64)
+        first = tl.load(req_row + n0).to(tl.int64)
         slots = first + (offs_n - n0)
         if MASK_N:
             slots = tl.where(n_mask, slots, 0)
     else:  # BLOCK_N // PAGE whole pages
         offs_p = n0 + tl.arange(0, BLOCK_N // PAGE) * PAGE
         if MASK_N:
-            first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0, volatile=VOLATILE).to(tl.int64)
+            first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0).to(tl.int64)
         else:
-            first = tl.load(req_row + offs_p, volatile=VOLATILE).to(tl.int64)
+            first = tl.load(req_row + offs_p).to(tl.int64)
         slots = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], [BLOCK_N])
         if MASK_N:
             slots = tl.where(n_mask, slots, 0)

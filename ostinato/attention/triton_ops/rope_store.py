@@ -61,8 +61,7 @@ def rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, slot, offs_h, mask, offs_d, d_
     """One token's KV heads `offs_h`, given as their halves before rotary (`load_halves`; the model dtype
     `dtype`): K rotated (after Qwen3's norm) and rounded to the model dtype as the rotary kernel leaves it, then K
     and V written into cache slot `slot` (quantized for an fp8 cache, as `store_kv` does). `mask` [heads, half];
-    offs_d the half's columns. The decode kernel's stage 1 calls it too (decode_attention's `new`). Returns the
-    four halves as stored (the cache's element type: uint8 bytes for an fp8 cache)."""
+    offs_d the half's columns. The decode kernel's stage 1 calls it too (decode_attention's `new`)."""
     half: tl.constexpr = HEAD_DIM // 2
     k1, k2 = norm_rotate(k1, k2, KW, offs_d, d_mask, cos, sin, eps, dtype, HEAD_DIM, HAS_NORM)
     k1 = k1.to(dtype).to(tl.float32)
@@ -70,16 +69,15 @@ def rotate_store_kv(k1, k2, v1, v2, K_buf, V_buf, slot, offs_h, mask, offs_d, d_
     k_dst = K_buf + slot * stride_kbs + offs_h[:, None].to(tl.int64) * stride_kbh + offs_d[None, :]
     v_dst = V_buf + slot * stride_vbs + offs_h[:, None].to(tl.int64) * stride_vbh + offs_d[None, :]
     if KV_FP8 == 0:
-        stored = (k1.to(K_buf.dtype.element_ty), k2.to(K_buf.dtype.element_ty), v1.to(V_buf.dtype.element_ty),
-                  v2.to(V_buf.dtype.element_ty))
+        tl.store(k_dst, k1.to(K_buf.dtype.element_ty), mask=mask)
+        tl.store(k_dst + half, k2.to(K_buf.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v1.to(V_buf.dtype.element_ty), mask=mask)
+        tl.store(v_dst + half, v2.to(V_buf.dtype.element_ty), mask=mask)
     else:
-        stored = (_fp8_byte(k1, K_scale, KV_FP8), _fp8_byte(k2, K_scale, KV_FP8), _fp8_byte(v1, V_scale, KV_FP8),
-                  _fp8_byte(v2, V_scale, KV_FP8))
-    tl.store(k_dst, stored[0], mask=mask)
-    tl.store(k_dst + half, stored[1], mask=mask)
-    tl.store(v_dst, stored[2], mask=mask)
-    tl.store(v_dst + half, stored[3], mask=mask)
-    return stored
+        tl.store(k_dst, _fp8_byte(k1, K_scale, KV_FP8), mask=mask)
+        tl.store(k_dst + half, _fp8_byte(k2, K_scale, KV_FP8), mask=mask)
+        tl.store(v_dst, _fp8_byte(v1, V_scale, KV_FP8), mask=mask)
+        tl.store(v_dst + half, _fp8_byte(v2, V_scale, KV_FP8), mask=mask)
 
 
 # The rotation is the rotary kernel's own `norm_rotate`, rounding for rounding (`layers/triton_ops/rotary.py`; the
