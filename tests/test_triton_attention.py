@@ -422,6 +422,29 @@ def test_early_kv_only_where_the_splits_were_counted_before(monkeypatch):
     assert seen == [True, False, True, 3, False]
 
 
+def test_a_table_entry_decides_where_stage_1_combines(monkeypatch):
+    """Stage 1 combines the splits (counters passed, no stage-2 launch) from combine_min_bs rows, unless the table
+    entry the batch takes says `combine`; the key is not passed on to the kernel."""
+    import ostinato.attention.triton_backend as backend
+
+    env = make_env(1, 4, 2, 16)
+    rows = new_requests(env, [20, 7])
+    batch, (q, k, v) = decode_step(env, rows, [20, 7])
+    seen = []
+    monkeypatch.setattr(backend, "decode_attention",
+                        lambda **kw: seen.append((kw["counters"] is not None, "combine" in kw)))
+    table = {bs: dict(e) for bs, e in env.tri.decode_table.items()}
+    env.tri.decode_table = table
+    env.tri.init_forward_metadata(batch)
+    for combine in (None, True, False):
+        if combine is not None:
+            table[1]["combine"] = combine
+        for min_bs in (8, 1):
+            env.tri.combine_min_bs = min_bs
+            env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
+    assert seen == [(False, False), (True, False), (True, False), (True, False), (False, False), (False, False)]
+
+
 def test_graph_path_follows_buffers_and_ignores_padded_rows():
     env = make_env(4, 8, 2, 16, seed=7, max_reqs=6)
     check_graph_path(env, lens_a=[40, 3, 70], lens_b=[0, 22], pad_to=4, max_bs=5, atol=1e-4)

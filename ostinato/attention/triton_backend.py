@@ -33,7 +33,8 @@ class TritonAttentionBackend(AttentionBackend):
     # counters all 0 between launches, one per batch row and KV head). H200, Llama-3.2-1B ms a step, stage 2 ->
     # combined: bs 8 x 128 1.060 -> 1.041, bs 16 x 1024 1.218 -> 1.194, bs 32 x 128 1.170 -> 1.156, bs 256 x
     # 1024 3.78 -> 3.67, fp8 cache bs 128 x 4096 4.17 -> 4.07, bs 32 x 4096 level; bs 1 slower (0.888 -> 0.894,
-    # at 1,024 tokens 0.920 -> 0.938). bs 2-4 not measured. OSTINATO_DECODE_COMBINE=0: never.
+    # at 1,024 tokens 0.920 -> 0.938). A table entry's `combine` overrides the rule for its batch sizes (bs 3-7 at
+    # head dim 64, 5-7 at 128: decode_tables). OSTINATO_DECODE_COMBINE=0: never.
     combine_min_bs = 8
     # Up to this many rows a decode step's stage 1 also does rope_store's work (rope_attend): one launch a layer
     # fewer. By head dim (decode_rope_max_bs_by_dim, else 4) unless decode_rope_max_bs overrides it for every dim.
@@ -52,7 +53,8 @@ class TritonAttentionBackend(AttentionBackend):
     # batch takes the entry of the largest key <= its next power of two (decode_attention.table_entry), so a
     # padded graph replay and an eager pass agree. An entry holds the kernel settings (block_n, warps, stages,
     # whole_blocks; for fp8 the variant, decode_attention.FP8_DECODE_VARIANTS) and may set the split knobs:
-    # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's), and maxnreg
+    # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's), `combine`
+    # (whether stage 1 combines the splits at the entry's batch sizes, in place of combine_min_bs's rule), and maxnreg
     # (a register cap for ptxas, so more one-warp programs fit an SM), and early_kv (decode_attention's: stage 1
     # reads its split's bounds and asks L2 for its first key block, an int: that many, before its PDL wait). It is on
     # where it measured faster (H100, `bench_decode.py ... --decode-entry "1:early_kv=True;...;256:early_kv=True"`
@@ -76,11 +78,20 @@ class TritonAttentionBackend(AttentionBackend):
     # (decode-attention-fp8-h200.json). fp8 bs 128 keeps 3 splits at 4,096 tokens (programs_per_sm 16), which
     # end to end took bs 128 x 4096 from 5.03 to 4.29 ms a step (H200; kv_splits_cap's 2 programs per SM gave 1).
     decode_tables: dict[tuple[bool, int], dict[int, dict]] = {
+        # combine=True below combine_min_bs (bs 3-7 at head dim 64, 5-7 at 128): H200, Llama-3.2-1B, ms a step,
+        # stage 2 (the table's first and last pass) -> combined: bs 3 x 128 0.967 / 0.969 -> 0.954, bs 4 x 128
+        # 0.981 / 0.980 -> 0.958, bs 4 x 1024 1.015 / 1.011 -> 0.996, bs 6 x 128 0.906 / 0.905 -> 0.897, bs 6 x
+        # 1024 0.948 / 0.948 -> 0.938; Qwen3-0.6B bs 6 x 128 0.876 / 0.879 -> 0.855, x 1024 1.053 / 1.053 -> 1.027.
+        # Slower at bs 2 (Llama 0.880 / 0.875 -> 0.898, Qwen3 0.760 / 0.756 -> 0.772) and at Qwen3's bs 3-4 (0.826
+        # / 0.827 -> 0.845, 0.842 / 0.842 -> 0.863), which keep stage 2 (`bench_decode.py --models llama-3.2-1b
+        # qwen3-0.6b --cases 2:128 3:128 4:128 4:1024 6:128 6:1024 --modes graph --no-launches --iters 100
+        # --decode-entry table "4:combine=True;8:combine=True" "2:combine=True;4:combine=True;8:combine=True"
+        # table`, decode-combine-small-h200-20261127-s23.json). The fp8 tables were not timed and keep the rule.
         (False, 64): {
             1: dict(num_warps=2, num_stages=2, whole_blocks=True, early_kv=4),
             4: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
-                    min_tokens_per_split=32),
-            8: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
+                    min_tokens_per_split=32, combine=True),
+            8: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4, combine=True),
             16: dict(num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4),
             32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, early_kv=True),
             64: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
@@ -133,7 +144,7 @@ class TritonAttentionBackend(AttentionBackend):
         (False, 128): {
             1: dict(num_warps=4, num_stages=2, whole_blocks=True, early_kv=4),
             4: dict(num_warps=4, num_stages=2, whole_blocks=True, programs_per_sm=4),
-            8: dict(num_warps=2, num_stages=2, whole_blocks=True, programs_per_sm=4),
+            8: dict(num_warps=2, num_stages=2, whole_blocks=True, programs_per_sm=4, combine=True),
             16: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, min_tokens_per_split=32,
                      early_kv=True),
             32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, early_kv=True),
@@ -424,8 +435,9 @@ class TritonAttentionBackend(AttentionBackend):
             splits = self.kv_splits_cap(bs)
             mid_o = torch.empty(bs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
-        combine = self.combine_splits and bs >= self.combine_min_bs
-        kwargs = dict(block_n=self.decode_block_n) | decode_kwargs(table_entry(self.decode_table, bs))
+        entry = table_entry(self.decode_table, bs)
+        combine = self.combine_splits and entry.get("combine", bs >= self.combine_min_bs)
+        kwargs = dict(block_n=self.decode_block_n) | decode_kwargs(entry)
         kwargs["early_kv"] = kwargs.get("early_kv", False) if splits_ready else False
         decode_attention(
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,

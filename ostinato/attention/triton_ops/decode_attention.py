@@ -529,9 +529,9 @@ def table_entry(table: dict[int, dict], bs: int) -> dict:
 
 
 def decode_kwargs(entry: dict) -> dict:
-    """A settings-table entry as decode_attention's keyword arguments (variant expanded; the split settings,
-    which the caller applies, dropped)."""
-    kw = {k: v for k, v in entry.items() if k not in ("variant", "programs_per_sm", "min_tokens_per_split")}
+    """A settings-table entry as decode_attention's keyword arguments (variant expanded; the split settings and
+    `combine`, which the caller applies, dropped)."""
+    kw = {k: v for k, v in entry.items() if k not in ("variant", "programs_per_sm", "min_tokens_per_split", "combine")}
     return kw | FP8_DECODE_VARIANTS[entry.get("variant", "cast")]
 
 
