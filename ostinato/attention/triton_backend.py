@@ -78,7 +78,8 @@ class TritonAttentionBackend(AttentionBackend):
     # (decode-attention-fp8-h200.json). fp8 bs 128 keeps 3 splits at 4,096 tokens (programs_per_sm 16), which
     # end to end took bs 128 x 4096 from 5.03 to 4.29 ms a step (H200; kv_splits_cap's 2 programs per SM gave 1).
     decode_tables: dict[tuple[bool, int], dict[int, dict]] = {
-        # combine=True below combine_min_bs (bs 3-7 at head dim 64, 5-7 at 128): H200, Llama-3.2-1B, ms a step,
+        # combine=True below combine_min_bs (bs 3-7 at head dim 64, 5-7 at 128, both caches): H200, Llama-3.2-1B,
+        # bf16 cache, ms a step,
         # stage 2 (the table's first and last pass) -> combined: bs 3 x 128 0.967 / 0.969 -> 0.954, bs 4 x 128
         # 0.981 / 0.980 -> 0.958, bs 4 x 1024 1.015 / 1.011 -> 0.996, bs 6 x 128 0.906 / 0.905 -> 0.897, bs 6 x
         # 1024 0.948 / 0.948 -> 0.938; Qwen3-0.6B bs 6 x 128 0.876 / 0.879 -> 0.855, x 1024 1.053 / 1.053 -> 1.027.
@@ -86,7 +87,11 @@ class TritonAttentionBackend(AttentionBackend):
         # / 0.827 -> 0.845, 0.842 / 0.842 -> 0.863), which keep stage 2 (`bench_decode.py --models llama-3.2-1b
         # qwen3-0.6b --cases 2:128 3:128 4:128 4:1024 6:128 6:1024 --modes graph --no-launches --iters 100
         # --decode-entry table "4:combine=True;8:combine=True" "2:combine=True;4:combine=True;8:combine=True"
-        # table`, decode-combine-small-h200-20261127-s23.json). The fp8 tables were not timed and keep the rule.
+        # table`, decode-combine-small-h200-20261127-s23.json). fp8 caches the same way (`--kv-cache-dtype fp8_e4m3
+        # --decode-entry table "4:combine=True;8:combine=True" table`, decode-combine-small-fp8-h200-20261127-s23
+        # .json): Llama-3.2-1B bs 4 x 128 0.984 / 0.983 -> 0.965, x 1024 1.034 / 1.029 -> 1.004, bs 6 x 128 0.903 /
+        # 0.900 -> 0.891, x 1024 0.932 / 0.927 -> 0.919; Qwen3-0.6B bs 6 x 128 0.888 / 0.887 -> 0.856, x 1024 1.027
+        # / 1.026 -> 0.993, its bs 4 slower (0.854 / 0.851 -> 0.866, 0.961 / 0.960 -> 0.982).
         (False, 64): {
             1: dict(num_warps=2, num_stages=2, whole_blocks=True, early_kv=4),
             4: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
@@ -106,11 +111,11 @@ class TritonAttentionBackend(AttentionBackend):
             # 256 13.88 / 84.08 / 300.61 -> 13.49 / 79.59 / 281.68. bs 1-7 were not timed with it.
             1: dict(variant="fp16", block_n=64, num_warps=4, num_stages=2, whole_blocks=True, early_kv=True),
             4: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=4,
-                    min_tokens_per_split=32),
+                    min_tokens_per_split=32, combine=True),
             # programs_per_sm 4, not the sweep's pick of 8 (9 splits at bs 9-16, the same kernel time to 3%): with 8,
             # tests/test_fp8_kv.py's graph and eager engines parted in the last bits (see docs/gpu-notes.md)
             8: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
-                    programs_per_sm=4),
+                    programs_per_sm=4, combine=True),
             # programs_per_sm 6 (4 splits at 32 rows, was 3): 1,024 one-warp programs, 7.8 an SM of the 13 its
             # 152 registers allow. H200, Llama-3.2-1B heads, kernel alone at contexts 1024 / 4096 / 8192, 3 -> 4
             # splits: 13.71 / 44.61 / 79.89 -> 13.40 / 40.13 / 78.82 us (6 and 8 splits slower); step at
@@ -157,6 +162,8 @@ class TritonAttentionBackend(AttentionBackend):
             1: dict(variant="fp16", block_n=32, num_warps=4, num_stages=2, min_tokens_per_split=32),
             4: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=3, whole_blocks=True,
                     programs_per_sm=4),
+            8: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=3, whole_blocks=True,
+                    programs_per_sm=4, combine=True),  # entry 4's settings, splits combined at bs 5-7
             32: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=5, whole_blocks=True),
             128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True),
         },
