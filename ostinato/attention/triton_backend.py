@@ -78,9 +78,9 @@ class TritonAttentionBackend(AttentionBackend):
     # (decode-attention-fp8-h200.json). fp8 bs 128 keeps 3 splits at 4,096 tokens (programs_per_sm 16), which
     # end to end took bs 128 x 4096 from 5.03 to 4.29 ms a step (H200; kv_splits_cap's 2 programs per SM gave 1).
     decode_tables: dict[tuple[bool, int], dict[int, dict]] = {
-        # combine=True below combine_min_bs (bs 3-7 at head dim 64, 5-7 at 128, both caches): H200, Llama-3.2-1B,
-        # bf16 cache, ms a step,
-        # stage 2 (the table's first and last pass) -> combined: bs 3 x 128 0.967 / 0.969 -> 0.954, bs 4 x 128
+        # combine=True below combine_min_bs (bs 3-7 at head dim 64, 5-7 at 128, both caches). H200, bf16 cache, ms
+        # a step, stage 2 (the table's first and last pass) -> combined: Llama-3.2-1B bs 3 x 128 0.967 / 0.969 ->
+        # 0.954, bs 4 x 128
         # 0.981 / 0.980 -> 0.958, bs 4 x 1024 1.015 / 1.011 -> 0.996, bs 6 x 128 0.906 / 0.905 -> 0.897, bs 6 x
         # 1024 0.948 / 0.948 -> 0.938; Qwen3-0.6B bs 6 x 128 0.876 / 0.879 -> 0.855, x 1024 1.053 / 1.053 -> 1.027.
         # Slower at bs 2 (Llama 0.880 / 0.875 -> 0.898, Qwen3 0.760 / 0.756 -> 0.772) and at Qwen3's bs 3-4 (0.826
