@@ -211,7 +211,7 @@ def main() -> None:
     timed = not args.smoke
     dev = torch.device("cuda" if timed else "cpu")
     if not timed:
-        args.bs, args.contexts = [9], [256]
+        args.bs, args.contexts = [4], [128]
         args.settings = [parse_setting(s) for s in ("fp8:32:1:4", "fp8:32:1:2:128", "bf16:64:1:2")]
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if timed else 8
     start = time.time()
