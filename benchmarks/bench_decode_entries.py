@@ -3,10 +3,11 @@ caps, twice the split cap, the other stage count), for both KV dtypes and head d
 32:8:64) and 128 (Qwen3-0.6B, 16:8:128), batch 8-256 at contexts 128 / 1,024 / 4,096.
 
 The kernel runs as the engine runs it: splits capped by the entry (`TritonAttentionBackend.kv_splits_cap`'s
-rule), scratch as deep as that cap (the in-kernel combine sizes its tile by it), splits combined in stage 1 from
-`combine_min_bs` rows, each request's slots contiguous as `bench_decode.py` allocates them. Run it with
-`OSTINATO_PDL=0`: back-to-back calls under PDL overlap one call's tail with the next one's start, which a step
-does not (the GEMM after attention waits for all of it), and which hides the cost of a few slow programs.
+rule), scratch as deep as that cap (the in-kernel combine sizes its tile by it), splits combined in stage 1 where
+the engine combines them (`TritonAttentionBackend.entry_combines`), each request's slots contiguous as
+`bench_decode.py` allocates them. Run it with `OSTINATO_PDL=0`: back-to-back calls under PDL overlap one call's
+tail with the next one's start, which a step does not (the GEMM after attention waits for all of it), and which
+hides the cost of a few slow programs.
 20 calls a graph replay; us per call, KV bytes read per second, and each tweak's largest difference from the
 entry's output (relative to its largest value).
 
@@ -133,11 +134,12 @@ def kv_interleaved_buffers(group: int, size: int, heads: int, dim: int, dtype: t
     return k, v, lambda s: s // group * (2 * group * heads) + s % group
 
 
-def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
-             timed: bool, layout: str = "engine", stages: list[int] | None = None, fold: bool = False,
-             splits: list[int] | None = None, changes: list[str] | None = None) -> list[dict]:
-    heads, kv_heads = HEADS[dim]
-    dtype = torch.bfloat16 if timed else torch.float32
+def engine_kv_buffers(fp8: bool, bs: int, ctx: int, kv_heads: int, dim: int, dtype: torch.dtype, dev: torch.device,
+                      layout: str = "engine") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+    """One layer's K / V buffers of random values (never zeros), each of `bs` requests' `ctx` slots contiguous from
+    slot 128 (a slot group's start: the engine's allocator reserves the first group, the sink's): (k, v,
+    req_to_token int32 [bs, ctx], the layout's name or the pool's head_major). `layout` as `--layout` says: the
+    engine's pool in its layout for the dtype ("engine"), one asked for, or K and V side by side in slot groups."""
     real = torch.arange(128, 128 + bs * ctx, device=dev)
     if layout.startswith("kvgroup"):  # K and V runs of a group side by side too (kv_interleaved_buffers)
         k, v, numbers = kv_interleaved_buffers(int(layout[7:]), 128 + bs * ctx, kv_heads, dim,
@@ -150,13 +152,20 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
                                 head_major=None if layout == "engine" else layout == "head", slot_group=group)
         k, v = pool.get_store_buffer(0)
         head_major = layout if group else pool.head_major
-        # each request's slots contiguous from slot 128 (a slot group's start: the engine's allocator reserves the
-        # first group, the sink's)
         req_to_token = pool.layout.numbers(real).to(torch.int32).view(bs, ctx)
-    for buf in (k, v):  # never time on zeros; through the storage (a grouped view spans more numbers than slots)
+    for buf in (k, v):  # through the storage (a grouped view spans more numbers than slots)
         flat = torch.empty(0, dtype=buf.dtype, device=dev).set_(buf.untyped_storage())
         x = torch.randn(flat.shape, device=dev, dtype=dtype)
         flat.copy_(x.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else x)
+    return k, v, req_to_token, head_major
+
+
+def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms: int, dev: torch.device,
+             timed: bool, layout: str = "engine", stages: list[int] | None = None, fold: bool = False,
+             splits: list[int] | None = None, changes: list[str] | None = None) -> list[dict]:
+    heads, kv_heads = HEADS[dim]
+    dtype = torch.bfloat16 if timed else torch.float32
+    k, v, req_to_token, head_major = engine_kv_buffers(fp8, bs, ctx, kv_heads, dim, dtype, dev, layout)
     fp8_args = {}
     if fp8:
         scale = torch.ones(1, device=dev)
@@ -178,7 +187,7 @@ def run_case(fp8: bool, dim: int, bs: int, ctx: int, entries_only: bool, num_sms
         mid_o = torch.empty(bs, heads, cap, dim, device=dev)
         mid_lse = torch.empty(bs, heads, cap, device=dev)
         out = torch.empty(bs, heads, dim, device=dev, dtype=dtype)
-        combine = counters if bs >= TritonAttentionBackend.combine_min_bs else None
+        combine = counters if TritonAttentionBackend.entry_combines(cfg, bs) else None
 
         def call(cfg=cfg, num_splits=num_splits, mid_o=mid_o, mid_lse=mid_lse, out=out, combine=combine) -> None:
             decode_attention(q, k, v, out, req_to_token, rows, seq_lens, num_splits, mid_o, mid_lse, dim**-0.5,

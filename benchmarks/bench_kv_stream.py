@@ -25,6 +25,7 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from bench_decode_entries import engine_kv_buffers  # noqa: E402
 from common import RESULTS, copy_bandwidth, device_tag, replay_us  # noqa: E402
 
 from ostinato.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -36,7 +37,6 @@ from ostinato.attention.triton_ops.decode_attention import (  # noqa: E402
     table_entry,
 )
 from ostinato.attention.triton_ops.paged_softmax import block_slots  # noqa: E402
-from ostinato.mem.kv_cache import MHATokenToKVPool  # noqa: E402
 
 KV_HEADS, HEADS, DIM = 8, 32, 64  # Llama-3.2-1B's attention
 
@@ -99,20 +99,18 @@ def parse_setting(spec: str) -> dict:
 
 class Buffers:
     """One layer's K / V in the engine's pool layout for the dtype (fp8 head-major in slot groups of 128, bf16
-    token-major), random values, each request's slots contiguous from slot 128 (a slot group's start)."""
+    token-major), random values, each request's slots contiguous from slot 128 (bench_decode_entries')."""
 
     def __init__(self, fp8: bool, bs: int, ctx: int, dtype: torch.dtype, dev: torch.device) -> None:
-        pool = MHATokenToKVPool(128 + bs * ctx, torch.float8_e4m3fn if fp8 else dtype, KV_HEADS, DIM, 1, dev)
-        self.k, self.v = pool.get_store_buffer(0)
-        self.group = pool.layout.group
-        real = torch.arange(128, 128 + bs * ctx, device=dev)
-        self.req_to_token = pool.layout.numbers(real).to(torch.int32).view(bs, ctx)
-        for buf in (self.k, self.v):  # never on zeros; through the storage (a grouped view spans more numbers)
-            flat = torch.empty(0, dtype=buf.dtype, device=dev).set_(buf.untyped_storage())
-            x = torch.randn(flat.shape, device=dev, dtype=dtype)
-            flat.copy_(x.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else x)
-
+        self.k, self.v, self.req_to_token, _ = engine_kv_buffers(fp8, bs, ctx, KV_HEADS, DIM, dtype, dev)
         self.k_words, self.v_words = self.k.view(torch.int32), self.v.view(torch.int32)
+
+    def runs_of(self, page: int) -> bool:
+        """Whether each request's slot numbers are consecutive within every run of `page` tokens (what a table
+        read per page assumes)."""
+        steps = self.req_to_token[:, 1:] - self.req_to_token[:, :-1]
+        inside = (torch.arange(1, self.req_to_token.shape[1], device=steps.device) % page) != 0
+        return bool((steps[:, inside] == 1).all())
 
     def reference_sum(self) -> int:
         """Every request's K and V rows as int32 words, summed mod 2**32 by torch."""
@@ -122,7 +120,7 @@ class Buffers:
 
 def stream_call(buf: Buffers, s: dict, seq_lens: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor):
     bs = seq_lens.shape[0]
-    assert s["page"] == 1 or buf.group % s["page"] == 0, "page 128 needs the pool's slot groups of 128"
+    assert buf.runs_of(s["page"]), f"{s['spec']}: the pool's slot numbers are not consecutive within pages"
 
     def call() -> None:
         _kv_stream_kernel[(KV_HEADS, bs, s["splits"])](
@@ -135,7 +133,7 @@ def stream_call(buf: Buffers, s: dict, seq_lens: torch.Tensor, num_splits: torch
 def attention_call(buf: Buffers, fp8: bool, bs: int, seq_lens: torch.Tensor, num_sms: int, dtype: torch.dtype,
                    dev: torch.device):
     """The decode kernel at the table's entry for bs, launched as the engine launches it (splits combined in stage
-    1 from combine_min_bs rows)."""
+    1 where the engine combines them)."""
     entry = table_entry(TritonAttentionBackend.decode_table_for(DIM, fp8), bs)
     cap = TritonAttentionBackend.split_cap(bs, entry.get("programs_per_sm", 2), KV_HEADS, num_sms,
                                            TritonAttentionBackend.max_kv_splits)
@@ -147,7 +145,7 @@ def attention_call(buf: Buffers, fp8: bool, bs: int, seq_lens: torch.Tensor, num
     mid_o = torch.empty(bs, HEADS, cap, DIM, device=dev)
     mid_lse = torch.empty(bs, HEADS, cap, device=dev)
     counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device=dev)
-    combine = counters if bs >= TritonAttentionBackend.combine_min_bs else None
+    combine = counters if TritonAttentionBackend.entry_combines(entry, bs) else None
     rows = torch.arange(bs, dtype=torch.int32, device=dev)
     fp8_args = {}
     if fp8:

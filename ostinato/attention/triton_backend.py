@@ -223,6 +223,12 @@ class TritonAttentionBackend(AttentionBackend):
         return self.split_cap(bs, per_sm, self.num_kv_heads, self.num_sms, self.max_kv_splits)
 
     @staticmethod
+    def entry_combines(entry: dict, bs: int, min_bs: int = combine_min_bs) -> bool:
+        """Whether stage 1 combines the splits of a batch of `bs` that takes settings-table entry `entry`: the
+        entry's `combine` where it says, else from `min_bs` rows (a backend's combine_min_bs)."""
+        return entry.get("combine", bs >= min_bs)
+
+    @staticmethod
     def split_cap(bs: int, programs_per_sm: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
         """kv_splits_cap's rule: ceil(programs_per_sm x SMs / (bs's next power of two x KV heads)) splits, in
         [1, max_splits]."""
@@ -443,7 +449,7 @@ class TritonAttentionBackend(AttentionBackend):
             mid_o = torch.empty(bs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(bs, num_heads, splits, dtype=torch.float32, device=q.device)
         entry = table_entry(self.decode_table, bs)
-        combine = self.combine_splits and entry.get("combine", bs >= self.combine_min_bs)
+        combine = self.combine_splits and self.entry_combines(entry, bs, self.combine_min_bs)
         kwargs = dict(block_n=self.decode_block_n) | decode_kwargs(entry)
         kwargs["early_kv"] = kwargs.get("early_kv", False) if splits_ready else False
         decode_attention(
