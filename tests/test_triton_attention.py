@@ -57,9 +57,10 @@ def make_env(page: int, heads: int, kv_heads: int, dim: int, *, dtype=torch.floa
     if small_blocks:  # the interpreter's shapes: several blocks and splits per request
         tri.decode_block_n = tri.extend_block_m = tri.extend_block_n = 16
         tri.min_tokens_per_split = 16
-        # the tuned entries' kernel settings, but these blocks and the default split rule (two programs an SM)
+        # the tuned entries' kernel settings, but these blocks, the default split rule (two programs an SM) and
+        # combine_min_bs's rule for where stage 1 combines (tests set it)
         tri.decode_table = {bs: {k: v for k, v in e.items()
-                                 if k not in ("block_n", "programs_per_sm", "min_tokens_per_split")}
+                                 if k not in ("block_n", "programs_per_sm", "min_tokens_per_split", "combine")}
                             for bs, e in tri.decode_table.items()}
     spec = AttentionSpec(0, heads, kv_heads, dim, dim**-0.5)
     return Env(KVManager(req_pool, alloc), cache, tri, TorchAttentionBackend(req_pool, cache), spec, gen, device,
@@ -248,7 +249,7 @@ def test_every_tuned_decode_entry_matches_torch(fp8):
     """Every distinct entry of the tuned decode tables (blocks, warps, stages, fp8 variant, split knobs) gives the
     torch backend's output at its head dim, with the splits combined in stage 1 and with stage 2: a table edit
     that breaks a setting fails here, not on the GPU."""
-    entries = {repr(sorted(e.items())) + str(dim): (dim, e)
+    entries = {repr(sorted((k, v) for k, v in e.items() if k != "combine")) + str(dim): (dim, e)
                for (f, dim), table in TritonAttentionBackend.decode_tables.items() if f == fp8 for e in table.values()}
     for i, (dim, entry) in enumerate(entries.values()):
         # fp16 queries: an fp8 entry's fp16 dots apply (fp32 queries skip them)
@@ -257,14 +258,13 @@ def test_every_tuned_decode_entry_matches_torch(fp8):
                        cache_dtype=torch.float8_e4m3fn if fp8 else None)
         if fp8:
             env.cache.set_scales({0: (0.5, 2.5)})
-        env.tri.decode_table = {1: entry}
         env.tri.num_sms = 8  # the entry's split knobs still give several splits; a smaller grid for the interpreter
         prefix = [0, 70, 200]
         rows = new_requests(env, prefix)
         batch = make_batch(env, ForwardMode.DECODE, rows, prefix, [1] * 3)
         q, k, v = qkv(env, 3)
-        for combine_min_bs in (1, 10**9):  # the same step twice (its K/V stored again, unchanged)
-            env.tri.combine_min_bs = combine_min_bs
+        for combine in (True, False):  # the same step twice (its K/V stored again, unchanged)
+            env.tri.decode_table = {1: entry | dict(combine=combine)}
             out = run_triton(env, batch, q, k, v)
             assert not env.tri.decode_counters.any() and env.tri.num_kv_splits.max() > 1
             check(env, batch, out, q, atol=2e-2 if fp8 else 1e-4)

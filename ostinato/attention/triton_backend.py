@@ -120,9 +120,14 @@ class TritonAttentionBackend(AttentionBackend):
             # 152 registers allow. H200, Llama-3.2-1B heads, kernel alone at contexts 1024 / 4096 / 8192, 3 -> 4
             # splits: 13.71 / 44.61 / 79.89 -> 13.40 / 40.13 / 78.82 us (6 and 8 splits slower); step at
             # bs 32 x 128 / 1024 / 4096 0.993 / 1.127 / 1.565 -> 0.994 / 1.117 / 1.501 ms
-            # (decode-entries-splits-h200-20261127-s20.json, decode-bs32-fp8-splits-h200-20261127-s20.json)
+            # (decode-entries-splits-h200-20261127-s20.json, decode-bs32-fp8-splits-h200-20261127-s20.json).
+            # Stage 2 merges the splits here (combine=False): H200, Llama-3.2-1B, step ms with the splits combined
+            # in stage 1 -> stage 2, twice each in one process: bs 16 x 1024 1.014 / 1.014 -> 0.995 / 0.995, bs 32
+            # x 128 0.987 / 0.989 -> 0.976 / 0.975, x 1024 1.109 / 1.107 -> 1.092 / 1.092, x 4096 1.472 / 1.473 ->
+            # 1.464 / 1.464 (decode-combine-llama-3.2-1b-fp8_e4m3-h200-20261127-s24.json; bf16 and head dim 128
+            # were level or slower with stage 2, and keep the rule)
             32: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
-                     programs_per_sm=6, early_kv=True),
+                     programs_per_sm=6, early_kv=True, combine=False),
             # 5 stages and 2 splits at 33-64 rows (was 2 stages, 3 splits): 1,024 programs again. H200, kernel
             # alone at 1024 / 4096 tokens 25.09 / 75.52 -> 22.62 / 67.88 us (decode-entries-fp8-bs64-h200-
             # 20261127-s20.json); step at bs 64 x 128 / 1024 / 4096 1.172 / 1.422 / 2.241 -> 1.145 / 1.386 / 2.104
