@@ -116,16 +116,22 @@ class TritonAttentionBackend(AttentionBackend):
             # tests/test_fp8_kv.py's graph and eager engines parted in the last bits (see docs/gpu-notes.md)
             8: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
                     programs_per_sm=4, combine=True),
+            # entry 8's settings at 9-16 rows, stage 2 merging the splits: H200, Llama-3.2-1B, step ms combined in
+            # stage 1 -> stage 2, two passes each in one process: bs 12 x 128 / 1024 0.930 / 0.994 -> 0.921 / 0.978,
+            # bs 16 x 128 / 1024 / 4096 0.934 / 1.017 / 1.273 -> 0.931 / 1.004 / 1.248
+            # (decode-fp8-bs16-stage2-llama-3.2-1b-h200-20261127-s24.json)
+            16: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
+                     programs_per_sm=4, combine=False),
             # programs_per_sm 6 (4 splits at 32 rows, was 3): 1,024 one-warp programs, 7.8 an SM of the 13 its
             # 152 registers allow. H200, Llama-3.2-1B heads, kernel alone at contexts 1024 / 4096 / 8192, 3 -> 4
             # splits: 13.71 / 44.61 / 79.89 -> 13.40 / 40.13 / 78.82 us (6 and 8 splits slower); step at
             # bs 32 x 128 / 1024 / 4096 0.993 / 1.127 / 1.565 -> 0.994 / 1.117 / 1.501 ms
             # (decode-entries-splits-h200-20261127-s20.json, decode-bs32-fp8-splits-h200-20261127-s20.json).
             # Stage 2 merges the splits here (combine=False): H200, Llama-3.2-1B, step ms with the splits combined
-            # in stage 1 -> stage 2, twice each in one process: bs 16 x 1024 1.014 / 1.014 -> 0.995 / 0.995, bs 32
-            # x 128 0.987 / 0.989 -> 0.976 / 0.975, x 1024 1.109 / 1.107 -> 1.092 / 1.092, x 4096 1.472 / 1.473 ->
-            # 1.464 / 1.464 (decode-combine-llama-3.2-1b-fp8_e4m3-h200-20261127-s24.json; bf16 and head dim 128
-            # were level or slower with stage 2, and keep the rule)
+            # in stage 1 -> stage 2, twice each in one process: bs 32 x 128 0.987 / 0.989 -> 0.976 / 0.975, x 1024
+            # 1.109 / 1.107 -> 1.092 / 1.092, x 4096 1.472 / 1.473 -> 1.464 / 1.464
+            # (decode-combine-llama-3.2-1b-fp8_e4m3-h200-20261127-s24.json; bf16 was level or slower with stage 2,
+            # and keeps the rule)
             32: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
                      programs_per_sm=6, early_kv=True, combine=False),
             # 5 stages and 2 splits at 33-64 rows (was 2 stages, 3 splits): 1,024 programs again. H200, kernel
@@ -169,6 +175,13 @@ class TritonAttentionBackend(AttentionBackend):
                     programs_per_sm=4),
             8: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=3, whole_blocks=True,
                     programs_per_sm=4, combine=True),  # entry 4's settings, splits combined at bs 5-7
+            # 9-16 rows: programs_per_sm 3 (4 splits, 512 programs) where entry 8's 4 gave 5 splits, 640 programs
+            # for about 528 resident (48 KB of shared memory each): a second wave doubled the kernel at long
+            # contexts. H200, Qwen3-0.6B, step ms (decode-fp8-bs16-qwen3-splits-h200-20261127-s24.json): bs 16 x 128
+            # / 1024 / 4096 0.944 / 1.295 / 2.703 -> 0.896 / 1.216 / 2.059, bs 12 x 128 0.911 -> 0.880, but bs 12 x
+            # 4096 1.857 -> 1.918
+            16: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=3, whole_blocks=True,
+                     programs_per_sm=3),
             32: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=5, whole_blocks=True),
             128: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True),
         },
