@@ -108,9 +108,12 @@ class TritonAttentionBackend(AttentionBackend):
             # From 8 rows V is widened in its loaded layout (fp16_vcvt; paged_softmax's V_CVT), 3-14% faster
             # kernels than "fp16" at every batch size and context timed (H200, `bench_decode_entries.py --kv fp8`,
             # decode-entries-fp8-h200-20261126.json): bs 32 6.99 / 16.07 / 49.40 -> 6.23 / 14.15 / 43.56 us, bs
-            # 256 13.88 / 84.08 / 300.61 -> 13.49 / 79.59 / 281.68. bs 1-7 were not timed with it.
+            # 256 13.88 / 84.08 / 300.61 -> 13.49 / 79.59 / 281.68. bs 1-2 and 5-7 were not timed with it.
             1: dict(variant="fp16", block_n=64, num_warps=4, num_stages=2, whole_blocks=True, early_kv=True),
-            4: dict(variant="fp16", block_n=32, num_warps=1, num_stages=2, whole_blocks=True, programs_per_sm=4,
+            # 3-4 rows: fp16_vcvt and 5 stages (was "fp16", 2 stages): H200, Llama-3.2-1B, step ms at bs 3 x 4096
+            # / 4 x 128 / 4 x 1024 / 4 x 4096 1.124 / 0.959 / 1.007 / 1.135 -> 1.029 / 0.954 / 0.982 / 1.041; with
+            # 2 stages these rows had been slower than a bf16 cache's (decode-fp8-bs4-llama-h200-20261127-s24.json)
+            4: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32, combine=True),
             # programs_per_sm 4, not the sweep's pick of 8 (9 splits at bs 9-16, the same kernel time to 3%): with 8,
             # tests/test_fp8_kv.py's graph and eager engines parted in the last bits (see docs/gpu-notes.md)
@@ -170,7 +173,10 @@ class TritonAttentionBackend(AttentionBackend):
             # fp16_vcvt at bs 8-127: 1-3% faster kernels at bs 8, 32 and 64 (bs 64 9.73 / 42.07 / 143.87 -> 9.63
             # / 41.71 / 140.50 us), 1-5% slower at bs 128 and 256, which keep "fp16" (same file as above)
             # the sweep's pick (128-key blocks) was 12% slower at context 128, faster only past 1024
-            1: dict(variant="fp16", block_n=32, num_warps=4, num_stages=2, min_tokens_per_split=32),
+            # 1-2 rows: 3 stages (was 2): H200, Qwen3-0.6B, step ms at bs 1 x 128 / 1 x 1024 / 1 x 4096 / 2 x 4096
+            # 0.719 / 0.835 / 1.172 / 1.214 -> 0.731 / 0.804 / 1.028 / 1.090 (decode-fp8-bs1-qwen3-h200-20261127-
+            # s24.json): 2% slower at 128 tokens for 4-12% from 1,024, where the fp8 cache had been slower than bf16
+            1: dict(variant="fp16", block_n=32, num_warps=4, num_stages=3, min_tokens_per_split=32),
             4: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=3, whole_blocks=True,
                     programs_per_sm=4),
             8: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=3, whole_blocks=True,
