@@ -148,8 +148,12 @@ class TritonAttentionBackend(AttentionBackend):
             # (`bench_decode_entries.py --kv fp8 --dims 64 --bs 32 128 256`, decode-entries-fp8-head-major-h200-
             # 20261126.json) and step 1.408 / 1.995 / 3.760 -> 1.438 / 1.947 / 3.505 ms (decode-fp8-bs128-stages-
             # h200-20261126.json, two runs each)
+            # programs_per_sm 4 (was 16): one split a request at 65-128 rows, 1,024 programs in one wave, where 16
+            # gave 3 splits, 3,072 programs, about 2.1 waves. H200, Llama-3.2-1B, step ms at bs 96 x 1024 / 128 x 128
+            # / 128 x 1024 / 128 x 4096: 1.775 / 1.432 / 1.915 / 3.364 -> 1.630 / 1.339 / 1.795 / 3.296
+            # (decode-fp8-bs128-splits-h200-20261127-s24.json)
             128: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True,
-                      programs_per_sm=16, min_tokens_per_split=128),
+                      programs_per_sm=4),
             # the sweep's bs-256 pick (1 split, 3 stages) matched this entry's kernel time at 1,024 tokens but made
             # the step 11% slower end to end (bs 256 x 1024: 3.215 -> 3.572 ms, H200). Capped at 128 registers
             # (ptxas gave ~134-154) for 16 programs an SM instead of 12-15: kernel us at contexts 128 / 1024 / 4096,
