@@ -111,8 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
             # 256 13.88 / 84.08 / 300.61 -> 13.49 / 79.59 / 281.68. bs 1-2 and 5-7 were not timed with it.
             1: dict(variant="fp16", block_n=64, num_warps=4, num_stages=2, whole_blocks=True, early_kv=True),
             # 3-4 rows: fp16_vcvt and 5 stages (was "fp16", 2 stages): H200, Llama-3.2-1B, step ms at bs 3 x 4096
-            # / 4 x 128 / 4 x 1024 / 4 x 4096 1.124 / 0.959 / 1.007 / 1.135 -> 1.029 / 0.954 / 0.982 / 1.041; with
-            # 2 stages these rows had been slower than a bf16 cache's (decode-fp8-bs4-llama-h200-20261127-s24.json)
+            # / 4 x 128 / 4 x 1024 / 4 x 4096 1.124 / 0.959 / 1.007 / 1.135 -> 1.029 / 0.954 / 0.982 / 1.041
+            # (decode-fp8-bs4-llama-h200-20261127-s24.json); at bs 4 x 4096 the old entry had been slower than a
+            # bf16 cache (1.127 against 1.084 ms, decode-wave-scan-h200-20261127-s24.json)
             4: dict(variant="fp16_vcvt", block_n=32, num_warps=1, num_stages=5, whole_blocks=True, programs_per_sm=4,
                     min_tokens_per_split=32, combine=True),
             # programs_per_sm 4, not the sweep's pick of 8 (9 splits at bs 9-16, the same kernel time to 3%): with 8,
@@ -179,7 +180,8 @@ class TritonAttentionBackend(AttentionBackend):
             # the sweep's pick (128-key blocks) was 12% slower at context 128, faster only past 1024
             # 1-2 rows: 3 stages (was 2): H200, Qwen3-0.6B, step ms at bs 1 x 128 / 1 x 1024 / 1 x 4096 / 2 x 4096
             # 0.719 / 0.835 / 1.172 / 1.214 -> 0.731 / 0.804 / 1.028 / 1.090 (decode-fp8-bs1-qwen3-h200-20261127-
-            # s24.json): 2% slower at 128 tokens for 4-12% from 1,024, where the fp8 cache had been slower than bf16
+            # s24.json): 2% slower at 128 tokens for 4-12% from 1,024 tokens (at bs 2 x 4096 the old entry had been
+            # slower than a bf16 cache: 1.193 against 1.150 ms, decode-wave-scan-h200-20261127-s24.json)
             1: dict(variant="fp16", block_n=32, num_warps=4, num_stages=3, min_tokens_per_split=32),
             4: dict(variant="fp16_vcvt", block_n=64, num_warps=2, num_stages=3, whole_blocks=True,
                     programs_per_sm=4),
