@@ -13,8 +13,9 @@ SKIP=norm,silu python benchmarks/bound_decode_launches.py --models llama-3.2-1b 
   option bounds the norms of other batch sizes.
 - "silu": the MLP's activation where the post-attention norm is deferred into it (`layers.norm_linear`, 5-32 rows)
   returns gate_up's first half as a view.
-- "stage2": the split-KV decode kernel's second launch (merging a request's splits, below `combine_min_bs` rows)
-  launches nothing: what folding that merge into o_proj's x loads could give at most.
+- "stage2": the split-KV decode kernel's second launch (merging a request's splits where stage 1 does not combine
+  them: `TritonAttentionBackend.entry_combines`) launches nothing: what folding that merge into o_proj's x loads
+  could give at most.
 - "attention": both launches of the split-KV decode kernel (stage 1, with the rotary and KV store it does at small
   batches, and stage 2) launch nothing: the share of a step that decode attention holds on its critical path.
 """

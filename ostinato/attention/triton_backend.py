@@ -33,8 +33,9 @@ class TritonAttentionBackend(AttentionBackend):
     # counters all 0 between launches, one per batch row and KV head). H200, Llama-3.2-1B ms a step, stage 2 ->
     # combined: bs 8 x 128 1.060 -> 1.041, bs 16 x 1024 1.218 -> 1.194, bs 32 x 128 1.170 -> 1.156, bs 256 x
     # 1024 3.78 -> 3.67, fp8 cache bs 128 x 4096 4.17 -> 4.07, bs 32 x 4096 level; bs 1 slower (0.888 -> 0.894,
-    # at 1,024 tokens 0.920 -> 0.938). A table entry's `combine` overrides the rule for its batch sizes (bs 3-7 at
-    # head dim 64, 5-7 at 128: decode_tables). OSTINATO_DECODE_COMBINE=0: never.
+    # at 1,024 tokens 0.920 -> 0.938). A table entry's `combine` overrides the rule for its batch sizes (combined
+    # at bs 3-7 at head dim 64 and 5-7 at 128; stage 2 for an fp8 cache at head dim 64 and 9-32 rows:
+    # decode_tables). OSTINATO_DECODE_COMBINE=0: never.
     combine_min_bs = 8
     # Up to this many rows a decode step's stage 1 also does rope_store's work (rope_attend): one launch a layer
     # fewer. By head dim (decode_rope_max_bs_by_dim, else 4) unless decode_rope_max_bs overrides it for every dim.
