@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=288)
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k for sampled rows (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p for sampled rows (1: off)")
+    ap.add_argument("--sampler-graph", nargs="+", choices=["on", "off"], default=["on"],
+                    help="sampled rows drawn from the sampler graphs (on) or by eager launches (off); both: A/B")
     ap.add_argument("--repeats", type=int, default=3, help="each length is timed this often; the median counts")
     ap.add_argument("--sampler", default=None,
                     help="another fused_sample.py (e.g. an earlier commit's) in place of the tree's for sampled rows")
@@ -65,9 +67,12 @@ def main() -> None:
         for bs in args.batch_sizes:
             prompts = [[rng.randrange(100, runner.vocab_size - 100) for _ in range(args.prompt_len)]
                        for _ in range(bs)]
-            for temperature in args.temperature:
+            graphs = runner.sample_graph_runner
+            cases = [(t, mode) for t in args.temperature for mode in (args.sampler_graph if t > 0 else ["on"])]
+            for temperature, mode in cases:
                 top_k = args.top_k if temperature > 0 else 0
                 top_p = args.top_p if temperature > 0 else 1.0
+                runner.sample_graph_runner = graphs if mode == "on" else None
                 timed_generate(llm, prompts, args.short, temperature, top_k, top_p)  # warm-up
                 med = {}
                 for n in (args.short, args.long):
@@ -78,10 +83,12 @@ def main() -> None:
                 mean_ctx = args.prompt_len + (args.short + args.long) / 2
                 floor_ms = (runner.weight_bytes + bs * mean_ctx * kv_token) / bw * 1e3
                 rows.append({"model": model, "batch_size": bs, "temperature": temperature, "top_k": top_k,
-                             "top_p": top_p, "ms_per_token": ms, "floor_ms": floor_ms,
+                             "top_p": top_p, "sampler_graph": mode, "ms_per_token": ms, "floor_ms": floor_ms,
                              "fraction_of_floor": floor_ms / ms})
-                print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} top_p {top_p:<4g} {ms:8.3f} "
-                      f"ms/token   floor {floor_ms:.3f} ({floor_ms / ms:.0%})", flush=True)
+                print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} top_p {top_p:<4g} "
+                      f"sampler graph {mode:<3} {ms:8.3f} ms/token   floor {floor_ms:.3f} ({floor_ms / ms:.0%})",
+                      flush=True)
+            runner.sample_graph_runner = graphs
         getattr(llm, "shutdown", lambda: None)()  # frees the GPU memory for the next model
         del llm
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -30,6 +30,8 @@ class EngineArgs:
     cuda_graph_bs: list[int] | None = _arg(None, "decode batch sizes to capture (overrides cuda_graph_max_bs)")
     disable_cuda_graph: bool = _arg(False, "run decode eagerly")
     disable_cuda_graph_padding: bool = _arg(False, "replay only batches whose size was captured exactly")
+    disable_sampler_cuda_graph: bool = _arg(False, "sample decode steps with the fused kernels launched one by one "
+                                            "(by default a graph per batch size and filter set replays them)")
     extend_cuda_graph_max_tokens: int = _arg(2048, "largest extend (prefill) step replayed from a CUDA graph, "
                                              "in tokens; 0 runs every extend eagerly")
     disable_overlap_schedule: bool = _arg(False, "wait for each step's tokens before scheduling the next (by "

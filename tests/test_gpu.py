@@ -201,3 +201,30 @@ def test_overlap_schedule_equals_waiting_for_every_step(gpu_llm):
             assert len(ids) == 40 and sp.stop_token_ids[0] not in ids
     assert any(o.outputs[0].finish_reason == "stop" for o in stopped)
     engine.check_memory_leak()
+
+
+def test_sampler_graphs_draw_what_eager_sampling_draws(gpu_llm):
+    """Sampled decode steps replayed from the sampler graphs (graphs/sample.py) against the same kernels launched
+    eagerly: temperature, top_k, top_p, min_p and logprobs mixed, requests finishing at different steps (so the
+    batch shrinks and its sampling inputs are reloaded), equal token for token."""
+    runner = gpu_llm.engine.runner
+    assert runner.sample_graph_runner is not None
+    gen = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(0, runner.vocab_size, (int(n),), generator=gen).tolist()}
+               for n in torch.randint(5, 300, (24,), generator=gen)]
+    params = [SamplingParams(temperature=0.4 + 0.05 * i, top_k=[0, 20, 200][i % 3], top_p=[1.0, 0.9][i % 2],
+                             min_p=0.02 if i % 5 == 0 else 0.0, seed=i, max_tokens=12 + i, ignore_eos=True,
+                             logprobs=2 if i % 7 == 0 else None) if i % 4 else
+              SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=True) for i in range(len(prompts))]
+    runner.sample_graph_runner.graphs.clear()
+    graphed = gpu_llm.generate(prompts, params, use_tqdm=False)
+    keys = set(runner.sample_graph_runner.graphs)
+    assert any(k.top_k and k.top_p and k.min_p for k in keys) and len({k.batch_size for k in keys}) > 3, keys
+    graphs, runner.sample_graph_runner = runner.sample_graph_runner, None
+    try:
+        eager = gpu_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.sample_graph_runner = graphs
+    for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"request {i}"
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs, f"request {i}"

@@ -19,6 +19,7 @@ from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
 from ostinato.graphs.graph import release_graph_pool
 from ostinato.graphs.piecewise import PiecewiseGraphRunner
+from ostinato.graphs.sample import SampleGraphRunner
 from ostinato.graphs.vit import VitGraphRunner
 from ostinato.layers.mamba2 import SSD_CHUNK, ssd_workspace_bytes
 from ostinato.layers.mamba_tables import GRAPH_MAX_REQS, step_bounds
@@ -34,7 +35,7 @@ from ostinato.models.registry import model_class
 from ostinato.runner.hybrid import is_hybrid, make_mamba_pool
 from ostinato.runner.mm_batch import EncoderStats, build_mm_forward
 from ostinato.runner.next_tokens import PENDING_TOKEN, NextTokenBuffer
-from ostinato.runner.sampler import SampledTensors, SamplingTensors, compute_logprobs, sample_tensors
+from ostinato.runner.sampler import SampledTensors, SamplingTensors, compute_logprobs, fused_draw, sample_tensors
 from ostinato.runner.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,9 @@ class ModelRunner:
             from ostinato.runner import fused_sample  # lazily: Triton (see fused_sample's docstring)
 
             fused_sample.warm_up(self.max_running_requests, self.vocab_size, self.device)
+        self.sample_graph_runner: SampleGraphRunner | None = None  # sampled decode steps, after a decode graph
+        if self.graph_runner is not None and not args.disable_sampler_cuda_graph:
+            self.sample_graph_runner = SampleGraphRunner(self.graph_runner.logits, self.vocab_size, fused_draw)
         self.vit_graph_runner: VitGraphRunner | None = None  # vision-encoder graphs (CPU: the Graph stand-in)
         if args.enable_vit_cuda_graph and self.is_multimodal:
             self.vit_graph_runner = VitGraphRunner(self.model.visual, self.device, args.vit_cuda_graph_max_mb << 20,
@@ -177,7 +181,8 @@ class ModelRunner:
         """Drop every device buffer this runner holds (graphs and their pool, KV pool, workspaces, the model)
         and every reference between its parts, so nothing waits for a cyclic collection. Idempotent; the
         runner is unusable afterwards."""
-        for graphs in (getattr(self, "graph_runner", None), getattr(self, "extend_graph_runner", None)):
+        for graphs in (getattr(self, "graph_runner", None), getattr(self, "extend_graph_runner", None),
+                       getattr(self, "sample_graph_runner", None)):
             if graphs is not None:
                 graphs.graphs.clear()
                 graphs.__dict__.clear()
@@ -434,8 +439,12 @@ class ModelRunner:
         way to the host; penalties count each request's output (which must hold no pending token)."""
         reqs = sched.reqs
         tensors = self._sampling_tensors(reqs)
+        drawn = None
+        if (self._argmax is not None and self.sample_graph_runner is not None and tensors.fused_ok
+                and not tensors.adjusts_logits):  # the decode graph's logits, drawn from as they stand
+            drawn = self.sample_graph_runner.replay(self.graph_runner.padded_size(len(reqs)), *tensors.fused_args())
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
-        sampled = sample_tensors(logits, tensors, self._argmax)
+        sampled = sample_tensors(logits, tensors, self._argmax, drawn)
         self.next_tokens.store_(batch.sample_slots, sampled.ids)
         if self._prompt_lp is not None:
             sampled.prompt_logprobs = self._prompt_lp

@@ -83,6 +83,18 @@ class SamplingTensors:
         """Whether the fused kernels (runner/fused_sample.py) draw this step: some row samples."""
         return not self.all_greedy
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes the logits (penalties, logit_bias, structured outputs)."""
+        return self.output_counts is not None or self.logit_bias is not None or self.token_bitmask is not None
+
+    def fused_args(self) -> tuple:
+        """The fused kernels' per-row inputs after the logits: (temperatures, min_ps or None, top_ks and top_ps
+        or None, seeds, steps, (whether some row has top_k, top_p)); needs `fused_ok`."""
+        cut = self.need_top_k or self.need_top_p
+        return (self.temperatures, self.min_ps if self.need_min_p else None, self.top_ks if cut else None,
+                self.top_ps if cut else None, self.seeds, self.steps, (self.need_top_k, self.need_top_p))
+
     @classmethod
     def from_params(
         cls,
@@ -150,8 +162,13 @@ _NP = {torch.int64: np.int64, torch.float32: np.float32}
 
 
 def _put(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A host list as a tensor on `device` (numpy builds it 3x faster than torch.tensor)."""
-    return torch.from_numpy(np.array(data, dtype=_NP[dtype])).to(device, non_blocking=True)
+    """A host list as a tensor on `device` (numpy builds it 3x faster than torch.tensor). To CUDA through pinned
+    memory, as ModelRunner._to_device: CUDA makes a copy from pageable memory wait for the stream's queued work, so
+    each sampled step's copy of its step indices would hold the host until the previous step had finished."""
+    host = torch.from_numpy(np.array(data, dtype=_NP[dtype]))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def bias_entries(params: list[SamplingParams], put) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -286,12 +303,14 @@ class SampledTensors:
         return out
 
 
-def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SampledTensors:
+def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None,
+                   drawn: Tensor | None = None) -> SampledTensors:
     """`adjust_logits`, `sample`, then the requested logprobs, all on the device (no sync).
     `argmax`: the logits' argmax when already computed (a decode graph computes it); unused when the logits
-    were adjusted."""
+    were adjusted. `drawn`: the ids when already sampled (a sampler graph draws them; no adjusted logits)."""
     x = adjust_logits(logits, t)
-    ids = sample(x, t, argmax if x is logits else None)
+    assert drawn is None or x is logits, "a drawn step has no penalties, bias or grammar"
+    ids = drawn if drawn is not None else sample(x, t, argmax if x is logits else None)
     penalized = t.output_counts is not None or t.token_bitmask is not None
     if t.num_logprobs is None:
         return SampledTensors(ids, None, None, penalized)
@@ -314,14 +333,19 @@ def sample(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> 
 
 
 def sample_fused(logits: Tensor, t: SamplingTensors) -> Tensor:
-    """`sample` through the fused Triton kernel; needs `t.fused_ok`."""
+    """`sample` through the fused Triton kernels; needs `t.fused_ok`."""
+    x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
+    return fused_draw(x, *t.fused_args())
+
+
+def fused_draw(logits: Tensor, temperatures: Tensor, min_ps: Tensor | None, top_ks: Tensor | None,
+               top_ps: Tensor | None, seeds: Tensor, steps: Tensor, cut_phases: tuple[bool, bool]) -> Tensor:
+    """`fused_sample.fused_sample` with all of `logits`' columns as the vocabulary (float32, last dim contiguous);
+    the other arguments as `SamplingTensors.fused_args` gives them."""
     from ostinato.runner.fused_sample import fused_sample
 
-    x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
-    cut = t.need_top_k or t.need_top_p
-    return fused_sample(x, t.temperatures, t.min_ps if t.need_min_p else None, t.top_ks if cut else None,
-                        t.top_ps if cut else None, t.seeds, t.steps, logits.shape[-1], GREEDY_EPS,
-                        cut_phases=(t.need_top_k, t.need_top_p))
+    return fused_sample(logits, temperatures, min_ps, top_ks, top_ps, seeds, steps, logits.shape[-1], GREEDY_EPS,
+                        cut_phases=cut_phases)
 
 
 def sample_torch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> Tensor:

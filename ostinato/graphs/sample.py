@@ -1,0 +1,115 @@
+"""A decode step's sampling kernels, captured per (padded batch size, filters in use) and replayed.
+
+Eagerly, the fused sampler is a Python launch per kernel: 3 at temperature alone, 12 with top_k, 20 with top_k
+and top_p, each costing more host time than its GPU time at small batches. Replayed, a step's sampling is one
+graph launch and a copy of the step indices. The graphs read the decode graph's static logits, so they only
+follow a decode-graph replay. Each is captured the first time its key is met (a few ms; the kernels are
+compiled by the warm-up runs before it, as eagerly).
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ostinato.graphs.graph import Graph, capture_stream
+
+# (logits [B, V], temperatures, min_ps | None, top_ks | None, top_ps | None, seeds, steps, (has top_k, has top_p))
+# -> int64 [B] token ids; fixed grids and no host sync, so it can be captured
+SampleFn = Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, tuple[bool, bool]],
+                    Tensor]
+
+
+class SampleKey(NamedTuple):
+    batch_size: int  # the decode graph's padded size
+    min_p: bool
+    top_k: bool
+    top_p: bool
+
+
+class SampleGraphRunner:
+    def __init__(self, logits: Tensor, vocab_size: int, sample_fn: SampleFn) -> None:
+        """`logits`: the decode graph's static output [max_bs, >= vocab_size], float32, which every replay of
+        this runner reads (rows past a batch's own hold the padded rows' logits: finite, and drawn greedily)."""
+        self.device = logits.device
+        self.logits = logits[:, :vocab_size]
+        self.sample_fn = sample_fn
+        n = logits.shape[0]
+        # Static inputs. Rows [bs:padded] hold a greedy row's values (temperature 0, no filter), so the padded
+        # rows draw without noise or cuts; rows [0:bs] hold the batch's, loaded when its tensors change.
+        self.floats = torch.zeros(3, n, dtype=torch.float32, device=self.device)
+        self.temperatures, self.min_ps, self.top_ps = self.floats
+        self.ints = torch.zeros(3, n, dtype=torch.int64, device=self.device)
+        self.top_ks, self.seeds, self.steps = self.ints
+        self.pad_floats = torch.tensor([0.0, 0.0, 1.0], device=self.device)[:, None]
+        self.pad_ints = torch.tensor([vocab_size, 0, 0], device=self.device)[:, None]
+        self.ids = torch.zeros(n, dtype=torch.int64, device=self.device)  # static output
+        self.graphs: dict[SampleKey, Graph] = {}
+        self._loaded: tuple[Tensor, int] | None = None  # the temperatures tensor and padded size now in the buffers
+
+    def replay(self, padded: int, temperatures: Tensor, min_ps: Tensor | None, top_ks: Tensor | None,
+               top_ps: Tensor | None, seeds: Tensor, steps: Tensor,
+               cut_phases: tuple[bool, bool] = (False, False)) -> Tensor:
+        """Token ids [bs] (a view of the static output, valid until the next replay) for the batch whose
+        sampling tensors are given ([bs] each; min_ps None: no row has min_p; top_ks / top_ps None: no row has
+        either, else both given, vocab_size / 1.0 for none, and `cut_phases` says whether some row has top_k,
+        top_p), after the decode graph of size `padded` ran.
+
+        A batch's tensors other than `steps` are loaded when their `temperatures` object changes: the runner's
+        sampling inputs keep those objects for as long as the batch keeps its requests."""
+        bs = temperatures.shape[0]
+        if self._loaded is None or self._loaded[0] is not temperatures or self._loaded[1] != padded:
+            self._load(padded, temperatures, min_ps, top_ks, top_ps, seeds)
+            self._loaded = (temperatures, padded)
+        self.steps[:bs].copy_(steps)
+        has_k, has_p = cut_phases if top_ks is not None else (False, False)
+        return self._replay(SampleKey(padded, min_ps is not None, has_k, has_p))[:bs]
+
+    def _replay(self, key: SampleKey) -> Tensor:
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._capture(key)
+        graph.replay()
+        return self.ids[: key.batch_size]
+
+    def _load(self, padded: int, temperatures: Tensor, min_ps: Tensor | None, top_ks: Tensor | None,
+              top_ps: Tensor | None, seeds: Tensor) -> None:
+        bs = temperatures.shape[0]
+        self.floats[:, bs:padded] = self.pad_floats
+        self.ints[:, bs:padded] = self.pad_ints
+        self.temperatures[:bs].copy_(temperatures)
+        self.seeds[:bs].copy_(seeds)
+        if min_ps is not None:
+            self.min_ps[:bs].copy_(min_ps)
+        if top_ks is not None:
+            self.top_ks[:bs].copy_(top_ks)
+            self.top_ps[:bs].copy_(top_ps)
+
+    def _step_fn(self, key: SampleKey) -> Callable[[], None]:
+        n = key.batch_size
+        cut = key.top_k or key.top_p
+
+        def step() -> None:
+            ids = self.sample_fn(self.logits[:n], self.temperatures[:n], self.min_ps[:n] if key.min_p else None,
+                                 self.top_ks[:n] if cut else None, self.top_ps[:n] if cut else None,
+                                 self.seeds[:n], self.steps[:n], (key.top_k, key.top_p))
+            self.ids[:n].copy_(ids)
+
+        return step
+
+    def _capture(self, key: SampleKey) -> Graph:
+        step = self._step_fn(key)
+        graph = Graph(self.device)
+        if self.device.type != "cuda":  # the stand-in re-runs the step at each replay
+            graph.capture(step)
+            return graph
+        stream = capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # compile and allocate outside the capture
+            step()
+            step()
+        # no emptying of the allocator's caches or collection mid-serving (free_memory=False)
+        graph.capture(step, stream, free_memory=False)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return graph

@@ -1,0 +1,100 @@
+"""The sampler graphs (graphs/sample.py): replays draw what the torch sampler draws, step after step and batch
+after batch, reading the decode graph's logits buffer; padded rows draw greedily; on CUDA the replayed draws
+follow the reference distribution. Without a GPU the kernels run in Triton's interpreter and the graph is the
+CPU stand-in (which re-runs the step over the same static buffers)."""
+
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:  # must be set before the kernels are decorated
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="the fused sampler is Triton kernels")
+
+from test_sampler import CHI2_CRIT_001, ref_probs  # noqa: E402
+
+from ostinato.graphs.graph import release_graph_pool  # noqa: E402
+from ostinato.graphs.sample import SampleGraphRunner, SampleKey  # noqa: E402
+from ostinato.runner.sampler import SamplingTensors, fused_draw, padded_vocab, sample_torch  # noqa: E402
+from ostinato.sampling_params import SamplingParams  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _own_graph_pool():
+    """Each test's graphs go with its runner, and the next test captures into a new pool: a pool whose graphs
+    are all gone takes no new capture (CUDA's allocator asserts), which is why a ModelRunner releases its own."""
+    yield
+    release_graph_pool(torch.device(DEVICE))
+
+
+def _buffer(n: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """A decode graph's logits buffer: padded to whole argmax chunks with -inf columns."""
+    logits = torch.full((n, padded_vocab(vocab)), float("-inf"))
+    logits[:, :vocab] = torch.randn(n, vocab, generator=gen) * 2.5
+    return logits.to(DEVICE)
+
+
+def _refill(logits: torch.Tensor, vocab: int, gen: torch.Generator) -> None:
+    """New logits in place, as the next decode replay writes them."""
+    logits[:, :vocab] = (torch.randn(logits.shape[0], vocab, generator=gen) * 2.5).to(DEVICE)
+
+
+def test_replays_draw_what_the_torch_sampler_draws():
+    vocab, n = 700, 8
+    gen = torch.Generator().manual_seed(0)
+    logits = _buffer(n, vocab, gen)
+    runner = SampleGraphRunner(logits, vocab, fused_draw)
+    batches = [  # (params, padded size): cuts and min_p, temperature alone, then the first kind with new values
+        # and a padded row (the last batch's fourth row sampled at temperature 1.5: padding must reset it)
+        ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
+          SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02), SamplingParams(temperature=1.5)], 4),
+        ([SamplingParams(temperature=0.9), SamplingParams(temperature=0.4)], 2),
+        ([SamplingParams(temperature=1.1, top_k=40, top_p=0.9), SamplingParams(temperature=0.0),
+          SamplingParams(temperature=0.6, min_p=0.1)], 4),
+    ]
+    for i, (params, padded) in enumerate(batches):
+        seeds = [17 * i + j for j in range(len(params))]
+        t = SamplingTensors.from_params(params, seeds, [3, 9, 4, 8][: len(params)], vocab, DEVICE)
+        for step in range(3):  # the batch's tensors are loaded once; only the steps change, and the logits
+            if step:
+                _refill(logits, vocab, gen)
+                t = t.with_steps([5 + step, 11 * step, step, 2 * step][: len(params)])
+            drawn = runner.replay(padded, *t.fused_args()).clone()
+            expect = sample_torch(logits[: len(params), :vocab], t)
+            assert torch.equal(drawn.cpu(), expect.cpu()), (i, step)
+            padding = runner.ids[len(params) : padded].cpu()
+            assert torch.equal(padding, logits[len(params) : padded, :vocab].argmax(-1).cpu()), "padded rows: greedy"
+    assert set(runner.graphs) == {SampleKey(4, True, True, True), SampleKey(2, False, False, False)}
+
+
+@pytest.mark.skipif(not GPU, reason="many replays: the interpreter is too slow for a distribution")
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, 0, 1.0, 0.0), (0.8, 5, 0.8, 0.05),
+                                                               (1.5, 6, 0.9, 0.1), (1.0, 3, 1.0, 0.0)])
+def test_replayed_draws_follow_the_reference_distribution(temperature, top_k, top_p, min_p):
+    """test_sampler's chi-square test, with the draws taken from graph replays: 2,000 rows x 10 steps."""
+    v, rows, steps = 8, 2000, 10
+    row_logits = torch.tensor([1.2, -0.3, 0.5, 2.0, 0.1, -1.0, 0.8, 1.6])
+    q = ref_probs(row_logits, temperature, top_k, top_p, min_p)
+    logits = torch.full((rows, padded_vocab(v)), float("-inf"))
+    logits[:, :v] = row_logits
+    runner = SampleGraphRunner(logits.to(DEVICE), v, fused_draw)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * rows
+    t = SamplingTensors.from_params(params, [1234] * rows, list(range(rows)), v, DEVICE)
+    draws = []
+    for s in range(steps):
+        t = t.with_steps([s * rows + r for r in range(rows)])
+        draws.append(runner.replay(rows, *t.fused_args()).cpu().clone())
+    assert len(runner.graphs) == 1
+    counts = torch.bincount(torch.cat(draws), minlength=v).double()
+    allowed = q > 0
+    assert counts[~allowed].sum() == 0, "sampled a token the filters remove"
+    expected = q[allowed] * rows * steps
+    chi2 = ((counts[allowed] - expected) ** 2 / expected).sum().item()
+    df = int(allowed.sum()) - 1
+    assert df == 0 or chi2 < CHI2_CRIT_001[df], (chi2, counts.tolist(), expected.tolist())
