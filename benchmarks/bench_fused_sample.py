@@ -3,7 +3,8 @@ top_p and both, each timed eagerly (kernel launches from Python, as the engine l
 CUDA graph (the GPU's time alone).
 
 python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256] [--out FILE]   # GPU
-    [--baseline PATH]   # also time another copy of fused_sample.py (e.g. the last commit's), in turns
+    [--baseline PATH ...]   # also time other copies of fused_sample.py (e.g. the last commit's), in turns
+    [--profile]             # and each replay's kernels, from torch.profiler
 """
 
 import argparse
@@ -28,17 +29,34 @@ def timed(fn, iters: int = 20) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
+def kernel_times(fn, iters: int = 10) -> dict[str, float]:
+    """Mean GPU microseconds per call of `fn`, per kernel name (summed over a name's launches in a call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            out[e.key[:40]] = e.device_time_total / iters
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
-    ap.add_argument("--baseline", default=None, help="another fused_sample.py, timed beside this tree's")
+    ap.add_argument("--baseline", nargs="*", default=[], help="other fused_sample.py files, timed beside the tree's")
+    ap.add_argument("--profile", action="store_true", help="print each replay's kernels and their mean times")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev, v, rows = torch.device("cuda"), args.vocab, []
     impls = {"tree": fused_sample}
-    if args.baseline:
-        impls = {"baseline": load_file_module(args.baseline, "fused_sample_baseline").fused_sample} | impls
+    for i, path in enumerate(args.baseline):
+        name = os.path.splitext(os.path.basename(path))[0].lstrip(".")
+        impls = {name: load_file_module(path, f"fused_sample_baseline{i}").fused_sample} | impls
     for b in args.batch_sizes:
         logits = torch.randn(b, v, device=dev) * 3
         temps = torch.full((b,), 0.6, device=dev)
@@ -65,6 +83,9 @@ def main() -> None:
                                  graph_ms=timed(graph.replay)))
                 print(f"{name:8} bs {b:3} top_k {top_k} top_p {top_p}: eager {eager:.3f} ms, graph "
                       f"{rows[-1]['graph_ms']:.3f} ms", flush=True)
+                if args.profile:
+                    rows[-1]["kernels_us"] = kernel_times(graph.replay)
+                    print("    " + ", ".join(f"{k} {us:.1f}" for k, us in rows[-1]["kernels_us"].items()))
     report = dict(device=torch.cuda.get_device_name(dev), vocab=v,
                   command=" ".join([os.path.basename(sys.executable)] + sys.argv), rows=rows)
     write_report(report, args.out or os.path.join(RESULTS, f"fused-sample-{device_tag(dev)}.json"))

@@ -78,23 +78,37 @@ def test_cut_search_over_many_splits(kinds):
     assert torch.equal(sample_fused(logits, t).cpu(), sample_torch(logits, t).cpu())
 
 
+def _snapped(sorted_row: torch.Tensor, cut: torch.Tensor) -> float:
+    """The row's value nearest the kernel's cut, where within its rounding: compiled, Triton's fp32 `/` is div.full
+    (<= 2 ulp), so the kernel's x may sit an ulp or two from torch's."""
+    if not cut.isfinite():
+        return cut.item()
+    near = (sorted_row - cut).abs().argmin()
+    close = (sorted_row[near] - cut).abs() <= (5e-7 if GPU else 0.0) * cut.abs()
+    return sorted_row[near].item() if close else cut.item()
+
+
 @pytest.mark.parametrize("vocab", [3 * 2048 + 5] + ([151_936] if GPU else []))
 def test_cuts_are_the_sorted_rows_thresholds(vocab):
     """The cut itself, each row's threshold on logits / temperature, not just the token drawn under it: top_k's
     is the k-th largest value exactly; top_p's (after min_p and top_k) holds at least top_p of the renormalized
     mass at and above it, and less strictly above it (float64, to fp32 summation's rounding). Rows with ties, a
-    few distinct values only, and a cut far below the row's maximum."""
+    few distinct values only, a cut far below the row's maximum, and rows of adjacent floats (consecutive order
+    keys, so the search's last passes split ranges of a few keys, with columns just past a range's end)."""
     from ostinato.runner.fused_sample import row_cuts, split_plan
 
     gen = torch.Generator().manual_seed(vocab)
-    ks = [1, 7, 300, 2000, vocab, 50, vocab, 40]
-    ps = [1.0, 1.0, 1.0, 1.0, 0.3, 1.0, 0.9, 0.95]
-    min_ps = [0.0] * 7 + [0.01]
+    ks = [1, 7, 300, 2000, vocab, 50, vocab, 40, 37, vocab, 12, 203, 999]
+    ps = [1.0, 1.0, 1.0, 1.0, 0.3, 1.0, 0.9, 0.95, 1.0, 0.5] + [1.0] * 3
+    min_ps = [0.0] * 7 + [0.01] + [0.0] * 5
     b = len(ks)
     logits = torch.randn(b, vocab, generator=gen) * 3
     logits[5] = torch.randint(0, 6, (vocab,), generator=gen).float()  # a few values, many ties
     logits[3] *= 30  # a wide row: the k-th largest far below the maximum
-    temps = torch.tensor([0.6, 1.0, 0.7, 1.3, 0.5, 1.0, 0.8, 1.1])
+    one = torch.tensor(1.0).view(torch.int32)
+    for r in range(8, b):  # 1.0 and the next vocab - 1 floats up, shuffled
+        logits[r] = (one + torch.randperm(vocab, generator=gen).to(torch.int32)).view(torch.float32)
+    temps = torch.tensor([0.6, 1.0, 0.7, 1.3, 0.5, 1.0, 0.8, 1.1] + [1.0] * 5)
     assert split_plan(b, vocab)[1] > 1
     args = [t.to(DEVICE) for t in (logits, temps)]
     cuts = row_cuts(*args, torch.tensor(min_ps, device=DEVICE), torch.tensor(ks, device=DEVICE),
@@ -104,9 +118,7 @@ def test_cuts_are_the_sorted_rows_thresholds(vocab):
     s = x.sort(-1, descending=True).values
     for r in range(b):
         kth = s[r, ks[r] - 1].item() if ks[r] < vocab else float("-inf")
-        # compiled, Triton's fp32 `/` is div.full (<= 2 ulp): the kernel's x may sit an ulp or two from torch's
-        near = (s[r] - cuts[r]).abs().argmin()
-        cut = s[r, near].item() if (s[r, near] - cuts[r]).abs() <= (5e-7 if GPU else 0.0) * cuts[r].abs() else cuts[r]
+        cut = _snapped(s[r], cuts[r])
         if ps[r] == 1.0:
             assert cut == kth, (r, cuts[r].item(), kth)
             continue
@@ -115,6 +127,13 @@ def test_cuts_are_the_sorted_rows_thresholds(vocab):
         at_or_above, above = mass[xr >= cut].sum(), mass[xr > cut].sum()
         goal = ps[r] * mass.sum()
         assert at_or_above >= goal * (1 - 1e-5) and above < goal * (1 + 1e-5), (r, at_or_above, above, goal)
+    # top_k alone and no min_p: the search starts from +inf's key (no row maximum is taken)
+    alone = row_cuts(*args, None, torch.tensor(ks, device=DEVICE), torch.ones(b, device=DEVICE), vocab, 1e-5,
+                     (True, False)).cpu()
+    s = (logits / temps[:, None]).sort(-1, descending=True).values
+    for r in range(b):
+        kth = s[r, ks[r] - 1].item() if ks[r] < vocab else float("-inf")
+        assert _snapped(s[r], alone[r]) == kth, (r, alone[r].item(), kth)
 
 
 def test_all_greedy_steps_skip_the_kernels():

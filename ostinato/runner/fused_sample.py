@@ -141,28 +141,68 @@ def _narrow(lo, hi, acc, goal, NWAY: tl.constexpr):
 
 
 @triton.jit
-def _count(row_ptr, lo, hi, div, x_max, log_min_p, floor_key, cand, TOP_P: tl.constexpr, NWAY: tl.constexpr,
-           BLOCK: tl.constexpr):
-    """For each candidate key c: the count (TOP_P: the softmax mass exp(x - x_max)) of columns lo .. hi of the
-    row whose x = logits / div, kept by min_p and by key(x) >= floor_key, has key(x) >= c."""
-    acc = tl.zeros([NWAY, BLOCK], tl.float32)  # summed over the block's lanes once, after the loop
-    cand = cand.to(tl.int32)  # keys are int32; the candidates lie between two of them
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < hi
-        x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")) / div
+def _kept_keys(row_ptr, offs, valid, div, x_max, log_min_p, floor_key, HAS_MIN_P: tl.constexpr):
+    """(x, key(x), kept) of a block of the row: x = logits / div, -inf where min_p drops it; kept: valid and
+    key(x) >= floor_key. Without min_p, x_max is not read."""
+    x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")) / div
+    if HAS_MIN_P:
         x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
-        key = _order_key(x)
-        kept = (key >= floor_key) & valid
-        if TOP_P:
-            w = tl.where(kept, tl.exp(x - x_max), 0.0)
-        else:
-            w = tl.where(kept, 1.0, 0.0)
+    key = _order_key(x)
+    return x, key, (key >= floor_key) & valid
+
+
+@triton.jit
+def _count(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, TOP_P: tl.constexpr,
+           HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr):
+    """For each candidate key c of the range lo .. hi (`_candidates`): the count (TOP_P: the softmax mass
+    exp(x - x_max)) of columns col_lo .. col_hi of the row whose x = logits / div, kept by min_p and by
+    key(x) >= floor_key, has key(x) >= c."""
+    if TOP_P:
+        return _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, HAS_MIN_P, NWAY,
+                                 BLOCK)
+    else:
+        return _count_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, HAS_MIN_P,
+                                  NWAY, BLOCK)
+
+
+@triton.jit
+def _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, HAS_MIN_P: tl.constexpr,
+                      NWAY: tl.constexpr, BLOCK: tl.constexpr):
+    """`_count`'s mass: each candidate adds the block's weights at or above it (a histogram takes no weights)."""
+    cand = _candidates(lo, hi, NWAY).to(tl.int32)  # keys are int32; the candidates lie between two of them
+    acc = tl.zeros([NWAY, BLOCK], tl.float32)  # summed over the block's lanes once, after the loop
+    for start in range(col_lo, col_hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x, key, kept = _kept_keys(row_ptr, offs, offs < col_hi, div, x_max, log_min_p, floor_key, HAS_MIN_P)
+        w = tl.where(kept, tl.exp(x - x_max), 0.0)
         acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0)
     return tl.sum(acc, axis=1)
 
 
+@triton.jit
+def _count_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi,
+                       HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr):
+    """`_count`'s count: each column's bucket (how many candidates past the first lie at or below its key),
+    histogrammed (a few warp ballots a column, where 16 compares and adds cost ~48 instructions), then summed
+    from the top."""
+    step = tl.maximum((hi - lo + NWAY - 1) // NWAY, 1).to(tl.uint32)  # _candidates' step (0 once finished)
+    lo32 = lo.to(tl.int32)
+    hist = tl.zeros([2 * NWAY], tl.int32)  # buckets 0 .. NWAY - 1, and NWAY for the columns not counted
+    for start in range(col_lo, col_hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x, key, kept = _kept_keys(row_ptr, offs, offs < col_hi, div, x_max, log_min_p, floor_key, HAS_MIN_P)
+        # key - lo as uint32: exact for key >= lo, as the range spans under 2**32 keys
+        bucket = tl.minimum((key.to(tl.uint32, bitcast=True) - lo32.to(tl.uint32, bitcast=True)) // step,
+                            NWAY - 1).to(tl.int32)
+        bucket = tl.where(key >= hi, NWAY - 1, bucket)  # every candidate clamped to hi lies at or below it
+        hist += tl.histogram(tl.where(kept & (key >= lo32), bucket, NWAY), 2 * NWAY)
+    b = tl.arange(0, 2 * NWAY)
+    j = tl.arange(0, NWAY)
+    return tl.sum(tl.where((b[None, :] >= j[:, None]) & (b[None, :] < NWAY), hist[None, :], 0), axis=1).to(tl.float32)
+
+
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
+_POS_INF_KEY = tl.constexpr(2139095040)  # _order_key(+inf)
 
 
 @triton.jit
@@ -238,7 +278,10 @@ def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, Sta
     if active:
         if pass_idx == 0:
             lo = floor_key
-            hi = _order_key(x_max).to(tl.int64)
+            if TOP_P or HAS_MIN_P:
+                hi = _order_key(x_max).to(tl.int64)
+            else:  # top_k alone: no row maximum was taken; eight passes narrow any range of int32 keys
+                hi = tl.full([], _POS_INF_KEY, tl.int64)
         else:
             lo, hi = _last_range(State, Part, (pass_idx - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
         slot = pass_idx % 2
@@ -247,7 +290,7 @@ def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, Sta
             tl.store(State + (row * 2 + slot) * 2 + 1, hi)
         lo_col = split * split_len
         acc = _count(Logits + row * stride_l, lo_col, tl.minimum(lo_col + split_len, vocab_size), temp, x_max,
-                     log_min_p, floor_key.to(tl.int32), _candidates(lo, hi, NWAY), TOP_P=TOP_P, NWAY=NWAY,
+                     log_min_p, floor_key.to(tl.int32), lo, hi, TOP_P=TOP_P, HAS_MIN_P=HAS_MIN_P, NWAY=NWAY,
                      BLOCK=BLOCK)
         tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
 
@@ -278,7 +321,9 @@ def _cut_finish_kernel(Temps, TopKs, TopPs, State, Part, Goal, CutK, Cuts, vocab
 
 
 _BLOCK = 2048
-_SEARCH_BLOCK = 512
+_SEARCH_BLOCK = 1024
+_SEARCH_WARPS = 8
+_SEARCH_STAGES = 3
 _NWAY = 16
 _TARGET_PROGRAMS = 512  # a few waves over an H100/H200's 132 SMs
 
@@ -295,7 +340,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
 
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
-    index) picks the token. With min_p or a cut a first pass finds each split's maximum (they need the row's).
+    index) picks the token. With min_p or top_p a first pass finds each split's maximum (they need the row's).
     """
     b = logits.shape[0]
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
@@ -323,14 +368,14 @@ def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps
                         cut_phases: tuple[bool, bool], split_len: int,
                         num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_sample's first kernels over the batch's split plan: each split's max of logits / temperature (with
-    min_p or a cut; else left unwritten), and each row's cut (a float32 [B] tensor; without top_ks, the split
+    min_p or top_p; else left unwritten), and each row's cut (a float32 [B] tensor; without top_ks, the split
     maxima, unread)."""
     b = logits.shape[0]
     grid = (b, num_splits)
     dev = logits.device
     pow2 = triton.next_power_of_2(num_splits)
     split_max = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
-    if min_ps is not None or top_ks is not None:
+    if min_ps is not None or (top_ks is not None and cut_phases[1]):  # top_k alone needs no row maximum
         _split_max_kernel[grid](logits, logits.stride(0), temperatures, split_max, vocab_size, split_len,
                                 num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8)
     if top_ks is None:
@@ -344,7 +389,7 @@ def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps
     args = (logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, goal,
             cut_k, vocab_size, split_len, num_splits, b)
     meta = dict(HAS_K=has_k, HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
-                num_warps=8)
+                num_warps=_SEARCH_WARPS, num_stages=_SEARCH_STAGES)
     for top_p in [False] * has_k + [True] * has_p:
         for pass_idx in range(PASSES):
             _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, TOP_P=top_p, **meta)
