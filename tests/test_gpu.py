@@ -1,6 +1,7 @@
 """GPU correctness at real shapes (dummy weights, bf16): graph replay vs eager, poisoned padding, and
 logits vs transformers. Skipped without CUDA; run on the lent GPU with `pytest tests/test_gpu.py`."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -21,6 +22,17 @@ def gpu_llm(request):
     yield llm
     del llm
     torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _swapped(obj, name: str, value):
+    """`obj.name` set to `value` inside the block, and back after it."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -161,11 +173,8 @@ def test_generate_with_graphs_equals_eager(gpu_llm):
                for n in torch.randint(5, 300, (24,), generator=gen)]
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     graphed = [o.outputs[0].token_ids for o in gpu_llm.generate(prompts, sp, use_tqdm=False)]
-    graphs, runner.graph_runner = runner.graph_runner, None
-    try:
+    with _swapped(runner, "graph_runner", None):
         eager = [o.outputs[0].token_ids for o in gpu_llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        runner.graph_runner = graphs
     assert graphed == eager
 
 
@@ -182,12 +191,8 @@ def test_overlap_schedule_equals_waiting_for_every_step(gpu_llm):
               SamplingParams(temperature=0.9, top_k=50, max_tokens=30 + i, seed=i, logprobs=2, ignore_eos=True)
               for i in range(len(prompts))]
     overlapped = gpu_llm.generate(prompts, params, use_tqdm=False)
-    saved = engine.args
-    engine.args = dataclasses.replace(saved, disable_overlap_schedule=True)
-    try:
+    with _swapped(engine, "args", dataclasses.replace(engine.args, disable_overlap_schedule=True)):
         waited = gpu_llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        engine.args = saved
     for i, (a, b) in enumerate(zip(overlapped, waited, strict=True)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"request {i}"
     stops = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[o.outputs[0].token_ids[10 + i % 9]])
@@ -220,11 +225,8 @@ def test_sampler_graphs_draw_what_eager_sampling_draws(gpu_llm):
     graphed = gpu_llm.generate(prompts, params, use_tqdm=False)
     keys = set(runner.sample_graph_runner.graphs)
     assert any(k.top_k and k.top_p and k.min_p for k in keys) and len({k.batch_size for k in keys}) > 3, keys
-    graphs, runner.sample_graph_runner = runner.sample_graph_runner, None
-    try:
+    with _swapped(runner, "sample_graph_runner", None):
         eager = gpu_llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        runner.sample_graph_runner = graphs
     for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"request {i}"
         assert a.outputs[0].logprobs == b.outputs[0].logprobs, f"request {i}"
