@@ -87,6 +87,24 @@ class Graph:
             self._fn()
 
 
+def warmed_capture(device: torch.device, step: Callable[[], None], free_memory: bool = True) -> Graph:
+    """`step` run twice on the device's capture stream (lazy init, autotuning and compilation stay outside the
+    capture), then captured there (`Graph.capture`'s `free_memory`); on the CPU the stand-in, run once."""
+    graph = Graph(device)
+    if device.type != "cuda":
+        graph.capture(step)
+        return graph
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step()
+        step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph.capture(step, stream, free_memory=free_memory)
+    return graph
+
+
 def capture_graphs(device: torch.device, keys: list[Hashable], make_step: Callable[[Hashable], Callable[[], None]],
                    desc: str, keep_gc: bool = False) -> tuple[dict[Hashable, Graph], float, int]:
     """Capture `make_step(key)` for each key in the order given (largest first, so smaller graphs reuse the
@@ -101,21 +119,10 @@ def capture_graphs(device: torch.device, keys: list[Hashable], make_step: Callab
         gc.collect()
         gc.freeze()  # objects alive now are never scanned: no GC pause mid-capture
         gc.disable()
-    stream = capture_stream(device) if cuda else None
     graphs: dict[Hashable, Graph] = {}
     try:
         for key in tqdm(keys, desc=desc, leave=False, disable=not cuda):
-            step = make_step(key)
-            if cuda:
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    step()
-                    step()
-                torch.cuda.current_stream(device).wait_stream(stream)
-                torch.cuda.synchronize(device)
-            graph = Graph(device)
-            graph.capture(step, stream)
-            graphs[key] = graph
+            graphs[key] = warmed_capture(device, make_step(key))
     finally:
         if not keep_gc:
             gc.unfreeze()

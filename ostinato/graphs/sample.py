@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ostinato.graphs.graph import Graph, capture_stream
+from ostinato.graphs.graph import Graph, warmed_capture
 
 # (logits [B, V], temperatures, min_ps | None, top_ks | None, top_ps | None, seeds, steps, (has top_k, has top_p))
 # -> int64 [B] token ids; fixed grids and no host sync, so it can be captured
@@ -99,17 +99,5 @@ class SampleGraphRunner:
         return step
 
     def _capture(self, key: SampleKey) -> Graph:
-        step = self._step_fn(key)
-        graph = Graph(self.device)
-        if self.device.type != "cuda":  # the stand-in re-runs the step at each replay
-            graph.capture(step)
-            return graph
-        stream = capture_stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # compile and allocate outside the capture
-            step()
-            step()
-        # no emptying of the allocator's caches or collection mid-serving (free_memory=False)
-        graph.capture(step, stream, free_memory=False)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        return graph
+        # mid-serving: no emptying of the allocator's caches and no collection (free_memory=False)
+        return warmed_capture(self.device, self._step_fn(key), free_memory=False)

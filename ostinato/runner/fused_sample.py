@@ -323,7 +323,6 @@ def _cut_finish_kernel(Temps, TopKs, TopPs, State, Part, Goal, CutK, Cuts, vocab
 _BLOCK = 2048
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
-_SEARCH_STAGES = 3
 _NWAY = 16
 _TARGET_PROGRAMS = 512  # a few waves over an H100/H200's 132 SMs
 
@@ -389,7 +388,7 @@ def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps
     args = (logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, goal,
             cut_k, vocab_size, split_len, num_splits, b)
     meta = dict(HAS_K=has_k, HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
-                num_warps=_SEARCH_WARPS, num_stages=_SEARCH_STAGES)
+                num_warps=_SEARCH_WARPS)
     for top_p in [False] * has_k + [True] * has_p:
         for pass_idx in range(PASSES):
             _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, TOP_P=top_p, **meta)
