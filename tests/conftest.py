@@ -87,6 +87,17 @@ def hf_model(smollm_path):
     return transformers.AutoModelForCausalLM.from_pretrained(source.converted_dir, dtype=torch.float32).eval()
 
 
+@pytest.fixture
+def own_graph_pool():
+    """A test's graphs go with its runner, and the next test captures into a new pool: a pool whose graphs are all
+    gone takes no new capture (CUDA's caching allocator asserts `use_count > 0`), which is why a ModelRunner
+    releases its own at shutdown. For modules that build graph runners themselves."""
+    yield
+    from ostinato.graphs.graph import release_graph_pool
+
+    release_graph_pool(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 @pytest.fixture(autouse=True)
 def _no_leak_after_engine_tests(request):
     """Every test that touched the shared engine must leave no request, KV page or request slot behind."""

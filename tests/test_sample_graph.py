@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="the fused sampler is Triton kernels")
 
 from test_sampler import CHI2_CRIT_001, ref_probs  # noqa: E402
 
-from ostinato.graphs.graph import release_graph_pool  # noqa: E402
+from ostinato.graphs.graph import capture_stream, warmed_capture  # noqa: E402
 from ostinato.graphs.sample import SampleGraphRunner, SampleKey  # noqa: E402
 from ostinato.runner.sampler import SamplingTensors, fused_draw, padded_vocab, sample_torch  # noqa: E402
 from ostinato.sampling_params import SamplingParams  # noqa: E402
@@ -25,12 +25,7 @@ GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _own_graph_pool():
-    """Each test's graphs go with its runner, and the next test captures into a new pool: a pool whose graphs
-    are all gone takes no new capture (CUDA's allocator asserts), which is why a ModelRunner releases its own."""
-    yield
-    release_graph_pool(torch.device(DEVICE))
+pytestmark = pytest.mark.usefixtures("own_graph_pool")  # conftest: a new graph pool for each test
 
 
 def _buffer(n: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -98,3 +93,25 @@ def test_replayed_draws_follow_the_reference_distribution(temperature, top_k, to
     chi2 = ((counts[allowed] - expected) ** 2 / expected).sum().item()
     df = int(allowed.sum()) - 1
     assert df == 0 or chi2 < CHI2_CRIT_001[df], (chi2, counts.tolist(), expected.tolist())
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA streams")
+@pytest.mark.parametrize("mid_serving", [False, True])
+def test_warm_up_stream_of_a_capture(mid_serving):
+    """Start-up captures warm up on the capture stream; mid-serving ones (the sampler graphs, vision graphs) on
+    the current stream, since kernels run on a second stream once serving began slowed every later decode
+    replay (graph.warm_up_stream). The capture itself is on the capture stream either way."""
+    device = torch.device("cuda")
+    x = torch.ones(64, device=device)
+    streams = []
+
+    def step() -> None:
+        streams.append(torch.cuda.current_stream(device))
+        x.add_(1.0)
+
+    graph = warmed_capture(device, step, free_memory=False, mid_serving=mid_serving)
+    warm = torch.cuda.current_stream(device) if mid_serving else capture_stream(device)
+    assert streams == [warm, warm, capture_stream(device)]
+    assert x[0].item() == 3.0  # two warm-ups ran; the capture only recorded
+    graph.replay()
+    assert x[0].item() == 4.0

@@ -7,7 +7,8 @@ import torch
 
 from ostinato.graphs.vit import VitGraphRunner, padded_patches
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("own_graph_pool")]  # conftest: each test's runner captures into a new pool
 
 # (t, h, w) patch grids of 1024 patches (a key of its own: no padding), split four ways
 SPLITS = [[(1, 32, 32)], [(1, 32, 16), (1, 16, 32)], [(1, 16, 16)] * 4, [(1, 8, 64), (1, 16, 24), (1, 8, 16)]]

@@ -6,9 +6,10 @@ those same addresses. The CPU form re-runs the callable, which reads the same st
 that forgets to copy an input into them, or reads a result from anywhere else, fails on the CPU too.
 """
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -87,22 +88,42 @@ class Graph:
             self._fn()
 
 
-def warmed_capture(device: torch.device, step: Callable[[], None], free_memory: bool = True) -> Graph:
-    """`step` run twice on the device's capture stream (lazy init, autotuning and compilation stay outside the
-    capture), then captured there (`Graph.capture`'s `free_memory`); on the CPU the stand-in, run once."""
+def warmed_capture(device: torch.device, step: Callable[[], None], free_memory: bool = True,
+                   mid_serving: bool = False) -> Graph:
+    """`step` run twice outside the capture (lazy init, autotuning and compilation stay out of it), then captured
+    on the device's capture stream (`Graph.capture`'s `free_memory`); on the CPU the stand-in, run once.
+
+    The warm-up runs on the capture stream at start-up and, with `mid_serving` (a graph captured lazily while the
+    engine serves), on the current stream: see `warm_up_stream`."""
     graph = Graph(device)
     if device.type != "cuda":
         graph.capture(step)
         return graph
     stream = capture_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
+    with warm_up_stream(device, mid_serving):
         step()
         step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
     graph.capture(step, stream, free_memory=free_memory)
     return graph
+
+
+@contextlib.contextmanager
+def warm_up_stream(device: torch.device, mid_serving: bool) -> Iterator[None]:
+    """The stream a graph's warm-up runs on, synchronized after: the capture stream at start-up; mid-serving, the
+    current stream. With the warm-up on the capture stream, a graph captured after start-up left every later
+    decode-graph replay slower for the rest of the process (H200, bs 1: Qwen3-0.6B 0.770 -> 0.821 ms a token,
+    Llama-3.2-1B 0.872 -> 0.905): the sampler graphs' lazy capture, a one-op graph warmed up on the capture stream
+    or on a new one, and the sampler's step run twice on the capture stream with no capture all did; a one-op graph
+    warmed up on the current stream, and the sampler graphs so, did not. Why is not known: a one-op step run twice
+    on the capture stream with no capture did not slow it either, and neither a pool of its own nor emptying the
+    allocator's cache helped (benchmarks/results/lazy-capture-stream-h200-20261127-s26.json)."""
+    current = torch.cuda.current_stream(device)
+    stream = current if mid_serving else capture_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+    torch.cuda.synchronize(device)
 
 
 def capture_graphs(device: torch.device, keys: list[Hashable], make_step: Callable[[Hashable], Callable[[], None]],

@@ -4,7 +4,8 @@ Eagerly, the fused sampler is a Python launch per kernel: 3 at temperature alone
 and top_p, which at small batches cost more host time than GPU time (H200, bs 1, top_k 200: 0.7 ms launched one by
 one, 0.037 ms replayed; `benchmarks/bench_fused_sample.py`). Replayed, a step's sampling is one graph launch and a
 copy of the step indices. The graphs read the decode graph's static logits, so they only follow a decode-graph
-replay. Each is captured the first time its key is met, after two warm-up runs that compile its kernels.
+replay. Each is captured the first time its key is met, after two warm-up runs that compile its kernels (on the
+current stream: `graph.warm_up_stream`).
 """
 
 from collections.abc import Callable
@@ -99,5 +100,6 @@ class SampleGraphRunner:
         return step
 
     def _capture(self, key: SampleKey) -> Graph:
-        # mid-serving: no emptying of the allocator's caches and no collection (free_memory=False)
-        return warmed_capture(self.device, self._step_fn(key), free_memory=False)
+        # mid-serving: no emptying of the allocator's caches and no collection (free_memory=False), and the warm-up
+        # on the current stream (graph.warm_up_stream)
+        return warmed_capture(self.device, self._step_fn(key), free_memory=False, mid_serving=True)

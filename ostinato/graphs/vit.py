@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ostinato.graphs.graph import Graph, capture_stream
+from ostinato.graphs.graph import Graph, capture_stream, warm_up_stream
 
 logger = logging.getLogger(__name__)
 
@@ -190,14 +190,10 @@ class VitGraphRunner:
             gc.disable()  # no collection mid-capture (no gc.collect here: it would stall serving)
         try:
             if cuda:
-                stream = capture_stream(dev)
-                stream.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(stream):
+                with warm_up_stream(dev, mid_serving=True):  # captured as images arrive
                     step()  # warm-up outside the capture: Triton compiles, cuBLAS workspaces
-                torch.cuda.current_stream(dev).wait_stream(stream)
-                torch.cuda.synchronize(dev)
                 reserved = torch.cuda.memory_reserved(dev)
-                graph.capture(step, stream)
+                graph.capture(step, capture_stream(dev))
                 torch.cuda.synchronize(dev)
                 pool = max(0, torch.cuda.memory_reserved(dev) - reserved)
             else:
