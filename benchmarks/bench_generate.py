@@ -12,10 +12,19 @@ import random
 import sys
 import time
 
+import numpy as np
 import torch
 from common import RESULTS, copy_bandwidth, device_tag, load_file_module, write_report
 
 from ostinato import LLM, SamplingParams
+from ostinato.runner import sampler
+
+pinned_put = sampler._put
+
+
+def _pageable_put(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """sampler._put before the twenty-fifth session: a copy from pageable memory, which waits for the stream."""
+    return torch.from_numpy(np.array(data, dtype=sampler._NP[dtype])).to(device, non_blocking=True)
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int = 0,
@@ -46,6 +55,9 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p for sampled rows (1: off)")
     ap.add_argument("--sampler-graph", nargs="+", choices=["on", "off"], default=["on"],
                     help="sampled rows drawn from the sampler graphs (on) or by eager launches (off); both: A/B")
+    ap.add_argument("--host-copies", nargs="+", choices=["pinned", "pageable"], default=["pinned"],
+                    help="sampling inputs copied to the GPU through pinned memory (the engine's) or pageable memory "
+                         "(the twenty-fifth session's start); both: A/B")
     ap.add_argument("--repeats", type=int, default=3, help="each length is timed this often; the median counts")
     ap.add_argument("--sampler", default=None,
                     help="another fused_sample.py (e.g. an earlier commit's) in place of the tree's for sampled rows")
@@ -68,11 +80,14 @@ def main() -> None:
             prompts = [[rng.randrange(100, runner.vocab_size - 100) for _ in range(args.prompt_len)]
                        for _ in range(bs)]
             graphs = runner.sample_graph_runner
-            cases = [(t, mode) for t in args.temperature for mode in (args.sampler_graph if t > 0 else ["on"])]
-            for temperature, mode in cases:
+            cases = [(t, mode, copies) for t in args.temperature
+                     for mode in (args.sampler_graph if t > 0 else ["on"])
+                     for copies in (args.host_copies if t > 0 else ["pinned"])]
+            for temperature, mode, copies in cases:
                 top_k = args.top_k if temperature > 0 else 0
                 top_p = args.top_p if temperature > 0 else 1.0
                 runner.sample_graph_runner = graphs if mode == "on" else None
+                sampler._put = pinned_put if copies == "pinned" else _pageable_put
                 timed_generate(llm, prompts, args.short, temperature, top_k, top_p)  # warm-up
                 med = {}
                 for n in (args.short, args.long):
@@ -83,12 +98,14 @@ def main() -> None:
                 mean_ctx = args.prompt_len + (args.short + args.long) / 2
                 floor_ms = (runner.weight_bytes + bs * mean_ctx * kv_token) / bw * 1e3
                 rows.append({"model": model, "batch_size": bs, "temperature": temperature, "top_k": top_k,
-                             "top_p": top_p, "sampler_graph": mode, "ms_per_token": ms, "floor_ms": floor_ms,
-                             "fraction_of_floor": floor_ms / ms})
+                             "top_p": top_p, "sampler_graph": mode, "host_copies": copies, "ms_per_token": ms,
+                             "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms})
                 print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} top_p {top_p:<4g} "
-                      f"sampler graph {mode:<3} {ms:8.3f} ms/token   floor {floor_ms:.3f} ({floor_ms / ms:.0%})",
+                      f"sampler graph {mode:<3} {copies:<8} {ms:8.3f} ms/token   floor {floor_ms:.3f} "
+                      f"({floor_ms / ms:.0%})",
                       flush=True)
             runner.sample_graph_runner = graphs
+            sampler._put = pinned_put
         getattr(llm, "shutdown", lambda: None)()  # frees the GPU memory for the next model
         del llm
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

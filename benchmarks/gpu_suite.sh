@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_suite.sh tests     every GPU test (kernels, graphs, fused sampler, fp8 KV, piecewise graphs,
 #                                          Mamba kernels, VLM on CUDA, the models against transformers, PDL on vs
 #                                          off, prefix cache, shutdown), in parallel processes: ~3 min cold
-#   bash benchmarks/gpu_suite.sh decode    ms per token through LLM.generate (greedy and T=0.6), decode ms/step
+#   bash benchmarks/gpu_suite.sh decode    ms per token through LLM.generate (greedy, T=0.6, greedy again), decode ms/step
 #                                          with torch.compile for 11 sizes, bf16 vs fp8 KV and page 1 vs 16,
 #                                          the KV-store variants
 #   bash benchmarks/gpu_suite.sh features  extend steps (eager / full graph / piecewise), prefix cache on vs off,
@@ -41,13 +41,15 @@ tests)
     t attention tests/test_triton_attention.py &
     t fp8_variants tests/test_fp8_decode_variants.py &
     t layer_kernels tests/test_layer_kernels.py tests/test_skinny_gemm.py tests/test_wide_gemm.py &
-    t sampler tests/test_fused_sample.py tests/test_sampler.py tests/test_logits.py tests/test_memset_hoist.py &
+    t sampler tests/test_fused_sample.py tests/test_sample_graph.py tests/test_sampler.py tests/test_logits.py \
+      tests/test_memset_hoist.py &
     t ssm_scan tests/test_ssm_scan_kernel.py -k "$k" &
     (t decode_graph tests/test_decode_graph.py; t fp8_kv tests/test_fp8_kv.py; t rope_store tests/test_rope_store.py
      t extend_graph tests/test_extend_graph.py) &
     (t models tests/test_gpu.py; t pdl tests/test_pdl.py; t decode_compile tests/test_decode_compile.py) &
     (t piecewise tests/test_piecewise_gpu.py; t granite tests/test_granite_hybrid_gpu.py -k "$k"
-     t vlm tests/test_vlm.py -k "$k"; t prefix tests/test_gpu_prefix.py; t sampling_features tests/test_sampling_features_gpu.py) &
+     t vlm tests/test_vlm.py tests/test_vit_graph_gpu.py -k "$k"; t prefix tests/test_gpu_prefix.py
+     t sampling_features tests/test_sampling_features_gpu.py) &
     wait
     t shutdown tests/test_shutdown.py
   } | tee "$OUT/tests.log"
@@ -56,7 +58,7 @@ tests)
   ;;
 decode)
   for m in llama-3.2-1b qwen3-0.6b; do
-    timeout 100 python benchmarks/bench_generate.py --models $m --batch-sizes 1 32 --temperature 0 0.6 \
+    timeout 100 python benchmarks/bench_generate.py --models $m --batch-sizes 1 32 --temperature 0 0.6 0 \
         --repeats 2 --out "$OUT/generate-$m.json" 2>&1 | quiet | grep -E "ms/token|Error" | tee -a "$OUT/generate.log"
   done
   timeout 200 python benchmarks/bench_decode.py --models llama-3.2-1b --compile --compile-max-bs 64 --no-launches \
