@@ -117,12 +117,14 @@ def warm_up_stream(device: torch.device, mid_serving: bool) -> Iterator[None]:
     warmed up on the current stream, and the sampler graphs so, did not. Why is not known: a one-op step run twice
     on the capture stream with no capture did not slow it either, and neither a pool of its own nor emptying the
     allocator's cache helped (benchmarks/results/lazy-capture-stream-h200-20261127-s26.json)."""
-    current = torch.cuda.current_stream(device)
-    stream = current if mid_serving else capture_stream(device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
+    if mid_serving:
         yield
-    current.wait_stream(stream)
+    else:
+        current, stream = torch.cuda.current_stream(device), capture_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield
+        current.wait_stream(stream)
     torch.cuda.synchronize(device)
 
 
