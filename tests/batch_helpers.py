@@ -29,9 +29,19 @@ def extend_batch(runner, prompts, prefix_lens):
 
 
 
+def record_decode_slots(kv, batch) -> None:
+    """What a decode step's forward does first (NextTokenBuffer.begin_decode_): record its new KV slots in
+    req_to_token (the scheduler takes them with `extend_decode(record=False)`)."""
+    if batch.mode is ForwardMode.DECODE:
+        table = kv.req_pool.req_to_token
+        table[[r.req_pool_idx for r in batch.reqs], batch.prefix_lens] = batch.out_cache_loc.to(table.dtype)
+
+
 def emit_random_tokens(sched, batch, rng) -> None:
-    """What a step's sampling does to the scheduler without a model: each row that samples gets a random token
-    below 100, and a request that then stops is finished."""
+    """What a step does to the scheduler without a model: a decode step records its slots
+    (`record_decode_slots`), each row that samples gets a random token below 100, and a request that then stops is
+    finished."""
+    record_decode_slots(sched.kv, batch)
     for req, emits in zip(batch.reqs, batch.sample_mask, strict=True):
         if emits:
             req.output_token_ids.append(rng.randrange(100))

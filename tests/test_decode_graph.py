@@ -180,3 +180,26 @@ def test_replay_reads_pending_inputs_from_the_next_token_buffer(tiny_llm):
     assert batch.input_ids.tolist().count(PENDING_TOKEN) == 2
     torch.testing.assert_close(graphs.replay(batch), known)
     release(runner, reqs)
+
+
+def test_replay_records_new_slots_and_stores_greedy_tokens(tiny_llm):
+    """The step does its own bookkeeping: it records each row's new KV slot in req_to_token (the scheduler
+    leaves that to it: `extend_decode(record=False)`) and stores each row's argmax in the next-token buffer.
+    Its padded rows (3 requests replay the 4-row graph; request row 0 is live) write only the table's sink row."""
+    runner = tiny_llm.engine.runner
+    graphs = DecodeGraphRunner(runner)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 17, 4)]
+    sched, reqs = decode_batch(runner, seqs)
+    rows = [r.req_pool_idx for r in reqs]
+    assert 0 in rows and graphs.padded_size(len(reqs)) == 4
+    known = graphs.replay(runner.prepare(sched)).clone()
+    table = runner.req_to_token_pool.req_to_token
+    recorded = table.clone()
+    table[rows, sched.prefix_lens] = 12345  # not recorded yet, as the scheduler now leaves a decode step's slots
+    runner.next_tokens.tokens.fill_(-3)
+    torch.testing.assert_close(graphs.replay(runner.prepare(sched)), known)
+    assert torch.equal(table, recorded)  # the new slots back in place, nothing else in any row changed
+    assert torch.equal(table[rows, sched.prefix_lens], sched.out_cache_loc.to(torch.int32))
+    assert torch.equal(runner.next_tokens.tokens[rows], known.argmax(-1))
+    release(runner, reqs)

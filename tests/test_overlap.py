@@ -59,6 +59,36 @@ def test_next_token_buffer_resolves_only_pending_ids():
     assert torch.equal(buf.tokens[slots], sampled)
 
 
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_begin_decode_kernel_equals_its_twin(n):
+    """The decode step's bookkeeping (pending inputs resolved, new KV slots recorded) as one Triton launch (on
+    the GPU, or through the interpreter on the CPU) against the torch ops CPU steps run: same ids, same table.
+    Padded rows share the sink row, as a decode graph's do."""
+    from ostinato.runner.next_tokens import launch_begin_decode
+
+    gen = torch.Generator().manual_seed(n)
+    rows, ctx = 400, 64
+    buf = NextTokenBuffer(rows, "cpu")
+    buf.tokens.copy_(torch.randint(0, 50_000, (rows + 1,), generator=gen))
+    real = min(n, rows)
+    slots = torch.cat([torch.randperm(rows, generator=gen)[: real - 1 if n > 1 else real],
+                       torch.full((n - real + 1 if n > 1 else 0,), buf.sink)])  # the rest: padding, the sink row
+    ids = torch.randint(0, 50_000, (n,), generator=gen)
+    ids[torch.rand(n, generator=gen) < 0.5] = PENDING_TOKEN
+    seq_lens = torch.randint(1, ctx + 1, (n,), generator=gen)
+    seq_lens[slots == buf.sink] = 1
+    loc = torch.randint(1, 10**6, (n,), generator=gen)
+    loc[slots == buf.sink] = 0
+    table = torch.randint(0, 10**6, (rows + 1, ctx), generator=gen, dtype=torch.int32)
+    want_ids, want_table = ids.clone(), table.clone()
+    buf.begin_decode_(want_ids, slots, seq_lens, loc, want_table)
+    assert PENDING_TOKEN not in want_ids.tolist() and not torch.equal(want_table, table)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ids, table = ids.to(dev), table.to(dev)
+    launch_begin_decode(buf.tokens.to(dev), ids, slots.to(dev), seq_lens.to(dev), loc.to(dev), table)
+    assert torch.equal(ids.cpu(), want_ids) and torch.equal(table.cpu(), want_table)
+
+
 def test_tokens_arrive_one_step_later(llm):
     engine = llm.engine
     engine.add_request("late", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))

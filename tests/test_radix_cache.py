@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from batch_helpers import emit_random_tokens
+from batch_helpers import emit_random_tokens, record_decode_slots
 
 from ostinato.engine.prefix_cache import PrefixCache
 from ostinato.engine.request import Request
@@ -139,6 +139,7 @@ def test_scheduler_with_prefix_cache_shares_evicts_retracts_and_frees(page):
         batch = sched.schedule()
         assert batch is not None, "nothing scheduled while requests remain: deadlock"
         assert len(batch.out_cache_loc) == sum(batch.extend_lens)
+        record_decode_slots(kv, batch)  # the step's forward, before anything reads the rows
         live = torch.cat([kv.req_pool.req_to_token[r.req_pool_idx, r.cached_len : r.kv_len] for r in sched.running])
         free = kv.allocator.free_pages
         assert not bool(torch.isin(live // page, free).any()), "a running request's slot is on the free list"

@@ -56,6 +56,15 @@ def test_triton_argmax_matches_torch(vocab, block):
     assert got.data_ptr() == out[1:].data_ptr()
     assert torch.equal(out[1 : b + 1].cpu(), logits.argmax(-1)) and out[0] == -1 and out[-1] == -1
     assert torch.equal(argmax_rows(wide, block=block).cpu(), logits.argmax(-1))  # -inf padding columns
+    # scattered as a decode graph stores its tokens: dest[index[b]] = row b's argmax, the twin alike
+    index = torch.randperm(2 * b, generator=gen)[:b]
+    for dest, run_argmax in ((torch.full((2 * b,), -7, device=device), lambda d: argmax_rows(
+            wide, block=block, scatter=(d, index.to(device)))), (torch.full((2 * b,), -7), lambda d: chunked_argmax(
+            wide.cpu(), scatter=(d, index)))):
+        got = run_argmax(dest)
+        want = torch.full((2 * b,), -7)
+        want[index] = logits.argmax(-1)
+        assert torch.equal(got.cpu(), logits.argmax(-1)) and torch.equal(dest.cpu(), want)
 
 
 @pytest.mark.parametrize("vocab", [1, ARGMAX_CHUNK, 3 * ARGMAX_CHUNK + 17, 151_936])

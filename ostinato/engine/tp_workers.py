@@ -304,11 +304,12 @@ def run_plan(runner: ModelRunner, plan: StepPlan, params: dict[int, tuple[Sampli
     payload = torch.empty(n_new + n_rows, dtype=torch.int64, device=dev)
     dist.broadcast(payload, src=0, group=tp_group())
     table = runner.req_to_token_pool.req_to_token
-    table[row_index(plan.rows, plan.prefix_lens, plan.extend_lens, dev)] = payload[:n_new].to(table.dtype)
+    decode = plan.mode is ForwardMode.DECODE
+    if not decode:  # a decode step records its new slots itself (NextTokenBuffer.begin_decode_)
+        table[row_index(plan.rows, plan.prefix_lens, plan.extend_lens, dev)] = payload[:n_new].to(table.dtype)
     if n_rows:
         table[row_index(plan.rows, [0] * len(plan.rows), plan.prefix_lens, dev)] = payload[n_new:].to(table.dtype)
     reqs, offset = [], 0
-    decode = plan.mode is ForwardMode.DECODE
     for i, (row, start, n) in enumerate(zip(plan.rows, plan.prefix_lens, plan.extend_lens, strict=True)):
         width = 1 if decode else n
         sp, seed = params[row]

@@ -1,10 +1,15 @@
 """Decode steps captured once per batch size and replayed (seed 002).
 
 Static buffers are allocated once at the largest size; each captured size reads the first `bs` rows.
-A batch is padded up to the nearest captured size: padded rows decode a dummy token that reads one
-cached key (seq_len fill value 1, request row 0) and writes its K/V to slot 0, the pool's reserved
-sink, so real rows and real KV are never touched. Sizes are captured largest first, so smaller graphs
-reuse the memory of larger ones in the process-wide pool.
+A batch is padded up to the nearest captured size: padded rows decode a dummy token of the request
+table's sink row (seq_len fill value 1), which reads one cached key and writes its K/V to slot 0, the
+pool's reserved sink, so real rows and real KV are never touched. Sizes are captured largest first, so
+smaller graphs reuse the memory of larger ones in the process-wide pool.
+
+The step is the whole decode step on the device, the bookkeeping included: it records each row's new
+KV slot in req_to_token and resolves pending inputs (NextTokenBuffer.begin_decode_, one kernel), and its
+argmax kernel also stores each row's greedy token in the next-token buffer. A greedy step then needs no
+stream operation outside the graph but the input copies and the tokens' copy to the host.
 """
 
 import bisect
@@ -65,8 +70,9 @@ class DecodeGraphRunner:
         n, dev = self.max_bs, self.device
         self.ints = torch.zeros(4, n, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.req_pool_indices, self.seq_lens = self.ints
-        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
-        self.pad_column = torch.tensor([0, 0, 0, SEQ_LEN_FILL_VALUE], dtype=torch.int64, device=dev)[:, None]
+        self.pad_column = torch.tensor([0, 0, runner.req_to_token_pool.sink_row, SEQ_LEN_FILL_VALUE],
+                                       dtype=torch.int64, device=dev)[:, None]
+        self.ints[:] = self.pad_column
         self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         # hybrid models: each row's Mamba state slot; padded rows use the pool's sink slot
@@ -101,13 +107,16 @@ class DecodeGraphRunner:
         backend = self.runner.backend
         layers = model.attention_specs
         next_tokens = self.runner.next_tokens
+        table = self.runner.req_to_token_pool.req_to_token
 
         def step() -> None:
-            next_tokens.resolve_(batch.input_ids, batch.req_pool_indices)
+            next_tokens.begin_decode_(batch.input_ids, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
+                                      table)
             with forward_context(backend, batch, layers):
                 hidden = forward(batch.input_ids, batch.positions)
             model.compute_logits(hidden, out=self.logits[:bs, : self.vocab_size])
-            chunked_argmax(self.logits[:bs], out=self.argmax[:bs])
+            # greedy rows' tokens stored here; ModelRunner.sample stores over them where it draws others
+            chunked_argmax(self.logits[:bs], out=self.argmax[:bs], scatter=(next_tokens.tokens, batch.req_pool_indices))
 
         return step
 

@@ -12,8 +12,12 @@ from ostinato.mem.req_to_token_pool import ReqToTokenPool
 
 
 class TokenResolver(Protocol):
-    def resolve_(self, input_ids: torch.Tensor, req_slots: torch.Tensor) -> None:
-        """Replace in-flight (pending) input ids in place by their request slot's last sampled token."""
+    tokens: torch.Tensor  # int64 [slots + 1]: each request slot's last sampled token
+
+    def begin_decode_(self, input_ids: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                      out_cache_loc: torch.Tensor, req_to_token: torch.Tensor) -> None:
+        """Replace in-flight (pending) input ids in place by their request slot's last sampled token, and record
+        each row's new KV slot in req_to_token."""
 
 
 class GraphHost(Protocol):

@@ -11,17 +11,18 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // ARGMAX_CHUNK) * ARGMAX_CHUNK
 
 
-def chunked_argmax(x: Tensor, out: Tensor | None = None) -> Tensor:
+def chunked_argmax(x: Tensor, out: Tensor | None = None, scatter: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """argmax over the last dim of x [B, V] (rows may be strided; unit column stride): the first index of the
     maximum, as torch.argmax gives, into `out` (int64 [B]) when given. On CUDA two Triton launches
     (`triton_ops/argmax.py`); elsewhere a few short torch ops (max within chunks of ARGMAX_CHUNK, the tail's max,
     argmax over chunk maxima, gather), the kernels' twin. torch's one reduction per row runs a single 128k-entry
     row in one thread block (~28 us on an H100, 33 us on an H200 at Llama-3's vocabulary, against ~1 us of memory
-    traffic). A decode graph's logits buffer is padded_vocab(V) wide with -inf padding."""
+    traffic). A decode graph's logits buffer is padded_vocab(V) wide with -inf padding. With `scatter` = (dest,
+    index), also dest[index[b]] = row b's argmax (a decode graph's next-token store, in the same launch)."""
     if x.is_cuda:
         from ostinato.layers.triton_ops.argmax import argmax_rows
 
-        return argmax_rows(x, out)
+        return argmax_rows(x, out, scatter=scatter)
     b, width = x.shape
     full = width // ARGMAX_CHUNK * ARGMAX_CHUNK
     vals, idx = x[:, :full].unflatten(1, (full // ARGMAX_CHUNK, ARGMAX_CHUNK)).max(dim=-1)
@@ -30,4 +31,6 @@ def chunked_argmax(x: Tensor, out: Tensor | None = None) -> Tensor:
         vals, idx = torch.cat([vals, tail_val], dim=1), torch.cat([idx, tail_idx], dim=1)
     chunk = vals.argmax(dim=-1, keepdim=True)
     ids = (chunk * ARGMAX_CHUNK + idx.gather(1, chunk))[:, 0]
+    if scatter is not None:
+        scatter[0][scatter[1]] = ids
     return ids if out is None else out.copy_(ids)

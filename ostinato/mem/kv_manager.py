@@ -28,24 +28,29 @@ class KVManager:
         """Slots for tokens [cur_len, new_len) of the request, or None (nothing taken) if KV is short."""
         return self.extend_batch([req_slot], [cur_len], [new_len])
 
-    def extend_decode(self, req_slots: list[int], kv_lens: list[int]) -> torch.Tensor | None:
-        """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`)."""
+    def extend_decode(self, req_slots: list[int], kv_lens: list[int], record: bool = True) -> torch.Tensor | None:
+        """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`). With `record` False the
+        slots are not written to req_to_token here: the decode step that uses them records them on the device
+        before anything reads them (NextTokenBuffer.begin_decode_, run by every decode forward)."""
         if self.page_size > 1:
-            return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens])
+            return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens], record)
         # page 1 (extend_batch's arithmetic, short-cut: this runs every decode step): a page per request
         pages = self.allocator.alloc_pages(len(req_slots))
         if pages is None:
             return None
         loc = self.allocator.page_slots(pages)
+        if not record:
+            return loc
         table = self.req_pool.req_to_token
         rows, cols = to_device([np.asarray(req_slots, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)],
                                table.device)
         table[rows, cols] = loc.to(torch.int32)
         return loc
 
-    def extend_batch(self, req_slots: list[int], cur_lens: list[int], new_lens: list[int]) -> torch.Tensor | None:
+    def extend_batch(self, req_slots: list[int], cur_lens: list[int], new_lens: list[int],
+                     record: bool = True) -> torch.Tensor | None:
         """Slots for tokens [cur_lens[i], new_lens[i]) of request row `req_slots[i]`, concatenated in request
-        order and recorded in `req_to_token`; None (nothing taken) if KV is short.
+        order and recorded in `req_to_token` (unless `record` is False); None (nothing taken) if KV is short.
 
         A fixed handful of device ops whatever the number of requests (the per-token index arithmetic is done
         on the host and copied over once): a step that admits 256 prompts costs what one costs."""
@@ -76,7 +81,8 @@ class KVManager:
             pick, offset, last_rows, last_cols = paged
             last_pages = self.allocator.pages_of(table[last_rows, last_cols].to(torch.int64))
             loc = self.allocator.page_slots(torch.cat([new_pages, last_pages])[pick]) + offset
-        table[rows, cols] = loc.to(torch.int32)
+        if record:
+            table[rows, cols] = loc.to(torch.int32)
         return loc
 
     def read_rows(self, req_slots: list[int], lens: list[int]) -> list[torch.Tensor]:

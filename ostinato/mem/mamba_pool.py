@@ -67,8 +67,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
     def __init__(self, size: int, max_context_len: int, device: torch.device | str, mamba_pool: MambaPool) -> None:
         super().__init__(size, max_context_len, device)
         self.mamba_pool = mamba_pool
-        # int64 [size]: the Mamba slot of each request row, read on the device by the forward pass
-        self.req_to_mamba = torch.full((size,), SINK_SLOT, dtype=torch.int64, device=device)
+        # int64 [size + 1]: the Mamba slot of each request row (the sink row's: the sink slot), read on the device
+        self.req_to_mamba = torch.full((size + 1,), SINK_SLOT, dtype=torch.int64, device=device)
         self._mamba_of: list[int | None] = [None] * size  # host mirror, so freeing never reads the device
 
     def alloc(self) -> int | None:

@@ -377,7 +377,8 @@ class ModelRunner:
         if path == "piecewise":
             return self.piecewise_graph_runner.replay(batch)
         if batch.mode is ForwardMode.DECODE:
-            self.next_tokens.resolve_(batch.input_ids, batch.req_pool_indices)
+            self.next_tokens.begin_decode_(batch.input_ids, batch.req_pool_indices, batch.seq_lens,
+                                           batch.out_cache_loc, self.req_to_token_pool.req_to_token)
         with forward_context(self.backend, batch, self.model.attention_specs):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions, **({"mm": batch.mm} if batch.mm is not None else {}))
@@ -445,7 +446,8 @@ class ModelRunner:
             drawn = self.sample_graph_runner.replay(self.graph_runner.padded_size(len(reqs)), *tensors.fused_args())
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
         sampled = sample_tensors(logits, tensors, self._argmax, drawn)
-        self.next_tokens.store_(batch.sample_slots, sampled.ids)
+        if sampled.ids is not self._argmax:  # the decode graph's argmax kernel stored its tokens already
+            self.next_tokens.store_(batch.sample_slots, sampled.ids)
         if self._prompt_lp is not None:
             sampled.prompt_logprobs = self._prompt_lp
             sampled.prompt_lp_counts = [len(t) for t in sched.prompt_lp_targets]

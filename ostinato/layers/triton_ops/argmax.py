@@ -21,24 +21,31 @@ def _chunk_argmax_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, B
 
 
 @triton.jit
-def _rows_argmax_kernel(vals_ptr, idx_ptr, n_chunks, out_ptr, BLOCK_C: tl.constexpr):
+def _rows_argmax_kernel(vals_ptr, idx_ptr, n_chunks, out_ptr, dest_ptr, index_ptr, BLOCK_C: tl.constexpr,
+                        SCATTER: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     v = tl.load(vals_ptr + row * n_chunks + offs, mask=offs < n_chunks, other=float("-inf"))
     _, j = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + j).to(out_ptr.dtype.element_ty))
+    best = tl.load(idx_ptr + row * n_chunks + j).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row, best)
+    if SCATTER:
+        tl.store(dest_ptr + tl.load(index_ptr + row), best)
 
 
-def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 2048) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 2048,
+                scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """argmax over the last dim of x [B, V] (float, unit column stride; rows may be strided) -> int64 [B], into
-    `out` when given."""
+    `out` when given; with `scatter` = (dest, index) also dest[index[b]] = the argmax of row b."""
     b, n = x.shape
     assert x.stride(-1) == 1
     chunks = triton.cdiv(n, block)
     vals = torch.empty(b, chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(b, chunks, dtype=torch.int32, device=x.device)
     out = torch.empty(b, dtype=torch.int64, device=x.device) if out is None else out
+    dest, index = scatter if scatter is not None else (out, out)
     if b:
         _chunk_argmax_kernel[(b, chunks)](x, x.stride(0), n, vals, idx, chunks, BLOCK=block, num_warps=4)
-        _rows_argmax_kernel[(b,)](vals, idx, chunks, out, BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)
+        _rows_argmax_kernel[(b,)](vals, idx, chunks, out, dest, index, BLOCK_C=triton.next_power_of_2(chunks),
+                                  SCATTER=scatter is not None, num_warps=1)
     return out

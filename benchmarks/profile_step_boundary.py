@@ -1,0 +1,90 @@
+"""What the GPU runs between two decode forwards, through the public API: `LLM.generate` under torch.profiler, then
+for each step the GPU events from the end of one step's argmax kernel (the decode graph's last kernel) to the start
+of the next step's first GEMV (the forward's first weight read), with their offsets. The median step's sequence is
+printed, and the median length of that boundary beside the median step; the Chrome trace goes to --trace.
+
+python benchmarks/profile_step_boundary.py --model llama-3.2-1b --batch-size 1 --temperature 0 0.6 [--trace DIR]
+"""
+
+import argparse
+import gzip
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+
+import torch
+
+from ostinato import LLM, SamplingParams
+
+STEP_END = "_rows_argmax_kernel"  # the decode graph's last kernel
+FORWARD_START = ("_skinny_fma_kernel", "_skinny_dot_kernel")  # a GEMV: the first layer's first weight read
+GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
+
+
+def gpu_events(trace_path: str) -> list[dict]:
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def boundaries(events: list[dict]) -> list[tuple[float, list[tuple[str, float, float]]]]:
+    """Per step boundary: (its length in us, [(event name, start offset, duration)]) from an argmax kernel's end to
+    the next GEMV's start."""
+    out = []
+    ends = [i for i, e in enumerate(events) if e["name"].startswith(STEP_END)]
+    for i in ends:
+        t0 = events[i]["ts"] + events[i]["dur"]
+        seq = []
+        for e in events[i + 1:]:
+            if e["name"].startswith(FORWARD_START):
+                out.append((e["ts"] - t0, seq))
+                break
+            seq.append((e["name"][:70], e["ts"] - t0, e["dur"]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.6])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--trace", default=None, help="a folder for the Chrome traces (gzipped)")
+    args = ap.parse_args()
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16")
+    rng = random.Random(0)
+    vocab = llm.engine.runner.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(128)]}
+               for _ in range(args.batch_size)]
+    for temp in args.temperature:
+        params = SamplingParams(temperature=temp, max_tokens=args.tokens, ignore_eos=True, seed=0)
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up (and the sampler graph's capture)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+        tmp = tempfile.mkdtemp()
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        steps = boundaries(gpu_events(path))[5:-2]  # past the prefill's first steps, before the last
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            with open(path, "rb") as src, gzip.open(os.path.join(
+                    args.trace, f"step-boundary-{args.model}-bs{args.batch_size}-t{temp:g}.json.gz"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        shutil.rmtree(tmp)
+        lengths = [s[0] for s in steps]
+        med = statistics.median(lengths)
+        length, seq = min(steps, key=lambda s: abs(s[0] - med))
+        print(f"{args.model} bs {args.batch_size} T={temp:g}: {len(steps)} boundaries, median {med:.1f} us "
+              f"(min {min(lengths):.1f}, max {max(lengths):.1f}); the median one, offsets from the argmax's end:")
+        for name, start, dur in seq:
+            print(f"  {start:8.1f} us  +{dur:6.1f}  {name}")
+        print(f"  {length:8.1f} us  the first GEMV")
+
+
+if __name__ == "__main__":
+    main()
