@@ -44,7 +44,7 @@ tests)
     t sampler tests/test_fused_sample.py tests/test_sample_graph.py tests/test_sampler.py tests/test_logits.py \
       tests/test_memset_hoist.py &
     t ssm_scan tests/test_ssm_scan_kernel.py -k "$k" &
-    (t decode_graph tests/test_decode_graph.py; t fp8_kv tests/test_fp8_kv.py; t rope_store tests/test_rope_store.py
+    (t decode_graph tests/test_decode_graph.py tests/test_overlap.py; t fp8_kv tests/test_fp8_kv.py; t rope_store tests/test_rope_store.py
      t extend_graph tests/test_extend_graph.py) &
     (t models tests/test_gpu.py; t pdl tests/test_pdl.py; t decode_compile tests/test_decode_compile.py) &
     (t piecewise tests/test_piecewise_gpu.py; t granite tests/test_granite_hybrid_gpu.py -k "$k"
