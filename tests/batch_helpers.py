@@ -29,12 +29,17 @@ def extend_batch(runner, prompts, prefix_lens):
 
 
 
+def record_slots(kv, rows, kv_lens, loc) -> None:
+    """What a decode step's forward does first (NextTokenBuffer.begin_decode_): token kv_lens[i] of request row
+    rows[i] gets slot loc[i] in req_to_token (`KVManager.extend_decode` takes slots without recording them)."""
+    table = kv.req_pool.req_to_token
+    table[list(rows), list(kv_lens)] = loc.to(table.dtype)
+
+
 def record_decode_slots(kv, batch) -> None:
-    """What a decode step's forward does first (NextTokenBuffer.begin_decode_): record its new KV slots in
-    req_to_token (the scheduler takes them with `extend_decode(record=False)`)."""
+    """`record_slots` for a scheduled decode batch (nothing for other steps)."""
     if batch.mode is ForwardMode.DECODE:
-        table = kv.req_pool.req_to_token
-        table[[r.req_pool_idx for r in batch.reqs], batch.prefix_lens] = batch.out_cache_loc.to(table.dtype)
+        record_slots(kv, [r.req_pool_idx for r in batch.reqs], batch.prefix_lens, batch.out_cache_loc)
 
 
 def emit_random_tokens(sched, batch, rng) -> None:

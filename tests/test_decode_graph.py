@@ -184,7 +184,7 @@ def test_replay_reads_pending_inputs_from_the_next_token_buffer(tiny_llm):
 
 def test_replay_records_new_slots_and_stores_greedy_tokens(tiny_llm):
     """The step does its own bookkeeping: it records each row's new KV slot in req_to_token (the scheduler
-    leaves that to it: `extend_decode(record=False)`) and stores each row's argmax in the next-token buffer.
+    leaves that to it: `extend_decode`) and stores each row's argmax in the next-token buffer.
     Its padded rows (3 requests replay the 4-row graph; request row 0 is live) write only the table's sink row."""
     runner = tiny_llm.engine.runner
     graphs = DecodeGraphRunner(runner)

@@ -5,6 +5,7 @@ import random
 from types import SimpleNamespace
 
 import torch
+from batch_helpers import record_slots
 
 from ostinato import LLM, SamplingParams
 from ostinato.mem.kv_manager import KVManager
@@ -28,6 +29,7 @@ def test_page1_decode_slots_match_the_general_path():
         picked = sorted(rng.sample(rows, 3))
         at = [lens[rows.index(r)] for r in picked]
         a = short.extend_decode(picked, at)
+        record_slots(short, picked, at, a)
         b = general.extend_batch(picked, at, [n + 1 for n in at])
         assert torch.equal(a, b)
         for r in picked:

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from batch_helpers import record_slots
 
 from ostinato.mem.kv_cache import FP8_SLOT_GROUP, MHATokenToKVPool, SlotLayout
 from ostinato.mem.kv_manager import KVManager
@@ -164,6 +165,7 @@ def test_batched_decode_extend_equals_per_request_extend(page):
             cur = [n + step for n in lens]
             if batched:
                 loc = kv.extend_decode(slots, cur)
+                record_slots(kv, slots, cur, loc)
             else:
                 loc = torch.cat([kv.extend(s, n, n + 1) for s, n in zip(slots, cur, strict=True)])
             assert loc.shape == (len(slots),)

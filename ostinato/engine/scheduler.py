@@ -142,8 +142,7 @@ class Scheduler:
             if not decoding:
                 return None
         prefix = [r.kv_len for r in decoding]
-        # (the decode step records the slots in req_to_token itself, on the device: NextTokenBuffer.begin_decode_)
-        loc = self.kv.extend_decode([r.req_pool_idx for r in decoding], prefix, record=False)
+        loc = self.kv.extend_decode([r.req_pool_idx for r in decoding], prefix)  # the step records them
         assert loc is not None  # pages were checked above
         for r in decoding:
             r.kv_len += 1

@@ -28,24 +28,15 @@ class KVManager:
         """Slots for tokens [cur_len, new_len) of the request, or None (nothing taken) if KV is short."""
         return self.extend_batch([req_slot], [cur_len], [new_len])
 
-    def extend_decode(self, req_slots: list[int], kv_lens: list[int], record: bool = True) -> torch.Tensor | None:
-        """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`). With `record` False the
-        slots are not written to req_to_token here: the decode step that uses them records them on the device
-        before anything reads them (NextTokenBuffer.begin_decode_, run by every decode forward)."""
+    def extend_decode(self, req_slots: list[int], kv_lens: list[int]) -> torch.Tensor | None:
+        """One new slot per request (token `kv_lens[i]` of request row `req_slots[i]`), not yet in req_to_token:
+        the decode step that uses them records them there on the device before anything reads them
+        (NextTokenBuffer.begin_decode_, the first thing every decode forward runs)."""
         if self.page_size > 1:
-            return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens], record)
+            return self.extend_batch(req_slots, kv_lens, [n + 1 for n in kv_lens], record=False)
         # page 1 (extend_batch's arithmetic, short-cut: this runs every decode step): a page per request
         pages = self.allocator.alloc_pages(len(req_slots))
-        if pages is None:
-            return None
-        loc = self.allocator.page_slots(pages)
-        if not record:
-            return loc
-        table = self.req_pool.req_to_token
-        rows, cols = to_device([np.asarray(req_slots, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)],
-                               table.device)
-        table[rows, cols] = loc.to(torch.int32)
-        return loc
+        return None if pages is None else self.allocator.page_slots(pages)
 
     def extend_batch(self, req_slots: list[int], cur_lens: list[int], new_lens: list[int],
                      record: bool = True) -> torch.Tensor | None:

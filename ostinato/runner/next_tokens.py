@@ -7,7 +7,7 @@ always comes after the store of the step that sampled the token.
 
 A decode step's bookkeeping before its forward is one launch on CUDA (`begin_decode_`): the pending inputs
 resolved, and each row's new KV slot recorded in `req_to_token`. Inside a decode graph that takes no stream
-operation of its own per step; the scheduler only takes the slots (`KVManager.extend_decode(record=False)`).
+operation of its own per step; the scheduler only takes the slots (`KVManager.extend_decode`).
 """
 
 import torch
