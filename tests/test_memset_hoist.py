@@ -47,6 +47,19 @@ def test_a_memset_between_a_norm_and_its_gemm_hangs_from_the_gemm_before():
     assert plan(nodes, WS) == [("remove", 1, 2), ("add", 0, 2), ("add", 1, 3)]
 
 
+def test_in_place_swaps_the_memset_and_keeps_every_edge():
+    nodes = chain(("k", "nvjet_down"), ("k", "_rms_norm_kernel"), ("m", WS), ("k", "nvjet_gate_up"),
+                  ("k", "_rms"), ("m", (WS[0] + 64, 4)), ("k", "nvjet_other"))
+    assert plan(nodes, WS, in_place=True) == [("swap", 2, 2)]
+
+
+def test_few_memsets_move_in_place_many_are_rehung():
+    from ostinato.graphs.memset_hoist import REHANG_MIN, moves_in_place
+
+    assert moves_in_place(1, "1") and not moves_in_place(REHANG_MIN, "1")
+    assert moves_in_place(REHANG_MIN, "inplace") and not moves_in_place(1, "rehang")
+
+
 def test_memsets_left_alone():
     other = chain(("k", "nvjet_a"), ("k", "_rms"), ("m", (WS[0] + 64, 4)), ("k", "nvjet_b"))  # not the workspace
     before_triton = chain(("k", "nvjet_a"), ("k", "_rms"), ("m", WS), ("k", "_silu"))  # not before a GEMM
@@ -193,6 +206,22 @@ def test_the_editor_swaps_a_memset_for_a_zeroing_kernel_through_the_driver_calls
     assert 102 not in fake.nodes and fake.nodes[added][2] == {100}  # the memset became a kernel after the GEMM
     assert fake.nodes[103][2] == {101, added}  # the GEMM waits on the norm and the zeroing kernel
     assert fake.nodes[105][2] == {104} and fake.nodes[106][2] == {105}  # the other memset: untouched
+    assert fake.added_params == [zero]
+
+
+def test_the_editor_swaps_a_memset_in_place(monkeypatch):
+    """In place: norm -> memset -> GEMM becomes norm -> zeroing kernel -> GEMM, a chain as before."""
+    from ostinato.graphs import memset_hoist
+
+    nodes = chain(("k", "_rms_norm_kernel"), ("m", WS), ("k", "nvjet_gate_up"), ("k", "_silu"))
+    fake = FakeDriver(nodes)
+    monkeypatch.setattr(memset_hoist.ctypes, "CDLL", lambda name: fake)
+    editor = memset_hoist.CudaGraphEditor(1)
+    zero = memset_hoist._KernelParams()
+    editor.apply(memset_hoist.plan(editor.nodes, WS, in_place=True), zero)
+    added = max(fake.nodes)
+    assert 101 not in fake.nodes and fake.nodes[added][2] == {100}  # the kernel hangs where the memset hung
+    assert fake.nodes[102][2] == {added} and fake.nodes[103][2] == {102}
     assert fake.added_params == [zero]
 
 

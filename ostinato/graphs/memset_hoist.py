@@ -17,6 +17,10 @@ Which memsets: those writing the capture stream's workspace, found by capturing 
 and reading its memset's destination. A memset of any other address (a zeroed tensor, whose memory the caching
 allocator may have just taken from a tensor still being read) is never moved.
 
+A graph with few such memsets (a decode step's one, before the LM head) keeps its shape instead: each memset is
+swapped for the zeroing kernel where it stands (`moves_in_place`), since re-hung ones make the graph branch, and a
+graph that branches starts its second node late.
+
 `plan` is the rule over a plain node list (tested on the CPU); `CudaGraphEditor` reads and edits a cudaGraph_t
 through the driver API (ctypes).
 """
@@ -31,7 +35,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("OSTINATO_MEMSET_HOIST", "1") == "1"
+# "1": by the graph's count of memsets (REHANG_MIN); "rehang" / "inplace": always that way (A/B runs); "0": off
+MODE = os.environ.get("OSTINATO_MEMSET_HOIST", "1")
+ENABLED = MODE != "0"
+# A graph with fewer memsets to move has each swapped for the zeroing kernel where it stands (`plan`'s
+# `in_place`), so a chain stays a chain. Re-hung, each memset leaves its GEMM's path (about 4 us an H200 hop),
+# but the zeroing kernels become a second root, and a graph that branches starts its second node about 10 us
+# late: a bs-1 decode graph (one memset, before the LM head's GEMM) ran its embedding 10 us after its first
+# kernel re-hung and 0.9 us after it in place (H200, `profile_step_boundary.py`, memset-hoist-*-s28). A
+# 2,048-token Granite extend has 76.
+REHANG_MIN = 8
 CUBLAS_KERNEL = re.compile(r"nvjet|gemm|gemv|cutlass|xmma|splitK", re.IGNORECASE)
 
 
@@ -43,12 +56,13 @@ class Node:
     memset_range: tuple[int, int] | None = None  # a memset of zeros over one contiguous range: (address, bytes)
 
 
-def plan(nodes: list[Node], workspace: tuple[int, int] | None) -> list[tuple[str, int, int]]:
+def plan(nodes: list[Node], workspace: tuple[int, int] | None, in_place: bool = False) -> list[tuple[str, int, int]]:
     """The edge edits, ("remove" | "add", from, to), that re-hang each memset of zeros over the `workspace` range
     (None: over any range, to ask whether a graph has candidates at all) whose only dependency R is not a cuBLAS
     kernel and whose only dependent G is one: R -> M becomes K -> M, with K the last cuBLAS kernel before M along
     the single-dependency chain through R (none: M becomes a root, as no cuBLAS work precedes it in the graph),
-    and R -> G is added. A memset whose chain back branches before any cuBLAS kernel is left alone."""
+    and R -> G is added. A memset whose chain back branches before any cuBLAS kernel is left alone.
+    `in_place`: each such memset is only swapped for the zeroing kernel, ("swap", M, M), its edges kept."""
     dependents: dict[int, list[int]] = {}
     for i, node in enumerate(nodes):
         for d in node.deps:
@@ -71,11 +85,21 @@ def plan(nodes: list[Node], workspace: tuple[int, int] | None) -> list[tuple[str
             k = nodes[k].deps[0] if nodes[k].deps else None
         if k == -1:
             continue
+        if in_place:
+            edits.append(("swap", m, m))
+            continue
         edits.append(("remove", r, m))
         if k is not None:
             edits.append(("add", k, m))
         edits.append(("add", r, g))
     return edits
+
+
+def moves_in_place(count: int, mode: str | None = None) -> bool:
+    """Whether a graph's `count` movable memsets are swapped where they stand (else re-hung), under `mode` (the
+    OSTINATO_MEMSET_HOIST setting; None: the process's)."""
+    mode = MODE if mode is None else mode
+    return mode == "inplace" or (mode != "rehang" and count < REHANG_MIN)
 
 
 def is_cublas(node: Node) -> bool:
@@ -188,12 +212,14 @@ class CudaGraphEditor:
         """The edge edits, then each memset moved is swapped for a kernel node of `zero_kernel`'s params, with
         the memset's dependencies and dependents."""
         for op, a, b in edits:
+            if op == "swap":
+                continue
             if op == "remove":
                 self._edge("cuGraphRemoveDependencies_v2", self.handles[a], self.handles[b], self.edges.pop((a, b)))
             else:
                 self._edge("cuGraphAddDependencies_v2", self.handles[a], self.handles[b])
                 self.edges[(a, b)] = _EdgeData()
-        for m in sorted({b for op, _, b in edits if op == "remove"}):
+        for m in sorted({b for op, _, b in edits if op in ("remove", "swap")}):
             deps = [self.handles[a] for (a, b) in self.edges if b == m]
             after = [self.handles[b] for (a, b) in self.edges if a == m]
             self._call("cuGraphDestroyNode", ctypes.c_void_p(self.handles[m]))
@@ -267,6 +293,7 @@ def hoist_cublas_memsets(graph: "torch.cuda.CUDAGraph", device: torch.device, st
         return 0
     if workspace is None:
         return 0
-    edits = plan(editor.nodes, workspace.range)
+    in_place = moves_in_place(len(plan(editor.nodes, workspace.range, in_place=True)))
+    edits = plan(editor.nodes, workspace.range, in_place=in_place)
     editor.apply(edits, workspace.zero_kernel)
-    return sum(op == "remove" for op, _, _ in edits)
+    return sum(op in ("remove", "swap") for op, _, _ in edits)
