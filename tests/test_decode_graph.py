@@ -126,6 +126,36 @@ def test_stand_in_replays_from_static_buffers(tiny_llm):
     release(runner, reqs)
 
 
+def test_prepare_loads_inputs_into_the_static_block(tiny_llm):
+    """With a graph runner attached, `prepare` writes a decode batch's inputs straight into the graph's static
+    block, its padding columns' values included (one host-to-device copy, none in replay); the replay equals one
+    from inputs prepared apart and copied in by replay."""
+    runner = tiny_llm.engine.runner
+    assert runner.graph_runner is None
+    graphs = DecodeGraphRunner(runner)
+    gen = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (11, 26, 8)]  # bs 3 -> 4
+    sched, reqs = decode_batch(runner, seqs)
+    apart = runner.prepare(sched)
+    assert apart.decode_ints.data_ptr() != graphs.ints.data_ptr()
+    expected = graphs.replay(apart).clone()
+    graphs.ints.random_(0, 100, generator=gen)  # stale values in every column
+    runner.graph_runner = graphs
+    try:
+        loaded = runner.prepare(sched)
+    finally:
+        runner.graph_runner = None
+    assert loaded.decode_ints.data_ptr() == graphs.ints.data_ptr()
+    assert torch.equal(loaded.decode_ints, apart.decode_ints)
+    assert torch.equal(loaded.logits_indices, apart.logits_indices)
+    # the sampler graphs' step indices ride along, in place: each request's output length
+    assert apart.sample_steps is None and loaded.sample_steps.data_ptr() == graphs.sample_steps.data_ptr()
+    assert loaded.sample_steps.tolist() == [len(r.output_token_ids) for r in reqs]
+    assert torch.equal(graphs.ints[:, 3:], graphs.pad_column.expand(5, graphs.max_bs - 3))
+    torch.testing.assert_close(graphs.replay(loaded), expected)
+    release(runner, reqs)
+
+
 def generate_eager_then_graphed(llm, attach, max_tokens, lens=(5, 33, 18, 60, 2, 41)):
     """Greedy tokens of random prompts of `lens` tokens, eagerly, then with the graph runner `attach(runner)` returns
     (after setting it on the runner); also the batches that runner replayed. Leaves no KV behind."""

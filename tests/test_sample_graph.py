@@ -44,7 +44,11 @@ def test_replays_draw_what_the_torch_sampler_draws():
     vocab, n = 700, 8
     gen = torch.Generator().manual_seed(0)
     logits = _buffer(n, vocab, gen)
-    runner = SampleGraphRunner(logits, vocab, fused_draw)
+    # the next-token buffer (one row per request slot, the last the sink) and the decode graph's request rows
+    tokens = torch.full((n + 1,), -7, dtype=torch.int64, device=DEVICE)
+    rows = torch.full((n,), n, dtype=torch.int64, device=DEVICE)
+    steps_block = torch.full((n,), -5, dtype=torch.int64, device=DEVICE)  # the decode graphs' step row
+    runner = SampleGraphRunner(logits, vocab, fused_draw, store=(tokens, rows), steps=steps_block)
     batches = [  # (params, padded size): cuts and min_p, temperature alone, then the first kind with new values
         # and a padded row (the last batch's fourth row sampled at temperature 1.5: padding must reset it)
         ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
@@ -56,13 +60,23 @@ def test_replays_draw_what_the_torch_sampler_draws():
     for i, (params, padded) in enumerate(batches):
         seeds = [17 * i + j for j in range(len(params))]
         t = SamplingTensors.from_params(params, seeds, [3, 9, 4, 8][: len(params)], vocab, DEVICE)
+        slots = torch.randperm(n, generator=gen)[: len(params)]
+        rows[: len(params)] = slots.to(DEVICE)
+        rows[len(params) :] = n  # padded rows: the sink
         for step in range(3):  # the batch's tensors are loaded once; only the steps change, and the logits
             if step:
                 _refill(logits, vocab, gen)
                 t = t.with_steps([5 + step, 11 * step, step, 2 * step][: len(params)])
-            drawn = runner.replay(padded, *t.fused_args()).clone()
+            args = t.fused_args()
+            if step == 2:  # the steps already in the static buffer, as the decode graphs' copy leaves them
+                steps_block[: len(params)] = t.steps
+                steps_block[len(params) :] = 0
+                args = (*args[:5], steps_block[: len(params)], args[6])
+            drawn = runner.replay(padded, *args).clone()
             expect = sample_torch(logits[: len(params), :vocab], t)
             assert torch.equal(drawn.cpu(), expect.cpu()), (i, step)
+            assert torch.equal(tokens[slots.to(DEVICE)].cpu(), expect.cpu()), "stored by request slot"
+            tokens[:n] = -7
             padding = runner.ids[len(params) : padded].cpu()
             assert torch.equal(padding, logits[len(params) : padded, :vocab].argmax(-1).cpu()), "padded rows: greedy"
     assert set(runner.graphs) == {SampleKey(4, True, True, True), SampleKey(2, False, False, False)}

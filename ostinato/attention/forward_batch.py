@@ -31,6 +31,9 @@ class ForwardBatch:
     # from ModelRunner.prepare: int64 [bs], the NextTokenBuffer row each request's sampled token is stored to
     # (its request slot, or the sink when this pass samples nothing for it)
     sample_slots: torch.Tensor | None = None
+    # DECODE loaded into the decode graphs' static block (DecodeGraphRunner.load_inputs): int64 [bs], the index of
+    # the output token each row samples, already on the device (the sampler graphs read it in place)
+    sample_steps: torch.Tensor | None = None
     mm: Any = None  # EXTEND of a vision model with image requests: models.qwen_vl.MMForward
     # hybrid models: int64 [bs], the MambaPool slot of each request (the sink slot for padded graph rows)
     mamba_slots: torch.Tensor | None = None

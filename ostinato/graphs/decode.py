@@ -16,6 +16,7 @@ import bisect
 import logging
 import time
 
+import numpy as np
 import torch
 
 from ostinato.attention.forward_batch import ForwardBatch, ForwardMode
@@ -66,13 +67,15 @@ class DecodeGraphRunner:
 
         # Static inputs, written in place before every replay; rows [bs:padded_bs] hold the padding values.
         # input_ids may hold PENDING_TOKEN: the graph resolves them from the runner's NextTokenBuffer.
-        # One int64 block so a replay fills the four per-request vectors with one copy.
+        # One int64 block so one copy fills the per-request vectors (`load_inputs`); its last row, the index of
+        # each row's sampled output token, is read by the sampler graphs, not by this one.
         n, dev = self.max_bs, self.device
-        self.ints = torch.zeros(4, n, dtype=torch.int64, device=dev)
-        self.input_ids, self.positions, self.req_pool_indices, self.seq_lens = self.ints
-        self.pad_column = torch.tensor([0, 0, runner.req_to_token_pool.sink_row, SEQ_LEN_FILL_VALUE],
+        self.ints = torch.zeros(5, n, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.req_pool_indices, self.seq_lens, self.sample_steps = self.ints
+        self.pad_column = torch.tensor([0, 0, runner.req_to_token_pool.sink_row, SEQ_LEN_FILL_VALUE, 0],
                                        dtype=torch.int64, device=dev)[:, None]
         self.ints[:] = self.pad_column
+        self._pad_host = self.pad_column.cpu().numpy()
         self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         # hybrid models: each row's Mamba state slot; padded rows use the pool's sink slot
@@ -150,12 +153,33 @@ class DecodeGraphRunner:
             return False
         return not self.disable_padding or batch.batch_size in self.graphs
 
+    def load_inputs(self, rows: list[list[int]]) -> torch.Tensor | None:
+        """A decode batch's [input_ids, positions, req_pool_indices, seq_lens, sample_steps] rows written straight
+        into the static block, the padding columns' values included, in one host-to-device copy (no copy inside
+        `replay`); returns the block's [5, bs] view, or None where no graph takes the batch. Queued on the current
+        stream, after whatever replay (of this graph or a sampler graph) still reads the block."""
+        bs = len(rows[0])
+        if bs > self.max_bs or (self.disable_padding and bs not in self.graphs):
+            return None
+        host = np.empty((5, self.max_bs), dtype=np.int64)
+        host[:, bs:] = self._pad_host
+        host[:, :bs] = rows
+        block = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            block = block.pin_memory()
+        self.ints.copy_(block, non_blocking=True)
+        return self.ints[:, :bs]
+
     def padded_size(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
     def _fill_padding(self, start: int, stop: int) -> None:
         if stop > start:
             self.ints[:, start:stop] = self.pad_column
+            self._fill_slot_padding(start, stop)
+
+    def _fill_slot_padding(self, start: int, stop: int) -> None:
+        if stop > start:
             self.out_cache_loc[start:stop].fill_(PAD_SLOT)
             if self.mamba_slots is not None:
                 self.mamba_slots[start:stop].fill_(PAD_SLOT)  # the MambaPool's sink slot is 0 too
@@ -166,11 +190,13 @@ class DecodeGraphRunner:
         bs = batch.batch_size
         padded = self.padded_size(bs)
         assert batch.decode_ints is not None, "decode batches come from ModelRunner.prepare"
-        self.ints[:, :bs] = batch.decode_ints
+        loaded = batch.decode_ints.data_ptr() == self.ints.data_ptr()  # by load_inputs, padding included
+        if not loaded:
+            self.ints[:4, :bs] = batch.decode_ints
         self.out_cache_loc[:bs] = batch.out_cache_loc
         if self.mamba_slots is not None:
             self.mamba_slots[:bs] = batch.mamba_slots
-        self._fill_padding(bs, padded)
+        (self._fill_slot_padding if loaded else self._fill_padding)(bs, padded)
         self.runner.backend.init_forward_metadata_replay(padded, self.req_pool_indices[:padded],
                                                          self.seq_lens[:padded])
         self.graphs[padded].replay()

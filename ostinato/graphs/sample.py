@@ -16,10 +16,10 @@ from torch import Tensor
 
 from ostinato.graphs.graph import Graph, warmed_capture
 
-# (logits [B, V], temperatures, min_ps | None, top_ks | None, top_ps | None, seeds, steps, (has top_k, has top_p))
-# -> int64 [B] token ids; fixed grids and no host sync, so it can be captured
-SampleFn = Callable[[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, tuple[bool, bool]],
-                    Tensor]
+# (logits [B, V], temperatures, min_ps | None, top_ks | None, top_ps | None, seeds, steps, (has top_k, has top_p),
+# out=int64 [B], scatter=(dest, index) | None) -> the token ids, written into `out` (and with `scatter`, also
+# dest[index[b]] = row b's id); fixed grids and no host sync, so it can be captured
+SampleFn = Callable[..., Tensor]
 
 
 class SampleKey(NamedTuple):
@@ -30,10 +30,17 @@ class SampleKey(NamedTuple):
 
 
 class SampleGraphRunner:
-    def __init__(self, logits: Tensor, vocab_size: int, sample_fn: SampleFn) -> None:
+    def __init__(self, logits: Tensor, vocab_size: int, sample_fn: SampleFn,
+                 store: tuple[Tensor, Tensor] | None = None, steps: Tensor | None = None) -> None:
         """`logits`: the decode graph's static output [max_bs, >= vocab_size], float32, which every replay of
-        this runner reads (rows past a batch's own hold the padded rows' logits: finite, and drawn greedily)."""
+        this runner reads (rows past a batch's own hold the padded rows' logits: finite, and drawn greedily).
+        `store`: (tokens, rows), the next-token buffer and the decode graph's static request rows [max_bs] (a
+        padded row's: the buffer's sink); each replay also stores row i's drawn id at tokens[rows[i]], as the
+        decode graph's argmax stores greedy ones. `steps`: a static [max_bs] buffer to read the step indices from
+        (the decode graphs' block, which its copy fills with the inputs: `replay` is then given views of it and
+        copies nothing), else one of the runner's own."""
         self.device = logits.device
+        self.store = store
         self.logits = logits[:, :vocab_size]
         self.sample_fn = sample_fn
         n = logits.shape[0]
@@ -42,7 +49,8 @@ class SampleGraphRunner:
         self.floats = torch.zeros(3, n, dtype=torch.float32, device=self.device)
         self.temperatures, self.min_ps, self.top_ps = self.floats
         self.ints = torch.zeros(3, n, dtype=torch.int64, device=self.device)
-        self.top_ks, self.seeds, self.steps = self.ints
+        self.top_ks, self.seeds, own_steps = self.ints
+        self.steps = own_steps if steps is None else steps
         self.pad_floats = torch.tensor([0.0, 0.0, 1.0], device=self.device)[:, None]
         self.pad_ints = torch.tensor([vocab_size, 0, 0], device=self.device)[:, None]
         self.ids = torch.zeros(n, dtype=torch.int64, device=self.device)  # static output
@@ -63,7 +71,8 @@ class SampleGraphRunner:
         if self._loaded is None or self._loaded[0] is not temperatures or self._loaded[1] != padded:
             self._load(padded, temperatures, min_ps, top_ks, top_ps, seeds)
             self._loaded = (temperatures, padded)
-        self.steps[:bs].copy_(steps)
+        if steps.data_ptr() != self.steps.data_ptr():  # else a view of the static buffer, filled already
+            self.steps[:bs].copy_(steps)
         has_k, has_p = cut_phases if top_ks is not None else (False, False)
         return self._replay(SampleKey(padded, min_ps is not None, has_k, has_p))[:bs]
 
@@ -91,11 +100,12 @@ class SampleGraphRunner:
         n = key.batch_size
         cut = key.top_k or key.top_p
 
+        scatter = None if self.store is None else (self.store[0], self.store[1][:n])
+
         def step() -> None:
-            ids = self.sample_fn(self.logits[:n], self.temperatures[:n], self.min_ps[:n] if key.min_p else None,
-                                 self.top_ks[:n] if cut else None, self.top_ps[:n] if cut else None,
-                                 self.seeds[:n], self.steps[:n], (key.top_k, key.top_p))
-            self.ids[:n].copy_(ids)
+            self.sample_fn(self.logits[:n], self.temperatures[:n], self.min_ps[:n] if key.min_p else None,
+                           self.top_ks[:n] if cut else None, self.top_ps[:n] if cut else None,
+                           self.seeds[:n], self.steps[:n], (key.top_k, key.top_p), out=self.ids[:n], scatter=scatter)
 
         return step
 

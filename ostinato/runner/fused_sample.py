@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.argmax import pick_rows
+
 _MUL = tl.constexpr(0x045D9F3B)
 
 
@@ -329,7 +331,9 @@ _TARGET_PROGRAMS = 512  # a few waves over an H100/H200's 132 SMs
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None,
                  top_ks: torch.Tensor | None, top_ps: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor,
-                 vocab_size: int, greedy_eps: float, cut_phases: tuple[bool, bool] = (True, True)) -> torch.Tensor:
+                 vocab_size: int, greedy_eps: float, cut_phases: tuple[bool, bool] = (True, True),
+                 out: torch.Tensor | None = None,
+                 scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """int64 [B] token ids from float32 logits [B, >= vocab_size] (last dim contiguous); columns past
     `vocab_size` are ignored. `min_ps` None: no row filters by min_p; `top_ks` / `top_ps` None: no row has
     top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none),
@@ -340,11 +344,14 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
     index) picks the token. With min_p or top_p a first pass finds each split's maximum (they need the row's).
+    The ids go into `out` when given; with `scatter` = (dest, index) that last kernel also stores
+    dest[index[b]] = row b's id (the next-token buffer, by request row).
     """
     b = logits.shape[0]
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    out = torch.empty(b, dtype=torch.int64, device=logits.device) if out is None else out
     if b == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device)
+        return out
     split_len, num_splits = split_plan(b, vocab_size)
     grid = (b, num_splits)
     dev = logits.device
@@ -359,7 +366,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
         seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P=min_ps is not None,
         HAS_CUT=top_ks is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8,
     )
-    return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]
+    return pick_rows(vals, idx, out, scatter)
 
 
 def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None,

@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, the KV pools and the attention backend; turns a scheduled batch into
 logits and sampled token ids."""
 
+import dataclasses
 import itertools
 import logging
 import operator
@@ -67,6 +68,10 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         # the last step's requests and sampling inputs (_sampling_tensors)
         self._last_sampling: tuple[list, SamplingTensors] | None = None
+        # Sampled tokens go to the host on a stream of their own, so the next step's input copies do not queue
+        # behind them; the next forward waits for `_host_copies` before it overwrites what they read.
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._host_copies: torch.cuda.Event | None = None
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.vocab_size = config.vocab_size
         cuda = self.device.type == "cuda"
@@ -128,7 +133,10 @@ class ModelRunner:
             fused_sample.warm_up(self.max_running_requests, self.vocab_size, self.device)
         self.sample_graph_runner: SampleGraphRunner | None = None  # sampled decode steps, after a decode graph
         if self.graph_runner is not None and not args.disable_sampler_cuda_graph:
-            self.sample_graph_runner = SampleGraphRunner(self.graph_runner.logits, self.vocab_size, fused_draw)
+            self.sample_graph_runner = SampleGraphRunner(
+                self.graph_runner.logits, self.vocab_size, fused_draw,
+                store=(self.next_tokens.tokens, self.graph_runner.req_pool_indices),
+                steps=self.graph_runner.sample_steps)
         self.vit_graph_runner: VitGraphRunner | None = None  # vision-encoder graphs (CPU: the Graph stand-in)
         if args.enable_vit_cuda_graph and self.is_multimodal:
             self.vit_graph_runner = VitGraphRunner(self.model.visual, self.device, args.vit_cuda_graph_max_mb << 20,
@@ -320,9 +328,17 @@ class ModelRunner:
             pos = sched.prefix_lens
             if self.is_multimodal:  # M-RoPE: text-like past the prompt, shifted by the images' extent
                 pos = [s + r.rope_delta for r, s in zip(reqs, pos, strict=True)]
-            ints = self._to_device([ids, pos, req_rows, seq_lens, list(range(len(reqs)))])
+            rows = [ids, pos, req_rows, seq_lens]
+            steps = None
+            if self.graph_runner is not None and (ints := self.graph_runner.load_inputs(
+                    [*rows, [len(r.output_token_ids) for r in reqs]])) is not None:
+                logits_indices, steps = self.graph_runner.logits_indices[: len(reqs)], ints[4]
+            else:
+                ints = self._to_device([*rows, list(range(len(reqs)))])
+                logits_indices = ints[4]
             return ForwardBatch(ForwardMode.DECODE, len(reqs), ints[0], ints[1], ints[2], ints[3], out_cache_loc,
-                                ints[4], seq_lens, decode_ints=ints[:4], sample_slots=ints[2])
+                                logits_indices, seq_lens, decode_ints=ints[:4], sample_slots=ints[2],
+                                sample_steps=steps)
         # an extend reads prompt (or recomputed) tokens, except a decoding request in a mixed step (one token):
         # its input may be PENDING_TOKEN, resolved on the device below
         assert all(r.num_pending == 0 or n == 1 for r, n in zip(reqs, sched.extend_lens, strict=True)), \
@@ -365,6 +381,9 @@ class ModelRunner:
         eagerly and also leaves the prompt tokens' logprobs in `self._prompt_lp`."""
         self._argmax = None
         self._prompt_lp = None
+        if self._host_copies is not None:  # the last step's outputs (a graph's static argmax) read by their copies
+            torch.cuda.current_stream(self.device).wait_event(self._host_copies)
+            self._host_copies = None
         if self.mamba_pool is not None and batch.mamba_slots is None:
             batch.mamba_slots = self.req_to_token_pool.mamba_slots(batch.req_pool_indices)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
@@ -394,15 +413,18 @@ class ModelRunner:
                                   targets[i : i + PROMPT_LP_ROWS], k) for i in range(0, len(rows), PROMPT_LP_ROWS)]
         return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
 
-    def _sampling_tensors(self, reqs: list) -> SamplingTensors:
+    def _sampling_tensors(self, reqs: list, steps: torch.Tensor | None = None) -> SamplingTensors:
         """The step's sampling inputs. Between arrivals and finishes, decode steps run the same requests in the
         same order, and only the index of the token being sampled moves: the rest is reused from the last step
-        (unless a row has penalties or structured outputs, whose counts and masks change every step)."""
+        (unless a row has penalties or structured outputs, whose counts and masks change every step). `steps`:
+        those indices already on the device (ForwardBatch.sample_steps)."""
         last = self._last_sampling
         if last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
             tensors = last[1]
             if tensors.steps is None:  # all greedy: nothing depends on the step
                 return tensors
+            if steps is not None:
+                return dataclasses.replace(tensors, steps=steps)
             return tensors.with_steps([len(r.output_token_ids) for r in reqs])
         outputs = None  # counted for the penalized rows only: the others may hold pending tokens
         if any(r.params.has_penalties for r in reqs):
@@ -439,19 +461,21 @@ class ModelRunner:
         """Token ids (and the logprobs asked for) per scheduled request, stored in `next_tokens` and on their
         way to the host; penalties count each request's output (which must hold no pending token)."""
         reqs = sched.reqs
-        tensors = self._sampling_tensors(reqs)
+        tensors = self._sampling_tensors(reqs, batch.sample_steps)
         drawn = None
         if (self._argmax is not None and self.sample_graph_runner is not None and tensors.fused_ok
                 and not tensors.adjusts_logits):  # the decode graph's logits, drawn from as they stand
             drawn = self.sample_graph_runner.replay(self.graph_runner.padded_size(len(reqs)), *tensors.fused_args())
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
         sampled = sample_tensors(logits, tensors, self._argmax, drawn)
-        if sampled.ids is not self._argmax:  # the decode graph's argmax kernel stored its tokens already
+        if drawn is None and sampled.ids is not self._argmax:  # else a graph stored them (the argmax or the draw)
             self.next_tokens.store_(batch.sample_slots, sampled.ids)
         if self._prompt_lp is not None:
             sampled.prompt_logprobs = self._prompt_lp
             sampled.prompt_lp_counts = [len(t) for t in sched.prompt_lp_targets]
-        return sampled.copy_to_host()
+        sampled.copy_to_host(self._copy_stream)
+        self._host_copies = sampled.done
+        return sampled
 
     def step(self, sched: ScheduledBatch) -> SampledTensors:
         """Launch one scheduled step: inputs, forward, sampling. Returns without waiting for the GPU;

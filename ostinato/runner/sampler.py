@@ -12,6 +12,7 @@ by the caller before `sample`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -259,24 +260,35 @@ class SampledTensors:
     prompt_logprobs: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
     prompt_lp_counts: list[int] | None = None
 
-    def copy_to_host(self) -> SampledTensors:
-        """Copies, not views: `ids` can be a graph's static argmax, which the next replay overwrites."""
+    def copy_to_host(self, stream: torch.cuda.Stream | None = None) -> SampledTensors:
+        """Copies, not views: `ids` can be a graph's static argmax, which the next replay overwrites.
+
+        With `stream` (CUDA), the copies run there, after everything the current stream has queued so far, so that
+        the current stream's next work (the next step's input copies) need not queue behind them. The caller then
+        makes the current stream wait for `done` before it overwrites what was copied (the next forward)."""
         cuda = self.ids.device.type == "cuda"
+        main = torch.cuda.current_stream(self.ids.device) if cuda else None
+        side = stream if cuda and stream is not None else main
+        if side is not main:
+            side.wait_stream(main)
 
         def host(t: Tensor) -> Tensor:
             if not cuda:
                 return t.clone()
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if side is not main:
+                t.record_stream(side)  # a temporary's memory is not handed out again before the copy read it
             return out.copy_(t, non_blocking=True)
 
-        self.ids = host(self.ids)
-        if self.logprobs is not None:
-            self.logprobs = tuple(host(t) for t in self.logprobs)
-        if self.prompt_logprobs is not None:
-            self.prompt_logprobs = tuple(host(t) for t in self.prompt_logprobs)
-        if cuda:
-            self.done = torch.cuda.Event()
-            self.done.record()
+        with torch.cuda.stream(side) if side is not main else contextlib.nullcontext():
+            self.ids = host(self.ids)
+            if self.logprobs is not None:
+                self.logprobs = tuple(host(t) for t in self.logprobs)
+            if self.prompt_logprobs is not None:
+                self.prompt_logprobs = tuple(host(t) for t in self.prompt_logprobs)
+            if cuda:
+                self.done = torch.cuda.Event()
+                self.done.record(side)
         return self
 
     def result(self) -> SamplerOutput:
@@ -340,13 +352,14 @@ def sample_fused(logits: Tensor, t: SamplingTensors) -> Tensor:
 
 
 def fused_draw(logits: Tensor, temperatures: Tensor, min_ps: Tensor | None, top_ks: Tensor | None,
-               top_ps: Tensor | None, seeds: Tensor, steps: Tensor, cut_phases: tuple[bool, bool]) -> Tensor:
+               top_ps: Tensor | None, seeds: Tensor, steps: Tensor, cut_phases: tuple[bool, bool],
+               out: Tensor | None = None, scatter: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`fused_sample.fused_sample` with all of `logits`' columns as the vocabulary (float32, last dim contiguous);
-    the other arguments as `SamplingTensors.fused_args` gives them."""
+    the other arguments as `SamplingTensors.fused_args` gives them (`out`, `scatter`: fused_sample's)."""
     from ostinato.runner.fused_sample import fused_sample
 
     return fused_sample(logits, temperatures, min_ps, top_ks, top_ps, seeds, steps, logits.shape[-1], GREEDY_EPS,
-                        cut_phases=cut_phases)
+                        cut_phases=cut_phases, out=out, scatter=scatter)
 
 
 def sample_torch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> Tensor:

@@ -43,9 +43,19 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 2
     vals = torch.empty(b, chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(b, chunks, dtype=torch.int32, device=x.device)
     out = torch.empty(b, dtype=torch.int64, device=x.device) if out is None else out
-    dest, index = scatter if scatter is not None else (out, out)
     if b:
         _chunk_argmax_kernel[(b, chunks)](x, x.stride(0), n, vals, idx, chunks, BLOCK=block, num_warps=4)
-        _rows_argmax_kernel[(b,)](vals, idx, chunks, out, dest, index, BLOCK_C=triton.next_power_of_2(chunks),
+    return pick_rows(vals, idx, out, scatter)
+
+
+def pick_rows(vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
+              scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """out[b] = idx[b, j] at the first j holding the maximum of vals[b] (vals [B, S] float32 and idx [B, S],
+    contiguous), in one launch; with `scatter` = (dest, index) also dest[index[b]] = out[b]."""
+    b, s = vals.shape
+    assert vals.is_contiguous() and idx.is_contiguous() and idx.shape == vals.shape
+    dest, index = scatter if scatter is not None else (out, out)
+    if b:
+        _rows_argmax_kernel[(b,)](vals, idx, s, out, dest, index, BLOCK_C=triton.next_power_of_2(s),
                                   SCATTER=scatter is not None, num_warps=1)
     return out
