@@ -31,10 +31,17 @@ def gpu_events(trace_path: str) -> list[dict]:
 
 
 def boundaries(events: list[dict]) -> list[tuple[float, list[tuple[str, float, float]]]]:
-    """Per step boundary: (its length in us, [(event name, start offset, duration)]) from an argmax kernel's end to
-    the next GEMV's start."""
+    """Per step boundary: (its length in us, [(event name, start offset, duration)]) from the end of the first argmax
+    kernel after a forward (the decode graph's; a sampled step's sampler graph ends with the same kernel) to the next
+    GEMV's start."""
     out = []
-    ends = [i for i, e in enumerate(events) if e["name"].startswith(STEP_END)]
+    ends, after_forward = [], True
+    for i, e in enumerate(events):
+        if e["name"].startswith(FORWARD_START):
+            after_forward = True
+        elif e["name"].startswith(STEP_END) and after_forward:
+            ends.append(i)
+            after_forward = False
     for i in ends:
         t0 = events[i]["ts"] + events[i]["dur"]
         seq = []
