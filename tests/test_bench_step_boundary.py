@@ -1,0 +1,29 @@
+"""benchmarks/profile_step_boundary.py's reading of a trace: a step boundary runs from the first argmax kernel after a
+forward (the decode graph's) to the next forward's first GEMV, the sampler graph's own argmax kernel inside it."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from profile_step_boundary import boundaries  # noqa: E402
+
+
+def _event(name: str, ts: float, dur: float) -> dict:
+    return {"name": name, "ts": ts, "dur": dur}
+
+
+def test_a_sampled_step_is_one_boundary_from_the_decode_graphs_argmax():
+    events = [
+        _event("_skinny_fma_kernel", 0.0, 90.0),  # a forward
+        _event("_rows_argmax_kernel", 100.0, 2.0),  # the decode graph's argmax: the boundary starts at 102
+        _event("_split_sample_kernel", 105.0, 3.0),
+        _event("_rows_argmax_kernel", 110.0, 2.0),  # the sampler graph's pick_rows: inside the boundary
+        _event("Memcpy HtoD (Pinned -> Device)", 115.0, 2.0),
+        _event("_begin_decode_kernel", 120.0, 2.0),
+        _event("_skinny_fma_kernel", 130.0, 90.0),  # the next forward
+        _event("_rows_argmax_kernel", 230.0, 2.0),  # a greedy step: the next boundary
+        _event("_skinny_dot_kernel", 240.0, 50.0),
+    ]
+    (length, seq), (greedy, greedy_seq) = boundaries(events)
+    assert length == 28.0 and [name for name, _, _ in seq][:2] == ["_split_sample_kernel", "_rows_argmax_kernel"]
+    assert greedy == 8.0 and greedy_seq == []
