@@ -293,7 +293,8 @@ def hoist_cublas_memsets(graph: "torch.cuda.CUDAGraph", device: torch.device, st
         return 0
     if workspace is None:
         return 0
-    in_place = moves_in_place(len(plan(editor.nodes, workspace.range, in_place=True)))
-    edits = plan(editor.nodes, workspace.range, in_place=in_place)
+    edits = plan(editor.nodes, workspace.range, in_place=True)
+    if not moves_in_place(len(edits)):
+        edits = plan(editor.nodes, workspace.range)
     editor.apply(edits, workspace.zero_kernel)
     return sum(op in ("remove", "swap") for op, _, _ in edits)

@@ -12,9 +12,8 @@ by the caller before `sample`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,30 +265,30 @@ class SampledTensors:
         With `stream` (CUDA), the copies run there, after everything the current stream has queued so far, so that
         the current stream's next work (the next step's input copies) need not queue behind them. The caller then
         makes the current stream wait for `done` before it overwrites what was copied (the next forward)."""
-        cuda = self.ids.device.type == "cuda"
-        main = torch.cuda.current_stream(self.ids.device) if cuda else None
-        side = stream if cuda and stream is not None else main
-        if side is not main:
-            side.wait_stream(main)
+        if self.ids.device.type != "cuda":
+            self._map(Tensor.clone)
+            return self
+        main = torch.cuda.current_stream(self.ids.device)
+        side = stream or main
+        side.wait_stream(main)
 
         def host(t: Tensor) -> Tensor:
-            if not cuda:
-                return t.clone()
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            if side is not main:
-                t.record_stream(side)  # a temporary's memory is not handed out again before the copy read it
-            return out.copy_(t, non_blocking=True)
+            t.record_stream(side)  # a temporary's memory is not handed out again before the copy has read it
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-        with torch.cuda.stream(side) if side is not main else contextlib.nullcontext():
-            self.ids = host(self.ids)
-            if self.logprobs is not None:
-                self.logprobs = tuple(host(t) for t in self.logprobs)
-            if self.prompt_logprobs is not None:
-                self.prompt_logprobs = tuple(host(t) for t in self.prompt_logprobs)
-            if cuda:
-                self.done = torch.cuda.Event()
-                self.done.record(side)
+        with torch.cuda.stream(side):
+            self._map(host)
+            self.done = torch.cuda.Event()
+            self.done.record(side)
         return self
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """`fn` over every tensor bound for the host."""
+        self.ids = fn(self.ids)
+        if self.logprobs is not None:
+            self.logprobs = tuple(fn(t) for t in self.logprobs)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = tuple(fn(t) for t in self.prompt_logprobs)
 
     def result(self) -> SamplerOutput:
         if self.done is not None:
