@@ -118,6 +118,14 @@ def profile_steps(runner: ModelRunner, sched: ScheduledBatch, iters: int = 20) -
     print(f"profile bs {len(sched.reqs)}: GPU kernel time {gpu_us / 1e3:.3f} ms/step, {kernels / iters:.0f} "
           "kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+    if os.environ.get("TIMELINE"):  # the last step's first TIMELINE kernels in order: start, length, gap after the last
+        step_kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+                              key=lambda e: e.time_range.start)[-(kernels // iters):]
+        t0, end = step_kernels[0].time_range.start, step_kernels[0].time_range.start
+        for i, e in enumerate(step_kernels[: int(os.environ["TIMELINE"])]):
+            r = e.time_range
+            print(f"  {i:4} {r.start - t0:9.2f} us  {r.elapsed_us():7.2f} us  gap {r.start - end:7.2f}  {e.name[:60]}")
+            end = r.end
 
 
 def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: int = 10) -> dict:

@@ -14,7 +14,10 @@ output's difference from torch (a wait that let a program through early shows th
 - `flags`: one launch, a count per BLOCK_K chunk of each GEMV's output, raised with release order by each row
   tile stored; a program starts a GEMV once the chunks it reads are full (_chain_kernel's SYNC 2);
 - `tags`: one launch, the activations as int32 words carrying a per-launch tag, polled until tagged (SYNC 3);
-- `+l2`: a program's first row tile of the next GEMV asked of L2 before it waits.
+- `+l2`: a program's first row tile of the next GEMV asked of L2 before it waits;
+- `resident` (with --resident PER_SM x WARPS ...): one launch a GEMV under PDL, each program's whole W slice
+  requested into registers before its wait, the next GEMV's programs let in before it too, a grid of at most
+  PER_SM programs an SM (layers/triton_ops/resident_gemv.py; the engine's setting is its PER_SM, NUM_WARPS).
 Tried at 6f56c7b and not kept (slower; docs/gpu-notes.md): loading a GEMV's first W chunks before its wait,
 counting a program's tiles once a GEMV, programs that pull W into L2 ahead of the others, and a kernel streaming
 W through a ring of registers across GEMVs.
@@ -317,6 +320,8 @@ def main() -> None:
                     help="0 / 1: without / with the L2 prefetch of the next GEMV's first tile")
     ap.add_argument("--load-poll", action="store_true",
                     help="also the barrier polled by acquire loads, and the tags by acquire (not relaxed) loads")
+    ap.add_argument("--resident", nargs="*", default=[],
+                    help="resident GEMV settings, 'PER_SM x WARPS' each (e.g. 4x4)")
     ap.add_argument("--smoke", action="store_true", help="CPU: one small layer in Triton's interpreter against torch")
     ap.add_argument("--out", default=None, help="JSON path for the figures (none written without it)")
     args = ap.parse_args()
@@ -360,6 +365,7 @@ def main() -> None:
                   f"{err:.2e}")
             assert err < 2e-2, err
         return
+    from ostinato.layers.triton_ops import resident_gemv
     from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -383,6 +389,17 @@ def main() -> None:
                         variants.append((name, lambda p=p, sync=sync, pf=pf, lp=lp, cfg=cfg: run_chain(
                             w, words if sync == "tags" else a, meta, counter, num, p, sync, prefetch=bool(pf),
                             load_poll=lp, max_k=max_k, **cfg)))
+    for spec in args.resident:
+        per_sm, warps = (int(v) for v in spec.split("x"))
+        cfgs = [resident_gemv.config_for(n, k, 2, sms, per_sm=per_sm, num_warps=warps) for _, _, _, n, k in views]
+        if None in cfgs:
+            ap.error(f"--resident {spec}: a slice does not fit resident_gemv.RESIDENT_BYTES a thread")
+
+        def resident(cfgs=cfgs) -> None:
+            for (wv, io, oo, n, k), cfg in zip(views, cfgs, strict=True):
+                resident_gemv.launch(a[io : io + k].view(1, k), wv, a[oo : oo + n].view(1, n), cfg)
+
+        variants.append((f"resident {spec}", resident))
     variants.append(("skinny (again)", skinny))
     bytes_ = w_size * 2
     report = {"device": torch.cuda.get_device_name(dev), "gemvs": num, "weight_MB": bytes_ / 1e6, "rows": []}

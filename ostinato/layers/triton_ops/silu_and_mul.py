@@ -16,6 +16,15 @@ from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
 
 
 @triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up on fp32 sums, rounded as _silu_and_mul_kernel rounds a [T, 2I] input of `dtype`."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return act * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
                          H=None, stride_h=0, h_cols=1, eps=0.0, NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1):
     if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait

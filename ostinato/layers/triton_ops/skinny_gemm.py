@@ -38,20 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops import resident_gemv
 from ostinato.layers.triton_ops.l2_prefetch import lines_for, prefetch_rows
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+from ostinato.layers.triton_ops.silu_and_mul import silu_mul_rounded
 
 MAX_M = 32
 DTYPES = (torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def silu_mul_rounded(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up on fp32 sums, rounded as silu_and_mul.py's kernel rounds a [T, 2I] input of `dtype`."""
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return act * up
 
 
 @triton.jit
@@ -362,7 +355,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
         if add is not None:
             out.add_(add)
         return
-    cfg = config or config_for(m, n, k, _num_sms(x.device), gated)
+    # one row, a slice that fits in registers: requested whole before the PDL wait (resident_gemv.py). Not for the
+    # ungated pre-norm projection (qkv, Granite's in_proj), whose steps were slower so (resident_gemv.py's doc)
+    takes = prenorm is None or gated
+    if config is None and takes and (resident := resident_gemv.config_for_call(x, weight, gated)) is not None:
+        pre = dict(eps=prenorm.eps, residual=prenorm.residual, residual_out=prenorm.residual_out) if prenorm else {}
+        resident_gemv.launch(x, weight, out, resident, gated, add, **pre)
+        return
+    if config is None:
+        config = (prenorm_config if prenorm else config_for)(m, n, k, _num_sms(x.device), gated)
+    cfg = config
     grid = (triton.cdiv(n, cfg.block_n),)
     args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     pdl = pdl_enabled(x)
@@ -502,6 +504,5 @@ def skinny_norm_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
         raise ValueError("config.use_dot must be False with a pre-norm (the FMA kernel applies it)")
     out = torch.empty(m, weight.shape[0] // (2 if gated else 1), dtype=x.dtype, device=x.device)
     residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    config = config or prenorm_config(m, out.shape[1], k, _num_sms(x.device), gated)
     _launch(x, weight, out, config, gated, PreNorm(eps, residual, None if residual is None else residual_out))
     return out, residual_out

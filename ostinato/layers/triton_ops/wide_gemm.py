@@ -25,7 +25,8 @@ import triton.language as tl
 
 from ostinato.layers.triton_ops.l2_prefetch import lines_for, prefetch_rows
 from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
-from ostinato.layers.triton_ops.skinny_gemm import DTYPES, silu_mul_rounded
+from ostinato.layers.triton_ops.silu_and_mul import silu_mul_rounded
+from ostinato.layers.triton_ops.skinny_gemm import DTYPES
 
 MIN_M, MAX_M = 5, 64
 
