@@ -40,7 +40,7 @@ tests)
   {
     t attention tests/test_triton_attention.py &
     t fp8_variants tests/test_fp8_decode_variants.py &
-    t layer_kernels tests/test_layer_kernels.py tests/test_skinny_gemm.py tests/test_wide_gemm.py &
+    t layer_kernels tests/test_layer_kernels.py tests/test_skinny_gemm.py tests/test_wide_gemm.py tests/test_resident_gemv.py &
     t sampler tests/test_fused_sample.py tests/test_sample_graph.py tests/test_sampler.py tests/test_logits.py \
       tests/test_memset_hoist.py &
     t ssm_scan tests/test_ssm_scan_kernel.py -k "$k" &
