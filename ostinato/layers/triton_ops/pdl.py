@@ -22,6 +22,12 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   Granite-4.0-H-1B 1.730 -> 1.687 / 2.141 -> 2.116; bs 32, on cuBLAS, unchanged). Likely cause, not profiled:
   placed early, the hundreds of programs of a GEMV that follows a GEMV (now that the norms between them are
   folded in) take SM slots beside the running one's and end up spread unevenly.
+  The one-row GEMV of `resident_gemv.py` calls it before its wait instead, once its weight loads are issued, so
+  the next GEMV's programs are placed and request their weights while this one finishes. A kernel that reads
+  before its wait what a kernel further back wrote (below) must then count one kernel more: after a kernel that
+  triggers before its wait, only the kernels before that one's predecessor are known to be complete. None of
+  those readers follows a resident GEMV (it takes one-row o, gate_up and down; they read weights only, and
+  decode stage 1 follows qkv, which stays on the skinny kernel).
   The KV store kernels (`rope_store.py`, `kv_store.py`) trigger at their end too, for the split-KV decode
   kernel after them: placed early, its programs ran much slower at long contexts (H200, Llama-3.2-1B bs 32 x
   4096 2.088 -> 2.212 ms a step, Qwen3-0.6B 4.479 -> 5.110), placed late not (2.089, 4.474), while short
