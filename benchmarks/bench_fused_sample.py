@@ -5,6 +5,7 @@ CUDA graph (the GPU's time alone).
 python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256] [--out FILE]   # GPU
     [--baseline PATH ...]   # also time other copies of fused_sample.py (e.g. the last commit's), in turns
     [--profile]             # and each replay's kernels, from torch.profiler
+    [--scale 3 0.3]         # logits' spread: how often the unrestricted draw survives the cut
 """
 
 import argparse
@@ -50,6 +51,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--baseline", nargs="*", default=[], help="other fused_sample.py files, timed beside the tree's")
     ap.add_argument("--profile", action="store_true", help="print each replay's kernels and their mean times")
+    ap.add_argument("--scale", type=float, nargs="+", default=[3.0],
+                    help="logits ~ N(0, scale^2), one pass each: at T=0.6 a scale of 3 puts most of the mass on a few "
+                         "hundred tokens (the unrestricted draw survives top_k 200), 0.3 spreads it (it rarely does)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev, v, rows = torch.device("cuda"), args.vocab, []
@@ -57,8 +61,8 @@ def main() -> None:
     for i, path in enumerate(args.baseline):
         name = os.path.splitext(os.path.basename(path))[0].lstrip(".")
         impls = {name: load_file_module(path, f"fused_sample_baseline{i}").fused_sample} | impls
-    for b in args.batch_sizes:
-        logits = torch.randn(b, v, device=dev) * 3
+    for scale, b in [(scale, b) for scale in args.scale for b in args.batch_sizes]:
+        logits = torch.randn(b, v, device=dev, generator=torch.Generator(dev).manual_seed(b)) * scale
         temps = torch.full((b,), 0.6, device=dev)
         seeds = torch.arange(b, device=dev)
         steps = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -79,10 +83,13 @@ def main() -> None:
                 with torch.cuda.graph(graph):
                     step()
                 graph.replay()
-                rows.append(dict(impl=name, batch_size=b, top_k=top_k, top_p=top_p, eager_ms=eager,
-                                 graph_ms=timed(graph.replay)))
-                print(f"{name:8} bs {b:3} top_k {top_k} top_p {top_p}: eager {eager:.3f} ms, graph "
-                      f"{rows[-1]['graph_ms']:.3f} ms", flush=True)
+                # rows whose draw is the unrestricted one (the tree keeps those without searching)
+                free = fn(logits, temps, None, None, None, seeds, steps, v, 1e-5)
+                kept = (step() == free).float().mean().item() if cut else 1.0
+                rows.append(dict(impl=name, batch_size=b, scale=scale, top_k=top_k, top_p=top_p, eager_ms=eager,
+                                 graph_ms=timed(graph.replay), unrestricted_kept=kept))
+                print(f"{name:8} scale {scale} bs {b:3} top_k {top_k} top_p {top_p}: eager {eager:.3f} ms, graph "
+                      f"{rows[-1]['graph_ms']:.3f} ms, unrestricted draw kept in {kept:.0%} of rows", flush=True)
                 if args.profile:
                     rows[-1]["kernels_us"] = kernel_times(graph.replay)
                     print("    " + ", ".join(f"{k} {us:.1f}" for k, us in rows[-1]["kernels_us"].items()))

@@ -78,6 +78,40 @@ def test_cut_search_over_many_splits(kinds):
     assert torch.equal(sample_fused(logits, t).cpu(), sample_torch(logits, t).cpu())
 
 
+@pytest.mark.parametrize("kinds", ["top_k", "top_p", "both"])
+def test_unrestricted_draw_kept_or_searched(kinds, monkeypatch):
+    """Rejection first: a row whose unrestricted Gumbel-max draw survives its top_k / top_p keeps it, the others
+    are searched and drawn again under the cut. One batch holds both kinds of row: peaked rows whose draw survives,
+    flat rows with a small top_k or top_p whose draw does not, and rows of a few tied values (the k-th value tied
+    with the draw's). Both kinds occur, and every row draws what the torch sampler draws."""
+    vocab, b = 2 * 2048 + 21, 9
+    gen = torch.Generator().manual_seed(len(kinds) + 100)
+    logits = torch.randn(b, vocab, generator=gen)
+    logits[0:3, 17] += 14.0  # peaked: the draw is column 17, inside any cut
+    logits[3:6] *= 0.05  # flat: the draw is anywhere
+    logits[6:9] = torch.randint(0, 3, (3, vocab), generator=gen).float()  # three values, ~a third of the row each
+    cut = {"top_k": [dict(top_k=k) for k in (5, 1, 40, 3, 2, 8, 300, 2000, vocab // 2)],
+           "top_p": [dict(top_p=p) for p in (0.9, 0.5, 0.99, 0.01, 0.02, 0.05, 0.3, 0.6, 0.95)],
+           "both": [dict(top_k=k, top_p=p) for k, p in ((5, 0.9), (50, 0.5), (2, 0.99), (3, 0.9), (100, 0.01),
+                                                        (9, 0.5), (300, 0.5), (2000, 0.4), (vocab // 2, 0.9))]}[kinds]
+    temps = [0.6 + 0.1 * (i % 4) for i in range(b)]
+    seeds, steps = [7 * i + 1 for i in range(b)], [3 + i for i in range(b)]
+    t = SamplingTensors.from_params([SamplingParams(temperature=temps[i], **cut[i]) for i in range(b)], seeds, steps,
+                                    vocab, DEVICE)
+    free = SamplingTensors.from_params([SamplingParams(temperature=x) for x in temps], seeds, steps, vocab, DEVICE)
+    logits = logits.to(DEVICE)
+    want = sample_torch(logits, t).cpu()
+    kept = want == sample_torch(logits, free).cpu()  # the unrestricted draw survived the cuts
+    assert kept.any() and not kept.all(), kept
+    assert torch.equal(sample_fused(logits, t).cpu(), want)
+    # the rows whose draw survived never read a cut: with every cut poisoned they draw the same
+    from ostinato.runner import fused_sample
+
+    real = fused_sample._cuts
+    monkeypatch.setattr(fused_sample, "_cuts", lambda *a, **kw: torch.full_like(real(*a, **kw), float("nan")))
+    assert torch.equal(sample_fused(logits, t).cpu()[kept], want[kept])
+
+
 def _snapped(sorted_row: torch.Tensor, cut: torch.Tensor) -> float:
     """The row's value nearest the kernel's cut, where within its rounding: compiled, Triton's fp32 `/` is div.full
     (<= 2 ulp), so the kernel's x may sit an ulp or two from torch's."""

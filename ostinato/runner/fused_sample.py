@@ -7,11 +7,15 @@ div.full.f32, up to 2 ulp from torch's, so a draw decided within an ulp or two c
 logits once (twice with min_p: the row maximum first) instead of the eager path's ~25 elementwise passes over
 [B, V]. top_k and top_p become one logit cut per row, found without sorting by a 16-way search over the floats'
 order, each pass spread over the row's splits (`_cut_pass_kernel`): the same cut `sample_torch` reads off its
-sorted row. Fixed grids, no host sync: capturable in a CUDA graph.
+sorted row. The search runs only for rows that need it: the row's unrestricted draw is taken first, and where it
+survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw under the cut too.
+Fixed grids, no host sync: capturable in a CUDA graph (rows that need no search exit those launches at once).
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
 the GPU and its CPU interpreter when the kernel is decorated).
 """
+
+import os
 
 import torch
 import triton
@@ -60,11 +64,18 @@ def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_s
 @triton.jit(do_not_specialize=["split_len", "num_splits"])
 def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, Steps, OutVal, OutIdx, vocab_size,
                          split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr,
-                         BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                         BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, TopKs=None, TopPs=None, Mass=None,
+                         Count=None, b=0, HAS_K: tl.constexpr = False, HAS_P: tl.constexpr = False,
+                         NWAY: tl.constexpr = 16, CHECKED: tl.constexpr = False):
     """Per (row, split): the best Gumbel-perturbed logit among the split's allowed columns and its first index.
-    Greedy rows use no noise and no filter (their best is the argmax)."""
+    Greedy rows use no noise and no filter (their best is the argmax). CHECKED (the draw under the cuts, after
+    the unrestricted one): a row whose unrestricted draw stands returns at once, its bests left as they are."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    if CHECKED:
+        if _accepted(Mass, Count, row, b, num_splits, tl.load(Temps + row) >= greedy_eps, tl.load(TopKs + row),
+                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2):
+            return
     temp = tl.load(Temps + row)
     greedy = temp < greedy_eps
     div = tl.where(greedy, 1.0, temp)
@@ -160,7 +171,8 @@ def _count(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, TO
     exp(x - x_max)) of columns col_lo .. col_hi of the row whose x = logits / div, kept by min_p and by
     key(x) >= floor_key, has key(x) >= c."""
     if TOP_P:
-        return _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, HAS_MIN_P, NWAY,
+        cand = _candidates(lo, hi, NWAY).to(tl.int32)  # keys are int32; the candidates lie between two of them
+        return _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, cand, HAS_MIN_P, NWAY,
                                  BLOCK)
     else:
         return _count_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, HAS_MIN_P,
@@ -168,10 +180,11 @@ def _count(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, TO
 
 
 @triton.jit
-def _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, HAS_MIN_P: tl.constexpr,
+def _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, cand, HAS_MIN_P: tl.constexpr,
                       NWAY: tl.constexpr, BLOCK: tl.constexpr):
-    """`_count`'s mass: each candidate adds the block's weights at or above it (a histogram takes no weights)."""
-    cand = _candidates(lo, hi, NWAY).to(tl.int32)  # keys are int32; the candidates lie between two of them
+    """`_count`'s mass at the int32 order keys `cand` [NWAY]: each candidate adds the block's weights at or above
+    it (a histogram takes no weights). A candidate's sum depends on it alone, not on the others: the acceptance
+    check (`_accept_part_kernel`) gets the search's sums, bit for bit."""
     acc = tl.zeros([NWAY, BLOCK], tl.float32)  # summed over the block's lanes once, after the loop
     for start in range(col_lo, col_hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -238,10 +251,76 @@ def _last_range(State, Part, slot, row, b, num_splits, goal, NWAY: tl.constexpr,
     return _narrow(lo, hi, _summed(Part, slot, row, b, num_splits, NWAY, SPLITS_POW2), goal, NWAY)
 
 
+# Rejection first (FlashInfer's sort-free sampling does the same): the row's unrestricted Gumbel-max draw j* is also
+# its draw under top_k / top_p whenever j* survives them, since the same noise picks the maximum of a subset that
+# holds it. j* survives top_k iff fewer than k kept columns have a larger order key, and top_p iff the mass above
+# its key is under the goal (the search's cut is the largest key whose mass at or above reaches the goal). Those
+# are one pass over the row, where the search takes PASSES; the search and the restricted draw then run only for
+# the rows whose j* failed (every launch stays in the graph: accepted rows' programs exit at once).
+
+
+@triton.jit(do_not_specialize=["split_len", "num_splits"])
+def _accept_part_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Vals, Idx, Mass, Count, vocab_size, split_len,
+                        num_splits, greedy_eps, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """Per (row, split) of a sampling row, from the unrestricted draw's split bests (Vals, Idx): the count of
+    kept columns whose key exceeds key(x[j*]) (HAS_K), and the masses at or above the keys [floor, key(x[j*]),
+    key(x[j*]) + 1, ...] as the top_p search sums them (HAS_P)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
+    if samples:
+        s = tl.arange(0, SPLITS_POW2)
+        vals = tl.load(Vals + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+        idx = tl.load(Idx + row * num_splits + s, mask=s < num_splits, other=2**62)
+        best = tl.min(tl.where(vals == tl.max(vals, axis=0), idx, 2**62), axis=0)  # pick_rows' choice
+        key_j = _order_key(tl.load(Logits + row * stride_l + best) / temp)
+        lo_col = split * split_len
+        hi_col = tl.minimum(lo_col + split_len, vocab_size)
+        row_ptr = Logits + row * stride_l
+        if HAS_K:
+            n = tl.zeros([BLOCK], tl.int32)
+            for start in range(lo_col, hi_col, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                _, key, kept = _kept_keys(row_ptr, offs, offs < hi_col, temp, x_max, log_min_p, _NEG_INF_KEY,
+                                          HAS_MIN_P)
+                n += (kept & (key > key_j)).to(tl.int32)
+            tl.store(Count + row * num_splits + split, tl.sum(n, axis=0))
+        if HAS_P:
+            j = tl.arange(0, NWAY)
+            cand = tl.where(j == 0, _NEG_INF_KEY, tl.where(j == 1, key_j, key_j + 1))
+            mass = _mass_at_or_above(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, _NEG_INF_KEY, cand,
+                                     HAS_MIN_P, NWAY, BLOCK)
+            tl.store(Mass + (row * num_splits + split) * NWAY + j, mass)
+
+
+@triton.jit
+def _accepted(Mass, Count, row, b, num_splits, samples, top_k, top_p, vocab_size, HAS_K: tl.constexpr,
+              HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """Whether the row's unrestricted draw stands: a greedy row, or j* kept by its top_k and top_p. With both, top_p's
+    goal is taken as top_p x the mass at or above j*'s key, at most top_k's mass: accepting on it is safe."""
+    ok = samples | ~samples  # a true scalar tensor; greedy rows' parts were never written and are not used
+    if HAS_K:
+        s = tl.arange(0, SPLITS_POW2)
+        above = tl.sum(tl.load(Count + row * num_splits + s, mask=s < num_splits, other=0), axis=0)
+        ok = ok & ((top_k >= vocab_size) | (above < top_k))
+    if HAS_P:
+        j = tl.arange(0, NWAY)
+        mass = _summed(Mass, 0, row, b, num_splits, NWAY, SPLITS_POW2)
+        base = tl.sum(tl.where(j == 0, mass, 0.0), axis=0)  # every kept column's, as the search's goal sums it
+        if HAS_K:
+            base = tl.where(top_k < vocab_size, tl.sum(tl.where(j == 1, mass, 0.0), axis=0), base)
+        above = tl.sum(tl.where(j == 2, mass, 0.0), axis=0)
+        ok = ok & ((top_p >= 1.0) | (above < top_p * base))
+    return ok | ~samples
+
+
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits"])
 def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
                      split_len, num_splits, b, pass_idx, greedy_eps, TOP_P: tl.constexpr, HAS_K: tl.constexpr,
-                     HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                     HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                     Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False):
     """One pass of a cut search for (row, split): top_k's (count >= k), or with TOP_P top_p's (softmax mass >=
     top_p x the mass top_k keeps). A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
@@ -277,6 +356,9 @@ def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, Sta
     else:
         active = samples & (top_k < vocab_size)
         floor_key = tl.full([], _NEG_INF_KEY, tl.int64)
+    if CHECKED:  # rows whose unrestricted draw stands need no cut
+        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
+                                     vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2)
     if active:
         if pass_idx == 0:
             lo = floor_key
@@ -323,6 +405,7 @@ def _cut_finish_kernel(Temps, TopKs, TopPs, State, Part, Goal, CutK, Cuts, vocab
 
 
 _BLOCK = 2048
+REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0": every row searched (for A/B runs)
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
 _NWAY = 16
@@ -338,8 +421,9 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     `vocab_size` are ignored. `min_ps` None: no row filters by min_p; `top_ks` / `top_ps` None: no row has
     top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none),
     and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped). With them the
-    rows' cuts come first: `PASSES` launches per search over (row, split) programs (`_cut_pass_kernel`), then
-    one program per row (`_cut_finish_kernel`).
+    unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p, then the cut
+    search for the rows whose draw failed (`PASSES` launches per search over (row, split) programs,
+    `_cut_pass_kernel`, and one program per row, `_cut_finish_kernel`), then their draw under the cut.
 
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
@@ -357,35 +441,59 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     dev = logits.device
     pow2 = triton.next_power_of_2(num_splits)
     min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
-    split_max, cuts = _split_max_and_cuts(logits, temperatures, min_ps, top_ks, top_ps, vocab_size, greedy_eps,
-                                          cut_phases, split_len, num_splits)
     vals = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
     idx = torch.empty(b, num_splits, dtype=torch.int64, device=dev)
-    _split_sample_kernel[grid](
-        logits, logits.stride(0), temperatures, min_p_arg, split_max, cuts,
-        seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P=min_ps is not None,
-        HAS_CUT=top_ks is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8,
-    )
+    sample_args = (logits, logits.stride(0), temperatures, min_p_arg)
+    sample_meta = dict(HAS_MIN_P=min_ps is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8)
+    draw_args = (seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps)
+    if top_ks is None or not REJECTION_FIRST:
+        split_max = _split_max(logits, temperatures, min_ps, top_ks is not None and cut_phases[1], vocab_size,
+                               greedy_eps, split_len, num_splits)
+        cuts = split_max if top_ks is None else _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max,
+                                                      vocab_size, greedy_eps, cut_phases, split_len, num_splits)
+        _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=top_ks is not None,
+                                   **sample_meta)
+        return pick_rows(vals, idx, out, scatter)
+    # rejection first (see _accept_part_kernel): the unrestricted draw, the check of each row's j*, then the cut
+    # search and the draw under the cuts for the rows whose j* failed
+    has_k, has_p = cut_phases
+    mass = torch.empty(b, num_splits, _NWAY, dtype=torch.float32, device=dev)
+    count = torch.empty(b, num_splits, dtype=torch.int32, device=dev)
+    split_max = _split_max(logits, temperatures, min_ps, has_p, vocab_size, greedy_eps, split_len, num_splits)
+    _split_sample_kernel[grid](*sample_args, split_max, split_max, *draw_args, HAS_CUT=False, **sample_meta)
+    _accept_part_kernel[grid](logits, logits.stride(0), temperatures, min_p_arg, split_max, vals, idx, mass, count,
+                              vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
+                              HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
+                              num_warps=_SEARCH_WARPS)
+    check = dict(Mass=mass, Count=count, HAS_P=has_p, CHECKED=True)
+    cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
+                 split_len, num_splits, check)
+    _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, TopKs=top_ks, TopPs=top_ps,
+                               b=b, HAS_K=has_k, NWAY=_NWAY, **check, **sample_meta)
     return pick_rows(vals, idx, out, scatter)
 
 
-def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None,
-                        top_ks: torch.Tensor | None, top_ps: torch.Tensor | None, vocab_size: int, greedy_eps: float,
-                        cut_phases: tuple[bool, bool], split_len: int,
-                        num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_sample's first kernels over the batch's split plan: each split's max of logits / temperature (with
-    min_p or top_p; else left unwritten), and each row's cut (a float32 [B] tensor; without top_ks, the split
-    maxima, unread)."""
+def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_p_phase: bool,
+               vocab_size: int, greedy_eps: float, split_len: int, num_splits: int) -> torch.Tensor:
+    """Each split's max of logits / temperature, float32 [B, splits]: taken with min_p or a top_p search (they need
+    the row's), else left unwritten (top_k alone needs no row maximum)."""
+    b = logits.shape[0]
+    split_max = torch.empty(b, num_splits, dtype=torch.float32, device=logits.device)
+    if min_ps is not None or top_p_phase:
+        _split_max_kernel[(b, num_splits)](logits, logits.stride(0), temperatures, split_max, vocab_size, split_len,
+                                           num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8)
+    return split_max
+
+
+def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
+          top_ps: torch.Tensor, split_max: torch.Tensor, vocab_size: int, greedy_eps: float,
+          cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None) -> torch.Tensor:
+    """The cut search's launches: each row's cut, float32 [B]. `check` (the acceptance parts and flags): rows whose
+    unrestricted draw stands are not searched, and their cuts are left unset."""
     b = logits.shape[0]
     grid = (b, num_splits)
     dev = logits.device
     pow2 = triton.next_power_of_2(num_splits)
-    split_max = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
-    if min_ps is not None or (top_ks is not None and cut_phases[1]):  # top_k alone needs no row maximum
-        _split_max_kernel[grid](logits, logits.stride(0), temperatures, split_max, vocab_size, split_len,
-                                num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8)
-    if top_ks is None:
-        return split_max, split_max
     has_k, has_p = cut_phases
     state = torch.empty(b, 2, 2, dtype=torch.int64, device=dev)  # (lo, hi) of the last two passes
     part = torch.empty(2, b, num_splits, _NWAY, dtype=torch.float32, device=dev)
@@ -395,7 +503,7 @@ def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps
     args = (logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, goal,
             cut_k, vocab_size, split_len, num_splits, b)
     meta = dict(HAS_K=has_k, HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
-                num_warps=_SEARCH_WARPS)
+                num_warps=_SEARCH_WARPS, **(check or {}))
     for top_p in [False] * has_k + [True] * has_p:
         for pass_idx in range(PASSES):
             _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, TOP_P=top_p, **meta)
@@ -403,17 +511,17 @@ def _split_max_and_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps
     _cut_finish_kernel[(b,)](temperatures, top_ks, top_ps, state, part, goal, cut_k, cuts, vocab_size,
                              num_splits, b, greedy_eps, HAS_K=has_k, HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2,
                              num_warps=1)
-    return split_max, cuts
+    return cuts
 
 
 def row_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
              top_ps: torch.Tensor, vocab_size: int, greedy_eps: float,
              cut_phases: tuple[bool, bool] = (True, True)) -> torch.Tensor:
-    """The threshold fused_sample applies to each row's logits / temperature (-inf: it cuts nothing), float32 [B]:
-    the search's result alone, for tests. Arguments as fused_sample's."""
+    """The threshold fused_sample applies to each row's logits / temperature (-inf: it cuts nothing), float32 [B],
+    every row searched (no acceptance check): the search's result alone, for tests. Arguments as fused_sample's."""
     plan = split_plan(logits.shape[0], vocab_size)
-    return _split_max_and_cuts(logits, temperatures, min_ps, top_ks, top_ps, vocab_size, greedy_eps, cut_phases,
-                               *plan)[1]
+    split_max = _split_max(logits, temperatures, min_ps, cut_phases[1], vocab_size, greedy_eps, *plan)
+    return _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases, *plan)
 
 
 def split_plan(batch: int, vocab_size: int) -> tuple[int, int]:
