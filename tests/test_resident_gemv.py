@@ -15,14 +15,20 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="the Triton kernels (or their CPU interpreter) need triton")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from test_skinny_gemm import TOL, captured, folded, prenorm_inputs, prenorm_reference, randn  # noqa: E402
+from test_skinny_gemm import (  # noqa: E402
+    DEVICE,
+    TOL,
+    captured,
+    cuda,
+    folded,
+    prenorm_inputs,
+    prenorm_reference,
+    randn,
+)
 
 from ostinato.layers.triton_ops import resident_gemv, skinny_gemm  # noqa: E402
 from ostinato.layers.triton_ops.resident_gemv import ResidentConfig, config_for, k_parts, launch  # noqa: E402
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
-cuda = pytest.mark.skipif(not GPU, reason="needs CUDA")
 GATE_TOL = (4e-3, 4e-3)  # fp16: gate and up rounded before silu, then the product (test_skinny_gemm's gate_up)
 
 
