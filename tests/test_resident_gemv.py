@@ -55,7 +55,7 @@ def test_config_rule_takes_small_projections_only():
     assert config_for(1024, 1024, 2, 132, per_sm=0) is None  # switched off
 
 
-@pytest.mark.parametrize("value", ["4", "x,4", "0,4", "4,3", "4,32"])
+@pytest.mark.parametrize("value", ["4", "x,4", "0,4", "4,3", "4,32", "4,4,5", "4,4,0", "4,4,1,1"])
 def test_bad_setting_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("OSTINATO_RESIDENT_GEMV", value)
     with pytest.raises(ValueError, match="OSTINATO_RESIDENT_GEMV"):
@@ -64,7 +64,9 @@ def test_bad_setting_names_the_variable(monkeypatch, value):
 
 def test_setting(monkeypatch):
     monkeypatch.setenv("OSTINATO_RESIDENT_GEMV", "6,2")
-    assert resident_gemv._setting() == (6, 2)
+    assert resident_gemv._setting() == (6, 2, 1)
+    monkeypatch.setenv("OSTINATO_RESIDENT_GEMV", "6,2,3")
+    assert resident_gemv._setting() == (6, 2, 3)
     monkeypatch.setenv("OSTINATO_RESIDENT_GEMV", "0")
     assert resident_gemv._setting()[0] == 0
 
@@ -75,13 +77,15 @@ def _cfg(n: int, k: int, block_n: int) -> ResidentConfig:
 
 # N not a multiple of BLOCK_N (the last program's rows clamped, never stored); K = 64 one part, 96 and 200 two
 # (200: the second part masked past K), 50: rows not 16-byte aligned
+# m: rows of x, each against the slice held in registers (3 pads to 4)
 @pytest.mark.parametrize("n,k,block_n", [(37, 64, 4), (24, 96, 8), (19, 200, 2), (40, 50, 16)])
 @pytest.mark.parametrize("with_add", [False, True])
-def test_plain_and_add(n, k, block_n, with_add):
-    gen = torch.Generator(DEVICE).manual_seed(n * k + block_n)
-    x, w = randn(gen, 1, k, dtype=torch.float16), randn(gen, n, k, dtype=torch.float16)
-    add = randn(gen, 1, n, dtype=torch.float16) * 4 if with_add else None
-    out = torch.full((1, n), float("nan"), dtype=torch.float16, device=DEVICE)
+@pytest.mark.parametrize("m", [1, 3])
+def test_plain_and_add(n, k, block_n, with_add, m):
+    gen = torch.Generator(DEVICE).manual_seed(n * k + block_n + m)
+    x, w = randn(gen, m, k, dtype=torch.float16), randn(gen, n, k, dtype=torch.float16)
+    add = randn(gen, m, n, dtype=torch.float16) * 4 if with_add else None
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
     launch(x, w, out, _cfg(n, k, block_n), add=add)
     want = x.double() @ w.double().T
     if with_add:  # rounded as torch's linear(x, W) + add: the projection rounded to the dtype first
@@ -91,11 +95,12 @@ def test_plain_and_add(n, k, block_n, with_add):
 
 
 @pytest.mark.parametrize("n,k,block_n", [(37, 64, 4), (19, 200, 8)])
-def test_gated(n, k, block_n):
-    gen = torch.Generator(DEVICE).manual_seed(n + k)
-    x = randn(gen, 1, k, dtype=torch.float16)
+@pytest.mark.parametrize("m", [1, 4])
+def test_gated(n, k, block_n, m):
+    gen = torch.Generator(DEVICE).manual_seed(n + k + m)
+    x = randn(gen, m, k, dtype=torch.float16)
     w = (randn(gen, 2 * n, k, dtype=torch.float32) * k**-0.5).to(torch.float16)
-    out = torch.empty(1, n, dtype=torch.float16, device=DEVICE)
+    out = torch.empty(m, n, dtype=torch.float16, device=DEVICE)
     launch(x, w, out, _cfg(n, k, block_n), gated=True)
     gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
     torch.testing.assert_close(out.double(), F.silu(gate) * up, atol=GATE_TOL[0], rtol=GATE_TOL[1])
@@ -104,10 +109,11 @@ def test_gated(n, k, block_n):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("n,k,block_n", [(37, 64, 4), (19, 200, 8), (24, 96, 2)])
-def test_prenorm(gated, with_residual, n, k, block_n):
-    x, residual, norm_w, w = prenorm_inputs(1, n, k, torch.float16, seed=n * k, gated=gated)
+@pytest.mark.parametrize("m", [1, 2])
+def test_prenorm(gated, with_residual, n, k, block_n, m):
+    x, residual, norm_w, w = prenorm_inputs(m, n, k, torch.float16, seed=n * k + m, gated=gated)
     residual = residual if with_residual else None
-    out = torch.empty(1, n, dtype=torch.float16, device=DEVICE)
+    out = torch.empty(m, n, dtype=torch.float16, device=DEVICE)
     residual_out = torch.full_like(x, float("nan")) if with_residual else None
     launch(x, folded(w, norm_w), out, _cfg(n, k, block_n), gated=gated, eps=1e-6, residual=residual,
            residual_out=residual_out)
@@ -118,11 +124,12 @@ def test_prenorm(gated, with_residual, n, k, block_n):
         assert torch.equal(residual_out, want_residual)
 
 
-def test_skinny_entry_points_choose_it_at_one_row(monkeypatch):
-    """skinny_gemm's entry points hand a one-row call with no config to the resident kernel where its slice
-    fits; two rows, an explicit config, the ungated pre-norm projection (qkv), or a slice too big keep the
-    skinny kernels."""
+def test_skinny_entry_points_choose_it(monkeypatch):
+    """skinny_gemm's entry points hand a call of up to MAX_ROWS rows (1 unless set) with no config to the resident
+    kernel where its slice fits; more rows, an explicit config, the ungated pre-norm projection (qkv), or a slice
+    too big keep the skinny kernels."""
     calls = []
+    monkeypatch.setattr(resident_gemv, "MAX_ROWS", 1)
     real = resident_gemv.launch
     monkeypatch.setattr(resident_gemv, "launch", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     gen = torch.Generator(DEVICE).manual_seed(0)
@@ -134,9 +141,13 @@ def test_skinny_entry_points_choose_it_at_one_row(monkeypatch):
     skinny_gemm.skinny_norm_linear(randn(gen, 1, 96, dtype=torch.float16), w, 1e-6)
     skinny_gemm.skinny_linear(randn(gen, 2, 96, dtype=torch.float16), w)
     skinny_gemm.skinny_linear(randn(gen, 1, 96, dtype=torch.float16), w, config=skinny_gemm.config_for(1, 40, 96))
+    monkeypatch.setattr(resident_gemv, "MAX_ROWS", 4)
+    skinny_gemm.skinny_linear(randn(gen, 4, 96, dtype=torch.float16), w)
+    assert len(calls) == 4
+    skinny_gemm.skinny_linear(randn(gen, 5, 96, dtype=torch.float16), w)
     monkeypatch.setattr(resident_gemv, "RESIDENT_BYTES", 0)  # nothing fits
     skinny_gemm.skinny_linear(randn(gen, 1, 96, dtype=torch.float16), w)
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 # ---------------------------------------------------------------- GPU

@@ -19,7 +19,10 @@ kernels only (run first and last) -> every shape that fits resident -> all but q
 - Qwen3-0.6B: 0.731 / 0.790 and 0.737 / 0.795 -> 0.673 / 0.744 -> 0.672 / 0.725;
 - Llama-3.2-1B (qkv and o fit): 0.856 / 0.879 and 0.859 / 0.884 -> 0.856 / 0.892 -> 0.837 / 0.863.
 
-It does what skinny_gemm's FMA kernel does at one row, under the same constexprs: GATED (gate rows n, up rows I + n,
+Rows of x beyond the first reuse the slice held in registers (MAX_ROWS, 1 by default: at 2-4 rows the steps were
+slower, Qwen3-0.6B bs 2 / 3 / 4 x 128 0.749 / 0.827 / 0.842 -> 0.782 / 0.977 / 1.089 ms and Llama-3.2-1B bs 3 / 4
+0.952 / 0.959 -> 0.980 / 1.010, Llama-3.2-1B bs 2 0.869 -> 0.859; `decode-resident-rows*-h200-20261127-s29.json`).
+It does what skinny_gemm's FMA kernel does, under the same constexprs: GATED (gate rows n, up rows I + n,
 silu_and_mul's rounding), PRENORM (x <- rms_norm(x + R), the norm's weight folded into W, fp32 sums scaled by the
 inverse RMS; program 0 writes x + R to R_out), HAS_ADD (the residual after the projection). x is loaded whole after
 the wait. K need not be a power of two: the slice is two parts, K_A (the largest power of two <= K) and the rest
@@ -53,9 +56,9 @@ def _x_part(X, R, R_out, cols, mask, ss, store, PRENORM: tl.constexpr, HAS_RES: 
 
 @triton.jit
 def _resident_gemv_kernel(
-    X, W, Out, N, K, stride_wn, Add, R, R_out, eps,
-    BLOCK_N: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, GATED: tl.constexpr, PRENORM: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr,
+    X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, Add, stride_am, R, R_out, stride_rm, stride_rom, eps,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, GATED: tl.constexpr,
+    PRENORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,27 +78,31 @@ def _resident_gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     store = (pid == 0).to(tl.int32)
-    ss = 0.0
-    x_a, ss = _x_part(X, R, R_out, ka, ka < K, ss, store, PRENORM, HAS_RES)
-    y = tl.sum(w_a.to(tl.float32) * x_a, axis=1)
-    if GATED:
-        u = tl.sum(u_a.to(tl.float32) * x_a, axis=1)
-    if K_B > 0:
-        x_b, ss = _x_part(X, R, R_out, kb, kb_mask, ss, store, PRENORM, HAS_RES)
-        y += tl.sum(w_b.to(tl.float32) * x_b, axis=1)
-        if GATED:
-            u += tl.sum(u_b.to(tl.float32) * x_b, axis=1)
-    if PRENORM:
-        inv_rms = tl.rsqrt(ss / K + eps)
-        y *= inv_rms
-        if GATED:
-            u *= inv_rms
-    if GATED:
-        y = silu_mul_rounded(y, u, Out.dtype.element_ty)
     mask = offs_n < N
-    if HAS_ADD:  # rounded as torch's `linear(x, W) + add` in the dtype
-        y = y.to(Out.dtype.element_ty).to(tl.float32) + tl.load(Add + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + offs_n, y.to(Out.dtype.element_ty), mask=mask)
+    for m in tl.static_range(M_PAD):  # each row of x against the same slice of W, held in registers
+        if m < M:
+            x_m, r_m, ro_m = X + m * stride_xm, R + m * stride_rm, R_out + m * stride_rom
+            ss = 0.0
+            x_a, ss = _x_part(x_m, r_m, ro_m, ka, ka < K, ss, store, PRENORM, HAS_RES)
+            y = tl.sum(w_a.to(tl.float32) * x_a, axis=1)
+            if GATED:
+                u = tl.sum(u_a.to(tl.float32) * x_a, axis=1)
+            if K_B > 0:
+                x_b, ss = _x_part(x_m, r_m, ro_m, kb, kb_mask, ss, store, PRENORM, HAS_RES)
+                y += tl.sum(w_b.to(tl.float32) * x_b, axis=1)
+                if GATED:
+                    u += tl.sum(u_b.to(tl.float32) * x_b, axis=1)
+            if PRENORM:
+                inv_rms = tl.rsqrt(ss / K + eps)
+                y *= inv_rms
+                if GATED:
+                    u *= inv_rms
+            if GATED:
+                y = silu_mul_rounded(y, u, Out.dtype.element_ty)
+            if HAS_ADD:  # rounded as torch's `linear(x, W) + add` in the dtype
+                a = tl.load(Add + m * stride_am + offs_n, mask=mask, other=0.0)
+                y = y.to(Out.dtype.element_ty).to(tl.float32) + a.to(tl.float32)
+            tl.store(Out + m * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=mask)
 
 
 class ResidentConfig(NamedTuple):
@@ -105,22 +112,24 @@ class ResidentConfig(NamedTuple):
     num_warps: int
 
 
-def _setting() -> tuple[int, int]:
-    """(programs an SM the grid aims at, warps a program); OSTINATO_RESIDENT_GEMV="per_sm,warps", "0" off."""
-    value = os.environ.get("OSTINATO_RESIDENT_GEMV", "4,4")
+def _setting() -> tuple[int, int, int]:
+    """(programs an SM the grid aims at, warps a program, most rows of x); OSTINATO_RESIDENT_GEMV=
+    "per_sm,warps[,rows]", "0" off."""
+    value = os.environ.get("OSTINATO_RESIDENT_GEMV", "4,4,1")
     if value == "0":
-        return 0, 4
+        return 0, 4, 1
     try:
-        per_sm, warps = (int(v) for v in value.split(","))
+        per_sm, warps, *rows = (int(v) for v in value.split(","))
+        max_rows = rows[0] if len(rows) == 1 else 0 if rows else 1
     except ValueError:
-        per_sm = warps = 0
-    if per_sm < 1 or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"OSTINATO_RESIDENT_GEMV must be \"0\" or \"programs_per_sm,warps\" (warps 1-16, a power "
-                         f"of two), got {value!r}")
-    return per_sm, warps
+        per_sm = warps = max_rows = 0
+    if per_sm < 1 or warps not in (1, 2, 4, 8, 16) or not 1 <= max_rows <= 4:
+        raise ValueError(f"OSTINATO_RESIDENT_GEMV must be \"0\" or \"programs_per_sm,warps[,rows]\" (warps 1-16, "
+                         f"a power of two; rows 1-4), got {value!r}")
+    return per_sm, warps, max_rows
 
 
-PER_SM, NUM_WARPS = _setting()
+PER_SM, NUM_WARPS, MAX_ROWS = _setting()
 
 RESIDENT_BYTES = 256  # of W a thread (64 registers): beside the previous kernel's programs, the next one's fit
 
@@ -153,8 +162,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def config_for_call(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> ResidentConfig | None:
-    """config_for at x's device and dtype where x has one row (None otherwise)."""
-    if x.shape[0] != 1:
+    """config_for at x's device and dtype where x has 1 to MAX_ROWS rows (None otherwise)."""
+    if not 1 <= x.shape[0] <= MAX_ROWS:
         return None
     n = weight.shape[0] // (2 if gated else 1)
     return config_for(n, x.shape[1], x.element_size(), _num_sms(x.device), gated)
@@ -166,11 +175,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Reside
     """One launch into `out` [1, n]: x [1, K], weight [N, K] contiguous (gated: [2n, K]), shapes checked by the
     caller (skinny_gemm's entry points). `eps` given: the pre-norm, with `residual` added first and x + residual
     written to `residual_out`."""
-    n, k = out.shape[1], x.shape[1]
+    (m, k), n = x.shape, out.shape[1]
     pdl = pdl_enabled(x)
     prenorm, has_res = eps is not None, residual is not None
+    r, r_out = (residual, residual_out) if has_res else (x, x)  # unread without a residual
     _resident_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, out, n, k, weight.stride(0), out if add is None else add,
-        residual if has_res else x, residual_out if has_res else x, eps if prenorm else 0.0,
-        BLOCK_N=cfg.block_n, K_A=cfg.k_a, K_B=cfg.k_b, GATED=gated, PRENORM=prenorm, HAS_RES=has_res,
-        HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps)
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), out if add is None else add,
+        0 if add is None else add.stride(0), r, r_out, r.stride(0), r_out.stride(0), eps if prenorm else 0.0,
+        M_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, K_A=cfg.k_a, K_B=cfg.k_b, GATED=gated,
+        PRENORM=prenorm, HAS_RES=has_res, HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps)
