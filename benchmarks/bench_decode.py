@@ -25,6 +25,8 @@ python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b granite-4.0-h
     --pdl off on     # Programmatic Dependent Launch off vs on
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:128 --modes graph \
     --rope-store fused unfused --out benchmarks/results/decode-rope-store-h200.json   # launches, fused vs not
+TIMELINE=26 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 1:128 --modes graph --no-launches \
+    --profile 1:128     # and the profiled step's first 26 kernels in order: start, length, gap after the last
 python benchmarks/bench_decode.py --models llama-3.2-1b --cases 32:128 32:288 --modes graph --no-launches \
     --decode-entry table "32:min_tokens_per_split=512" "32:block_n=64,num_warps=2"   # decode-kernel settings in
                                                                                   # the graph, one pass each

@@ -162,7 +162,8 @@ def test_model_shapes_match_the_fma_kernel(dtype, n, k, gated):
     x = randn(gen, 1, k, dtype=dtype)
     w = (randn(gen, (2 if gated else 1) * n, k, dtype=torch.float32) * k**-0.5).to(dtype)
     add = None if gated else randn(gen, 1, n, dtype=dtype)
-    cfg = resident_gemv.config_for_call(x, w, gated)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cfg = resident_gemv.config_for_call(x, w, sms, gated)
     assert cfg is not None
     out = torch.empty(1, n, dtype=dtype, device=DEVICE)
     launch(x, w, out, cfg, gated=gated, add=add)

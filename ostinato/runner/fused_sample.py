@@ -457,8 +457,9 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     # rejection first (see _accept_part_kernel): the unrestricted draw, the check of each row's j*, then the cut
     # search and the draw under the cuts for the rows whose j* failed
     has_k, has_p = cut_phases
-    mass = torch.empty(b, num_splits, _NWAY, dtype=torch.float32, device=dev)
-    count = torch.empty(b, num_splits, dtype=torch.int32, device=dev)
+    # the check's parts, each only where its search runs (else `vals`, unread)
+    mass = torch.empty(b, num_splits, _NWAY, dtype=torch.float32, device=dev) if has_p else vals
+    count = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k else vals
     split_max = _split_max(logits, temperatures, min_ps, has_p, vocab_size, greedy_eps, split_len, num_splits)
     _split_sample_kernel[grid](*sample_args, split_max, split_max, *draw_args, HAS_CUT=False, **sample_meta)
     _accept_part_kernel[grid](logits, logits.stride(0), temperatures, min_p_arg, split_max, vals, idx, mass, count,

@@ -29,7 +29,6 @@ the wait. K need not be a power of two: the slice is two parts, K_A (the largest
 padded to a power of two K_B, masked.
 """
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -120,10 +119,10 @@ def _setting() -> tuple[int, int, int]:
         return 0, 4, 1
     try:
         per_sm, warps, *rows = (int(v) for v in value.split(","))
-        max_rows = rows[0] if len(rows) == 1 else 0 if rows else 1
     except ValueError:
-        per_sm = warps = max_rows = 0
-    if per_sm < 1 or warps not in (1, 2, 4, 8, 16) or not 1 <= max_rows <= 4:
+        per_sm, warps, rows = 0, 0, []
+    max_rows = rows[0] if rows else 1
+    if per_sm < 1 or warps not in (1, 2, 4, 8, 16) or len(rows) > 1 or not 1 <= max_rows <= 4:
         raise ValueError(f"OSTINATO_RESIDENT_GEMV must be \"0\" or \"programs_per_sm,warps[,rows]\" (warps 1-16, "
                          f"a power of two; rows 1-4), got {value!r}")
     return per_sm, warps, max_rows
@@ -142,7 +141,7 @@ def k_parts(k: int) -> tuple[int, int]:
 
 def config_for(n: int, k: int, element_size: int, num_sms: int, gated: bool = False,
                per_sm: int = PER_SM, num_warps: int = NUM_WARPS) -> ResidentConfig | None:
-    """The tiles for x [1, k] @ W^T (n output columns; gated: W [2n, k]), or None where the slice of a grid of at
+    """The tiles for x [m, k] @ W^T (n output columns; gated: W [2n, k]), or None where the slice of a grid of at
     most per_sm * num_sms programs would not fit RESIDENT_BYTES a thread (or the kernel is switched off)."""
     if per_sm < 1 or n < 1 or k < 1:
         return None
@@ -156,25 +155,21 @@ def config_for(n: int, k: int, element_size: int, num_sms: int, gated: bool = Fa
     return ResidentConfig(block_n, k_a, k_b, num_warps)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def config_for_call(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> ResidentConfig | None:
-    """config_for at x's device and dtype where x has 1 to MAX_ROWS rows (None otherwise)."""
+def config_for_call(x: torch.Tensor, weight: torch.Tensor, num_sms: int,
+                    gated: bool = False) -> ResidentConfig | None:
+    """config_for at x's dtype where x has 1 to MAX_ROWS rows (None otherwise)."""
     if not 1 <= x.shape[0] <= MAX_ROWS:
         return None
     n = weight.shape[0] // (2 if gated else 1)
-    return config_for(n, x.shape[1], x.element_size(), _num_sms(x.device), gated)
+    return config_for(n, x.shape[1], x.element_size(), num_sms, gated)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: ResidentConfig, gated: bool = False,
            add: torch.Tensor | None = None, eps: float | None = None, residual: torch.Tensor | None = None,
            residual_out: torch.Tensor | None = None) -> None:
-    """One launch into `out` [1, n]: x [1, K], weight [N, K] contiguous (gated: [2n, K]), shapes checked by the
-    caller (skinny_gemm's entry points). `eps` given: the pre-norm, with `residual` added first and x + residual
-    written to `residual_out`."""
+    """One launch into `out` [M, n]: x [M, K] (M <= 4), weight [N, K] contiguous (gated: [2n, K]), shapes checked
+    by the caller (skinny_gemm's entry points). `eps` given: the pre-norm, with `residual` added first and x +
+    residual written to `residual_out`."""
     (m, k), n = x.shape, out.shape[1]
     pdl = pdl_enabled(x)
     prenorm, has_res = eps is not None, residual is not None

@@ -355,15 +355,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
         if add is not None:
             out.add_(add)
         return
-    # one row, a slice that fits in registers: requested whole before the PDL wait (resident_gemv.py). Not for the
-    # ungated pre-norm projection (qkv, Granite's in_proj), whose steps were slower so (resident_gemv.py's doc)
-    takes = prenorm is None or gated
-    if config is None and takes and (resident := resident_gemv.config_for_call(x, weight, gated)) is not None:
-        pre = dict(eps=prenorm.eps, residual=prenorm.residual, residual_out=prenorm.residual_out) if prenorm else {}
-        resident_gemv.launch(x, weight, out, resident, gated, add, **pre)
-        return
+    # up to resident_gemv.MAX_ROWS rows (one unless set), a slice that fits in registers: requested whole before the
+    # PDL wait (resident_gemv.py). Not the ungated pre-norm projection (qkv, Granite's in_proj): steps were slower
     if config is None:
-        config = (prenorm_config if prenorm else config_for)(m, n, k, _num_sms(x.device), gated)
+        sms = _num_sms(x.device)
+        resident = resident_gemv.config_for_call(x, weight, sms, gated) if prenorm is None or gated else None
+        if resident is not None:
+            pre = dict(eps=prenorm.eps, residual=prenorm.residual, residual_out=prenorm.residual_out) if prenorm else {}
+            resident_gemv.launch(x, weight, out, resident, gated, add, **pre)
+            return
+        config = (prenorm_config if prenorm else config_for)(m, n, k, sms, gated)
     cfg = config
     grid = (triton.cdiv(n, cfg.block_n),)
     args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
