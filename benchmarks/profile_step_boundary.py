@@ -4,6 +4,8 @@ of the next step's first GEMV (the forward's first weight read), with their offs
 printed, and the median length of that boundary beside the median step; the Chrome trace goes to --trace.
 
 python benchmarks/profile_step_boundary.py --model llama-3.2-1b --batch-size 1 --temperature 0 0.6 [--trace DIR]
+python benchmarks/profile_step_boundary.py --model model.gguf --load-format gguf --batch-size 32 --temperature 0 0.6 \
+    --top-p 0.9     # a real model's logits, top_p on the sampled runs
 """
 
 import argparse
@@ -20,7 +22,8 @@ import torch
 from ostinato import LLM, SamplingParams
 
 STEP_END = "_rows_argmax_kernel"  # the decode graph's last kernel
-FORWARD_START = ("_skinny_fma_kernel", "_skinny_dot_kernel")  # a GEMV: the first layer's first weight read
+# a GEMV or small-batch GEMM: the first layer's first weight read
+FORWARD_START = ("_skinny_fma_kernel", "_skinny_dot_kernel", "_wide_kernel", "_resident_gemv_kernel")
 GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 
 
@@ -60,14 +63,18 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.6])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--trace", default=None, help="a folder for the Chrome traces (gzipped)")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled runs (0: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled runs")
     args = ap.parse_args()
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16")
+    llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16")
     rng = random.Random(0)
     vocab = llm.engine.runner.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(128)]}
                for _ in range(args.batch_size)]
     for temp in args.temperature:
-        params = SamplingParams(temperature=temp, max_tokens=args.tokens, ignore_eos=True, seed=0)
+        cut = dict(top_k=args.top_k, top_p=args.top_p) if temp > 0 else {}
+        params = SamplingParams(temperature=temp, max_tokens=args.tokens, ignore_eos=True, seed=0, **cut)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (and the sampler graph's capture)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -80,14 +87,16 @@ def main() -> None:
         if args.trace:
             os.makedirs(args.trace, exist_ok=True)
             with open(path, "rb") as src, gzip.open(os.path.join(
-                    args.trace, f"step-boundary-{args.model}-bs{args.batch_size}-t{temp:g}.json.gz"), "wb") as dst:
+                    args.trace, f"step-boundary-{os.path.basename(args.model)}-bs{args.batch_size}-t{temp:g}.json.gz"),
+                    "wb") as dst:
                 shutil.copyfileobj(src, dst)
         shutil.rmtree(tmp)
         lengths = [s[0] for s in steps]
         med = statistics.median(lengths)
         length, seq = min(steps, key=lambda s: abs(s[0] - med))
-        print(f"{args.model} bs {args.batch_size} T={temp:g}: {len(steps)} boundaries, median {med:.1f} us "
-              f"(min {min(lengths):.1f}, max {max(lengths):.1f}); the median one, offsets from the argmax's end:")
+        print(f"{os.path.basename(args.model)} bs {args.batch_size} T={temp:g} {cut}: {len(steps)} boundaries, "
+              f"median {med:.1f} us (min {min(lengths):.1f}, max {max(lengths):.1f}); the median one, offsets from "
+              "the argmax's end:")
         for name, start, dur in seq:
             print(f"  {start:8.1f} us  +{dur:6.1f}  {name}")
         print(f"  {length:8.1f} us  the first GEMV")

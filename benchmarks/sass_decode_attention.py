@@ -10,8 +10,10 @@ MAXNREG=128 TOP=30 COMBINE=0 PAGE=1 python benchmarks/sass_decode_attention.py .
 ROPE=1 [NORM=1] [XNORM=1] python benchmarks/sass_decode_attention.py ...  # stage 1 rotating q, storing the new K/V
                                                                         # (rope_attend) [with the input norm's scale]
 EARLY_KV=2 python benchmarks/sass_decode_attention.py ...  # with early_kv's L2 requests for 2 key blocks
-HEAD=200 python benchmarks/sass_decode_attention.py ...  # also the order of the global loads, exits, barriers and
-                                                         # shared-memory shuffles in the first 200 instructions
+HEAD=200 python benchmarks/sass_decode_attention.py ...  # also the order of the global loads, exits, barriers,
+                                                         # shared-memory shuffles, L2 prefetches (CCTL) and the PDL
+                                                         # wait / trigger (ACQBULK / PREEXIT) in the first 200
+                                                         # instructions
 """
 
 import collections
@@ -133,7 +135,7 @@ def report(spec: str) -> None:
     if os.environ.get("HEAD"):  # where the kernel's first loads go out and where it first waits
         body = [ln.strip() for ln in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/", ln)]
         for ln in body[: int(os.environ["HEAD"])]:
-            if re.search(r"\b(LDG|EXIT|BAR|STSM|ACQBULK|LDGSTS|DEPBAR)", ln):
+            if re.search(r"\b(LDG|EXIT|BAR|STSM|ACQBULK|PREEXIT|LDGSTS|DEPBAR|CCTL)", ln):
                 print("   ", ln.split(";")[0], flush=True)
 
 

@@ -21,18 +21,24 @@ def test_off_for_cpu_tensors_and_when_switched_off(monkeypatch):
         assert not pdl.enabled(torch.empty(1, device="cuda"))
 
 
-def generate(model: str, prompts: list[dict]) -> list:
+def generate(model: str, prompts: list[dict], one_at_a_time: bool = False) -> list:
+    """Greedy, then sampled with seeds: each output's tokens and logprobs. `one_at_a_time`: each prompt alone (a
+    one-row decode), else all in one batch."""
     llm = LLM(model, load_format="dummy", max_total_tokens=40_000, max_running_requests=16,
               cuda_graph_bs=[1, 2, 4, 8, 16], disable_radix_cache=True)
+    batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+    outs = []
     try:
-        greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
-                              use_tqdm=False)
-        sampled = llm.generate(prompts, [SamplingParams(temperature=0.6, top_p=0.9, max_tokens=24, ignore_eos=True,
-                                                        seed=i, logprobs=2) for i in range(len(prompts))],
-                               use_tqdm=False)
+        for batch in batches:
+            outs += llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+                                 use_tqdm=False)
+        for batch in batches:
+            outs += llm.generate(batch, [SamplingParams(temperature=0.6, top_p=0.9, max_tokens=24, ignore_eos=True,
+                                                        seed=i, logprobs=2) for i in range(len(batch))],
+                                 use_tqdm=False)
     finally:
         llm.shutdown()
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in greedy + sampled]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (or later) GPU")
@@ -48,3 +54,20 @@ def test_decode_with_pdl_gives_the_bits_without(model, monkeypatch):
     for i, (off, on) in enumerate(zip(runs[False], runs[True], strict=True)):
         assert off[0] == on[0], f"request {i}: tokens differ with PDL"
         assert off[1] == on[1], f"request {i}: logprobs differ with PDL"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (or later) GPU")
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-0.6b"])
+def test_one_row_decode_with_pdl_gives_the_bits_without(model, monkeypatch):
+    """Requests decoded one at a time: the one-row chain, where the resident GEMVs trigger before their waits and
+    decode stage 1 reads the step's inputs, rotary rows and key blocks before its wait (its table entry's
+    early_kv), and its programs past the splits exit there."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = [{"prompt_token_ids": torch.randint(0, 30_000, (int(n),), generator=gen).tolist()}
+               for n in (3, 140, 700)]
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        runs[on] = generate(model, prompts, one_at_a_time=True)
+    for i, (off, on) in enumerate(zip(runs[False], runs[True], strict=True)):
+        assert off == on, f"output {i}: tokens or logprobs differ with PDL"
