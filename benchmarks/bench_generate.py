@@ -4,6 +4,8 @@ start-up cancel out), greedy and sampled, beside the HBM floor (weights + KV rea
 
 GPU: python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b --batch-sizes 1 32 \
          --temperature 0 0.6 [--top-k 200]   # top-k 200: gpt-fast's sampling (bench_gpt_fast.py)
+     python benchmarks/bench_generate.py --models model.gguf --load-format gguf --dtype bfloat16 --chat-prompts \
+         --temperature 0 0.6 --top-p 0.9     # a real model on chat requests (common.CHAT_PROMPTS)
 """
 
 import argparse
@@ -14,7 +16,7 @@ import time
 
 import numpy as np
 import torch
-from common import RESULTS, copy_bandwidth, device_tag, load_file_module, write_report
+from common import RESULTS, chat_prompt_ids, copy_bandwidth, device_tag, load_file_module, write_report
 
 from ostinato import LLM, SamplingParams
 from ostinato.runner import sampler
@@ -53,6 +55,9 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=288)
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k for sampled rows (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p for sampled rows (1: off)")
+    ap.add_argument("--chat-prompts", action="store_true",
+                    help="chat requests (common.CHAT_PROMPTS through the model's chat template) instead of "
+                         "--prompt-len random tokens: a real model's logits on text")
     ap.add_argument("--sampler-graph", nargs="+", choices=["on", "off"], default=["on"],
                     help="sampled rows drawn from the sampler graphs (on) or by eager launches (off); both: A/B")
     ap.add_argument("--host-copies", nargs="+", choices=["pinned", "pageable"], default=["pinned"],
@@ -77,8 +82,12 @@ def main() -> None:
         kv_token = runner.kv_cache.bytes() // runner.kv_cache.size
         rng = random.Random(0)
         for bs in args.batch_sizes:
-            prompts = [[rng.randrange(100, runner.vocab_size - 100) for _ in range(args.prompt_len)]
-                       for _ in range(bs)]
+            if args.chat_prompts:
+                prompts = chat_prompt_ids(llm.get_tokenizer(), bs)
+            else:
+                prompts = [[rng.randrange(100, runner.vocab_size - 100) for _ in range(args.prompt_len)]
+                           for _ in range(bs)]
+            prompt_len = sum(map(len, prompts)) / bs
             graphs = runner.sample_graph_runner
             cases = [(t, mode, copies) for t in args.temperature
                      for mode in (args.sampler_graph if t > 0 else ["on"])
@@ -95,11 +104,12 @@ def main() -> None:
                                    for _ in range(args.repeats))
                     med[n] = times[len(times) // 2]
                 ms = (med[args.long] - med[args.short]) / (args.long - args.short) * 1e3
-                mean_ctx = args.prompt_len + (args.short + args.long) / 2
+                mean_ctx = prompt_len + (args.short + args.long) / 2
                 floor_ms = (runner.weight_bytes + bs * mean_ctx * kv_token) / bw * 1e3
-                rows.append({"model": model, "batch_size": bs, "temperature": temperature, "top_k": top_k,
-                             "top_p": top_p, "sampler_graph": mode, "host_copies": copies, "ms_per_token": ms,
-                             "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms})
+                rows.append({"model": model, "batch_size": bs, "chat_prompts": args.chat_prompts,
+                             "temperature": temperature, "top_k": top_k, "top_p": top_p, "sampler_graph": mode,
+                             "host_copies": copies, "ms_per_token": ms, "floor_ms": floor_ms,
+                             "fraction_of_floor": floor_ms / ms})
                 print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} top_p {top_p:<4g} "
                       f"sampler graph {mode:<3} {copies:<8} {ms:8.3f} ms/token   floor {floor_ms:.3f} "
                       f"({floor_ms / ms:.0%})",

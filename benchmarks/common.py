@@ -11,6 +11,11 @@ from collections.abc import Callable
 import torch
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
+# Short chat requests: on a real model, the next-token distributions of a conversation (random-token prompts give
+# a model's logits on gibberish, flatter than a conversation's; the sampler's cost depends on how peaked they are)
+CHAT_PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.",
+                "Explain how a transistor works.", "List three uses of Python.", "Tell me a story about a dragon.",
+                "How do I bake bread?", "What causes rain?", "Summarize the plot of Hamlet."]
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -149,3 +154,11 @@ def kernel_times(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> 
             us[e.name] += (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total) / calls
             count[e.name] += 1 / calls
     return {name: (us[name], count[name]) for name in us}
+
+
+def chat_prompt_ids(tokenizer, count: int) -> list[list[int]]:
+    """`count` prompts as token ids, CHAT_PROMPTS in turn, each as one user message under the tokenizer's chat
+    template with the assistant's turn opened (what a chat client sends)."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(count)]

