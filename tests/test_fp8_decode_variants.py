@@ -172,6 +172,47 @@ def test_folded_rows_match_float64(group, block_n, cache, page, combine):
     torch.testing.assert_close(outs[1], outs[0], atol=2e-3 * ref.abs().max().item(), rtol=0)
 
 
+@interpreted
+@pytest.mark.parametrize(("cache", "kv_group", "combine"), [
+    (torch.float16, False, False), (torch.float16, False, True), (torch.float16, True, False),
+    (torch.float8_e4m3fn, False, True), (torch.float8_e4m3fn, True, True)])
+def test_splits_counted_in_the_kernels_equal_the_counted_tensor(cache, kv_group, combine):
+    """num_kv_splits None (a captured decode step's form): stage 1, the kv-group kernel, the in-kernel combine and
+    stage 2 count each request's splits from its length as compute_num_kv_splits does, clamped to the scratch's
+    split capacity: the same output bit for bit as the counted tensor, over lengths the cap clamps, that end
+    inside a split, and of one token."""
+    bs, heads, kv_heads, dim, page, cap, min_tokens = 5, 16, 4, 16, 4, 3, 16
+    ctxs = [40, 23, 1, 64, 17]
+    req_to_token, k, v, q = half_cache(bs, heads, kv_heads, dim, max(ctxs), page, seed=11)
+    fp8 = None if cache == torch.float16 else cache
+    scales = dict(k_scale=torch.tensor([0.5]), v_scale=torch.tensor([3.0])) if fp8 is not None else {}
+    if fp8 is not None:
+        k, v = k.to(cache).view(torch.uint8), v.to(cache).view(torch.uint8)
+    seq_lens = torch.tensor(ctxs, dtype=torch.int32)
+    counted = torch.empty(bs, dtype=torch.int32)
+    compute_num_kv_splits(seq_lens, counted, min_tokens, cap)
+    assert counted.tolist() == [3, 2, 1, 3, 2]
+    outs = []
+    for splits in (counted, None):
+        counters = torch.zeros(bs * kv_heads, dtype=torch.int32) if combine else None
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k, v, out, req_to_token, torch.arange(bs), seq_lens, splits,
+                         torch.full((bs, heads, cap, dim), float("nan")), torch.full((bs, heads, cap), float("nan")),
+                         dim**-0.5, block_n=16, page_size=page, kv_fp8=fp8, kv_group=kv_group, whole_blocks=True,
+                         fp16_dot=fp8 is not None, counters=counters, min_tokens_per_split=min_tokens, **scales)
+        assert counters is None or not counters.any()
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    # a rule that counts differently (one split each) changes the output: the count is what the kernels use
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k, v, out, req_to_token, torch.arange(bs), seq_lens, None,
+                     torch.full((bs, heads, cap, dim), float("nan")), torch.full((bs, heads, cap), float("nan")),
+                     dim**-0.5, block_n=16, page_size=page, kv_fp8=fp8, kv_group=kv_group, whole_blocks=True,
+                     fp16_dot=fp8 is not None, min_tokens_per_split=64, **scales)
+    assert not torch.equal(out, outs[0])
+
+
 def test_fold_applies_to_power_of_two_groups_with_whole_chunks():
     assert fold_applies(4, 64) and fold_applies(4, 32) and fold_applies(2, 128) and fold_applies(1, 128)
     assert not fold_applies(4, 16)  # 4 chunks of 4 keys

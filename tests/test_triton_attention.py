@@ -394,32 +394,34 @@ def check_graph_path(env: Env, lens_a: list[int], lens_b: list[int], pad_to: int
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
-def test_early_kv_only_where_the_splits_were_counted_before(monkeypatch):
-    """Stage 1 reads its split bounds before its PDL wait only where no kernel just ahead wrote them: eagerly
-    (counted at metadata time) and in graph mode past the layer that counts them inside the capture; and only
-    where the table entry asks for it."""
+def test_early_kv_where_the_table_asks_and_graph_passes_count_their_splits(monkeypatch):
+    """Stage 1 reads its split bounds before its PDL wait wherever the table entry asks for it: eagerly (the splits
+    counted at metadata time) and in graph mode at every layer, the first included, since the captured kernels
+    count each request's splits from seq_lens themselves (num_kv_splits None, the entry's min_tokens_per_split)
+    and no kernel inside the capture writes what they read."""
     import ostinato.attention.triton_backend as backend
 
     env = make_env(1, 4, 2, 16)
     rows = new_requests(env, [20, 7])
     batch, (q, k, v) = decode_step(env, rows, [20, 7])
     seen = []
-    monkeypatch.setattr(backend, "decode_attention", lambda **kw: seen.append(kw["early_kv"]))
+    monkeypatch.setattr(backend, "decode_attention", lambda **kw: seen.append(
+        (kw["early_kv"], kw["num_kv_splits"] is None, kw["min_tokens_per_split"])))
     table = {bs: dict(e) for bs, e in env.tri.decode_table.items()}
     table[1]["early_kv"] = True
+    table[1]["min_tokens_per_split"] = 48
     env.tri.decode_table = table
     env.tri.init_forward_metadata(batch)
     env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
     env.tri.init_cuda_graph_state(4)
     env.tri.init_forward_metadata_capture(2, batch.req_pool_indices, batch.seq_lens)
-    env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)  # counts the splits: layer 0
-    env.tri.splits_layer_id = 1  # as if layer 1 had counted them: layer 0 is past it
+    env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)  # a pass's first layer
     env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
     table[1]["early_kv"] = 3  # key blocks to ask L2 for
     env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
     table[1]["early_kv"] = False
     env.tri.forward(q.flatten(1), k.flatten(1), v.flatten(1), env.spec, batch)
-    assert seen == [True, False, True, 3, False]
+    assert seen == [(True, False, None), (True, True, 48), (True, True, 48), (3, True, 48), (False, True, 48)]
 
 
 def test_a_table_entry_decides_where_stage_1_combines(monkeypatch):

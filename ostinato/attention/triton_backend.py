@@ -347,7 +347,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.graph_max_bs = max_bs
         if self.decode_counters.numel() < max_bs * self.num_kv_heads:
             self.decode_counters = self._zero_counters(max_bs)
-        self.graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self.graph_mid_o = torch.empty(max_bs, num_heads, self.max_kv_splits, head_dim, dtype=torch.float32,
                                        device=self.device)
         self.graph_mid_lse = torch.empty(max_bs, num_heads, self.max_kv_splits, dtype=torch.float32,
@@ -359,9 +358,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.graph_mode = True
         self.graph_bs = bs
         self.graph_req_pool_indices, self.graph_seq_lens = req_pool_indices[:bs], seq_lens[:bs]
-        # the split counts are recomputed by the first layer of every pass; which layer comes first is
-        # learned on the first pass after this call (every pass visits the layers in the same order)
-        self.splits_layer_id: int | None = None
 
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         # everything derived from the buffers is recomputed inside the captured region
@@ -451,29 +447,28 @@ class TritonAttentionBackend(AttentionBackend):
         if self.graph_mode:
             cap = self.graph_mid_o.shape
             assert bs == self.graph_bs and num_heads <= cap[1] and head_dim <= cap[3], (bs, num_heads, head_dim)
-            if self.splits_layer_id is None:
-                self.splits_layer_id = layer.layer_id
-            num_kv_splits = self.graph_num_kv_splits[:bs]
-            splits_ready = layer.layer_id != self.splits_layer_id
-            if not splits_ready:  # once per pass, on the device, inside the capture
-                compute_num_kv_splits(self.graph_seq_lens, num_kv_splits, self._min_tokens_per_split(bs), splits)
+            # the kernels count each request's splits from seq_lens: no launches for them inside the capture
+            num_kv_splits = None
             req_pool_indices, seq_lens = self.graph_req_pool_indices, self.graph_seq_lens
             mid_o = self.graph_mid_o[:bs, :num_heads, :splits, :head_dim]
             mid_lse = self.graph_mid_lse[:bs, :num_heads, :splits]
         else:
             num_kv_splits, req_pool_indices, seq_lens = self.num_kv_splits, self.req_pool_indices, self.seq_lens
             mid_o = mid_lse = None
-            splits_ready = True  # init_forward_metadata's
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self._decode(q, out, layer, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, new, splits_ready)
+        # splits_ready: seq_lens, the tables and num_kv_splits (init_forward_metadata's) were written before the
+        # forward, so every layer's stage 1 may read them before its PDL wait
+        self._decode(q, out, layer, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, new, splits_ready=True)
         return out
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionSpec, req_pool_indices: torch.Tensor,
-                seq_lens: torch.Tensor, num_kv_splits: torch.Tensor, mid_o: torch.Tensor | None = None,
+                seq_lens: torch.Tensor, num_kv_splits: torch.Tensor | None, mid_o: torch.Tensor | None = None,
                 mid_lse: torch.Tensor | None = None, new: NewTokens | None = None, splits_ready: bool = False) -> None:
         """Split-KV decode of q [bs, H, D] (rows may be a view) into out; fresh scratch unless given.
-        `splits_ready`: num_kv_splits, seq_lens and the tables were written before the kernel just ahead
-        (decode_attention's `early_kv`)."""
+        `num_kv_splits` None: the kernels count them from seq_lens (the table's min_tokens_per_split and the
+        scratch's split capacity, kv_splits_cap: what compute_num_kv_splits gives eagerly). `splits_ready`:
+        num_kv_splits, seq_lens and the tables were written before the kernel just ahead (decode_attention's
+        `early_kv`)."""
         bs, num_heads, head_dim = q.shape
         if mid_o is None:
             splits = self.kv_splits_cap(bs)
@@ -487,6 +482,7 @@ class TritonAttentionBackend(AttentionBackend):
             q=q, out=out, req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, num_kv_splits=num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, scale=layer.scaling,
             counters=self.decode_counters if combine else None, new=new, **self._kv_args(layer.layer_id), **kwargs,
+            min_tokens_per_split=self._min_tokens_per_split(bs) if num_kv_splits is None else None,
         )
 
 

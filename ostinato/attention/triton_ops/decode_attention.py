@@ -5,8 +5,9 @@ share one KV head (padded to >= 16 rows so the scores are a tl.dot), walks its s
 tokens through `req_to_token`, and writes the split's normalised partial output and log2-sum-exp.
 Stage 2, grid (bs, num_heads): merges a request's splits.
 
-The split count of a request lives on the device (`num_kv_splits[b]`), so the grid is fixed and the
-launch can be captured in a CUDA graph: programs whose split index is past the count exit at once.
+The split count of a request lives on the device (`num_kv_splits[b]`, or counted by the kernels from its length),
+so the grid is fixed and the launch can be captured in a CUDA graph: programs whose split index is past the count
+exit at once.
 
 With `new` (small decode batches: `TritonAttentionBackend.rope_attend`) stage 1 also does rope_store.py's work:
 q comes before rotary and each program rotates its group's heads, and the program whose split holds the new token
@@ -68,6 +69,21 @@ def _combine_if_last(Counter, counter_idx, num_splits, b, heads, h_mask, offs_d,
         acc = tl.sum(part * w[:, :, None], 1)
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  (acc / tl.sum(w, 1)[:, None]).to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def splits_for(seq_len, min_tokens, max_splits):
+    """compute_num_kv_splits' rule for one request: ceil(seq_len / min_tokens) in [1, max_splits]."""
+    return tl.minimum(tl.maximum((seq_len + min_tokens - 1) // min_tokens, 1), max_splits)
+
+
+@triton.jit
+def _num_splits(Num_kv_splits, Seq_lens, b, min_tokens, max_splits, SPLITS_FROM_LEN: tl.constexpr):
+    """Request b's split count: Num_kv_splits[b], or with SPLITS_FROM_LEN counted here from its length (a
+    captured step then needs no launches to fill the tensor, and no kernel ahead of stage 1 writes what it reads)."""
+    if SPLITS_FROM_LEN:
+        return splits_for(tl.load(Seq_lens + b), min_tokens, max_splits)
+    return tl.load(Num_kv_splits + b)
 
 
 @triton.jit
@@ -220,7 +236,7 @@ def _decode_stage1_kernel(
     stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0, stride_cs=0, eps=0.0,
     ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
     X=None, stride_x=0, x_cols=1, eps_x=0.0, X_NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1,
-    KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1,
+    KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1, min_tokens=1, SPLITS_FROM_LEN: tl.constexpr = False,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
     b = tl.program_id(1)
@@ -234,8 +250,12 @@ def _decode_stage1_kernel(
     # lines)
     if PDL and KV_LINES == 0:  # layers/triton_ops/pdl.py: nothing read or written before the wait
         tl.extra.cuda.gdc_wait()
-    num_splits = tl.load(Num_kv_splits + b)
-    seq_len = tl.load(Seq_lens + b, volatile=True)
+    if SPLITS_FROM_LEN:
+        seq_len = tl.load(Seq_lens + b, volatile=True)
+        num_splits = splits_for(seq_len, min_tokens, tl.num_programs(2))
+    else:
+        num_splits = tl.load(Num_kv_splits + b)
+        seq_len = tl.load(Seq_lens + b, volatile=True)
     req = tl.load(Req_pool_indices + b, volatile=True).to(tl.int64)
     if KV_LINES:
         if split < num_splits:
@@ -391,7 +411,7 @@ def _decode_stage1_kv_group_kernel(
     PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
     PRECISION: tl.constexpr,
     Counter=None, Out=None, stride_ob=0, stride_oh=0, COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, min_tokens=1, SPLITS_FROM_LEN: tl.constexpr = False,
 ):
     """Stage 1 for KV_PER_PROG consecutive KV heads per program, so all GROUP * KV_PER_PROG rows of the dots are
     real query heads (one KV head fills only GROUP of the 16 rows a dot needs). The heads of a slot are
@@ -406,7 +426,7 @@ def _decode_stage1_kv_group_kernel(
     split = tl.program_id(2)
     if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
         tl.extra.cuda.gdc_wait()
-    num_splits = tl.load(Num_kv_splits + b)
+    num_splits = _num_splits(Num_kv_splits, Seq_lens, b, min_tokens, tl.num_programs(2), SPLITS_FROM_LEN)
     if split >= num_splits:
         return
     ROWS: tl.constexpr = GROUP * KV_PER_PROG
@@ -483,13 +503,14 @@ def _decode_stage2_kernel(
     Mid_o, Mid_lse, Num_kv_splits, Out,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    Seq_lens=None, min_tokens=1, max_splits=1, SPLITS_FROM_LEN: tl.constexpr = False,
 ):
     if PDL:  # layers/triton_ops/pdl.py: nothing read or written before the wait
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    num_splits = tl.load(Num_kv_splits + b)
+    num_splits = _num_splits(Num_kv_splits, Seq_lens, b, min_tokens, max_splits, SPLITS_FROM_LEN)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
@@ -561,13 +582,14 @@ class NewTokens(NamedTuple):
 def decode_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-    num_kv_splits: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, scale: float,
+    num_kv_splits: torch.Tensor | None, mid_o: torch.Tensor, mid_lse: torch.Tensor, scale: float,
     block_n: int = 64, page_size: int = 1, kv_fp8: torch.dtype | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     num_warps: int = 4, num_stages: int = 2, fp16_dot: bool = False,
     v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
     kv_group: bool = False, counters: torch.Tensor | None = None, maxnreg: int | None = None,
     new: NewTokens | None = None, fold: bool = False, early_kv: bool | int = False,
+    min_tokens_per_split: int | None = None,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -585,6 +607,8 @@ def decode_attention(
 
     mid_o [bs, H, S, D] / mid_lse [bs, H, S] fp32 scratch (views of larger buffers are fine); S is the
     grid's split dimension and must be >= max(num_kv_splits).
+    `num_kv_splits` None: the kernels count each request's splits from its length, as compute_num_kv_splits does with
+    `min_tokens_per_split` and S (a captured decode step so needs no launches to fill the tensor).
 
     `counters` (int32, contiguous, at least bs * Hkv entries, all 0; left all 0): the splits are combined by each
     request's last split program to finish (`_combine_if_last`), and no stage-2 launch follows. Without it a
@@ -629,8 +653,13 @@ def decode_attention(
     combine = counters is not None
     if combine:
         assert counters.dtype == torch.int32 and counters.is_contiguous() and counters.numel() >= bs * num_kv_heads
+    from_len = num_kv_splits is None
+    if from_len:
+        assert min_tokens_per_split is not None and min_tokens_per_split >= 1, "num_kv_splits or min_tokens_per_split"
+        num_kv_splits = seq_lens  # unread: the kernels count the splits from seq_lens
+    counting = dict(min_tokens=min_tokens_per_split or 1, SPLITS_FROM_LEN=from_len)
     tail = dict(Counter=counters, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1), COMBINE=combine,
-                BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), PDL=pdl, launch_pdl=pdl,
+                BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), PDL=pdl, launch_pdl=pdl, **counting,
                 **({"maxnreg": maxnreg} if maxnreg else {}))
     if new is not None:
         assert head_dim & (head_dim - 1) == 0, f"stage 1 rotates whole-row halves: head_dim {head_dim}"
@@ -688,5 +717,5 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), BLOCK_D=block_d, num_warps=4,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, launch_pdl=pdl, Seq_lens=seq_lens, max_splits=max_kv_splits, **counting,
     )

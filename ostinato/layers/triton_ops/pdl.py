@@ -46,8 +46,9 @@ after its own wait has seen every kernel before it complete. Each still waits be
 - the gated norm (`gated_rms_norm.py`): z (in_proj's) and its gate, while the scan's last kernel finishes.
 In the decode step, the same rule lets decode stage 1 (where its table entry sets `early_kv`,
 `decode_attention.py`) read the step's inputs (split counts, seq lens, the request's table row) and ask L2 for its
-first key blocks before its wait; never in the launch right after the capture's split count, whose output that
-count is. The skinny GEMVs ask L2 for their first weight tiles there too (`l2_prefetch.py`).
+first key blocks before its wait: all were written before the forward (a captured step's kernels count the splits
+from seq lens themselves, with no launch to write them). The skinny GEMVs ask L2 for their first weight tiles
+there too (`l2_prefetch.py`).
 A kernel that is not launched with PDL (cuBLAS, torch ops) simply waits for its predecessor as usual.
 
 On the CPU (Triton's interpreter) and before Hopper the flag is off and the kernels are the plain ones: the
