@@ -126,28 +126,29 @@ def test_prenorm(gated, with_residual, n, k, block_n, m):
 
 def test_skinny_entry_points_choose_it(monkeypatch):
     """skinny_gemm's entry points hand a call of up to MAX_ROWS rows (1 unless set) with no config to the resident
-    kernel where its slice fits; more rows, an explicit config, the ungated pre-norm projection (qkv), or a slice
-    too big keep the skinny kernels."""
+    kernel where its slice fits, the ungated pre-norm projection (qkv, whose output attention reads) with the next
+    kernel let in only at its end; more rows, an explicit config, or a slice too big keep the skinny kernels."""
     calls = []
     monkeypatch.setattr(resident_gemv, "MAX_ROWS", 1)
     real = resident_gemv.launch
-    monkeypatch.setattr(resident_gemv, "launch", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    monkeypatch.setattr(resident_gemv, "launch",
+                        lambda *a, **kw: calls.append(kw.get("trigger_at_end", False)) or real(*a, **kw))
     gen = torch.Generator(DEVICE).manual_seed(0)
     w = randn(gen, 40, 96, dtype=torch.float16)
     skinny_gemm.skinny_linear(randn(gen, 1, 96, dtype=torch.float16), w)
     skinny_gemm.skinny_gate_up_silu(randn(gen, 1, 96, dtype=torch.float16), w)
     skinny_gemm.skinny_norm_linear(randn(gen, 1, 96, dtype=torch.float16), w, 1e-6, gated=True)
-    assert len(calls) == 3
     skinny_gemm.skinny_norm_linear(randn(gen, 1, 96, dtype=torch.float16), w, 1e-6)
+    assert calls == [False, False, False, True]
     skinny_gemm.skinny_linear(randn(gen, 2, 96, dtype=torch.float16), w)
     skinny_gemm.skinny_linear(randn(gen, 1, 96, dtype=torch.float16), w, config=skinny_gemm.config_for(1, 40, 96))
     monkeypatch.setattr(resident_gemv, "MAX_ROWS", 4)
     skinny_gemm.skinny_linear(randn(gen, 4, 96, dtype=torch.float16), w)
-    assert len(calls) == 4
+    assert len(calls) == 5
     skinny_gemm.skinny_linear(randn(gen, 5, 96, dtype=torch.float16), w)
     monkeypatch.setattr(resident_gemv, "RESIDENT_BYTES", 0)  # nothing fits
     skinny_gemm.skinny_linear(randn(gen, 1, 96, dtype=torch.float16), w)
-    assert len(calls) == 4
+    assert len(calls) == 5
 
 
 # ---------------------------------------------------------------- GPU

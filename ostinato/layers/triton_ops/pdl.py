@@ -26,8 +26,8 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   the next GEMV's programs are placed and request their weights while this one finishes. A kernel that reads
   before its wait what a kernel further back wrote (below) must then count one kernel more: after a kernel that
   triggers before its wait, only the kernels before that one's predecessor are known to be complete. None of
-  those readers follows a resident GEMV (it takes one-row o, gate_up and down; they read weights only, and
-  decode stage 1 follows qkv, which stays on the skinny kernel).
+  those readers follows a resident GEMV that triggers so (one-row o, gate_up and down read weights only before
+  their waits; the one-row qkv, which decode stage 1 follows, triggers at its end: `trigger_at_end`).
   The KV store kernels (`rope_store.py`, `kv_store.py`) trigger at their end too, for the split-KV decode
   kernel after them: placed early, its programs ran much slower at long contexts (H200, Llama-3.2-1B bs 32 x
   4096 2.088 -> 2.212 ms a step, Qwen3-0.6B 4.479 -> 5.110), placed late not (2.089, 4.474), while short

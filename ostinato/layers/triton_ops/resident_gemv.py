@@ -12,12 +12,19 @@ us against the skinny kernel's 424 (2.6-2.7 TB/s against 2.1).
 
 The slice must fit in registers, so this takes only shapes whose slice is at most RESIDENT_BYTES a thread at the
 grid's bound: a 0.6B model's projections (4-13 MB), a 1B model's qkv and o, not its 34-67 MB gate_up and down.
-Where it does not fit, skinny_gemm keeps the call. skinny_gemm also keeps the ungated pre-norm projection (qkv,
-whose output attention reads): with it resident the steps were slower. H200, `bench_decode.py --models
-llama-3.2-1b qwen3-0.6b --cases 1:128 1:1024 --modes graph --no-launches`, ms a step at bs 1 x 128 / 1024, skinny
-kernels only (run first and last) -> every shape that fits resident -> all but qkv:
+Where it does not fit, skinny_gemm keeps the call. H200, `bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases
+1:128 1:1024 --modes graph --no-launches`, ms a step at bs 1 x 128 / 1024, skinny kernels only (run first and
+last) -> every shape that fits resident -> all but qkv:
 - Qwen3-0.6B: 0.731 / 0.790 and 0.737 / 0.795 -> 0.673 / 0.744 -> 0.672 / 0.725;
 - Llama-3.2-1B (qkv and o fit): 0.856 / 0.879 and 0.859 / 0.884 -> 0.856 / 0.892 -> 0.837 / 0.863.
+The ungated pre-norm projection (qkv, whose output decode attention reads) lets the next kernel in only at its end
+(`trigger_at_end`): its own weights still stream while the GEMV before it (down) finishes, but attention's programs
+are placed only once qkv is done, not beside its weight stream. qkv resident with the trigger before its wait,
+after it, or at the end, against the skinny kernel, in turns (`OSTINATO_RESIDENT_QKV` of the experiment, H200,
+ms a step at bs 1 x 128 / 1024, `decode-rqkv-*-h200-20261127-s31.json`): Qwen3-0.6B skinny 0.671 / 0.721 and
+0.672 / 0.722, before 0.669 / 0.737, after 0.665 / 0.736, at the end 0.637 / 0.687 and 0.639 / 0.689; Llama-3.2-1B
+skinny 0.830 / 0.856 and 0.832 / 0.858, before 0.847 / 0.886, after 0.847 / 0.888, at the end 0.831 / 0.858 and
+0.832 / 0.858.
 
 Rows of x beyond the first reuse the slice held in registers (MAX_ROWS, 1 by default: at 2-4 rows the steps were
 slower, Qwen3-0.6B bs 2 / 3 / 4 x 128 0.749 / 0.827 / 0.842 -> 0.782 / 0.977 / 1.089 ms and Llama-3.2-1B bs 3 / 4
@@ -58,6 +65,7 @@ def _resident_gemv_kernel(
     X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, Add, stride_am, R, R_out, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, GATED: tl.constexpr,
     PRENORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr,
+    TRIGGER_AT_END: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,7 +82,8 @@ def _resident_gemv_kernel(
         if GATED:
             u_b = tl.load(W + (rows + N) * stride_wn + kb, mask=kb_mask, other=0.0)
     if PDL:  # the loads above stay in flight; the next kernel's programs may be placed now (module doc)
-        tl.extra.cuda.gdc_launch_dependents()
+        if not TRIGGER_AT_END:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     store = (pid == 0).to(tl.int32)
     mask = offs_n < N
@@ -102,6 +111,8 @@ def _resident_gemv_kernel(
                 a = tl.load(Add + m * stride_am + offs_n, mask=mask, other=0.0)
                 y = y.to(Out.dtype.element_ty).to(tl.float32) + a.to(tl.float32)
             tl.store(Out + m * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=mask)
+    if PDL and TRIGGER_AT_END:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 class ResidentConfig(NamedTuple):
@@ -166,10 +177,11 @@ def config_for_call(x: torch.Tensor, weight: torch.Tensor, num_sms: int,
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: ResidentConfig, gated: bool = False,
            add: torch.Tensor | None = None, eps: float | None = None, residual: torch.Tensor | None = None,
-           residual_out: torch.Tensor | None = None) -> None:
+           residual_out: torch.Tensor | None = None, trigger_at_end: bool = False) -> None:
     """One launch into `out` [M, n]: x [M, K] (M <= 4), weight [N, K] contiguous (gated: [2n, K]), shapes checked
     by the caller (skinny_gemm's entry points). `eps` given: the pre-norm, with `residual` added first and x +
-    residual written to `residual_out`."""
+    residual written to `residual_out`. `trigger_at_end`: the next kernel's programs are placed only as this grid's
+    programs finish, not before their wait (the module doc says where)."""
     (m, k), n = x.shape, out.shape[1]
     pdl = pdl_enabled(x)
     prenorm, has_res = eps is not None, residual is not None
@@ -178,4 +190,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Reside
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), out if add is None else add,
         0 if add is None else add.stride(0), r, r_out, r.stride(0), r_out.stride(0), eps if prenorm else 0.0,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, K_A=cfg.k_a, K_B=cfg.k_b, GATED=gated,
-        PRENORM=prenorm, HAS_RES=has_res, HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps)
+        PRENORM=prenorm, HAS_RES=has_res, HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
+        TRIGGER_AT_END=trigger_at_end)

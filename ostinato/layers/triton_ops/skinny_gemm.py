@@ -356,13 +356,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
             out.add_(add)
         return
     # up to resident_gemv.MAX_ROWS rows (one unless set), a slice that fits in registers: requested whole before the
-    # PDL wait (resident_gemv.py). Not the ungated pre-norm projection (qkv, Granite's in_proj): steps were slower
+    # PDL wait (resident_gemv.py). The ungated pre-norm projection (qkv, Granite's in_proj) lets the next kernel in
+    # only at its end
     if config is None:
         sms = _num_sms(x.device)
-        resident = resident_gemv.config_for_call(x, weight, sms, gated) if prenorm is None or gated else None
+        resident = resident_gemv.config_for_call(x, weight, sms, gated)
         if resident is not None:
             pre = dict(eps=prenorm.eps, residual=prenorm.residual, residual_out=prenorm.residual_out) if prenorm else {}
-            resident_gemv.launch(x, weight, out, resident, gated, add, **pre)
+            resident_gemv.launch(x, weight, out, resident, gated, add, **pre,
+                                 trigger_at_end=prenorm is not None and not gated)
             return
         config = (prenorm_config if prenorm else config_for)(m, n, k, sms, gated)
     cfg = config
