@@ -20,7 +20,7 @@ last) -> every shape that fits resident -> all but qkv:
 The ungated pre-norm projection (qkv, whose output decode attention reads) lets the next kernel in only at its end
 (`trigger_at_end`): its own weights still stream while the GEMV before it (down) finishes, but attention's programs
 are placed only once qkv is done, not beside its weight stream. qkv resident with the trigger before its wait,
-after it, or at the end, against the skinny kernel, in turns (`OSTINATO_RESIDENT_QKV` of the experiment, H200,
+after it, or at the end, against the skinny kernel, in turns (an experiment's switch, not kept; H200,
 ms a step at bs 1 x 128 / 1024, `decode-rqkv-*-h200-20261127-s31.json`): Qwen3-0.6B skinny 0.671 / 0.721 and
 0.672 / 0.722, before 0.669 / 0.737, after 0.665 / 0.736, at the end 0.637 / 0.687 and 0.639 / 0.689; Llama-3.2-1B
 skinny 0.830 / 0.856 and 0.832 / 0.858, before 0.847 / 0.886, after 0.847 / 0.888, at the end 0.831 / 0.858 and
