@@ -64,7 +64,7 @@ def test_fused_equals_torch_sampler(vocab, min_p, cut):
 
 
 @pytest.mark.parametrize("kinds", ["top_k", "top_p", "both"])
-def test_cut_search_over_many_splits(kinds):
+def test_cut_search_over_many_splits(kinds, search_form):
     """The cut search spread over a row's splits (5 here): batches with top_k rows only, top_p rows only (a
     search with no row is skipped), and both, against the torch sampler."""
     vocab, b = 4 * 2048 + 11, 3
@@ -79,7 +79,7 @@ def test_cut_search_over_many_splits(kinds):
 
 
 @pytest.mark.parametrize("kinds", ["top_k", "top_p", "both"])
-def test_unrestricted_draw_kept_or_searched(kinds, monkeypatch):
+def test_unrestricted_draw_kept_or_searched(kinds, monkeypatch, search_form):
     """Rejection first: a row whose unrestricted Gumbel-max draw survives its top_k / top_p keeps it, the others
     are searched and drawn again under the cut. One batch holds both kinds of row: peaked rows whose draw survives,
     flat rows with a small top_k or top_p whose draw does not, and rows of a few tied values (the k-th value tied
@@ -122,8 +122,18 @@ def _snapped(sorted_row: torch.Tensor, cut: torch.Tensor) -> float:
     return sorted_row[near].item() if close else cut.item()
 
 
+@pytest.fixture(params=["gather", "passes"])
+def search_form(request, monkeypatch):
+    """Cut searches that gather their range's columns after GATHER_PASS (fused_sample.gather_cap), or that run
+    every pass over the rows, whatever the batch size."""
+    from ostinato.runner import fused_sample
+
+    monkeypatch.setattr(fused_sample, "GATHER_MIN_BATCH", 1 if request.param == "gather" else 10**9)
+    return request.param
+
+
 @pytest.mark.parametrize("vocab", [3 * 2048 + 5] + ([151_936] if GPU else []))
-def test_cuts_are_the_sorted_rows_thresholds(vocab):
+def test_cuts_are_the_sorted_rows_thresholds(vocab, search_form):
     """The cut itself, each row's threshold on logits / temperature, not just the token drawn under it: top_k's
     is the k-th largest value exactly; top_p's (after min_p and top_k) holds at least top_p of the renormalized
     mass at and above it, and less strictly above it (float64, to fp32 summation's rounding). Rows with ties, a
@@ -168,6 +178,50 @@ def test_cuts_are_the_sorted_rows_thresholds(vocab):
     for r in range(b):
         kth = s[r, ks[r] - 1].item() if ks[r] < vocab else float("-inf")
         assert _snapped(s[r], alone[r]) == kth, (r, alone[r].item(), kth)
+
+
+@pytest.mark.parametrize("kinds", ["top_k", "top_p", "both"])
+def test_resolver_finishes_rows_from_their_gathered_keys(kinds, monkeypatch):
+    """A gathering search (at fused_sample.GATHER_PASS) finishes ordinary rows from their gathered keys alone: with the
+    passes after the gather never launched, their cuts are still the sorted rows' thresholds. A row of three values
+    (a third of the row tied at its cut: more than a split holds) is left to those passes: without them its cut is
+    wrong, and with them right."""
+    from ostinato.runner import fused_sample
+
+    monkeypatch.setattr(fused_sample, "GATHER_MIN_BATCH", 1)
+    vocab, b = 2 * 2048 + 21, 4
+    gen = torch.Generator().manual_seed(7 + len(kinds))
+    logits = torch.randn(b, vocab, generator=gen) * 2
+    logits[3] = torch.randint(0, 3, (vocab,), generator=gen).float() * 0.5
+    ks = {"top_k": [5, 300, 1000, 2], "top_p": [vocab] * 4, "both": [700, 40, 2000, 2000]}[kinds]
+    ps = {"top_k": [1.0] * 4, "top_p": [0.9, 0.3, 0.99, 0.5], "both": [0.8, 0.95, 0.2, 0.5]}[kinds]
+    temps = torch.tensor([0.7, 1.0, 0.5, 1.0])
+    args = [t.to(DEVICE) for t in (logits, temps)]
+    phases = (kinds != "top_p", kinds != "top_k")
+    ks_t, ps_t = torch.tensor(ks, device=DEVICE), torch.tensor(ps, device=DEVICE)
+    full = fused_sample.row_cuts(*args, None, ks_t, ps_t, vocab, 1e-5, phases).cpu()
+    launch = fused_sample._cut_pass_kernel
+
+    class FirstPassesOnly:  # launches each search's passes up to its GATHER_PASS only
+        def __getitem__(self, grid):
+            def run(*a, **kw):
+                if a[15] <= fused_sample.GATHER_PASS[kw["TOP_P"]]:  # pass_idx
+                    launch[grid](*a, **kw)
+            return run
+
+    monkeypatch.setattr(fused_sample, "_cut_pass_kernel", FirstPassesOnly())
+    short = fused_sample.row_cuts(*args, None, ks_t, ps_t, vocab, 1e-5, phases).cpu()
+    assert torch.equal(short[:3], full[:3]), (short, full)
+    x = (logits / temps[:, None]).double()
+    for r in range(b):
+        kth = x[r].sort(descending=True).values[ks[r] - 1].item() if ks[r] < vocab else float("-inf")
+        kept = x[r][x[r] >= kth]
+        mass = (kept - kept.max()).exp()
+        at_or_above, above = mass[kept >= full[r].item()].sum(), mass[kept > full[r].item()].sum()
+        assert at_or_above >= ps[r] * mass.sum() * (1 - 1e-5) and above < ps[r] * mass.sum() * (1 + 1e-5), r
+        if ps[r] == 1.0:
+            assert full[r].item() == pytest.approx(kth, rel=1e-6), r
+    assert short[3] != full[3]  # the tied row needed the passes
 
 
 def test_all_greedy_steps_skip_the_kernels():

@@ -8,7 +8,9 @@ logits once (twice with min_p: the row maximum first) instead of the eager path'
 [B, V]. top_k and top_p become one logit cut per row, found without sorting by a 16-way search over the floats'
 order, each pass spread over the row's splits (`_cut_pass_kernel`): the same cut `sample_torch` reads off its
 sorted row. The search runs only for rows that need it: the row's unrestricted draw is taken first, and where it
-survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw under the cut too.
+survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw under the cut too. From
+8 rows on, a search stops reading whole rows after 4 (top_k) or 5 (top_p) of its passes: that pass also writes out
+the columns left in its key range, and one program per row finishes the search over those (`_cut_resolve_kernel`).
 Fixed grids, no host sync: capturable in a CUDA graph (rows that need no search exit those launches at once).
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
@@ -128,6 +130,17 @@ def _order_key(x):
 PASSES = 8
 _PASSES = tl.constexpr(PASSES)
 
+# A search that gathers (batches of GATHER_MIN_BATCH rows and more): one of its passes (GATHER_PASS, by search) also
+# writes out its key range's columns, in column order, up to GATHER_CAP a split, and one program per row
+# (`_cut_resolve_kernel`) runs the search's last narrowings over those keys alone, where the passes would read the
+# whole row again each time. top_k's range is 2**20 keys wide at pass 3 (an eighth of a binade: tens to a few
+# hundred columns of a row at its k-th value, in the row's tail); top_p's cut lies in the row's body, where an
+# eighth of a binade can hold thousands, so it gathers at pass 4 (2**16 keys). A row with more columns in a split's
+# range than GATHER_CAP (a row of ties, say) is left to the passes.
+GATHER_PASS = {False: 3, True: 4}  # by search: top_k, top_p
+_GATHER_PASS_K = tl.constexpr(GATHER_PASS[False])
+_GATHER_PASS_P = tl.constexpr(GATHER_PASS[True])
+
 
 @triton.jit
 def _candidates(lo, hi, NWAY: tl.constexpr):
@@ -166,43 +179,67 @@ def _kept_keys(row_ptr, offs, valid, div, x_max, log_min_p, floor_key, HAS_MIN_P
 
 @triton.jit
 def _count(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, TOP_P: tl.constexpr,
-           HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr):
+           HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, Gathered=None,
+           GATHER_CAP: tl.constexpr = 0):
     """For each candidate key c of the range lo .. hi (`_candidates`): the count (TOP_P: the softmax mass
     exp(x - x_max)) of columns col_lo .. col_hi of the row whose x = logits / div, kept by min_p and by
-    key(x) >= floor_key, has key(x) >= c."""
+    key(x) >= floor_key, has key(x) >= c. With GATHER_CAP, also `_gather_block`'s (count, above) of the same
+    columns."""
     if TOP_P:
         cand = _candidates(lo, hi, NWAY).to(tl.int32)  # keys are int32; the candidates lie between two of them
         return _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, cand, HAS_MIN_P, NWAY,
-                                 BLOCK)
+                                 BLOCK, lo, hi, Gathered, GATHER_CAP)
     else:
         return _count_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, HAS_MIN_P,
-                                  NWAY, BLOCK)
+                                  NWAY, BLOCK, Gathered, GATHER_CAP)
+
+
+@triton.jit
+def _gather_block(Gathered, key, kept, w, lo, hi, n, above, GATHER_CAP: tl.constexpr):
+    """The gather pass's share of a block (see `_cut_gather`): the kept columns with key in lo .. hi go to
+    Gathered[n ..] in column order (those past GATHER_CAP are counted, not stored), and w (1, or the column's mass)
+    of those above hi is added to `above`. -> (n, above)."""
+    inside = kept & (key >= lo) & (key <= hi)
+    pos = n + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+    tl.store(Gathered + pos, key, mask=inside & (pos < GATHER_CAP))
+    return n + tl.sum(inside.to(tl.int32), axis=0), above + tl.sum(tl.where(kept & (key > hi), w, 0.0), axis=0)
 
 
 @triton.jit
 def _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, cand, HAS_MIN_P: tl.constexpr,
-                      NWAY: tl.constexpr, BLOCK: tl.constexpr):
+                      NWAY: tl.constexpr, BLOCK: tl.constexpr, lo=0, hi=0, Gathered=None,
+                      GATHER_CAP: tl.constexpr = 0):
     """`_count`'s mass at the int32 order keys `cand` [NWAY]: each candidate adds the block's weights at or above
     it (a histogram takes no weights). A candidate's sum depends on it alone, not on the others: the acceptance
     check (`_accept_part_kernel`) gets the search's sums, bit for bit."""
     acc = tl.zeros([NWAY, BLOCK], tl.float32)  # summed over the block's lanes once, after the loop
+    n = tl.zeros([], tl.int32)
+    above = tl.zeros([], tl.float32)
     for start in range(col_lo, col_hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x, key, kept = _kept_keys(row_ptr, offs, offs < col_hi, div, x_max, log_min_p, floor_key, HAS_MIN_P)
         w = tl.where(kept, tl.exp(x - x_max), 0.0)
         acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0)
-    return tl.sum(acc, axis=1)
+        if GATHER_CAP:
+            n, above = _gather_block(Gathered, key, kept, w, lo, hi, n, above, GATHER_CAP)
+    if GATHER_CAP:
+        return tl.sum(acc, axis=1), n, above
+    else:
+        return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _count_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi,
-                       HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, Gathered=None,
+                       GATHER_CAP: tl.constexpr = 0):
     """`_count`'s count: each column's bucket (how many candidates past the first lie at or below its key),
     histogrammed (a few warp ballots a column, where 16 compares and adds cost ~48 instructions), then summed
     from the top."""
     step = tl.maximum((hi - lo + NWAY - 1) // NWAY, 1).to(tl.uint32)  # _candidates' step (0 once finished)
     lo32 = lo.to(tl.int32)
     hist = tl.zeros([2 * NWAY], tl.int32)  # buckets 0 .. NWAY - 1, and NWAY for the columns not counted
+    n = tl.zeros([], tl.int32)
+    above = tl.zeros([], tl.float32)
     for start in range(col_lo, col_hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x, key, kept = _kept_keys(row_ptr, offs, offs < col_hi, div, x_max, log_min_p, floor_key, HAS_MIN_P)
@@ -211,9 +248,15 @@ def _count_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key
                             NWAY - 1).to(tl.int32)
         bucket = tl.where(key >= hi, NWAY - 1, bucket)  # every candidate clamped to hi lies at or below it
         hist += tl.histogram(tl.where(kept & (key >= lo32), bucket, NWAY), 2 * NWAY)
+        if GATHER_CAP:
+            n, above = _gather_block(Gathered, key, kept, 1.0, lo, hi, n, above, GATHER_CAP)
     b = tl.arange(0, 2 * NWAY)
     j = tl.arange(0, NWAY)
-    return tl.sum(tl.where((b[None, :] >= j[:, None]) & (b[None, :] < NWAY), hist[None, :], 0), axis=1).to(tl.float32)
+    counts = tl.sum(tl.where((b[None, :] >= j[:, None]) & (b[None, :] < NWAY), hist[None, :], 0), axis=1)
+    if GATHER_CAP:
+        return counts.to(tl.float32), n, above
+    else:
+        return counts.to(tl.float32)
 
 
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
@@ -249,6 +292,27 @@ def _last_range(State, Part, slot, row, b, num_splits, goal, NWAY: tl.constexpr,
     lo = tl.load(State + (row * 2 + slot) * 2)
     hi = tl.load(State + (row * 2 + slot) * 2 + 1)
     return _narrow(lo, hi, _summed(Part, slot, row, b, num_splits, NWAY, SPLITS_POW2), goal, NWAY)
+
+
+@triton.jit
+def _resolved_row(Resolved, TOP_P: tl.constexpr, row, b):
+    """Resolved [2, B, 2], by search (top_k, top_p) and row: [whether the resolver finished it, its cut]."""
+    off = row * 2
+    if TOP_P:
+        off += b * 2
+    return Resolved + off
+
+
+@triton.jit
+def _search_cut(State, Part, Resolved, TOP_P: tl.constexpr, row, b, num_splits, goal, NWAY: tl.constexpr,
+                SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr):
+    """A finished search's cut (an order key): the resolver's where it finished the row (`_cut_resolve_kernel`),
+    else the last pass's range narrowed by its counts."""
+    cut, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
+    if GATHER_CAP:
+        if tl.load(_resolved_row(Resolved, TOP_P, row, b)) != 0:
+            cut = tl.load(_resolved_row(Resolved, TOP_P, row, b) + 1)
+    return cut
 
 
 # Rejection first (FlashInfer's sort-free sampling does the same): the row's unrestricted Gumbel-max draw j* is also
@@ -320,13 +384,17 @@ def _accepted(Mass, Count, row, b, num_splits, samples, top_k, top_p, vocab_size
 def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
                      split_len, num_splits, b, pass_idx, greedy_eps, TOP_P: tl.constexpr, HAS_K: tl.constexpr,
                      HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                     Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False):
+                     Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
+                     Gathered=None, GathN=None, Above=None, Resolved=None, GATHER_CAP: tl.constexpr = 0,
+                     IS_GATHER: tl.constexpr = False):
     """One pass of a cut search for (row, split): top_k's (count >= k), or with TOP_P top_p's (softmax mass >=
     top_p x the mass top_k keeps). A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
     counts beside it. top_p's floor is top_k's cut, which its pass 0 finishes and stores in CutK; its goal needs
     the mass above that floor, which is pass 0's count for its first candidate (the floor itself), so pass 1
-    sums it and stores the goal in Goal."""
+    sums it and stores the goal in Goal. GATHER_CAP: the search gathers (see GATHER_PASS); IS_GATHER: this is its
+    GATHER_PASS, which also gathers its range's columns; the passes after it skip the rows the resolver finished."""
+    GATHER_AT: tl.constexpr = _GATHER_PASS_P if TOP_P else _GATHER_PASS_K
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
@@ -340,8 +408,8 @@ def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, Sta
             floor_key = tl.full([], _NEG_INF_KEY, tl.int64)
             if HAS_K:  # top_k's search wrote its last pass at slot (_PASSES - 1) % 2
                 if samples & (top_k < vocab_size):
-                    floor_key, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, goal, NWAY,
-                                               SPLITS_POW2)
+                    floor_key = _search_cut(State, Part, Resolved, False, row, b, num_splits, goal, NWAY,
+                                            SPLITS_POW2, GATHER_CAP)
             if split == 0:  # every sampling row's: the finish kernel reads it for rows without top_p too
                 tl.store(CutK + row, floor_key)
         else:
@@ -359,6 +427,9 @@ def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, Sta
     if CHECKED:  # rows whose unrestricted draw stands need no cut
         active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
                                      vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2)
+    if GATHER_CAP:
+        if pass_idx > GATHER_AT:  # rows the resolver finished
+            active = active & (tl.load(_resolved_row(Resolved, TOP_P, row, b)) == 0)
     if active:
         if pass_idx == 0:
             lo = floor_key
@@ -373,15 +444,84 @@ def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, Sta
             tl.store(State + (row * 2 + slot) * 2, lo)
             tl.store(State + (row * 2 + slot) * 2 + 1, hi)
         lo_col = split * split_len
-        acc = _count(Logits + row * stride_l, lo_col, tl.minimum(lo_col + split_len, vocab_size), temp, x_max,
-                     log_min_p, floor_key.to(tl.int32), lo, hi, TOP_P=TOP_P, HAS_MIN_P=HAS_MIN_P, NWAY=NWAY,
-                     BLOCK=BLOCK)
+        row_ptr = Logits + row * stride_l
+        hi_col = tl.minimum(lo_col + split_len, vocab_size)
+        if IS_GATHER:
+            part = row * num_splits + split
+            acc, n, above = _count(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, floor_key.to(tl.int32), lo, hi,
+                                   TOP_P=TOP_P, HAS_MIN_P=HAS_MIN_P, NWAY=NWAY, BLOCK=BLOCK,
+                                   Gathered=Gathered + part * GATHER_CAP, GATHER_CAP=GATHER_CAP)
+            tl.store(GathN + part, n)
+            tl.store(Above + part, above)
+        else:
+            acc = _count(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, floor_key.to(tl.int32), lo, hi,
+                         TOP_P=TOP_P, HAS_MIN_P=HAS_MIN_P, NWAY=NWAY, BLOCK=BLOCK)
         tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
+def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved, Dense,
+                        vocab_size, num_splits, b, greedy_eps, TOP_P: tl.constexpr, HAS_K: tl.constexpr,
+                        HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                        GATHER_CAP: tl.constexpr, RESOLVE_BLOCK: tl.constexpr, Mass=None, Count=None,
+                        HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False):
+    """A row's search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
+    finish, with each candidate's count (TOP_P: mass) = the columns above the gathered range (summed by the gather
+    pass, split by split) + the gathered columns at or above it. Stores Resolved[search, row] = [1, cut], or
+    [0, -] where a split had more columns in range than it could hold."""
+    GATHER_AT: tl.constexpr = _GATHER_PASS_P if TOP_P else _GATHER_PASS_K
+    row = tl.program_id(0).to(tl.int64)
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
+    top_k = tl.load(TopKs + row)
+    if TOP_P:
+        active = samples & (tl.load(TopPs + row) < 1.0)
+        goal = tl.load(Goal + row)
+    else:
+        active = samples & (top_k < vocab_size)
+        goal = top_k.to(tl.float32)
+    if CHECKED:
+        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
+                                     vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2)
+    out = _resolved_row(Resolved, TOP_P, row, b)
+    if active:
+        s = tl.arange(0, SPLITS_POW2)
+        n = tl.load(GathN + row * num_splits + s, mask=s < num_splits, other=0)
+        fits = tl.max(n, axis=0) <= GATHER_CAP
+        tl.store(out, fits.to(tl.int64))
+        if fits:
+            # the splits' keys side by side in Dense[row, :total] (split order, then column order), so the
+            # narrowings read as many keys as were gathered, not GATHER_CAP a split
+            c = tl.arange(0, GATHER_CAP)
+            held = (s < num_splits)[:, None] & (c[None, :] < n[:, None])
+            keys = tl.load(Gathered + (row * num_splits + s[:, None]) * GATHER_CAP + c[None, :], mask=held)
+            dense = Dense + row * (SPLITS_POW2 * GATHER_CAP)
+            tl.store(dense + (tl.cumsum(n, axis=0) - n)[:, None] + c[None, :], keys, mask=held)
+            tl.debug_barrier()  # the block's stores before its loads below
+            total = tl.sum(n, axis=0)
+            above = tl.sum(tl.load(Above + row * num_splits + s, mask=s < num_splits, other=0.0), axis=0)
+            lo = tl.load(State + (row * 2 + GATHER_AT % 2) * 2)
+            hi = tl.load(State + (row * 2 + GATHER_AT % 2) * 2 + 1)
+            for _ in tl.static_range(_PASSES - GATHER_AT):
+                cand = _candidates(lo, hi, NWAY).to(tl.int32)
+                acc = tl.zeros([NWAY, RESOLVE_BLOCK], tl.float32)
+                for start in range(0, total, RESOLVE_BLOCK):
+                    i = start + tl.arange(0, RESOLVE_BLOCK)
+                    key = tl.load(dense + i, mask=i < total, other=0)
+                    if TOP_P:
+                        bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # _order_key's inverse
+                        w = tl.where(i < total, tl.exp(bits.to(tl.float32, bitcast=True) - x_max), 0.0)
+                    else:
+                        w = (i < total).to(tl.float32)
+                    acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0)
+                lo, hi = _narrow(lo, hi, above + tl.sum(acc, axis=1), goal, NWAY)
+            tl.store(out + 1, lo)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _cut_finish_kernel(Temps, TopKs, TopPs, State, Part, Goal, CutK, Cuts, vocab_size, num_splits, b, greedy_eps,
-                       HAS_K: tl.constexpr, HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                       HAS_K: tl.constexpr, HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                       Resolved=None, GATHER_CAP: tl.constexpr = 0):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
     value at which the renormalized mass reaches top_p."""
@@ -390,15 +530,16 @@ def _cut_finish_kernel(Temps, TopKs, TopPs, State, Part, Goal, CutK, Cuts, vocab
     top_k = tl.load(TopKs + row)
     top_p = tl.load(TopPs + row)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
-    last = (_PASSES - 1) % 2
     if HAS_P:
         if samples & (top_p < 1.0):
-            cut, _ = _last_range(State, Part, last, row, b, num_splits, tl.load(Goal + row), NWAY, SPLITS_POW2)
+            cut = _search_cut(State, Part, Resolved, True, row, b, num_splits, tl.load(Goal + row), NWAY,
+                              SPLITS_POW2, GATHER_CAP)
         elif samples:
             cut = tl.load(CutK + row)
     elif HAS_K:
         if samples & (top_k < vocab_size):
-            cut, _ = _last_range(State, Part, last, row, b, num_splits, top_k.to(tl.float32), NWAY, SPLITS_POW2)
+            cut = _search_cut(State, Part, Resolved, False, row, b, num_splits, top_k.to(tl.float32), NWAY,
+                              SPLITS_POW2, GATHER_CAP)
     bits = cut.to(tl.int32)
     bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     tl.store(Cuts + row, bits.to(tl.float32, bitcast=True))
@@ -505,14 +646,42 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
             cut_k, vocab_size, split_len, num_splits, b)
     meta = dict(HAS_K=has_k, HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
                 num_warps=_SEARCH_WARPS, **(check or {}))
+    cap = gather_cap(b, num_splits)
+    gather = {}
+    if cap:
+        gather = dict(Gathered=torch.empty(b, num_splits, cap, dtype=torch.int32, device=dev),
+                      GathN=torch.empty(b, num_splits, dtype=torch.int32, device=dev),
+                      Above=torch.empty(b, num_splits, dtype=torch.float32, device=dev),
+                      Resolved=torch.empty(2, b, 2, dtype=torch.int64, device=dev))
+        dense = torch.empty(b, pow2 * cap, dtype=torch.int32, device=dev)
     for top_p in [False] * has_k + [True] * has_p:
         for pass_idx in range(PASSES):
-            _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, TOP_P=top_p, **meta)
+            _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, TOP_P=top_p, **meta, **gather, GATHER_CAP=cap,
+                                   IS_GATHER=bool(cap) and pass_idx == GATHER_PASS[top_p])
+            if cap and pass_idx == GATHER_PASS[top_p]:
+                _cut_resolve_kernel[(b,)](temperatures, min_p_arg, top_ks, top_ps, split_max, state, goal,
+                                          gather["Gathered"], gather["GathN"], gather["Above"], gather["Resolved"],
+                                          dense, vocab_size, num_splits, b, greedy_eps, TOP_P=top_p, HAS_K=has_k,
+                                          HAS_MIN_P=min_ps is not None, NWAY=_NWAY, SPLITS_POW2=pow2,
+                                          GATHER_CAP=cap, RESOLVE_BLOCK=32 * _SEARCH_WARPS, num_warps=_SEARCH_WARPS,
+                                          **(check or {}))
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
     _cut_finish_kernel[(b,)](temperatures, top_ks, top_ps, state, part, goal, cut_k, cuts, vocab_size,
                              num_splits, b, greedy_eps, HAS_K=has_k, HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2,
-                             num_warps=1)
+                             Resolved=gather.get("Resolved"), GATHER_CAP=cap, num_warps=1)
     return cuts
+
+
+GATHER_MIN_BATCH = int(os.environ.get("OSTINATO_SAMPLER_GATHER_MIN_BATCH", "8"))  # searches of smaller batches
+# read the row eight times: one program per row resolving its keys has less parallelism than a pass there
+_GATHER_KEYS = 2048  # a row's gathered keys at most, over its splits; at least 64 a split
+
+
+def gather_cap(batch: int, num_splits: int) -> int:
+    """Columns a split's gather pass can hold (a power of two), or 0 where the batch's searches do not gather."""
+    if batch < GATHER_MIN_BATCH:
+        return 0
+    return max(64, _GATHER_KEYS // triton.next_power_of_2(num_splits))
 
 
 def row_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
