@@ -124,6 +124,12 @@ def _order_key(x):
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
+@triton.jit
+def _key_value(key):
+    """_order_key's inverse: the fp32 whose order key (int32) is `key`."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
 # The cut search runs over many programs per row: a row's splits each count their columns for the candidates
 # of a pass, and every program of the next pass sums those counts in split order (so all agree, bit for bit)
 # and narrows the key range itself. Eight 16-way passes narrow the 2**32 keys to one (16**8 = 2**32).
@@ -509,8 +515,7 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
                     i = start + tl.arange(0, RESOLVE_BLOCK)
                     key = tl.load(dense + i, mask=i < total, other=0)
                     if TOP_P:
-                        bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # _order_key's inverse
-                        w = tl.where(i < total, tl.exp(bits.to(tl.float32, bitcast=True) - x_max), 0.0)
+                        w = tl.where(i < total, tl.exp(_key_value(key) - x_max), 0.0)
                     else:
                         w = (i < total).to(tl.float32)
                     acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0)
@@ -540,9 +545,7 @@ def _cut_finish_kernel(Temps, TopKs, TopPs, State, Part, Goal, CutK, Cuts, vocab
         if samples & (top_k < vocab_size):
             cut = _search_cut(State, Part, Resolved, False, row, b, num_splits, top_k.to(tl.float32), NWAY,
                               SPLITS_POW2, GATHER_CAP)
-    bits = cut.to(tl.int32)
-    bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    tl.store(Cuts + row, bits.to(tl.float32, bitcast=True))
+    tl.store(Cuts + row, _key_value(cut.to(tl.int32)))
 
 
 _BLOCK = 2048
@@ -672,8 +675,16 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     return cuts
 
 
-GATHER_MIN_BATCH = int(os.environ.get("OSTINATO_SAMPLER_GATHER_MIN_BATCH", "8"))  # searches of smaller batches
-# read the row eight times: one program per row resolving its keys has less parallelism than a pass there
+def _gather_min_batch() -> int:
+    """The smallest batch whose cut searches gather (OSTINATO_SAMPLER_GATHER_MIN_BATCH, default 8): smaller batches
+    read the row eight times, as one program per row resolving its keys has less parallelism than a pass there."""
+    value = os.environ.get("OSTINATO_SAMPLER_GATHER_MIN_BATCH", "8")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"OSTINATO_SAMPLER_GATHER_MIN_BATCH must be a batch size >= 1, got {value!r}")
+    return int(value)
+
+
+GATHER_MIN_BATCH = _gather_min_batch()
 _GATHER_KEYS = 2048  # a row's gathered keys at most, over its splits; at least 64 a split
 
 
