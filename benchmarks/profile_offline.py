@@ -2,6 +2,7 @@
 kernels and host functions, over a window of steady decode steps (torch.profiler; nsys is unavailable).
 
 python benchmarks/profile_offline.py --model qwen3-0.6b --num-seqs 256 --ctx 512
+python benchmarks/profile_offline.py --model llama-3.2-1b --num-seqs 32 --ctx 128 --temperature 0.6 --top-k 200
 """
 
 import argparse
@@ -20,11 +21,16 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None, help="SamplingParams.seed of every request (bench_generate: 0)")
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16")
     engine = llm.engine
     rng = random.Random(0)
-    sp = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=10_000,
+                        ignore_eos=True, seed=args.seed)
     for i in range(args.num_seqs):
         engine.add_request(str(i), [rng.randrange(1000, 30000) for _ in range(args.ctx)], sp)
     t = time.perf_counter()

@@ -5,13 +5,16 @@ noise (`hash_uniform`'s hash, computed in uint32 arithmetic), after the same min
 first index of the maximum. (Exactly so in Triton's interpreter. Compiled for CUDA, Triton's fp32 `/` is
 div.full.f32, up to 2 ulp from torch's, so a draw decided within an ulp or two can differ.) A step reads the
 logits once (twice with min_p: the row maximum first) instead of the eager path's ~25 elementwise passes over
-[B, V]. top_k and top_p become one logit cut per row, found without sorting by a 16-way search over the floats'
-order, each pass spread over the row's splits (`_cut_pass_kernel`): the same cut `sample_torch` reads off its
-sorted row. The search runs only for rows that need it: the row's unrestricted draw is taken first, and where it
-survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw under the cut too. From
-8 rows on, a search stops reading whole rows after 4 (top_k) or 5 (top_p) of its passes: that pass also writes out
-the columns left in its key range, and one program per row finishes the search over those (`_cut_resolve_kernel`).
-Fixed grids, no host sync: capturable in a CUDA graph (rows that need no search exit those launches at once).
+[B, V]. top_k and top_p become one logit cut per row, found without sorting, each pass spread over the row's
+splits: the same cut `sample_torch` reads off its sorted row. top_k's is a select over the floats' order keys,
+histogram passes narrowing a key range (`_top_k_pass_kernel`): the first counts eighths of a binade down from the
+row maximum, and once the range holds at most TOP_K_GATHER columns one pass copies them out and one program per row
+finishes over those (`_top_k_resolve_kernel`), so most rows are read twice. top_p's is a 16-way search over the
+order keys weighted by softmax mass (`_top_p_pass_kernel`; from 8 rows, its fifth pass gathers its range for
+`_cut_resolve_kernel` likewise). The search runs only for rows that need it: the row's unrestricted draw is taken
+first, and where it survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw
+under the cut too. Fixed grids, no host sync: capturable in a CUDA graph (rows that need no search exit those
+launches at once).
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
 the GPU and its CPU interpreter when the kernel is decorated).
@@ -68,10 +71,13 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
                          split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr,
                          BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, TopKs=None, TopPs=None, Mass=None,
                          Count=None, b=0, HAS_K: tl.constexpr = False, HAS_P: tl.constexpr = False,
-                         NWAY: tl.constexpr = 16, CHECKED: tl.constexpr = False):
+                         NWAY: tl.constexpr = 16, CHECKED: tl.constexpr = False, MaxOut=None,
+                         STORE_MAX: tl.constexpr = False):
     """Per (row, split): the best Gumbel-perturbed logit among the split's allowed columns and its first index.
     Greedy rows use no noise and no filter (their best is the argmax). CHECKED (the draw under the cuts, after
-    the unrestricted one): a row whose unrestricted draw stands returns at once, its bests left as they are."""
+    the unrestricted one): a row whose unrestricted draw stands returns at once, its bests left as they are.
+    STORE_MAX (no min_p, no cut): also MaxOut[row, split] = the split's max of logits / temperature, as
+    `_split_max_kernel` takes it."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if CHECKED:
@@ -95,10 +101,13 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
     hi = tl.minimum(lo + split_len, vocab_size)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 2147483647, tl.int32)
+    x_top = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         valid = offs < hi
         x = tl.load(Logits + row * stride_l + offs, mask=valid, other=float("-inf")) / div
+        if STORE_MAX:
+            x_top = tl.maximum(x_top, x)
         if HAS_MIN_P:
             x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
         if HAS_CUT:
@@ -115,6 +124,8 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
     idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
     tl.store(OutVal + row * num_splits + split, top)
     tl.store(OutIdx + row * num_splits + split, tl.where(idx == 2147483647, lo, idx).to(tl.int64))
+    if STORE_MAX:
+        tl.store(MaxOut + row * num_splits + split, tl.max(x_top, axis=0))
 
 
 @triton.jit
@@ -130,22 +141,20 @@ def _key_value(key):
     return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
-# The cut search runs over many programs per row: a row's splits each count their columns for the candidates
-# of a pass, and every program of the next pass sums those counts in split order (so all agree, bit for bit)
+# top_p's cut search runs over many programs per row: a row's splits each sum the softmax mass at or above the
+# candidates of a pass, and every program of the next pass sums those in split order (so all agree, bit for bit)
 # and narrows the key range itself. Eight 16-way passes narrow the 2**32 keys to one (16**8 = 2**32).
 PASSES = 8
 _PASSES = tl.constexpr(PASSES)
 
-# A search that gathers (batches of GATHER_MIN_BATCH rows and more): one of its passes (GATHER_PASS, by search) also
-# writes out its key range's columns, in column order, up to GATHER_CAP a split, and one program per row
-# (`_cut_resolve_kernel`) runs the search's last narrowings over those keys alone, where the passes would read the
-# whole row again each time. top_k's range is 2**20 keys wide at pass 3 (an eighth of a binade: tens to a few
-# hundred columns of a row at its k-th value, in the row's tail); top_p's cut lies in the row's body, where an
-# eighth of a binade can hold thousands, so it gathers at pass 4 (2**16 keys). A row with more columns in a split's
-# range than GATHER_CAP (a row of ties, say) is left to the passes.
-GATHER_PASS = {False: 3, True: 4}  # by search: top_k, top_p
-_GATHER_PASS_K = tl.constexpr(GATHER_PASS[False])
-_GATHER_PASS_P = tl.constexpr(GATHER_PASS[True])
+# A search that gathers (batches of GATHER_MIN_BATCH rows and more): its pass GATHER_PASS also writes out its key
+# range's columns, in column order, up to GATHER_CAP a split, and one program per row (`_cut_resolve_kernel`) runs
+# the search's last narrowings over those keys alone, where the passes would read the whole row again each time.
+# top_p's cut lies in the row's body, where an eighth of a binade can hold thousands, so it gathers at pass 4
+# (2**16 keys). A row with more columns in a split's range than GATHER_CAP (a row of ties, say) is left to the
+# passes.
+GATHER_PASS = 4
+_GATHER_PASS = tl.constexpr(GATHER_PASS)
 
 
 @triton.jit
@@ -184,27 +193,10 @@ def _kept_keys(row_ptr, offs, valid, div, x_max, log_min_p, floor_key, HAS_MIN_P
 
 
 @triton.jit
-def _count(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, TOP_P: tl.constexpr,
-           HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, Gathered=None,
-           GATHER_CAP: tl.constexpr = 0):
-    """For each candidate key c of the range lo .. hi (`_candidates`): the count (TOP_P: the softmax mass
-    exp(x - x_max)) of columns col_lo .. col_hi of the row whose x = logits / div, kept by min_p and by
-    key(x) >= floor_key, has key(x) >= c. With GATHER_CAP, also `_gather_block`'s (count, above) of the same
-    columns."""
-    if TOP_P:
-        cand = _candidates(lo, hi, NWAY).to(tl.int32)  # keys are int32; the candidates lie between two of them
-        return _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, cand, HAS_MIN_P, NWAY,
-                                 BLOCK, lo, hi, Gathered, GATHER_CAP)
-    else:
-        return _count_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi, HAS_MIN_P,
-                                  NWAY, BLOCK, Gathered, GATHER_CAP)
-
-
-@triton.jit
 def _gather_block(Gathered, key, kept, w, lo, hi, n, above, GATHER_CAP: tl.constexpr):
-    """The gather pass's share of a block (see `_cut_gather`): the kept columns with key in lo .. hi go to
-    Gathered[n ..] in column order (those past GATHER_CAP are counted, not stored), and w (1, or the column's mass)
-    of those above hi is added to `above`. -> (n, above)."""
+    """The gather pass's share of a block (see GATHER_PASS): the kept columns with key in lo .. hi go to
+    Gathered[n ..] in column order (those past GATHER_CAP are counted, not stored), and w (the column's mass) of
+    those above hi is added to `above`. -> (n, above)."""
     inside = kept & (key >= lo) & (key <= hi)
     pos = n + tl.cumsum(inside.to(tl.int32), axis=0) - 1
     tl.store(Gathered + pos, key, mask=inside & (pos < GATHER_CAP))
@@ -215,9 +207,11 @@ def _gather_block(Gathered, key, kept, w, lo, hi, n, above, GATHER_CAP: tl.const
 def _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, cand, HAS_MIN_P: tl.constexpr,
                       NWAY: tl.constexpr, BLOCK: tl.constexpr, lo=0, hi=0, Gathered=None,
                       GATHER_CAP: tl.constexpr = 0):
-    """`_count`'s mass at the int32 order keys `cand` [NWAY]: each candidate adds the block's weights at or above
-    it (a histogram takes no weights). A candidate's sum depends on it alone, not on the others: the acceptance
-    check (`_accept_part_kernel`) gets the search's sums, bit for bit."""
+    """For each int32 order key of `cand` [NWAY], the softmax mass exp(x - x_max) of columns col_lo .. col_hi of the
+    row whose x = logits / div, kept by min_p and by key(x) >= floor_key, has key(x) >= the candidate; with
+    GATHER_CAP, also `_gather_block`'s (count, above) of the range lo .. hi. Each candidate adds the block's
+    weights at or above it (a histogram takes no weights). A candidate's sum depends on it alone, not on the
+    others: the acceptance check (`_accept_part_kernel`) gets the search's sums, bit for bit."""
     acc = tl.zeros([NWAY, BLOCK], tl.float32)  # summed over the block's lanes once, after the loop
     n = tl.zeros([], tl.int32)
     above = tl.zeros([], tl.float32)
@@ -232,37 +226,6 @@ def _mass_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key,
         return tl.sum(acc, axis=1), n, above
     else:
         return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _count_at_or_above(row_ptr, col_lo, col_hi, div, x_max, log_min_p, floor_key, lo, hi,
-                       HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, Gathered=None,
-                       GATHER_CAP: tl.constexpr = 0):
-    """`_count`'s count: each column's bucket (how many candidates past the first lie at or below its key),
-    histogrammed (a few warp ballots a column, where 16 compares and adds cost ~48 instructions), then summed
-    from the top."""
-    step = tl.maximum((hi - lo + NWAY - 1) // NWAY, 1).to(tl.uint32)  # _candidates' step (0 once finished)
-    lo32 = lo.to(tl.int32)
-    hist = tl.zeros([2 * NWAY], tl.int32)  # buckets 0 .. NWAY - 1, and NWAY for the columns not counted
-    n = tl.zeros([], tl.int32)
-    above = tl.zeros([], tl.float32)
-    for start in range(col_lo, col_hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x, key, kept = _kept_keys(row_ptr, offs, offs < col_hi, div, x_max, log_min_p, floor_key, HAS_MIN_P)
-        # key - lo as uint32: exact for key >= lo, as the range spans under 2**32 keys
-        bucket = tl.minimum((key.to(tl.uint32, bitcast=True) - lo32.to(tl.uint32, bitcast=True)) // step,
-                            NWAY - 1).to(tl.int32)
-        bucket = tl.where(key >= hi, NWAY - 1, bucket)  # every candidate clamped to hi lies at or below it
-        hist += tl.histogram(tl.where(kept & (key >= lo32), bucket, NWAY), 2 * NWAY)
-        if GATHER_CAP:
-            n, above = _gather_block(Gathered, key, kept, 1.0, lo, hi, n, above, GATHER_CAP)
-    b = tl.arange(0, 2 * NWAY)
-    j = tl.arange(0, NWAY)
-    counts = tl.sum(tl.where((b[None, :] >= j[:, None]) & (b[None, :] < NWAY), hist[None, :], 0), axis=1)
-    if GATHER_CAP:
-        return counts.to(tl.float32), n, above
-    else:
-        return counts.to(tl.float32)
 
 
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
@@ -301,31 +264,243 @@ def _last_range(State, Part, slot, row, b, num_splits, goal, NWAY: tl.constexpr,
 
 
 @triton.jit
-def _resolved_row(Resolved, TOP_P: tl.constexpr, row, b):
-    """Resolved [2, B, 2], by search (top_k, top_p) and row: [whether the resolver finished it, its cut]."""
-    off = row * 2
-    if TOP_P:
-        off += b * 2
-    return Resolved + off
+def _search_cut(State, Part, Resolved, row, b, num_splits, goal, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                GATHER_CAP: tl.constexpr):
+    """top_p's cut (an order key): the resolver's where it finished the row (`_cut_resolve_kernel`; Resolved [B, 2]:
+    [whether it did, its cut]), else the last pass's range narrowed by its masses."""
+    cut, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
+    if GATHER_CAP:
+        if tl.load(Resolved + row * 2) != 0:
+            cut = tl.load(Resolved + row * 2 + 1)
+    return cut
+
+
+# top_k's cut is a select over the kept columns' order keys (as uint32, `_radix_key`), in passes over the row's
+# splits (`_top_k_pass_kernel`): each histograms the keys in the row's current range into a few bins, summed over the
+# splits by atomic adds (int32 counts: exact in any order), and every program of the next pass picks the bin that
+# holds the k-th largest key (`_pick_bin`). Pass 0 counts aligned blocks of 2**20 keys (an eighth of a binade)
+# downward from the row maximum's block: 63 of them, and one for every key below. Each later pass splits its block
+# 32 ways (a 32-bin histogram costs a few warp ballots a column; 256 bins cost ten times that), so four reach one key.
+# A row whose k-th key lies below that window (k near the vocabulary's size, say) is searched over the keys below it
+# instead, a byte a pass. Once a range holds at most TOP_K_GATHER columns the next pass copies their keys out
+# instead of counting them, and one program per row finishes over those alone (`_top_k_resolve_kernel`); the passes
+# after it exit. With logits spread as a model's, the k-th value's eighth of a binade holds tens to hundreds of a
+# row's columns: most rows are read twice, one histogram and one gather.
+TOP_K_PASSES = 5
+_TOP_K_PASSES = tl.constexpr(TOP_K_PASSES)
+TOP_K_GATHER = 2048  # a row's gathered keys at most
+_TOP_K_GATHER = tl.constexpr(TOP_K_GATHER)
+_BLOCK_BITS = tl.constexpr(20)  # pass 0's blocks: 2**20 keys
+_WINDOW = tl.constexpr(64)  # pass 0's bins: 63 blocks down from the maximum's, and every key below them
+_HIST = tl.constexpr(256)  # Hist's slots a (pass, row): the widest histogram's bins
 
 
 @triton.jit
-def _search_cut(State, Part, Resolved, TOP_P: tl.constexpr, row, b, num_splits, goal, NWAY: tl.constexpr,
-                SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr):
-    """A finished search's cut (an order key): the resolver's where it finished the row (`_cut_resolve_kernel`),
-    else the last pass's range narrowed by its counts."""
-    cut, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
-    if GATHER_CAP:
-        if tl.load(_resolved_row(Resolved, TOP_P, row, b)) != 0:
-            cut = tl.load(_resolved_row(Resolved, TOP_P, row, b) + 1)
-    return cut
+def _radix_key(key):
+    """An int32 order key as uint32 in the same order (the sign bit flipped)."""
+    return (key ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _pick_bin(hist, goal):
+    """Of a histogram [_HIST] whose bin 0 holds the highest keys (bins past the pass's own are empty), the bin holding
+    the goal-th largest key: (bin, goal's rank within the bin, the bin's count). A row holding fewer than goal
+    keys gets the last bin."""
+    j = tl.arange(0, _HIST)
+    cum = tl.cumsum(hist, axis=0)
+    best = tl.min(tl.where(cum >= goal, j, _HIST - 1), axis=0)
+    in_bin = tl.sum(tl.where(j == best, hist, 0), axis=0)
+    higher = tl.sum(tl.where(j == best, cum, 0), axis=0) - in_bin
+    return best, goal - higher, in_bin
+
+
+@triton.jit
+def _digit_bits(wide):
+    """Bits a pass after pass 0 splits the range by: 5 in the window, 8 below it."""
+    return tl.where(wide, 8, 5)
+
+
+@triton.jit
+def _column_bins(u, top_block, prefix, w, wide, floor_u, FIRST: tl.constexpr):
+    """(in range, bin) of keys u [BLOCK], the row's range being (prefix, w, wide, floor_u): the keys whose bits above
+    the lowest w equal prefix (below the window, wide: also under floor_u). Bins count down from the range's top.
+    FIRST (pass 0, any range): the block of 2**20 keys counted down from top_block (the maximum's, int32), the last
+    bin taking every key below."""
+    if FIRST:
+        below = top_block - (u >> _BLOCK_BITS).to(tl.int32)
+        return u == u, tl.minimum(tl.maximum(below, 0), _WINDOW - 1)
+    else:
+        bits = _digit_bits(wide)
+        shift = tl.cast(w - bits, tl.uint32)
+        inside = ((u >> shift) >> tl.cast(bits, tl.uint32)) == prefix.to(tl.uint32)
+        inside = tl.where(wide, inside & (u < floor_u), inside)
+        top = (1 << bits) - 1
+        return inside, (top - ((u >> shift) & tl.cast(top, tl.uint32)).to(tl.int32))
+
+
+@triton.jit
+def _descend(prefix, w, wide, floor_u, bin, pass_idx, top_block):
+    """The row's range after picking `bin` at pass pass_idx: (prefix, w, wide, floor_u)."""
+    first = pass_idx == 0
+    bits = _digit_bits(wide)
+    new_wide = first & (bin == _WINDOW - 1) | (~first & wide)
+    window_prefix = tl.where(bin == _WINDOW - 1, 0, top_block - bin).to(tl.int64)
+    prefix = tl.where(first, window_prefix, (prefix << bits) + ((1 << bits) - 1 - bin))
+    w = tl.where(first, tl.where(new_wide, 32, _BLOCK_BITS), w - bits)
+    window_floor = tl.minimum(tl.maximum((top_block - (_WINDOW - 2)).to(tl.int64) << _BLOCK_BITS, 0), 4294967295)
+    floor_u = tl.where(first, window_floor.to(tl.uint32), floor_u)
+    return prefix, w, new_wide, floor_u
+
+
+@triton.jit
+def _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block):
+    """A row's top_k select state for pass pass_idx: (prefix, w, wide, floor_u: the range, as `_column_bins` reads
+    it; goal: the k-th largest key's rank in it; n: its count; gather_at: the pass that gathers it, the first whose
+    range holds at most TOP_K_GATHER columns, 0 while none, -1 where the row keeps fewer than k columns and nothing
+    is cut). Pass 0's is the whole row; a later pass's is the last pass's (State slot (pass_idx - 1) % 2, stored by
+    its split 0) narrowed by that pass's histogram, once all its programs have added to it."""
+    first = pass_idx == 0
+    last = State + (((pass_idx + 1) % 2) * b + row) * 8  # read only past pass 0
+    prefix = tl.where(first, top_block.to(tl.int64), tl.load(last))
+    w = tl.where(first, 32, tl.load(last + 1).to(tl.int32))
+    wide = ~first & (tl.load(last + 2) != 0)
+    floor_u = tl.where(first, 0, tl.load(last + 3)).to(tl.uint32)
+    goal = tl.where(first, top_k, tl.load(last + 4)).to(tl.int32)
+    n = tl.where(first, 0, tl.load(last + 5)).to(tl.int32)
+    gather_at = tl.where(first, 0, tl.load(last + 6)).to(tl.int32)
+    walk = ~first & (gather_at == 0)
+    counted = tl.maximum(pass_idx - 1, 0)
+    hist = tl.load(Hist + (counted * b + row) * _HIST + tl.arange(0, _HIST))
+    bin, rank, count = _pick_bin(hist, goal)
+    new_prefix, new_w, new_wide, new_floor = _descend(prefix, w, wide, floor_u, bin, counted, top_block)
+    short = walk & (pass_idx == 1) & (tl.sum(hist, axis=0) < goal)
+    prefix = tl.where(walk, new_prefix, prefix)
+    w = tl.where(walk, new_w, w)
+    wide = tl.where(walk, new_wide, wide)
+    floor_u = tl.where(walk, new_floor, floor_u)
+    goal = tl.where(walk, rank, goal)
+    n = tl.where(walk, count, n)
+    gather_at = tl.where(walk & (n <= _TOP_K_GATHER) & (pass_idx < _TOP_K_PASSES), pass_idx, gather_at)
+    gather_at = tl.where(short, -1, gather_at)
+    return prefix, w, wide, floor_u, goal, n, gather_at
+
+
+@triton.jit
+def _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, prefix, w, wide, floor_u,
+                HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr, FIRST: tl.constexpr):
+    """A split's histogram [NBINS] of the kept columns in the row's range, by `_column_bins`."""
+    hist = tl.zeros([NBINS], tl.int32)
+    for start in range(lo_col, hi_col, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        _, key, kept = _kept_keys(row_ptr, offs, offs < hi_col, temp, x_max, log_min_p, _NEG_INF_KEY, HAS_MIN_P)
+        inside, bin = _column_bins(_radix_key(key), top_block, prefix, w, wide, floor_u, FIRST)
+        hist += tl.histogram(bin, NBINS, mask=kept & inside)
+    return hist
+
+
+@triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits"])
+def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, Cursor, vocab_size,
+                       split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
+                       BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, NWAY: tl.constexpr = 16,
+                       Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False):
+    """Pass `pass_idx` of top_k's select for (row, split): histogram the keys in the row's range into
+    Hist[pass_idx, row] (atomic adds), or, the pass after the range's count fell to TOP_K_GATHER, copy those keys to
+    Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
+    stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
+    top_k = tl.load(TopKs + row)
+    active = samples & (top_k < vocab_size)
+    if CHECKED:  # rows whose unrestricted draw stands need no cut
+        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
+                                     vocab_size, True, HAS_P, NWAY, SPLITS_POW2)
+    if active:
+        top_block = (_radix_key(_order_key(x_max)) >> _BLOCK_BITS).to(tl.int32)
+        prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block)
+        if split == 0:
+            slot = State + ((pass_idx % 2) * b + row) * 8
+            tl.store(slot, prefix)
+            tl.store(slot + 1, w.to(tl.int64))
+            tl.store(slot + 2, wide.to(tl.int64))
+            tl.store(slot + 3, floor_u.to(tl.int64))
+            tl.store(slot + 4, goal.to(tl.int64))
+            tl.store(slot + 5, n.to(tl.int64))
+            tl.store(slot + 6, gather_at.to(tl.int64))
+        gathers = (gather_at > 0) & (gather_at == pass_idx)
+        if (gather_at == 0) | gathers:
+            lo_col = split * split_len
+            hi_col = tl.minimum(lo_col + split_len, vocab_size)
+            row_ptr = Logits + row * stride_l
+            out = Hist + (pass_idx * b + row) * _HIST
+            if gathers:  # copy the range's keys out
+                dense = Dense + row * _TOP_K_GATHER
+                for start in range(lo_col, hi_col, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    _, key, kept = _kept_keys(row_ptr, offs, offs < hi_col, temp, x_max, log_min_p, _NEG_INF_KEY,
+                                              HAS_MIN_P)
+                    u = _radix_key(key)
+                    inside, _ = _column_bins(u, top_block, prefix, w, wide, floor_u, False)
+                    inside = inside & kept
+                    count = tl.sum(inside.to(tl.int32), axis=0)
+                    if count > 0:
+                        pos = tl.atomic_add(Cursor + row, count) + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                        tl.store(dense + pos, u.to(tl.int32, bitcast=True), mask=inside)
+            elif FIRST:
+                window = _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, prefix, w, wide,
+                                     floor_u, HAS_MIN_P, BLOCK, _WINDOW, True)
+                tl.atomic_add(out + tl.arange(0, _WINDOW), window, mask=window > 0)
+            elif wide:
+                by_byte = _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, prefix, w, wide,
+                                      floor_u, HAS_MIN_P, BLOCK, 256, False)
+                tl.atomic_add(out + tl.arange(0, 256), by_byte, mask=by_byte > 0)
+            else:
+                by_five = _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, prefix, w, wide,
+                                      floor_u, HAS_MIN_P, BLOCK, 32, False)
+                tl.atomic_add(out + tl.arange(0, 32), by_five, mask=by_five > 0)
+
+
+@triton.jit
+def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, CutK, vocab_size, num_splits, b,
+                          greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
+                          NWAY: tl.constexpr = 16, Mass=None, Count=None, HAS_P: tl.constexpr = False,
+                          CHECKED: tl.constexpr = False):
+    """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
+    the select's passes, finished over the keys a pass gathered where one did."""
+    row = tl.program_id(0).to(tl.int64)
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
+    top_k = tl.load(TopKs + row)
+    active = samples & (top_k < vocab_size)
+    if CHECKED:
+        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
+                                     vocab_size, True, HAS_P, NWAY, SPLITS_POW2)
+    cut = tl.full([], _NEG_INF_KEY, tl.int64)
+    if active:
+        top_block = (_radix_key(_order_key(x_max)) >> _BLOCK_BITS).to(tl.int32)
+        prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, _TOP_K_PASSES, top_k,
+                                                                    top_block)
+        if gather_at > 0:  # the rest of the select over the gathered keys (n of them) alone
+            dense = Dense + row * _TOP_K_GATHER
+            for p in range(gather_at, _TOP_K_PASSES):
+                hist = tl.zeros([_HIST], tl.int32)
+                for start in range(0, n, BLOCK):
+                    i = start + tl.arange(0, BLOCK)
+                    u = tl.load(dense + i, mask=i < n, other=0).to(tl.uint32, bitcast=True)
+                    inside, bin = _column_bins(u, top_block, prefix, w, wide, floor_u, False)
+                    hist += tl.histogram(bin, _HIST, mask=inside & (i < n))
+                bin, goal, _ = _pick_bin(hist, goal)
+                prefix, w, wide, floor_u = _descend(prefix, w, wide, floor_u, bin, p, top_block)
+        cut = tl.where(gather_at < 0, cut, prefix - 2147483648)
+    tl.store(CutK + row, cut)
 
 
 # Rejection first (FlashInfer's sort-free sampling does the same): the row's unrestricted Gumbel-max draw j* is also
 # its draw under top_k / top_p whenever j* survives them, since the same noise picks the maximum of a subset that
 # holds it. j* survives top_k iff fewer than k kept columns have a larger order key, and top_p iff the mass above
 # its key is under the goal (the search's cut is the largest key whose mass at or above reaches the goal). Those
-# are one pass over the row, where the search takes PASSES; the search and the restricted draw then run only for
+# are one pass over the row, where a search takes several; the search and the restricted draw then run only for
 # the rows whose j* failed (every launch stays in the graph: accepted rows' programs exit at once).
 
 
@@ -387,62 +562,49 @@ def _accepted(Mass, Count, row, b, num_splits, samples, top_k, top_p, vocab_size
 
 
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits"])
-def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
-                     split_len, num_splits, b, pass_idx, greedy_eps, TOP_P: tl.constexpr, HAS_K: tl.constexpr,
-                     HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                     Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
-                     Gathered=None, GathN=None, Above=None, Resolved=None, GATHER_CAP: tl.constexpr = 0,
-                     IS_GATHER: tl.constexpr = False):
-    """One pass of a cut search for (row, split): top_k's (count >= k), or with TOP_P top_p's (softmax mass >=
-    top_p x the mass top_k keeps). A pass takes its key range from the last one (State and Part at slot
+def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
+                       split_len, num_splits, b, pass_idx, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                       NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Mass=None, Count=None,
+                       HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False, Gathered=None, GathN=None,
+                       Above=None, Resolved=None, GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False):
+    """One pass of top_p's cut search for (row, split): the largest key at or above which the softmax mass reaches
+    top_p x the mass top_k keeps. A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
-    counts beside it. top_p's floor is top_k's cut, which its pass 0 finishes and stores in CutK; its goal needs
-    the mass above that floor, which is pass 0's count for its first candidate (the floor itself), so pass 1
-    sums it and stores the goal in Goal. GATHER_CAP: the search gathers (see GATHER_PASS); IS_GATHER: this is its
-    GATHER_PASS, which also gathers its range's columns; the passes after it skip the rows the resolver finished."""
-    GATHER_AT: tl.constexpr = _GATHER_PASS_P if TOP_P else _GATHER_PASS_K
+    masses beside it. The floor is top_k's cut (CutK, from `_top_k_resolve_kernel`; without top_k pass 0 stores
+    -inf's key there); the goal needs the mass above that floor, which is pass 0's sum for its first candidate (the
+    floor itself), so pass 1 sums it and stores the goal in Goal. GATHER_CAP: the search gathers (see
+    GATHER_PASS); IS_GATHER: this is its GATHER_PASS, which also gathers its range's columns; the passes after it
+    skip the rows the resolver finished."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
-    top_k = tl.load(TopKs + row)
-    goal = top_k.to(tl.float32)
-    if TOP_P:
-        top_p = tl.load(TopPs + row)
-        active = samples & (top_p < 1.0)
-        if pass_idx == 0:
-            floor_key = tl.full([], _NEG_INF_KEY, tl.int64)
-            if HAS_K:  # top_k's search wrote its last pass at slot (_PASSES - 1) % 2
-                if samples & (top_k < vocab_size):
-                    floor_key = _search_cut(State, Part, Resolved, False, row, b, num_splits, goal, NWAY,
-                                            SPLITS_POW2, GATHER_CAP)
-            if split == 0:  # every sampling row's: the finish kernel reads it for rows without top_p too
-                tl.store(CutK + row, floor_key)
-        else:
-            floor_key = tl.load(CutK + row)
-        if pass_idx == 1:
-            goal = top_p * tl.sum(tl.where(tl.arange(0, NWAY) == 0, _summed(Part, 0, row, b, num_splits, NWAY,
-                                                                                SPLITS_POW2), 0.0), axis=0)
-            if split == 0:
-                tl.store(Goal + row, goal)
-        elif pass_idx > 1:
-            goal = tl.load(Goal + row)
+    top_p = tl.load(TopPs + row)
+    active = samples & (top_p < 1.0)
+    if HAS_K:
+        floor_key = tl.load(CutK + row)
     else:
-        active = samples & (top_k < vocab_size)
         floor_key = tl.full([], _NEG_INF_KEY, tl.int64)
+        if (pass_idx == 0) & (split == 0):  # every row's: the finish kernel reads it for rows without top_p too
+            tl.store(CutK + row, floor_key)
+    goal = 0.0
+    if pass_idx == 1:
+        goal = top_p * tl.sum(tl.where(tl.arange(0, NWAY) == 0, _summed(Part, 0, row, b, num_splits, NWAY,
+                                                                            SPLITS_POW2), 0.0), axis=0)
+        if split == 0:
+            tl.store(Goal + row, goal)
+    elif pass_idx > 1:
+        goal = tl.load(Goal + row)
     if CHECKED:  # rows whose unrestricted draw stands need no cut
-        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
+        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, tl.load(TopKs + row), top_p,
                                      vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2)
     if GATHER_CAP:
-        if pass_idx > GATHER_AT:  # rows the resolver finished
-            active = active & (tl.load(_resolved_row(Resolved, TOP_P, row, b)) == 0)
+        if pass_idx > _GATHER_PASS:  # rows the resolver finished
+            active = active & (tl.load(Resolved + row * 2) == 0)
     if active:
         if pass_idx == 0:
             lo = floor_key
-            if TOP_P or HAS_MIN_P:
-                hi = _order_key(x_max).to(tl.int64)
-            else:  # top_k alone: no row maximum was taken; eight passes narrow any range of int32 keys
-                hi = tl.full([], _POS_INF_KEY, tl.int64)
+            hi = _order_key(x_max).to(tl.int64)
         else:
             lo, hi = _last_range(State, Part, (pass_idx - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
         slot = pass_idx % 2
@@ -452,44 +614,39 @@ def _cut_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, Sta
         lo_col = split * split_len
         row_ptr = Logits + row * stride_l
         hi_col = tl.minimum(lo_col + split_len, vocab_size)
+        cand = _candidates(lo, hi, NWAY).to(tl.int32)  # keys are int32; the candidates lie between two of them
         if IS_GATHER:
             part = row * num_splits + split
-            acc, n, above = _count(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, floor_key.to(tl.int32), lo, hi,
-                                   TOP_P=TOP_P, HAS_MIN_P=HAS_MIN_P, NWAY=NWAY, BLOCK=BLOCK,
-                                   Gathered=Gathered + part * GATHER_CAP, GATHER_CAP=GATHER_CAP)
+            acc, n, above = _mass_at_or_above(row_ptr, lo_col, hi_col, temp, x_max, log_min_p,
+                                              floor_key.to(tl.int32), cand, HAS_MIN_P, NWAY, BLOCK, lo, hi,
+                                              Gathered + part * GATHER_CAP, GATHER_CAP)
             tl.store(GathN + part, n)
             tl.store(Above + part, above)
         else:
-            acc = _count(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, floor_key.to(tl.int32), lo, hi,
-                         TOP_P=TOP_P, HAS_MIN_P=HAS_MIN_P, NWAY=NWAY, BLOCK=BLOCK)
+            acc = _mass_at_or_above(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, floor_key.to(tl.int32), cand,
+                                    HAS_MIN_P, NWAY, BLOCK)
         tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved, Dense,
-                        vocab_size, num_splits, b, greedy_eps, TOP_P: tl.constexpr, HAS_K: tl.constexpr,
-                        HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                        GATHER_CAP: tl.constexpr, RESOLVE_BLOCK: tl.constexpr, Mass=None, Count=None,
-                        HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False):
-    """A row's search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
-    finish, with each candidate's count (TOP_P: mass) = the columns above the gathered range (summed by the gather
-    pass, split by split) + the gathered columns at or above it. Stores Resolved[search, row] = [1, cut], or
-    [0, -] where a split had more columns in range than it could hold."""
-    GATHER_AT: tl.constexpr = _GATHER_PASS_P if TOP_P else _GATHER_PASS_K
+                        vocab_size, num_splits, b, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr,
+                        RESOLVE_BLOCK: tl.constexpr, Mass=None, Count=None, HAS_P: tl.constexpr = False,
+                        CHECKED: tl.constexpr = False):
+    """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
+    finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
+    split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
+    more columns in range than it could hold."""
     row = tl.program_id(0).to(tl.int64)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
-    top_k = tl.load(TopKs + row)
-    if TOP_P:
-        active = samples & (tl.load(TopPs + row) < 1.0)
-        goal = tl.load(Goal + row)
-    else:
-        active = samples & (top_k < vocab_size)
-        goal = top_k.to(tl.float32)
+    active = samples & (tl.load(TopPs + row) < 1.0)
+    goal = tl.load(Goal + row)
     if CHECKED:
-        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
-                                     vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2)
-    out = _resolved_row(Resolved, TOP_P, row, b)
+        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, tl.load(TopKs + row),
+                                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2)
+    out = Resolved + row * 2
     if active:
         s = tl.arange(0, SPLITS_POW2)
         n = tl.load(GathN + row * num_splits + s, mask=s < num_splits, other=0)
@@ -506,45 +663,36 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
             tl.debug_barrier()  # the block's stores before its loads below
             total = tl.sum(n, axis=0)
             above = tl.sum(tl.load(Above + row * num_splits + s, mask=s < num_splits, other=0.0), axis=0)
-            lo = tl.load(State + (row * 2 + GATHER_AT % 2) * 2)
-            hi = tl.load(State + (row * 2 + GATHER_AT % 2) * 2 + 1)
-            for _ in tl.static_range(_PASSES - GATHER_AT):
+            lo = tl.load(State + (row * 2 + _GATHER_PASS % 2) * 2)
+            hi = tl.load(State + (row * 2 + _GATHER_PASS % 2) * 2 + 1)
+            for _ in tl.static_range(_PASSES - _GATHER_PASS):
                 cand = _candidates(lo, hi, NWAY).to(tl.int32)
                 acc = tl.zeros([NWAY, RESOLVE_BLOCK], tl.float32)
                 for start in range(0, total, RESOLVE_BLOCK):
                     i = start + tl.arange(0, RESOLVE_BLOCK)
                     key = tl.load(dense + i, mask=i < total, other=0)
-                    if TOP_P:
-                        w = tl.where(i < total, tl.exp(_key_value(key) - x_max), 0.0)
-                    else:
-                        w = (i < total).to(tl.float32)
+                    w = tl.where(i < total, tl.exp(_key_value(key) - x_max), 0.0)
                     acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0.0)
                 lo, hi = _narrow(lo, hi, above + tl.sum(acc, axis=1), goal, NWAY)
             tl.store(out + 1, lo)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _cut_finish_kernel(Temps, TopKs, TopPs, State, Part, Goal, CutK, Cuts, vocab_size, num_splits, b, greedy_eps,
-                       HAS_K: tl.constexpr, HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                       Resolved=None, GATHER_CAP: tl.constexpr = 0):
+def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
+                       NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
     value at which the renormalized mass reaches top_p."""
     row = tl.program_id(0).to(tl.int64)
     samples = tl.load(Temps + row) >= greedy_eps
-    top_k = tl.load(TopKs + row)
     top_p = tl.load(TopPs + row)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
-    if HAS_P:
-        if samples & (top_p < 1.0):
-            cut = _search_cut(State, Part, Resolved, True, row, b, num_splits, tl.load(Goal + row), NWAY,
-                              SPLITS_POW2, GATHER_CAP)
-        elif samples:
-            cut = tl.load(CutK + row)
-    elif HAS_K:
-        if samples & (top_k < vocab_size):
-            cut = _search_cut(State, Part, Resolved, False, row, b, num_splits, top_k.to(tl.float32), NWAY,
-                              SPLITS_POW2, GATHER_CAP)
+    if samples:  # top_k's cut (-inf's key without top_k), or top_p's above it
+        cut = tl.load(CutK + row)
+        if HAS_P:
+            if top_p < 1.0:
+                cut = _search_cut(State, Part, Resolved, row, b, num_splits, tl.load(Goal + row), NWAY, SPLITS_POW2,
+                                  GATHER_CAP)
     tl.store(Cuts + row, _key_value(cut.to(tl.int32)))
 
 
@@ -552,6 +700,9 @@ _BLOCK = 2048
 REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0": every row searched (for A/B runs)
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
+_RESOLVE_BLOCK = 32 * _SEARCH_WARPS
+_RADIX_BLOCK = 2048
+_RADIX_WARPS = 4
 _NWAY = 16
 _TARGET_PROGRAMS = 512  # a few waves over an H100/H200's 132 SMs
 
@@ -566,12 +717,13 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none),
     and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped). With them the
     unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p, then the cut
-    search for the rows whose draw failed (`PASSES` launches per search over (row, split) programs,
-    `_cut_pass_kernel`, and one program per row, `_cut_finish_kernel`), then their draw under the cut.
+    search for the rows whose draw failed (TOP_K_PASSES and PASSES launches over (row, split) programs, a resolve
+    and a finish over one program per row), then their draw under the cut.
 
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
-    index) picks the token. With min_p or top_p a first pass finds each split's maximum (they need the row's).
+    index) picks the token. min_p and the cut searches need each row's maximum: with min_p a first pass takes it,
+    else the unrestricted draw does.
     The ids go into `out` when given; with `scatter` = (dest, index) that last kernel also stores
     dest[index[b]] = row b's id (the next-token buffer, by request row).
     """
@@ -591,7 +743,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     sample_meta = dict(HAS_MIN_P=min_ps is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8)
     draw_args = (seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps)
     if top_ks is None or not REJECTION_FIRST:
-        split_max = _split_max(logits, temperatures, min_ps, top_ks is not None and cut_phases[1], vocab_size,
+        split_max = _split_max(logits, temperatures, min_ps, top_ks is not None and any(cut_phases), vocab_size,
                                greedy_eps, split_len, num_splits)
         cuts = split_max if top_ks is None else _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max,
                                                       vocab_size, greedy_eps, cut_phases, split_len, num_splits)
@@ -604,8 +756,10 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     # the check's parts, each only where its search runs (else `vals`, unread)
     mass = torch.empty(b, num_splits, _NWAY, dtype=torch.float32, device=dev) if has_p else vals
     count = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k else vals
-    split_max = _split_max(logits, temperatures, min_ps, has_p, vocab_size, greedy_eps, split_len, num_splits)
-    _split_sample_kernel[grid](*sample_args, split_max, split_max, *draw_args, HAS_CUT=False, **sample_meta)
+    # the row maximum (min_p and the searches need it): with min_p a pass of its own, else taken by the first draw
+    split_max = _split_max(logits, temperatures, min_ps, False, vocab_size, greedy_eps, split_len, num_splits)
+    _split_sample_kernel[grid](*sample_args, split_max, split_max, *draw_args, HAS_CUT=False, MaxOut=split_max,
+                               STORE_MAX=min_ps is None, **sample_meta)
     _accept_part_kernel[grid](logits, logits.stride(0), temperatures, min_p_arg, split_max, vals, idx, mass, count,
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
                               HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
@@ -618,13 +772,13 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     return pick_rows(vals, idx, out, scatter)
 
 
-def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_p_phase: bool,
+def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, search: bool,
                vocab_size: int, greedy_eps: float, split_len: int, num_splits: int) -> torch.Tensor:
-    """Each split's max of logits / temperature, float32 [B, splits]: taken with min_p or a top_p search (they need
-    the row's), else left unwritten (top_k alone needs no row maximum)."""
+    """Each split's max of logits / temperature, float32 [B, splits]: taken with min_p or a cut search (they need
+    the row's: top_p's mass and top_k's first window start from it), else left unwritten."""
     b = logits.shape[0]
     split_max = torch.empty(b, num_splits, dtype=torch.float32, device=logits.device)
-    if min_ps is not None or top_p_phase:
+    if min_ps is not None or search:
         _split_max_kernel[(b, num_splits)](logits, logits.stride(0), temperatures, split_max, vocab_size, split_len,
                                            num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8)
     return split_max
@@ -640,43 +794,51 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     dev = logits.device
     pow2 = triton.next_power_of_2(num_splits)
     has_k, has_p = cut_phases
+    cut_k = torch.empty(b, dtype=torch.int64, device=dev)  # top_k's cut: the floor of top_p's search
+    min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
+    row_args = (temperatures, min_p_arg, top_ks, top_ps, split_max)
+    meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, NWAY=_NWAY, num_warps=_SEARCH_WARPS, **(check or {}))
+    if has_k:
+        counts = torch.zeros(TOP_K_PASSES * b * 256 + b, dtype=torch.int32, device=dev)  # Hist, then Cursor
+        hist, cursor = counts[:-b], counts[-b:]
+        dense = torch.empty(b, TOP_K_GATHER, dtype=torch.int32, device=dev)
+        select = torch.empty(2, b, 8, dtype=torch.int64, device=dev)  # the select's state, by pass parity
+        for pass_idx in range(TOP_K_PASSES):
+            _top_k_pass_kernel[grid](logits, logits.stride(0), *row_args, select, hist, dense, cursor, vocab_size,
+                                     split_len, num_splits, b, pass_idx, greedy_eps, BLOCK=_RADIX_BLOCK,
+                                     FIRST=pass_idx == 0, **(meta | dict(num_warps=_RADIX_WARPS)))
+        _top_k_resolve_kernel[(b,)](*row_args, select, hist, dense, cut_k, vocab_size, num_splits, b, greedy_eps,
+                                    BLOCK=_SEARCH_BLOCK, **meta)
     state = torch.empty(b, 2, 2, dtype=torch.int64, device=dev)  # (lo, hi) of the last two passes
     part = torch.empty(2, b, num_splits, _NWAY, dtype=torch.float32, device=dev)
     goal = torch.empty(b, dtype=torch.float32, device=dev)  # top_p x the mass above top_k's cut
-    cut_k = torch.empty(b, dtype=torch.int64, device=dev)
-    min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
-    args = (logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, state, part, goal,
-            cut_k, vocab_size, split_len, num_splits, b)
-    meta = dict(HAS_K=has_k, HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
-                num_warps=_SEARCH_WARPS, **(check or {}))
-    cap = gather_cap(b, num_splits)
+    cap = gather_cap(b, num_splits) if has_p else 0
     gather = {}
-    if cap:
-        gather = dict(Gathered=torch.empty(b, num_splits, cap, dtype=torch.int32, device=dev),
-                      GathN=torch.empty(b, num_splits, dtype=torch.int32, device=dev),
-                      Above=torch.empty(b, num_splits, dtype=torch.float32, device=dev),
-                      Resolved=torch.empty(2, b, 2, dtype=torch.int64, device=dev))
-        dense = torch.empty(b, pow2 * cap, dtype=torch.int32, device=dev)
-    for top_p in [False] * has_k + [True] * has_p:
+    if has_p:
+        if cap:
+            gather = dict(Gathered=torch.empty(b, num_splits, cap, dtype=torch.int32, device=dev),
+                          GathN=torch.empty(b, num_splits, dtype=torch.int32, device=dev),
+                          Above=torch.empty(b, num_splits, dtype=torch.float32, device=dev),
+                          Resolved=torch.empty(b, 2, dtype=torch.int64, device=dev))
+            dense = torch.empty(b, pow2 * cap, dtype=torch.int32, device=dev)
+        args = (logits, logits.stride(0), *row_args, state, part, goal, cut_k, vocab_size, split_len, num_splits, b)
         for pass_idx in range(PASSES):
-            _cut_pass_kernel[grid](*args, pass_idx, greedy_eps, TOP_P=top_p, **meta, **gather, GATHER_CAP=cap,
-                                   IS_GATHER=bool(cap) and pass_idx == GATHER_PASS[top_p])
-            if cap and pass_idx == GATHER_PASS[top_p]:
-                _cut_resolve_kernel[(b,)](temperatures, min_p_arg, top_ks, top_ps, split_max, state, goal,
-                                          gather["Gathered"], gather["GathN"], gather["Above"], gather["Resolved"],
-                                          dense, vocab_size, num_splits, b, greedy_eps, TOP_P=top_p, HAS_K=has_k,
-                                          HAS_MIN_P=min_ps is not None, NWAY=_NWAY, SPLITS_POW2=pow2,
-                                          GATHER_CAP=cap, RESOLVE_BLOCK=32 * _SEARCH_WARPS, num_warps=_SEARCH_WARPS,
-                                          **(check or {}))
+            _top_p_pass_kernel[grid](*args, pass_idx, greedy_eps, HAS_K=has_k, BLOCK=_SEARCH_BLOCK, **meta, **gather,
+                                     GATHER_CAP=cap, IS_GATHER=bool(cap) and pass_idx == GATHER_PASS)
+            if cap and pass_idx == GATHER_PASS:
+                _cut_resolve_kernel[(b,)](*row_args, state, goal, gather["Gathered"], gather["GathN"],
+                                          gather["Above"], gather["Resolved"], dense, vocab_size, num_splits, b,
+                                          greedy_eps, HAS_K=has_k, GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK,
+                                          **meta)
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
-    _cut_finish_kernel[(b,)](temperatures, top_ks, top_ps, state, part, goal, cut_k, cuts, vocab_size,
-                             num_splits, b, greedy_eps, HAS_K=has_k, HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2,
-                             Resolved=gather.get("Resolved"), GATHER_CAP=cap, num_warps=1)
+    _cut_finish_kernel[(b,)](temperatures, top_ps, state, part, goal, cut_k, cuts, num_splits, b, greedy_eps,
+                             HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2, Resolved=gather.get("Resolved"),
+                             GATHER_CAP=cap, num_warps=1)
     return cuts
 
 
 def _gather_min_batch() -> int:
-    """The smallest batch whose cut searches gather (OSTINATO_SAMPLER_GATHER_MIN_BATCH, default 8): smaller batches
+    """The smallest batch whose top_p searches gather (OSTINATO_SAMPLER_GATHER_MIN_BATCH, default 8): smaller batches
     read the row eight times, as one program per row resolving its keys has less parallelism than a pass there."""
     value = os.environ.get("OSTINATO_SAMPLER_GATHER_MIN_BATCH", "8")
     if not value.isdigit() or int(value) < 1:
@@ -701,7 +863,7 @@ def row_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Ten
     """The threshold fused_sample applies to each row's logits / temperature (-inf: it cuts nothing), float32 [B],
     every row searched (no acceptance check): the search's result alone, for tests. Arguments as fused_sample's."""
     plan = split_plan(logits.shape[0], vocab_size)
-    split_max = _split_max(logits, temperatures, min_ps, cut_phases[1], vocab_size, greedy_eps, *plan)
+    split_max = _split_max(logits, temperatures, min_ps, any(cut_phases), vocab_size, greedy_eps, *plan)
     return _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases, *plan)
 
 
