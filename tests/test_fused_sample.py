@@ -234,6 +234,36 @@ def test_top_k_select_finishes_from_gathered_keys(monkeypatch):
         assert torch.equal(short == full, needs <= last), (last, short, full)
 
 
+@pytest.mark.parametrize("with_min_p", [False, True])
+def test_top_k_select_at_the_edges_of_the_key_space(with_min_p):
+    """top_k's cut on rows the window below the maximum does not hold or that sit elsewhere in the key space: k just
+    under the vocabulary, a narrow row of negative values, masked (-inf) columns at the cut, a wide row with a deep
+    negative cut, a maximum of 1e30 (every other key far below the window), and (with min_p) more k than min_p
+    keeps, where the cut is -inf. Exact against the sorted rows."""
+    from ostinato.runner.fused_sample import row_cuts
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, b = 3000, 6
+    logits = torch.randn(b, vocab, generator=gen) * 2
+    logits[1] = torch.randn(vocab, generator=gen) * 0.01 - 50
+    logits[2, :100] = float("-inf")
+    logits[3] = torch.randn(vocab, generator=gen) * 30
+    logits[4, 0] = 1e30
+    logits[5] = -logits[5].abs() - 1e-30
+    ks = torch.tensor([2999, 1500, 2950, 2000, 10, 2000])
+    temps = torch.tensor([0.7, 1.0, 1.0, 0.5, 1.0, 1.0])
+    min_ps = torch.tensor([0.0] * 5 + [0.3]) if with_min_p else None
+    cuts = row_cuts(logits.to(DEVICE), temps.to(DEVICE), None if min_ps is None else min_ps.to(DEVICE),
+                    ks.to(DEVICE), torch.ones(b, device=DEVICE), vocab, 1e-5, (True, False)).cpu()
+    x = logits / temps[:, None]
+    if with_min_p:
+        x = x.masked_fill(x - x.amax(-1, keepdim=True) < min_ps.log()[:, None], float("-inf"))
+    s = x.sort(-1, descending=True).values
+    for r in range(b):
+        assert _snapped(s[r], cuts[r]) == s[r, ks[r] - 1].item(), (r, cuts[r].item(), s[r, ks[r] - 1].item())
+    assert (cuts[5] == float("-inf")) == with_min_p
+
+
 @pytest.mark.parametrize("kinds", ["top_p", "both"])
 def test_top_p_resolver_finishes_rows_from_their_gathered_keys(kinds, monkeypatch):
     """A gathering top_p search (at fused_sample.GATHER_PASS) finishes ordinary rows from their gathered keys alone:
