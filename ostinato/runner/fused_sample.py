@@ -353,26 +353,45 @@ def _descend(prefix, w, wide, floor_u, bin, pass_idx, top_block):
 
 
 @triton.jit
-def _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block):
+def _top_k_row(Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps,
+               HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_P: tl.constexpr,
+               CHECKED: tl.constexpr):
+    """(temperature, max of logits / temperature, log min_p, k, whether the row's select runs, the maximum's block
+    of 2**20 keys) of a row: it runs for a sampling row with k under the vocabulary whose unrestricted draw (CHECKED)
+    did not stand."""
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
+    top_k = tl.load(TopKs + row)
+    active = samples & (top_k < vocab_size)
+    if CHECKED:
+        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
+                                     vocab_size, True, HAS_P, NWAY, SPLITS_POW2)
+    top_block = (_radix_key(_order_key(x_max)) >> _BLOCK_BITS).to(tl.int32)
+    return temp, x_max, log_min_p, top_k, active, top_block
+
+
+@triton.jit
+def _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block, FIRST: tl.constexpr):
     """A row's top_k select state for pass pass_idx: (prefix, w, wide, floor_u: the range, as `_column_bins` reads
     it; goal: the k-th largest key's rank in it; n: its count; gather_at: the pass that gathers it, the first whose
     range holds at most TOP_K_GATHER columns, 0 while none, -1 where the row keeps fewer than k columns and nothing
-    is cut). Pass 0's is the whole row; a later pass's is the last pass's (State slot (pass_idx - 1) % 2, stored by
-    its split 0) narrowed by that pass's histogram, once all its programs have added to it."""
-    first = pass_idx == 0
-    last = State + (((pass_idx + 1) % 2) * b + row) * 8  # read only past pass 0
-    prefix = tl.where(first, top_block.to(tl.int64), tl.load(last))
-    w = tl.where(first, 32, tl.load(last + 1).to(tl.int32))
-    wide = ~first & (tl.load(last + 2) != 0)
-    floor_u = tl.where(first, 0, tl.load(last + 3)).to(tl.uint32)
-    goal = tl.where(first, top_k, tl.load(last + 4)).to(tl.int32)
-    n = tl.where(first, 0, tl.load(last + 5)).to(tl.int32)
-    gather_at = tl.where(first, 0, tl.load(last + 6)).to(tl.int32)
-    walk = ~first & (gather_at == 0)
-    counted = tl.maximum(pass_idx - 1, 0)
-    hist = tl.load(Hist + (counted * b + row) * _HIST + tl.arange(0, _HIST))
+    is cut). Pass 0's (FIRST) is the whole row; a later pass's is the last pass's (State slot (pass_idx - 1) % 2,
+    stored by its split 0) narrowed by that pass's histogram, once all its programs have added to it."""
+    if FIRST:
+        zero = tl.zeros([], tl.int32)
+        return top_block.to(tl.int64), zero + 32, zero != 0, zero.to(tl.uint32), top_k.to(tl.int32), zero, zero
+    last = State + (((pass_idx + 1) % 2) * b + row) * 8
+    prefix = tl.load(last)
+    w = tl.load(last + 1).to(tl.int32)
+    wide = tl.load(last + 2) != 0
+    floor_u = tl.load(last + 3).to(tl.uint32)
+    goal = tl.load(last + 4).to(tl.int32)
+    n = tl.load(last + 5).to(tl.int32)
+    gather_at = tl.load(last + 6).to(tl.int32)
+    walk = gather_at == 0
+    hist = tl.load(Hist + ((pass_idx - 1) * b + row) * _HIST + tl.arange(0, _HIST))
     bin, rank, count = _pick_bin(hist, goal)
-    new_prefix, new_w, new_wide, new_floor = _descend(prefix, w, wide, floor_u, bin, counted, top_block)
+    new_prefix, new_w, new_wide, new_floor = _descend(prefix, w, wide, floor_u, bin, pass_idx - 1, top_block)
     short = walk & (pass_idx == 1) & (tl.sum(hist, axis=0) < goal)
     prefix = tl.where(walk, new_prefix, prefix)
     w = tl.where(walk, new_w, w)
@@ -409,16 +428,12 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
-                                                 SPLITS_POW2)
-    top_k = tl.load(TopKs + row)
-    active = samples & (top_k < vocab_size)
-    if CHECKED:  # rows whose unrestricted draw stands need no cut
-        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
-                                     vocab_size, True, HAS_P, NWAY, SPLITS_POW2)
+    temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
+        Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P, NWAY,
+        SPLITS_POW2, HAS_P, CHECKED)
     if active:
-        top_block = (_radix_key(_order_key(x_max)) >> _BLOCK_BITS).to(tl.int32)
-        prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block)
+        prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block,
+                                                                    FIRST)
         if split == 0:
             slot = State + ((pass_idx % 2) * b + row) * 8
             tl.store(slot, prefix)
@@ -469,18 +484,13 @@ def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Den
     """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
     the select's passes, finished over the keys a pass gathered where one did."""
     row = tl.program_id(0).to(tl.int64)
-    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
-                                                 SPLITS_POW2)
-    top_k = tl.load(TopKs + row)
-    active = samples & (top_k < vocab_size)
-    if CHECKED:
-        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
-                                     vocab_size, True, HAS_P, NWAY, SPLITS_POW2)
+    temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
+        Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P, NWAY,
+        SPLITS_POW2, HAS_P, CHECKED)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     if active:
-        top_block = (_radix_key(_order_key(x_max)) >> _BLOCK_BITS).to(tl.int32)
         prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, _TOP_K_PASSES, top_k,
-                                                                    top_block)
+                                                                    top_block, False)
         if gather_at > 0:  # the rest of the select over the gathered keys (n of them) alone
             dense = Dense + row * _TOP_K_GATHER
             for p in range(gather_at, _TOP_K_PASSES):
