@@ -34,13 +34,31 @@ def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperat
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0, top_k=top_k,
                             top_p=top_p)
     batch = [{"prompt_token_ids": p} for p in prompts]
+    engine, durations = llm.engine, []
+    step = engine.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        durations.append(time.perf_counter() - t)
+        return out
+
+    engine.step = timed_step
     t = time.perf_counter()
-    out = llm.generate(batch, params, use_tqdm=False)
+    try:
+        out = llm.generate(batch, params, use_tqdm=False)
+    finally:
+        del engine.step
     if llm.engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
     assert all(len(r.outputs[0].token_ids) == new_tokens for r in out)
+    if STEP_LOG is not None:
+        STEP_LOG.append((new_tokens, elapsed, durations))
     return elapsed
+
+
+STEP_LOG: list | None = None  # --step-log: (tokens, wall, [step() seconds]) of each timed generate
 
 
 def main() -> None:
@@ -66,8 +84,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="each length is timed this often; the median counts")
     ap.add_argument("--sampler", default=None,
                     help="another fused_sample.py (e.g. an earlier commit's) in place of the tree's for sampled rows")
+    ap.add_argument("--step-log", action="store_true",
+                    help="also report each timed generate's wall time, step count and steady step() times")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    global STEP_LOG
     if args.sampler:  # sampler.sample_fused looks fused_sample up in its module at each call
         import ostinato.runner.fused_sample as tree_sampler
 
@@ -97,7 +118,10 @@ def main() -> None:
                 top_p = args.top_p if temperature > 0 else 1.0
                 runner.sample_graph_runner = graphs if mode == "on" else None
                 sampler._put = pinned_put if copies == "pinned" else _pageable_put
-                timed_generate(llm, prompts, args.short, temperature, top_k, top_p)  # warm-up
+                # warm-up twice: the second run is the first whose prompts are in the prefix cache, a path of its own
+                for _ in range(2):
+                    timed_generate(llm, prompts, args.short, temperature, top_k, top_p)
+                STEP_LOG = [] if args.step_log else None
                 med = {}
                 for n in (args.short, args.long):
                     times = sorted(timed_generate(llm, prompts, n, temperature, top_k, top_p)
@@ -110,6 +134,13 @@ def main() -> None:
                              "temperature": temperature, "top_k": top_k, "top_p": top_p, "sampler_graph": mode,
                              "host_copies": copies, "ms_per_token": ms, "floor_ms": floor_ms,
                              "fraction_of_floor": floor_ms / ms})
+                if STEP_LOG:
+                    rows[-1]["generates"] = [{"tokens": n, "wall_s": w, "steps": len(d), "sum_step_s": sum(d),
+                                              "steady_step_ms": 1e3 * float(np.median(d[len(d) // 4:-2]))}
+                                             for n, w, d in STEP_LOG]
+                    for g in rows[-1]["generates"]:
+                        print(f"    {g['tokens']} tokens: {g['wall_s'] * 1e3:.1f} ms, {g['steps']} steps "
+                              f"(step() sum {g['sum_step_s'] * 1e3:.1f} ms), steady step {g['steady_step_ms']:.3f} ms")
                 print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} top_p {top_p:<4g} "
                       f"sampler graph {mode:<3} {copies:<8} {ms:8.3f} ms/token   floor {floor_ms:.3f} "
                       f"({floor_ms / ms:.0%})",

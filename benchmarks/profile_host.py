@@ -33,15 +33,30 @@ def timed_once(llm, prompts, params) -> dict:
     """One generate without the profiler: wall time, steps and the engine's time inside them."""
     eng = llm.engine
     before = {k: dict(getattr(eng, k)) for k in ("step_counts", "step_seconds")}
+    durations, step = [], eng.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        durations.append(time.perf_counter() - t)
+        return out
+
+    eng.step = timed_step
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del eng.step
     wall = time.perf_counter() - start
+    steady = sorted(durations[len(durations) // 4: -2])  # past the prefill, before the last steps
     steps = {k: eng.step_counts[k] - before["step_counts"][k] for k in eng.step_counts}
     step_s = {k: eng.step_seconds[k] - before["step_seconds"][k] for k in eng.step_seconds}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "steps": steps,
             "decode_ms_per_step": 1e3 * step_s["decode"] / max(1, steps["decode"]),
-            "ms_per_step": 1e3 * wall / max(1, sum(steps.values())), "outside_step_s": wall - sum(step_s.values())}
+            "ms_per_step": 1e3 * wall / max(1, sum(steps.values())), "outside_step_s": wall - sum(step_s.values()),
+            "step_ms_p10_p50_p90_max_mean": [1e3 * steady[int(q * (len(steady) - 1))] for q in (0.1, 0.5, 0.9, 1.0)]
+            + [1e3 * sum(steady) / len(steady)]}
 
 
 def profile_once(llm, prompts, params, top: int) -> dict:
@@ -82,6 +97,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled runs (0: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled runs")
     ap.add_argument("--top", type=int, default=30, help="rows of the cProfile table (by own time)")
     ap.add_argument("--stub-forward", action="store_true",
                     help="fixed random logits instead of the model's forward: the host loop alone")
@@ -111,12 +128,14 @@ def main() -> None:
                for i in range(args.batch_size)]
     results = {}
     for temp in args.temperature:
-        params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True)
+        cut = dict(top_k=args.top_k, top_p=args.top_p) if temp > 0 else {}
+        params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True, **cut)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: kernels compiled, sizes seen
         t = timed_once(llm, prompts, params)
         print(f"T={temp}: wall {t['wall_s']:.3f} s, {t['tok_s']:,.0f} tok/s; steps {t['steps']}; "
               f"{t['ms_per_step']:.3f} ms/step ({t['decode_ms_per_step']:.3f} in decode steps, "
-              f"{t['outside_step_s']:.3f} s outside engine steps)")
+              f"{t['outside_step_s']:.3f} s outside engine steps); steady step() ms p10/p50/p90/max/mean "
+              f"{' / '.join(f'{v:.3f}' for v in t['step_ms_p10_p50_p90_max_mean'])}")
         r = profile_once(llm, prompts, params, args.top)
         results[f"T={temp}"] = {"timed": t, "profiled": r}
         print(f"  profiled: wall {r['wall_s']:.3f} s; waiting on the GPU {r['gpu_wait_s']:.3f} s, host "

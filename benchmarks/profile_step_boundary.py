@@ -34,10 +34,10 @@ def gpu_events(trace_path: str) -> list[dict]:
     return sorted(events, key=lambda e: e["ts"])
 
 
-def boundaries(events: list[dict]) -> list[tuple[float, list[tuple[str, float, float]]]]:
-    """Per step boundary: (its length in us, [(event name, start offset, duration)]) from the end of the first argmax
-    kernel after a forward (the decode graph's; a sampled step's sampler graph ends with the same kernel) to the next
-    GEMV's start."""
+def boundaries(events: list[dict]) -> list[tuple[float, list[tuple[str, float, float]], int]]:
+    """Per step boundary: (its length in us, [(event name, start offset, duration)], the next GEMV's event index) from
+    the end of the first argmax kernel after a forward (the decode graph's; a sampled step's sampler graph ends with
+    the same kernel) to the next GEMV's start."""
     out = []
     ends, after_forward = [], True
     for i, e in enumerate(events):
@@ -49,12 +49,29 @@ def boundaries(events: list[dict]) -> list[tuple[float, list[tuple[str, float, f
     for i in ends:
         t0 = events[i]["ts"] + events[i]["dur"]
         seq = []
-        for e in events[i + 1:]:
+        for j, e in enumerate(events[i + 1:], i + 1):
             if e["name"].startswith(FORWARD_START):
-                out.append((e["ts"] - t0, seq))
+                out.append((e["ts"] - t0, seq, j))
                 break
             seq.append((e["name"][:70], e["ts"] - t0, e["dur"]))
     return out
+
+
+def step_spans(events: list[dict], starts: list[int]) -> tuple[list[float], list[float]]:
+    """For each step from one first GEMV to the next: its period and the GPU's busy time in it (the union of
+    its events' intervals), in us."""
+    periods, busy = [], []
+    for a, b in zip(starts, starts[1:], strict=False):
+        t0, t1 = events[a]["ts"], events[b]["ts"]
+        covered, end = 0.0, t0
+        for e in events[a:b]:
+            s, f = max(e["ts"], end), min(e["ts"] + e["dur"], t1)
+            if f > s:
+                covered += f - s
+                end = f
+        periods.append(t1 - t0)
+        busy.append(covered)
+    return periods, busy
 
 
 def main() -> None:
@@ -89,7 +106,8 @@ def main() -> None:
         tmp = tempfile.mkdtemp()
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        steps = boundaries(gpu_events(path))[5:-2]  # past the prefill's first steps, before the last
+        gpu_events_list = gpu_events(path)
+        steps = boundaries(gpu_events_list)[5:-2]  # past the prefill's first steps, before the last
         if args.trace:
             os.makedirs(args.trace, exist_ok=True)
             with open(path, "rb") as src, gzip.open(os.path.join(
@@ -99,13 +117,17 @@ def main() -> None:
         shutil.rmtree(tmp)
         lengths = [s[0] for s in steps]
         med = statistics.median(lengths)
-        length, seq = min(steps, key=lambda s: abs(s[0] - med))
+        length, seq, _ = min(steps, key=lambda s: abs(s[0] - med))
+        periods, busy = step_spans(gpu_events_list, [s[2] for s in steps])
         print(f"{os.path.basename(args.model)} bs {args.batch_size} T={temp:g} {cut}: {len(steps)} boundaries, "
               f"median {med:.1f} us (min {min(lengths):.1f}, max {max(lengths):.1f}); the median one, offsets from "
               "the argmax's end:")
         for name, start, dur in seq:
             print(f"  {start:8.1f} us  +{dur:6.1f}  {name}")
         print(f"  {length:8.1f} us  the first GEMV")
+        idle = statistics.median(p - b for p, b in zip(periods, busy, strict=True))
+        print(f"  step period median {statistics.median(periods):.1f} us, GPU busy in it "
+              f"{statistics.median(busy):.1f} us (idle {idle:.1f})")
 
 
 if __name__ == "__main__":

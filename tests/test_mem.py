@@ -41,6 +41,20 @@ def test_extend_grows_pages_and_never_hands_out_the_sink(page):
     kv.check_all_free()
 
 
+def test_warm_up_changes_no_state():
+    """KVManager.warm_up (the start-up launch of the prefix cache's free and row-write ops) leaves the request rows,
+    the free list and its count as they were, with requests holding pages."""
+    kv = make(64, 4, layout=SlotLayout(group=FP8_SLOT_GROUP, heads=2))
+    slots = [kv.req_pool.alloc() for _ in range(3)]
+    for s, n in zip(slots, [5, 17, 9], strict=True):
+        kv.extend(s, 0, n)
+    table, free = kv.req_pool.req_to_token.clone(), kv.allocator.free_pages.clone()
+    count = kv.allocator.available_pages()
+    kv.warm_up()
+    assert torch.equal(kv.req_pool.req_to_token, table)
+    assert torch.equal(kv.allocator.free_pages, free) and kv.allocator.available_pages() == count
+
+
 def test_alloc_refuses_without_taking():
     a = TokenToKVPoolAllocator(5 * 2, 2, "cpu")
     assert a.available_pages() == 4 and a.size == 8

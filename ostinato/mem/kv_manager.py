@@ -20,6 +20,15 @@ class KVManager:
         self.allocator = allocator
         self.page_size = allocator.page_size
 
+    def warm_up(self) -> None:
+        """Launch once the device ops that a prefix cache's first duplicate frees and row writes would otherwise
+        launch first, mid-serving. With CUDA's lazy module loading a kernel's first launch loads it: the floor
+        division in `pages_of` and the int64 concatenation cost a step 50-80 ms on an H100 (a process's second
+        generate of the same prompts: `benchmarks/profile_first_steps.py`). Changes no state."""
+        first = self.req_pool.req_to_token[0, :2].to(torch.int64)
+        self.allocator.pages_of(first)
+        torch.cat([first, first]).to(torch.int32)
+
     def pages_needed(self, cur_len: int, new_len: int) -> int:
         p = self.page_size
         return -(-new_len // p) - -(-cur_len // p)

@@ -239,6 +239,7 @@ class ModelRunner:
         else:
             self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.max_model_len + page, self.device)
         self.kv_manager = KVManager(self.req_to_token_pool, self.allocator)
+        self.kv_manager.warm_up()
         logger.info("KV pool: %d tokens, %.2f GiB, %s (%d bytes per token%s)", self.max_total_tokens,
                     self.kv_cache.bytes() / 2**30, str(kv_dtype).removeprefix("torch."), per_token,
                     f", scales for {len(self.kv_scales)} layers from the checkpoint" if self.kv_cache.is_fp8
