@@ -197,8 +197,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Penalties count the request's earlier outputs, so its sampling needs them on the host."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """A presence, frequency or repetition penalty: its sampling reads the counts of the request's earlier
+        outputs (and its prompt's tokens, for a repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def top_k_enabled(self) -> bool:

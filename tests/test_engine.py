@@ -102,7 +102,6 @@ BAD_INPUTS = [
     ("hello", SamplingParams(max_tokens=10**6), "max_tokens"),
     ({"prompt_token_ids": [1, 49152]}, GREEDY, "prompt_token_ids"),
     ({"prompt_token_ids": [-1]}, GREEDY, "prompt_token_ids"),
-    ("hello", SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
     ("hello \ud800", GREEDY, "prompt: not valid Unicode"),  # a lone surrogate: no tokenizer takes it
     ({"prompt": "x\udc00"}, GREEDY, "prompt: not valid Unicode"),
     ("hello", SamplingParams(max_tokens=2, logit_bias={49152: 5.0}), "logit_bias: token id 49152 is outside"),

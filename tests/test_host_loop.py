@@ -67,10 +67,16 @@ def test_sampling_inputs_reused_only_for_the_same_rows(tiny_llama_path):
     swapped = runner._sampling_tensors([rows[1], rows[0], rows[2]])  # another order: built anew
     assert swapped.temperatures is not first.temperatures
     assert swapped.temperatures.tolist() == [0.0, 0.699999988079071, 1.0]
-    penalized = [req(SamplingParams(temperature=0.5, presence_penalty=0.5), 2)]
-    a = runner._sampling_tensors(penalized)
-    penalized[0].output_token_ids.append(3)
-    b = runner._sampling_tensors(penalized)  # counts change every step: never reused
-    assert b.output_counts is not a.output_counts and b.output_counts[0, 3].item() == 1.0
+    penalized = [SimpleNamespace(**vars(req(SamplingParams(temperature=0.5, presence_penalty=0.5), 2)),
+                                 req_pool_idx=3, prompt_token_ids=[1, 2])]
+    runner.penalties.reset_rows(penalized)  # (an extend step's prepare): the row counts the two 5s
+    slots = torch.tensor([3])
+    a = runner._sampling_tensors(penalized, slots=slots)
+    assert a.output_counts[0, 5].item() == 2.0 and a.output_counts.sum().item() == 2.0
+    runner.penalties.count_(slots, torch.tensor([7]))  # what the step's sampling adds on the device
+    penalized[0].output_token_ids.append(7)
+    b = runner._sampling_tensors(penalized, slots=slots)  # reused, the counts gathered anew
+    assert b.presence_penalties is a.presence_penalties and b.output_counts is not a.output_counts
+    assert b.output_counts[0, 7].item() == 1.0 and a.output_counts[0, 7].item() == 0.0
     greedy = [req(SamplingParams(temperature=0), 1)]
     assert runner._sampling_tensors(greedy) is runner._sampling_tensors(greedy)  # nothing depends on the step

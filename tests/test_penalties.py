@@ -3,11 +3,13 @@ references on a toy vocabulary, and the engine's output against teacher-forced l
 
 import math
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ostinato import SamplingParams
+from ostinato.runner.penalties import PenaltyState
 from ostinato.runner.sampler import SamplingTensors, adjust_logits, compute_logprobs, sample_batch, token_counts
 
 V = 11
@@ -56,6 +58,55 @@ def test_penalties_match_reference():
     for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
         ref = ref_penalize(logits[i].tolist(), out, p.presence_penalty, p.frequency_penalty)
         assert ids[i] == max(range(V), key=lambda t: ref[t])
+
+
+def ref_repetition(logits: list[float], prompt: list[int], outputs: list[int], penalty: float) -> list[float]:
+    seen = set(prompt) | set(outputs)
+    return [(x / penalty if x > 0 else x * penalty) if t in seen else x for t, x in enumerate(logits)]
+
+
+def test_repetition_penalty_matches_reference():
+    logits, outputs, _ = toy_batch(2)
+    prompts = [[2, 3], [5, 1], [], [9, 9, 4], [0]]
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0, repetition_penalty=0.8, presence_penalty=0.5),
+        SamplingParams(temperature=0),  # none in a batch that has them
+        SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.4),
+        SamplingParams(temperature=0, repetition_penalty=1.1, frequency_penalty=-0.3),
+    ]
+    t = tensors(params, outputs, prompt_token_ids=prompts)
+    got = adjust_logits(logits, t)
+    for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        ref = ref_repetition(logits[i].tolist(), prompts[i], out, p.repetition_penalty)
+        ref = ref_penalize(ref, out, p.presence_penalty, p.frequency_penalty)
+        assert got[i].tolist() == pytest.approx(ref, abs=1e-6)
+        assert got[i].tolist() != pytest.approx(logits[i].tolist(), abs=1e-6) or p == SamplingParams(temperature=0)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        tensors(params, outputs)
+
+
+def penalized_request(slot: int, params: SamplingParams, outputs: list[int], prompt: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(req_pool_idx=slot, params=params, output_token_ids=outputs, prompt_token_ids=prompt)
+
+
+def test_penalty_state_rows_follow_resets_and_counted_draws():
+    """The device counts (runner.penalties) equal counts from the host's lists: set at a request's extend, then
+    grown by each step's draws (the sink row takes dropped rows' tokens); a slot's next request starts afresh."""
+    state = PenaltyState(num_slots=4, vocab_size=V, device=torch.device("cpu"))
+    a = penalized_request(1, SamplingParams(presence_penalty=1.0), [3, 3, 7], [1])
+    b = penalized_request(2, SamplingParams(repetition_penalty=1.2), [], [4, 4, 9])
+    state.reset_rows([a, b])
+    assert state.in_prompt is not None
+    state.count_(torch.tensor([1, 2, 4, 4]), torch.tensor([7, 0, 5, 5]))  # slot 4: the sink
+    counts, marks = state.rows(torch.tensor([1, 2]))
+    assert counts.tolist() == token_counts([[3, 3, 7, 7], [0]], V).tolist()
+    assert marks.tolist() == (token_counts([[], [4, 4, 9]], V) > 0).tolist()  # a has no repetition penalty
+    c = penalized_request(1, SamplingParams(repetition_penalty=0.9), [2], [6, 10])  # slot 1's next request
+    state.reset_rows([c])
+    counts, marks = state.rows(torch.tensor([1, 2]))
+    assert counts.tolist() == token_counts([[2], [0]], V).tolist()
+    assert marks.tolist() == (token_counts([[6, 10], [4, 4, 9]], V) > 0).tolist()
 
 
 def test_penalties_skipped_when_unused_and_needed_when_used():
@@ -140,3 +191,39 @@ def test_engine_penalties_and_logprobs_vs_teacher_forcing(smollm, hf_model, temp
         total += entry[t].logprob
         counts[t] += 1
     assert got.cumulative_logprob == pytest.approx(total, abs=1e-6)
+
+
+@pytest.mark.parametrize("penalty,text", [(1.3, "Say it again and again: the cat sat on the mat, the cat sat on"),
+                                          (0.7, "Name twenty different fruits, one per line:")])
+def test_engine_repetition_penalty_vs_transformers(smollm, hf_model, penalty, text):
+    """Greedy with a repetition penalty: each token is the argmax of the teacher-forced logits after transformers'
+    own RepetitionPenaltyLogitsProcessor over the prompt and the tokens before it (up to a near-tie)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    tok = smollm.get_tokenizer()
+    prompt = tok.encode(text)
+    kw = dict(temperature=0, max_tokens=20, ignore_eos=True)
+    got = smollm.generate({"prompt_token_ids": prompt}, SamplingParams(repetition_penalty=penalty, **kw),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    plain = smollm.generate({"prompt_token_ids": prompt}, SamplingParams(**kw), use_tqdm=False)[0].outputs[0]
+    assert got != plain.token_ids  # the penalty changed the continuation
+    logits = teacher_forced_logprobs(hf_model, prompt, got)
+    process = RepetitionPenaltyLogitsProcessor(penalty)
+    for i, t in enumerate(got):
+        ref = process(torch.tensor([prompt + got[:i]]), logits[i : i + 1].clone())[0]
+        assert ref[t] >= ref.max() - 2e-3, f"token {i}"
+
+
+def test_penalized_steps_stay_overlapped(smollm):
+    """A decode step with penalties leaves its tokens in flight while the next is scheduled (no read-back at once):
+    the counts are on the device."""
+    engine = smollm.engine
+    params = SamplingParams(temperature=0.7, seed=5, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=12,
+                            ignore_eos=True)
+    engine.add_request("pen-0", [1, 2, 3, 4, 5], params)
+    engine.add_request("pen-1", [6, 7, 8], params)
+    in_flight, tokens = [], 0
+    while engine.has_unfinished():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        in_flight.append(engine._in_flight is not None)
+    assert tokens == 24 and sum(in_flight) >= 10

@@ -165,7 +165,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens must be >= 1", "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, AUTH, 400, "in [-2, 2]", "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, AUTH, 400, "in [-2, 2]", "frequency_penalty"),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}, AUTH, 400, "not supported", "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, AUTH, 400, "must be > 0", "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, AUTH, 400, "at most 20", "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, AUTH, 400, "non-empty strings", "stop"),
     ("/v1/completions", {"prompt": "hi", "seed": "abc"}, AUTH, 400, "valid integer", "seed"),

@@ -182,8 +182,9 @@ class EngineCore:
         Overlap scheduling: the host work of a step (scheduling, inputs, output processing) hides behind the
         GPU's work on the previous one. A decode input whose token is still in flight is PENDING_TOKEN on the
         host and is read from the device (NextTokenBuffer). A request that stops on a token still in flight
-        may get one wasted step, whose result is dropped. A step that samples for a request with penalties
-        is read back at once, because the next one needs that request's outputs on the host.
+        may get one wasted step, whose result is dropped. A step that samples for a request with structured
+        outputs is read back at once, because the next one's token mask needs that request's outputs on the host
+        (penalties count outputs on the device: runner/penalties.py).
         """
         outputs, self._aborted = self._aborted, []
         start = time.perf_counter()
@@ -198,7 +199,7 @@ class EngineCore:
         if self._in_flight is not None:
             outputs += self._read_back(*self._in_flight)
         self._in_flight = launched
-        if launched is not None and (self.args.disable_overlap_schedule or launched[1].penalized):
+        if launched is not None and (self.args.disable_overlap_schedule or launched[1].constrained):
             outputs += self._read_back(*launched)
             self._in_flight = None
         if sched is not None:

@@ -36,8 +36,6 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, limits
             f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
             f"exceeds the context length max_model_len={max_len}"
         )
-    if params.repetition_penalty != 1.0:
-        raise ValueError("repetition_penalty: not supported by this engine yet (leave it at 1.0)")
     bad = next((t for t in params.logit_bias or () if t >= vocab), None)
     if bad is not None:
         raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")

@@ -35,7 +35,8 @@ from ostinato.models.llama import head_dim_of
 from ostinato.models.registry import model_class
 from ostinato.runner.hybrid import is_hybrid, make_mamba_pool
 from ostinato.runner.mm_batch import EncoderStats, build_mm_forward
-from ostinato.runner.next_tokens import PENDING_TOKEN, NextTokenBuffer
+from ostinato.runner.next_tokens import NextTokenBuffer
+from ostinato.runner.penalties import PenaltyState
 from ostinato.runner.sampler import SampledTensors, SamplingTensors, compute_logprobs, fused_draw, sample_tensors
 from ostinato.runner.scheduled_batch import ScheduledBatch
 
@@ -115,6 +116,7 @@ class ModelRunner:
         self._init_memory(want_len)
         self.backend = self._make_backend(self.req_to_token_pool, self.kv_cache)
         self.next_tokens = NextTokenBuffer(self.req_to_token_pool.size, self.device)
+        self.penalties = PenaltyState(self.req_to_token_pool.size, self.vocab_size, self.device)
         if cuda and args.kv_store_two_stream:  # indexed K/V writes, V on its own stream under capture
             self.backend.kv_store = "indexed"
             self.kv_cache.alt_stream = torch.cuda.Stream(self.device)
@@ -344,6 +346,10 @@ class ModelRunner:
         # its input may be PENDING_TOKEN, resolved on the device below
         assert all(r.num_pending == 0 or n == 1 for r, n in zip(reqs, sched.extend_lens, strict=True)), \
             "extend of a request with tokens in flight"
+        # a penalized request's row is set from the host in its extend steps (every output known there; a decoding
+        # row of a mixed step with a token in flight keeps the row its earlier steps counted into)
+        if fresh := [r for r in reqs if r.params.has_penalties and r.num_pending == 0]:
+            self.penalties.reset_rows(fresh)
         ids, pos = [], []
         for req, start, n in zip(reqs, sched.prefix_lens, sched.extend_lens, strict=True):
             ids.extend(req.token_slice(start, start + n))
@@ -414,31 +420,42 @@ class ModelRunner:
                                   targets[i : i + PROMPT_LP_ROWS], k) for i in range(0, len(rows), PROMPT_LP_ROWS)]
         return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
 
-    def _sampling_tensors(self, reqs: list, steps: torch.Tensor | None = None) -> SamplingTensors:
+    def _sampling_tensors(self, reqs: list, steps: torch.Tensor | None = None,
+                          slots: torch.Tensor | None = None) -> SamplingTensors:
         """The step's sampling inputs. Between arrivals and finishes, decode steps run the same requests in the
         same order, and only the index of the token being sampled moves: the rest is reused from the last step
-        (unless a row has penalties or structured outputs, whose counts and masks change every step). `steps`:
-        those indices already on the device (ForwardBatch.sample_steps)."""
+        (unless a row has structured outputs, whose masks change every step; penalized rows' counts are gathered
+        anew from the device, by request slot: `slots`, int64 [B], needed then). `steps`: those indices already on
+        the device (ForwardBatch.sample_steps)."""
         last = self._last_sampling
         if last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
             tensors = last[1]
-            if tensors.steps is None:  # all greedy: nothing depends on the step
+            if tensors.penalized:
+                tensors = self._with_penalty_rows(tensors, slots)
+            if tensors.steps is None:  # all greedy: nothing (else) depends on the step
                 return tensors
             if steps is not None:
                 return dataclasses.replace(tensors, steps=steps)
             return tensors.with_steps([len(r.output_token_ids) for r in reqs])
-        outputs = None  # counted for the penalized rows only: the others may hold pending tokens
-        if any(r.params.has_penalties for r in reqs):
-            outputs = [r.output_token_ids if r.params.has_penalties else [] for r in reqs]
-            assert PENDING_TOKEN not in itertools.chain(*outputs), "penalties need every earlier output known"
+        params = [r.params for r in reqs]
+        rows = None
+        if any(p.has_penalties for p in params):
+            rows = self.penalties.rows(slots)
+            if not any(p.repetition_penalty != 1.0 for p in params):
+                rows = rows[0], None
         grammars = [getattr(r, "grammar", None) for r in reqs]  # structured outputs' matchers (engine requests)
         constrained = any(g is not None for g in grammars)
         tensors = SamplingTensors.from_params(
-            [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs],
-            self.vocab_size, self.device, output_token_ids=outputs, grammars=grammars if constrained else None,
+            params, [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs], self.vocab_size, self.device,
+            grammars=grammars if constrained else None, penalty_rows=rows,
         )
-        self._last_sampling = None if outputs is not None or constrained else (list(reqs), tensors)
+        self._last_sampling = None if constrained else (list(reqs), tensors)
         return tensors
+
+    def _with_penalty_rows(self, tensors: SamplingTensors, slots: torch.Tensor) -> SamplingTensors:
+        counts, in_prompt = self.penalties.rows(slots)
+        return dataclasses.replace(tensors, output_counts=counts,
+                                   prompt_mask=in_prompt if tensors.repetition_penalties is not None else None)
 
     def extend_path(self, batch: ForwardBatch) -> str:
         """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager".
@@ -462,7 +479,7 @@ class ModelRunner:
         """Token ids (and the logprobs asked for) per scheduled request, stored in `next_tokens` and on their
         way to the host; penalties count each request's output (which must hold no pending token)."""
         reqs = sched.reqs
-        tensors = self._sampling_tensors(reqs, batch.sample_steps)
+        tensors = self._sampling_tensors(reqs, batch.sample_steps, batch.req_pool_indices)
         drawn = None
         if (self._argmax is not None and self.sample_graph_runner is not None and tensors.fused_ok
                 and not tensors.adjusts_logits):  # the decode graph's logits, drawn from as they stand
@@ -471,6 +488,8 @@ class ModelRunner:
         sampled = sample_tensors(logits, tensors, self._argmax, drawn)
         if drawn is None and sampled.ids is not self._argmax:  # else a graph stored them (the argmax or the draw)
             self.next_tokens.store_(batch.sample_slots, sampled.ids)
+        if tensors.penalized:  # (a penalized step is never drawn by the sampler graph: its logits are adjusted)
+            self.penalties.count_(batch.sample_slots, sampled.ids)
         if self._prompt_lp is not None:
             sampled.prompt_logprobs = self._prompt_lp
             sampled.prompt_lp_counts = [len(t) for t in sched.prompt_lp_targets]

@@ -70,6 +70,9 @@ class SamplingTensors:
     presence_penalties: Tensor | None = None  # float32 [B]
     frequency_penalties: Tensor | None = None  # float32 [B]
     output_counts: Tensor | None = None  # float32 [B, V]: occurrences of each token in the row's output so far
+    # repetition penalties: None when no row of the batch has one
+    repetition_penalties: Tensor | None = None  # float32 [B]
+    prompt_mask: Tensor | None = None  # bool [B, V]: the tokens of the row's prompt
     # logprobs: per row, how many top alternatives to return (None: no logprobs for the row); None when no row asks
     num_logprobs: list[int | None] | None = None
     # logit_bias, flattened over the rows that have one: (row, token id, bias); None when no row has one
@@ -88,6 +91,11 @@ class SamplingTensors:
         """Whether `adjust_logits` changes the logits (penalties, logit_bias, structured outputs)."""
         return self.output_counts is not None or self.logit_bias is not None or self.token_bitmask is not None
 
+    @property
+    def penalized(self) -> bool:
+        """Some row has a presence, frequency or repetition penalty (`output_counts` is then set)."""
+        return self.output_counts is not None
+
     def fused_args(self) -> tuple:
         """The fused kernels' per-row inputs after the logits: (temperatures, min_ps or None, top_ks and top_ps
         or None, seeds, steps, (whether some row has top_k, top_p)); needs `fused_ok`."""
@@ -105,8 +113,12 @@ class SamplingTensors:
         device: torch.device | str,
         output_token_ids: Sequence[Sequence[int]] | None = None,
         grammars: Sequence[Any] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        penalty_rows: tuple[Tensor, Tensor | None] | None = None,
     ) -> SamplingTensors:
-        """`output_token_ids` (each row's generated tokens so far) is needed only when a row has a penalty;
+        """When a row has a penalty: each row's generated tokens so far (`output_token_ids`) and, with a
+        repetition penalty, its prompt (`prompt_token_ids`), or those already counted on the device
+        (`penalty_rows`: float32 counts [B, V] and bool prompt marks [B, V] or None; runner.penalties).
         `grammars`: per row, the xgrammar matcher of a request with structured outputs, else None."""
         device = torch.device(device)
         top_ks = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in params]
@@ -125,8 +137,20 @@ class SamplingTensors:
             return put(data, dtype) if rand else None
 
         penalized = any(p.has_penalties for p in params)
-        if penalized and output_token_ids is None:
-            raise ValueError("output_token_ids: needed for presence/frequency penalties")
+        repeats = any(p.repetition_penalty != 1.0 for p in params)
+        counts = prompt_mask = None
+        if penalized and penalty_rows is not None:
+            counts, prompt_mask = penalty_rows
+            if repeats and prompt_mask is None:
+                raise ValueError("penalty_rows: a repetition penalty needs the rows' prompt marks")
+        elif penalized:
+            if output_token_ids is None:
+                raise ValueError("output_token_ids: needed for presence/frequency/repetition penalties")
+            counts = token_counts(output_token_ids, vocab_size, put)
+            if repeats:
+                if prompt_token_ids is None:
+                    raise ValueError("prompt_token_ids: needed for repetition penalties")
+                prompt_mask = token_counts(prompt_token_ids, vocab_size, put) > 0
         bitmask = None
         if grammars is not None:
             from ostinato.runner.grammar_mask import fill_bitmask
@@ -147,7 +171,9 @@ class SamplingTensors:
             sort_width=max(widths, default=vocab_size),
             presence_penalties=put([p.presence_penalty for p in params], torch.float32) if penalized else None,
             frequency_penalties=put([p.frequency_penalty for p in params], torch.float32) if penalized else None,
-            output_counts=token_counts(output_token_ids, vocab_size, put) if penalized else None,
+            output_counts=counts,
+            repetition_penalties=put([p.repetition_penalty for p in params], torch.float32) if repeats else None,
+            prompt_mask=prompt_mask if repeats else None,
             num_logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
             logit_bias=bias_entries(params, put),
             token_bitmask=bitmask,
@@ -197,14 +223,20 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, put=None) 
 
 
 def adjust_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
-    """The logits sampled from: OpenAI's presence/frequency penalties (logit - frequency * count - presence *
-    (count > 0)), then the logit_bias entries added, then the structured outputs' masks, in fp32. `logits`
-    itself is never written (it can be a graph's output buffer): with none of these, it is returned as is."""
+    """The logits sampled from, in fp32: the repetition penalty first (as vLLM and transformers: a logit of a
+    token in the prompt or the output so far is divided by the penalty where positive, else multiplied by it),
+    then OpenAI's presence/frequency penalties (logit - frequency * count - presence * (count > 0), over the
+    output), then the logit_bias entries added, then the structured outputs' masks. `logits` itself is never
+    written (it can be a graph's output buffer): with none of these, it is returned as is."""
     x = logits
     if t.output_counts is not None:
         counts = t.output_counts
-        x = (logits.float() - t.frequency_penalties[:, None] * counts
-             - t.presence_penalties[:, None] * (counts > 0).float())
+        x = logits.float()
+        if t.repetition_penalties is not None:
+            rp = t.repetition_penalties[:, None]
+            seen = t.prompt_mask | (counts > 0)
+            x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+        x = x - t.frequency_penalties[:, None] * counts - t.presence_penalties[:, None] * (counts > 0).float()
     elif t.logit_bias is not None or t.token_bitmask is not None:
         x = logits.float().clone()
     if t.logit_bias is not None:
@@ -250,9 +282,9 @@ class SampledTensors:
     ids: Tensor  # int64 [B]
     logprobs: tuple[Tensor, Tensor, Tensor, Tensor] | None  # chosen, ranks, top ids, top logprobs
     num_logprobs: list[int | None] | None
-    # some row had presence/frequency penalties or structured outputs: the next step needs this one's tokens on
-    # the host (for the counts, for the next mask), so the engine reads it back at once
-    penalized: bool
+    # some row has structured outputs: the next step's mask needs this one's tokens on the host, so the engine
+    # reads it back at once (penalties count on the device: runner.penalties)
+    constrained: bool
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
     # prompt logprobs (chosen, ranks, top ids, top logprobs) over the step's prompt-logprob positions, in batch
     # order; prompt_lp_counts[i]: how many are row i's
@@ -323,11 +355,11 @@ def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = N
     x = adjust_logits(logits, t)
     assert drawn is None or x is logits, "a drawn step has no penalties, bias or grammar"
     ids = drawn if drawn is not None else sample(x, t, argmax if x is logits else None)
-    penalized = t.output_counts is not None or t.token_bitmask is not None
+    constrained = t.token_bitmask is not None
     if t.num_logprobs is None:
-        return SampledTensors(ids, None, None, penalized)
+        return SampledTensors(ids, None, None, constrained)
     k = max(n for n in t.num_logprobs if n is not None)
-    return SampledTensors(ids, compute_logprobs(x, ids, k), t.num_logprobs, penalized)
+    return SampledTensors(ids, compute_logprobs(x, ids, k), t.num_logprobs, constrained)
 
 
 def sample_batch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = None) -> SamplerOutput:

@@ -1,0 +1,58 @@
+"""Penalty state on the device: each request slot's output-token counts and, for repetition penalties, the tokens of
+its prompt. Every sampling step adds the tokens it draws to the counts on the device, so a step with penalties needs
+no token back on the host and overlap scheduling keeps running (SGLang's penalizers keep their counts the same way).
+
+A slot's row is valid for the request that holds the slot from the request's first extend step in it: an extend
+step of a penalized request with no token in flight sets its row from the host (`reset_rows`: the counts of its
+outputs so far, which a retracted request brings back with it; its prompt's tokens). Rows of requests without
+penalties go stale and are never read.
+"""
+
+import torch
+
+from ostinato.runner.sampler import _put
+
+
+class PenaltyState:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        # one row per request slot and the sink row that rows sampling nothing store to (NextTokenBuffer.sink)
+        self.num_rows = num_slots + 1
+        self.vocab_size = vocab_size
+        self.device = device
+        # made at the first request with a penalty / a repetition penalty: [slots + 1, V] each (int32 counts: ~155 MB
+        # at 256 slots and a 152k vocabulary; bool prompt marks: a quarter of that)
+        self.counts: torch.Tensor | None = None
+        self.in_prompt: torch.Tensor | None = None
+
+    def reset_rows(self, reqs: list) -> None:
+        """Set the rows of these penalized requests (at their `req_pool_idx`) from the host: the counts of their
+        outputs so far (every one known: no step of theirs is in flight) and, with a repetition penalty, their
+        prompt's tokens."""
+        if self.counts is None:
+            self.counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+        repeat = [r for r in reqs if r.params.repetition_penalty != 1.0]
+        if repeat and self.in_prompt is None:
+            self.in_prompt = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+        slots = _put([r.req_pool_idx for r in reqs], torch.int64, self.device)
+        self.counts[slots] = 0
+        rows = [r.req_pool_idx for r in reqs for _ in r.output_token_ids]
+        if rows:
+            tokens = [t for r in reqs for t in r.output_token_ids]
+            self.counts.index_put_((_put(rows, torch.int64, self.device), _put(tokens, torch.int64, self.device)),
+                                   torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True)
+        if repeat:
+            marked = _put([r.req_pool_idx for r in repeat], torch.int64, self.device)
+            self.in_prompt[marked] = False
+            rows = [r.req_pool_idx for r in repeat for _ in r.prompt_token_ids]
+            tokens = [t for r in repeat for t in r.prompt_token_ids]
+            self.in_prompt[_put(rows, torch.int64, self.device), _put(tokens, torch.int64, self.device)] = True
+
+    def count_(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Add a step's drawn tokens to their slots' counts (on the device, in stream order: the next step's
+        `rows` sees them). `slots`: int64 [B], the sink row for rows whose token is dropped."""
+        self.counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
+
+    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(float32 output counts [B, V], bool prompt marks [B, V] or None when no request had a repetition
+        penalty) of these slots."""
+        return self.counts[slots].float(), None if self.in_prompt is None else self.in_prompt[slots]
