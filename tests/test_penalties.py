@@ -99,14 +99,19 @@ def test_penalty_state_rows_follow_resets_and_counted_draws():
     state.reset_rows([a, b])
     assert state.in_prompt is not None
     state.count_(torch.tensor([1, 2, 4, 4]), torch.tensor([7, 0, 5, 5]))  # slot 4: the sink
-    counts, marks = state.rows(torch.tensor([1, 2]))
-    assert counts.tolist() == token_counts([[3, 3, 7, 7], [0]], V).tolist()
-    assert marks.tolist() == (token_counts([[], [4, 4, 9]], V) > 0).tolist()  # a has no repetition penalty
+    assert state.counts[[1, 2]].tolist() == token_counts([[3, 3, 7, 7], [0]], V).tolist()
+    assert state.in_prompt[[1, 2]].tolist() == (token_counts([[], [4, 4, 9]], V) > 0).tolist()  # a: no repetition
     c = penalized_request(1, SamplingParams(repetition_penalty=0.9), [2], [6, 10])  # slot 1's next request
     state.reset_rows([c])
-    counts, marks = state.rows(torch.tensor([1, 2]))
-    assert counts.tolist() == token_counts([[2], [0]], V).tolist()
-    assert marks.tolist() == (token_counts([[6, 10], [4, 4, 9]], V) > 0).tolist()
+    assert state.counts[[1, 2]].tolist() == token_counts([[2], [0]], V).tolist()
+    assert state.in_prompt[[1, 2]].tolist() == (token_counts([[6, 10], [4, 4, 9]], V) > 0).tolist()
+    # the sampler reads the rows in place: a batch of slots 2, 1 is penalized as its own lists give
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(4)) * 3
+    params = [SamplingParams(temperature=0, repetition_penalty=1.4, presence_penalty=0.3), c.params]
+    on_device = SamplingTensors.from_params(params, [0, 1], [1, 1], V, "cpu",
+                                            penalty_rows=state.rows(torch.tensor([2, 1]), True))
+    from_lists = tensors(params, [[0], [2]], prompt_token_ids=[[4, 4, 9], [6, 10]])
+    assert torch.equal(adjust_logits(logits, on_device), adjust_logits(logits, from_lists))
 
 
 def test_penalties_skipped_when_unused_and_needed_when_used():

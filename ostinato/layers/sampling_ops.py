@@ -34,3 +34,26 @@ def chunked_argmax(x: Tensor, out: Tensor | None = None, scatter: tuple[Tensor, 
     if scatter is not None:
         scatter[0][scatter[1]] = ids
     return ids if out is None else out.copy_(ids)
+
+
+def penalize(logits: Tensor, counts: Tensor, rows: Tensor | None, frequency: Tensor, presence: Tensor,
+             repetition: Tensor | None = None, in_prompt: Tensor | None = None) -> Tensor:
+    """The penalized logits, float32 [B, V] (a new tensor): the repetition penalty first (as vLLM and transformers:
+    a logit of a token in the prompt or the output so far is divided by the penalty where positive, else multiplied
+    by it), then OpenAI's presence and frequency penalties (logit - frequency * count - presence * (count > 0)).
+    `counts` [R, V] (any number type) and `in_prompt` (bool [R, V]) are read at row `rows[b]` for logits row b
+    (`rows` None: row b); `frequency`, `presence`, `repetition` are float32 [B]. On CUDA one Triton launch
+    (`triton_ops/penalize.py`); elsewhere these torch ops, its twin."""
+    if logits.is_cuda:
+        from ostinato.layers.triton_ops.penalize import penalize_rows
+
+        if rows is None:
+            rows = torch.arange(logits.shape[0], device=logits.device)
+        return penalize_rows(logits, counts, rows, frequency, presence, repetition, in_prompt)
+    c = (counts if rows is None else counts[rows]).float()
+    x = logits.float()
+    if repetition is not None:
+        seen = (c > 0) | (in_prompt if rows is None else in_prompt[rows])
+        rp = repetition[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    return x - frequency[:, None] * c - presence[:, None] * (c > 0).float()

@@ -424,14 +424,14 @@ class ModelRunner:
                           slots: torch.Tensor | None = None) -> SamplingTensors:
         """The step's sampling inputs. Between arrivals and finishes, decode steps run the same requests in the
         same order, and only the index of the token being sampled moves: the rest is reused from the last step
-        (unless a row has structured outputs, whose masks change every step; penalized rows' counts are gathered
-        anew from the device, by request slot: `slots`, int64 [B], needed then). `steps`: those indices already on
+        (unless a row has structured outputs, whose masks change every step; penalized rows' counts are read on
+        the device by request slot: `slots`, int64 [B], needed then). `steps`: those indices already on
         the device (ForwardBatch.sample_steps)."""
         last = self._last_sampling
         if last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
             tensors = last[1]
-            if tensors.penalized:
-                tensors = self._with_penalty_rows(tensors, slots)
+            if tensors.penalized:  # the rows of this step's request slots (the same slots, but maybe not the tensor)
+                tensors = dataclasses.replace(tensors, count_rows=slots)
             if tensors.steps is None:  # all greedy: nothing (else) depends on the step
                 return tensors
             if steps is not None:
@@ -440,9 +440,7 @@ class ModelRunner:
         params = [r.params for r in reqs]
         rows = None
         if any(p.has_penalties for p in params):
-            rows = self.penalties.rows(slots)
-            if not any(p.repetition_penalty != 1.0 for p in params):
-                rows = rows[0], None
+            rows = self.penalties.rows(slots, any(p.repetition_penalty != 1.0 for p in params))
         grammars = [getattr(r, "grammar", None) for r in reqs]  # structured outputs' matchers (engine requests)
         constrained = any(g is not None for g in grammars)
         tensors = SamplingTensors.from_params(
@@ -452,10 +450,6 @@ class ModelRunner:
         self._last_sampling = None if constrained else (list(reqs), tensors)
         return tensors
 
-    def _with_penalty_rows(self, tensors: SamplingTensors, slots: torch.Tensor) -> SamplingTensors:
-        counts, in_prompt = self.penalties.rows(slots)
-        return dataclasses.replace(tensors, output_counts=counts,
-                                   prompt_mask=in_prompt if tensors.repetition_penalties is not None else None)
 
     def extend_path(self, batch: ForwardBatch) -> str:
         """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager".

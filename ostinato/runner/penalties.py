@@ -52,7 +52,8 @@ class PenaltyState:
         `rows` sees them). `slots`: int64 [B], the sink row for rows whose token is dropped."""
         self.counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
 
-    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(float32 output counts [B, V], bool prompt marks [B, V] or None when no request had a repetition
-        penalty) of these slots."""
-        return self.counts[slots].float(), None if self.in_prompt is None else self.in_prompt[slots]
+    def rows(self, slots: torch.Tensor, repetition: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`SamplingTensors.from_params`' penalty_rows for a batch of these request slots: the counts, the prompt
+        marks (None unless some row has a repetition penalty) and the slots (the penalize kernel reads the rows
+        in place)."""
+        return self.counts, self.in_prompt if repetition else None, slots

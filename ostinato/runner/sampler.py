@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ostinato.layers.sampling_ops import ARGMAX_CHUNK, chunked_argmax, padded_vocab  # noqa: F401 (re-exported)
+from ostinato.layers.sampling_ops import ARGMAX_CHUNK, chunked_argmax, padded_vocab, penalize  # noqa: F401
 from ostinato.sampling_params import GREEDY_EPS, SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -69,10 +69,13 @@ class SamplingTensors:
     # penalties: None when no row of the batch has one
     presence_penalties: Tensor | None = None  # float32 [B]
     frequency_penalties: Tensor | None = None  # float32 [B]
-    output_counts: Tensor | None = None  # float32 [B, V]: occurrences of each token in the row's output so far
+    # occurrences of each token in a row's output so far, [B, V] or, with `count_rows`, [R, V] read at row
+    # count_rows[b] for batch row b (the engine's penalty state, by request slot: runner/penalties.py)
+    output_counts: Tensor | None = None
+    count_rows: Tensor | None = None  # int64 [B]
     # repetition penalties: None when no row of the batch has one
     repetition_penalties: Tensor | None = None  # float32 [B]
-    prompt_mask: Tensor | None = None  # bool [B, V]: the tokens of the row's prompt
+    prompt_mask: Tensor | None = None  # bool, the tokens of the row's prompt: rows as output_counts'
     # logprobs: per row, how many top alternatives to return (None: no logprobs for the row); None when no row asks
     num_logprobs: list[int | None] | None = None
     # logit_bias, flattened over the rows that have one: (row, token id, bias); None when no row has one
@@ -114,11 +117,12 @@ class SamplingTensors:
         output_token_ids: Sequence[Sequence[int]] | None = None,
         grammars: Sequence[Any] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        penalty_rows: tuple[Tensor, Tensor | None] | None = None,
+        penalty_rows: tuple[Tensor, Tensor | None, Tensor] | None = None,
     ) -> SamplingTensors:
         """When a row has a penalty: each row's generated tokens so far (`output_token_ids`) and, with a
         repetition penalty, its prompt (`prompt_token_ids`), or those already counted on the device
-        (`penalty_rows`: float32 counts [B, V] and bool prompt marks [B, V] or None; runner.penalties).
+        (`penalty_rows`: counts [R, V], bool prompt marks [R, V] or None, and the row of each, int64 [B]; the
+        engine's runner/penalties.py).
         `grammars`: per row, the xgrammar matcher of a request with structured outputs, else None."""
         device = torch.device(device)
         top_ks = [p.top_k if 1 <= p.top_k < vocab_size else vocab_size for p in params]
@@ -138,9 +142,9 @@ class SamplingTensors:
 
         penalized = any(p.has_penalties for p in params)
         repeats = any(p.repetition_penalty != 1.0 for p in params)
-        counts = prompt_mask = None
+        counts = prompt_mask = count_rows = None
         if penalized and penalty_rows is not None:
-            counts, prompt_mask = penalty_rows
+            counts, prompt_mask, count_rows = penalty_rows
             if repeats and prompt_mask is None:
                 raise ValueError("penalty_rows: a repetition penalty needs the rows' prompt marks")
         elif penalized:
@@ -172,6 +176,7 @@ class SamplingTensors:
             presence_penalties=put([p.presence_penalty for p in params], torch.float32) if penalized else None,
             frequency_penalties=put([p.frequency_penalty for p in params], torch.float32) if penalized else None,
             output_counts=counts,
+            count_rows=count_rows,
             repetition_penalties=put([p.repetition_penalty for p in params], torch.float32) if repeats else None,
             prompt_mask=prompt_mask if repeats else None,
             num_logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
@@ -223,20 +228,14 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, put=None) 
 
 
 def adjust_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
-    """The logits sampled from, in fp32: the repetition penalty first (as vLLM and transformers: a logit of a
-    token in the prompt or the output so far is divided by the penalty where positive, else multiplied by it),
-    then OpenAI's presence/frequency penalties (logit - frequency * count - presence * (count > 0), over the
-    output), then the logit_bias entries added, then the structured outputs' masks. `logits` itself is never
-    written (it can be a graph's output buffer): with none of these, it is returned as is."""
+    """The logits sampled from, in fp32: the penalties (`sampling_ops.penalize`: repetition over the prompt and the
+    output, then presence and frequency over the output), then the logit_bias entries added, then the structured
+    outputs' masks. `logits` itself is never written (it can be a graph's output buffer): with none of these, it
+    is returned as is."""
     x = logits
     if t.output_counts is not None:
-        counts = t.output_counts
-        x = logits.float()
-        if t.repetition_penalties is not None:
-            rp = t.repetition_penalties[:, None]
-            seen = t.prompt_mask | (counts > 0)
-            x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
-        x = x - t.frequency_penalties[:, None] * counts - t.presence_penalties[:, None] * (counts > 0).float()
+        x = penalize(logits, t.output_counts, t.count_rows, t.frequency_penalties, t.presence_penalties,
+                     t.repetition_penalties, t.prompt_mask)
     elif t.logit_bias is not None or t.token_bitmask is not None:
         x = logits.float().clone()
     if t.logit_bias is not None:
