@@ -30,9 +30,9 @@ def _pageable_put(data: list, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int = 0,
-                   top_p: float = 1.0) -> float:
+                   top_p: float = 1.0, penalties: dict | None = None) -> float:
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0, top_k=top_k,
-                            top_p=top_p)
+                            top_p=top_p, **(penalties or {}))
     batch = [{"prompt_token_ids": p} for p in prompts]
     engine, durations = llm.engine, []
     step = engine.step
@@ -73,6 +73,12 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=288)
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k for sampled rows (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p for sampled rows (1: off)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0,
+                    help="SamplingParams.presence_penalty (sampled rows)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0,
+                    help="SamplingParams.frequency_penalty (sampled rows)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="SamplingParams.repetition_penalty (sampled rows)")
     ap.add_argument("--chat-prompts", action="store_true",
                     help="chat requests (common.CHAT_PROMPTS through the model's chat template) instead of "
                          "--prompt-len random tokens: a real model's logits on text")
@@ -116,22 +122,27 @@ def main() -> None:
             for temperature, mode, copies in cases:
                 top_k = args.top_k if temperature > 0 else 0
                 top_p = args.top_p if temperature > 0 else 1.0
+                penalties = {k: v for k, v in (("presence_penalty", args.presence_penalty),
+                                               ("frequency_penalty", args.frequency_penalty),
+                                               ("repetition_penalty", args.repetition_penalty))
+                             if temperature > 0 and v != (1.0 if k == "repetition_penalty" else 0.0)}
                 runner.sample_graph_runner = graphs if mode == "on" else None
                 sampler._put = pinned_put if copies == "pinned" else _pageable_put
                 # warm-up twice: the second run is the first whose prompts are in the prefix cache, a path of its own
                 for _ in range(2):
-                    timed_generate(llm, prompts, args.short, temperature, top_k, top_p)
+                    timed_generate(llm, prompts, args.short, temperature, top_k, top_p, penalties)
                 STEP_LOG = [] if args.step_log else None
                 med = {}
                 for n in (args.short, args.long):
-                    times = sorted(timed_generate(llm, prompts, n, temperature, top_k, top_p)
+                    times = sorted(timed_generate(llm, prompts, n, temperature, top_k, top_p, penalties)
                                    for _ in range(args.repeats))
                     med[n] = times[len(times) // 2]
                 ms = (med[args.long] - med[args.short]) / (args.long - args.short) * 1e3
                 mean_ctx = prompt_len + (args.short + args.long) / 2
                 floor_ms = (runner.weight_bytes + bs * mean_ctx * kv_token) / bw * 1e3
                 rows.append({"model": model, "batch_size": bs, "chat_prompts": args.chat_prompts,
-                             "temperature": temperature, "top_k": top_k, "top_p": top_p, "sampler_graph": mode,
+                             "temperature": temperature, "top_k": top_k, "top_p": top_p, **penalties,
+                             "sampler_graph": mode,
                              "host_copies": copies, "ms_per_token": ms, "floor_ms": floor_ms,
                              "fraction_of_floor": floor_ms / ms})
                 if STEP_LOG:
@@ -142,6 +153,7 @@ def main() -> None:
                         print(f"    {g['tokens']} tokens: {g['wall_s'] * 1e3:.1f} ms, {g['steps']} steps "
                               f"(step() sum {g['sum_step_s'] * 1e3:.1f} ms), steady step {g['steady_step_ms']:.3f} ms")
                 print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} top_p {top_p:<4g} "
+                      f"{penalties or ''} "
                       f"sampler graph {mode:<3} {copies:<8} {ms:8.3f} ms/token   floor {floor_ms:.3f} "
                       f"({floor_ms / ms:.0%})",
                       flush=True)

@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled runs (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled runs")
+    ap.add_argument("--penalties", default="", help="the sampled runs' penalties as SamplingParams keywords, e.g. "
+                    "presence_penalty=0.5,repetition_penalty=1.1")
     ap.add_argument("--chat-prompts", action="store_true", help="chat requests (common.CHAT_PROMPTS), not random "
                     "tokens: a real model's logits on text")
     args = ap.parse_args()
@@ -97,6 +99,8 @@ def main() -> None:
     prompts = [{"prompt_token_ids": p} for p in ids]
     for temp in args.temperature:
         cut = dict(top_k=args.top_k, top_p=args.top_p) if temp > 0 else {}
+        if temp > 0 and args.penalties:
+            cut.update((k, float(v)) for k, v in (kv.split("=") for kv in args.penalties.split(",")))
         params = SamplingParams(temperature=temp, max_tokens=args.tokens, ignore_eos=True, seed=0, **cut)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (and the sampler graph's capture)
         torch.cuda.synchronize()

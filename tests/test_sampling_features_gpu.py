@@ -120,3 +120,36 @@ def test_logit_bias_forces_and_bans_on_cuda(llm):
     assert banned not in outs[0].outputs[0].token_ids
     assert outs[1].outputs[0].token_ids == [forced] * 6
     assert outs[2].outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_penalties_on_cuda_match_transformers(llm, model_path):
+    """Presence, frequency and repetition penalties counted on the device (runner/penalties.py) and applied by the
+    penalize kernel, in graphed decode steps under overlap scheduling, beside an unpenalized request: each greedy
+    token is the argmax of transformers' teacher-forced logits after the same penalties (up to a near-tie)."""
+    import transformers
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from ostinato import SamplingParams
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
+    pen = [dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.5),
+           dict(frequency_penalty=1.2, repetition_penalty=0.8)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **p) for p in pen]
+    outs = llm.generate([{"prompt_token_ids": [3, 4, 5]}] + [{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)] + params, use_tqdm=False)
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    for prompt, p, out, unpenalized in zip(prompts, pen, outs[1:], plain, strict=True):
+        got = out.outputs[0].token_ids
+        assert got != unpenalized.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1]
+        counts = torch.zeros(logits.shape[-1])
+        for i, t in enumerate(got):
+            x = RepetitionPenaltyLogitsProcessor(p["repetition_penalty"])(torch.tensor([prompt + got[:i]]),
+                                                                          logits[i : i + 1].clone())[0]
+            x = x - p["frequency_penalty"] * counts - p.get("presence_penalty", 0.0) * (counts > 0).float()
+            assert x[t] >= x.max() - 2e-3, f"token {i}"
+            counts[t] += 1
+    assert not llm.engine.has_unfinished()

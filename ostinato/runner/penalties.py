@@ -50,7 +50,10 @@ class PenaltyState:
     def count_(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Add a step's drawn tokens to their slots' counts (on the device, in stream order: the next step's
         `rows` sees them). `slots`: int64 [B], the sink row for rows whose token is dropped."""
-        self.counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True)
+        # one atomic-add kernel on the flat table (index_put_ with accumulate sorts its indices first: several
+        # launches); int32 sums are exact in any order
+        flat = slots * self.vocab_size + token_ids
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(token_ids, dtype=torch.int32))
 
     def rows(self, slots: torch.Tensor, repetition: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """`SamplingTensors.from_params`' penalty_rows for a batch of these request slots: the counts, the prompt
