@@ -121,6 +121,9 @@ def test_chat_logprobs_and_penalties(client):
     penal, _ = chat_text(client, "Say the word 'yes' many times.", frequency_penalty=2.0, presence_penalty=1.0, **kw)
     assert plain != penal
     assert len(set(penal.split())) > len(set(plain.split()))  # penalties push towards new words
+    repeat_kw = dict(kw, extra_body={"ignore_eos": True, "repetition_penalty": 1.5})  # vLLM's extra field
+    repeat, _ = chat_text(client, "Say the word 'yes' many times.", **repeat_kw)
+    assert repeat != plain and len(set(repeat.split())) > len(set(plain.split()))
 
 
 def test_tokn_batch_endpoint(server, client):
