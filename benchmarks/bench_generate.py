@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import torch
-from common import RESULTS, chat_prompt_ids, copy_bandwidth, device_tag, load_file_module, write_report
+from common import RESULTS, chat_prompt_ids, copy_bandwidth, device_tag, load_file_module, step_times, write_report
 
 from ostinato import LLM, SamplingParams
 from ostinato.runner import sampler
@@ -34,21 +34,9 @@ def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperat
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0, top_k=top_k,
                             top_p=top_p, **(penalties or {}))
     batch = [{"prompt_token_ids": p} for p in prompts]
-    engine, durations = llm.engine, []
-    step = engine.step
-
-    def timed_step():
-        t = time.perf_counter()
-        out = step()
-        durations.append(time.perf_counter() - t)
-        return out
-
-    engine.step = timed_step
     t = time.perf_counter()
-    try:
+    with step_times(llm.engine) as durations:
         out = llm.generate(batch, params, use_tqdm=False)
-    finally:
-        del engine.step
     if llm.engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t

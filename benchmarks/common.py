@@ -6,7 +6,8 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -162,3 +163,22 @@ def chat_prompt_ids(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
                                           add_generation_prompt=True, tokenize=True, return_dict=False)
             for i in range(count)]
+
+
+@contextmanager
+def step_times(engine) -> Iterator[list[float]]:
+    """Within the block, each `engine.step()` call's wall time (s) is appended to the yielded list."""
+    durations: list[float] = []
+    step = engine.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        durations.append(time.perf_counter() - t)
+        return out
+
+    engine.step = timed_step
+    try:
+        yield durations
+    finally:
+        del engine.step

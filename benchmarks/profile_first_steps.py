@@ -12,9 +12,9 @@ import argparse
 import cProfile
 import pstats
 import random
-import time
 
 import torch
+from common import step_times
 
 from ostinato import LLM, SamplingParams
 
@@ -35,25 +35,15 @@ def main() -> None:
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(128)]}
                for _ in range(args.batch_size)]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    step = engine.step
     for run in range(args.runs):
-        durations = []
-
-        def timed_step(durations=durations):
-            t = time.perf_counter()
-            out = step()
-            durations.append(time.perf_counter() - t)
-            return out
-
-        engine.step = timed_step
         prof = cProfile.Profile()
-        if run == 1:
-            prof.enable()
-        llm.generate(prompts, params, use_tqdm=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        prof.disable()
-        del engine.step
+        with step_times(engine) as durations:
+            if run == 1:
+                prof.enable()
+            llm.generate(prompts, params, use_tqdm=False)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.disable()
         print(f"run {run}: {sum(durations) * 1e3:.1f} ms in {len(durations)} steps; the first five "
               f"{' '.join(f'{d * 1e3:.1f}' for d in durations[:5])} ms, the longest {max(durations) * 1e3:.1f} ms",
               flush=True)

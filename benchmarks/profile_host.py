@@ -24,6 +24,8 @@ import pstats
 import sys
 import time
 
+from common import step_times
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WAITS = ("synchronize", "_local_scalar_dense")  # the host blocked on the GPU
@@ -33,20 +35,9 @@ def timed_once(llm, prompts, params) -> dict:
     """One generate without the profiler: wall time, steps and the engine's time inside them."""
     eng = llm.engine
     before = {k: dict(getattr(eng, k)) for k in ("step_counts", "step_seconds")}
-    durations, step = [], eng.step
-
-    def timed_step():
-        t = time.perf_counter()
-        out = step()
-        durations.append(time.perf_counter() - t)
-        return out
-
-    eng.step = timed_step
     start = time.perf_counter()
-    try:
+    with step_times(eng) as durations:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del eng.step
     wall = time.perf_counter() - start
     steady = sorted(durations[len(durations) // 4: -2])  # past the prefill, before the last steps
     steps = {k: eng.step_counts[k] - before["step_counts"][k] for k in eng.step_counts}
