@@ -27,9 +27,14 @@ def _prompts() -> list[dict]:
     return prompts
 
 
-def _run(model: str, tp: int, **kw) -> tuple[list[list[int]], LLM]:
+def _run(model: str, tp: int, penalties: bool = False, **kw) -> tuple[list[list[int]], LLM]:
     llm = LLM(model, tp_size=tp, **{**ENGINE, **kw})
-    out = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # every third request with penalties (counted on each rank's device, set from the plan at extend steps)
+    penalized = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, presence_penalty=0.7,
+                               frequency_penalty=0.4, repetition_penalty=1.3)
+    params = [penalized if penalties and i % 3 == 1 else greedy for i in range(len(_prompts()))]
+    out = llm.generate(_prompts(), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in out], llm
 
 
@@ -85,10 +90,11 @@ def one_kv_head_qwen3(tmp_path_factory) -> str:
 
 def test_tp2_matches_tp1_with_replicated_kv_head(one_kv_head_qwen3):
     """Dummy weights are drawn at the full shape and sliced, so the tp-2 model is the tp-1 model. At tp 2 the
-    extends replay from piecewise graphs (the CPU stand-in), split at the all-reduces as well as at attention."""
+    extends replay from piecewise graphs (the CPU stand-in), split at the all-reduces as well as at attention. Some
+    requests have penalties: each rank counts their tokens itself."""
     piecewise = {"enable_piecewise_cuda_graph": True, "piecewise_cuda_graph_tokens": [32]}
     splits = _check_same_tokens_and_shards(one_kv_head_qwen3, piecewise, load_format="dummy", seed=3,
-                                           enable_mixed_chunk=True)
+                                           enable_mixed_chunk=True, penalties=True)
     assert splits and splits[0] == 2 + 2 * 2 + 1  # per layer attention, o and down; the embedding
 
 

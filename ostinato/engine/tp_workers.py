@@ -63,7 +63,10 @@ class StepPlan:
     rope_deltas: list[int]
     num_pending: list[int]
     num_outputs: list[int]
-    penalty_outputs: dict[int, list[int]]  # batch index -> output ids, for requests with penalties
+    # extend steps only (runner/penalties.py sets a penalized request's row then): batch index -> output ids of
+    # requests with penalties, and -> prompt ids of those with a repetition penalty
+    penalty_outputs: dict[int, list[int]]
+    penalty_prompts: dict[int, list[int]]
     new_params: dict[int, tuple[SamplingParams, int]]  # row -> (params, seed) of a request new to that row
     full_rows: bool  # the payload also holds req_to_token[row, :prefix_len] of each request
 
@@ -150,10 +153,13 @@ class TPWorkers:
             prev = self._sent.get(row)
             if prev is None or prev[0] is not r.params or prev[1] != r.seed:
                 new_params[row] = self._sent[row] = (r.params, r.seed)
+        extend = sched.mode is not ForwardMode.DECODE
         plan = StepPlan(
             sched.mode, rows, list(sched.prefix_lens), list(sched.extend_lens), list(sched.sample_mask), ids,
             [r.rope_delta for r in reqs], [r.num_pending for r in reqs], [len(r.output_token_ids) for r in reqs],
-            {i: list(r.output_token_ids) for i, r in enumerate(reqs) if r.params.has_penalties}, new_params, full)
+            {i: list(r.output_token_ids) for i, r in enumerate(reqs) if extend and r.params.has_penalties},
+            {i: list(r.prompt_token_ids) for i, r in enumerate(reqs) if extend and r.params.repetition_penalty != 1.0},
+            new_params, full)
         payload = [sched.out_cache_loc.to(self.device, torch.int64)]
         if full and sum(sched.prefix_lens):
             r, c = row_index(rows, [0] * len(rows), plan.prefix_lens, self.device)
@@ -283,10 +289,11 @@ class _RemoteRequest:
     """What ModelRunner.prepare and .sample read of a request (runner/scheduled_batch.ScheduledRequest)."""
 
     def __init__(self, params: SamplingParams, seed: int, row: int, start: int, ids: list[int], rope_delta: int,
-                 num_pending: int, outputs: Any) -> None:
+                 num_pending: int, outputs: Any, prompt: list[int]) -> None:
         self.params, self.seed, self.req_pool_idx = params, seed, row
         self.all_token_ids = _Window(start, ids)
         self.rope_delta, self.num_pending, self.output_token_ids = rope_delta, num_pending, outputs
+        self.prompt_token_ids = prompt  # a repetition-penalized request's, in its extend steps; else empty
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return self.all_token_ids[start:end]
@@ -315,7 +322,7 @@ def run_plan(runner: ModelRunner, plan: StepPlan, params: dict[int, tuple[Sampli
         sp, seed = params[row]
         outputs = plan.penalty_outputs.get(i, _Count(plan.num_outputs[i]))
         reqs.append(_RemoteRequest(sp, seed, row, start, plan.token_ids[offset : offset + width],
-                                   plan.rope_deltas[i], plan.num_pending[i], outputs))
+                                   plan.rope_deltas[i], plan.num_pending[i], outputs, plan.penalty_prompts.get(i, [])))
         offset += width
     sched = ScheduledBatch(plan.mode, reqs, plan.prefix_lens, plan.extend_lens, payload[:n_new], plan.sample_mask)
     runner.step(sched)  # the tokens stay on the device (next-token buffer); rank 0 reads its own copy back
