@@ -48,3 +48,21 @@ def test_twin_without_rows_reads_row_b():
     logits, counts = torch.randn(3, 50, generator=g), torch.randint(0, 3, (3, 50), generator=g)
     f, p = torch.tensor([0.2, 0.4, 0.0]), torch.tensor([1.0, 0.0, -0.5])
     assert torch.equal(penalize(logits, counts, None, f, p), penalize(logits, counts, torch.arange(3), f, p))
+
+
+def test_warm_up_changes_no_state():
+    """PenaltyState.warm_up (start-up on CUDA: the kernel's variants compiled, the state's ops launched once) runs
+    (here in the interpreter without a GPU) and leaves an allocated state's rows as they were."""
+    from types import SimpleNamespace
+
+    from ostinato.runner.penalties import PenaltyState
+    from ostinato.sampling_params import SamplingParams
+
+    state = PenaltyState(num_slots=3, vocab_size=70, device=torch.device(DEVICE))
+    req = SimpleNamespace(req_pool_idx=2, params=SamplingParams(repetition_penalty=1.2), output_token_ids=[5, 5, 9],
+                          prompt_token_ids=[1, 69])
+    state.reset_rows([req])
+    counts, marks = state.counts.clone(), state.in_prompt.clone()
+    state.warm_up([128, 70])
+    assert torch.equal(state.counts, counts) and torch.equal(state.in_prompt, marks)
+    assert state.counts[2, 5].item() == 2 and state.counts[2, 9].item() == 1 and state.in_prompt[2, 69].item()

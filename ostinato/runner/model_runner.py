@@ -24,6 +24,7 @@ from ostinato.graphs.sample import SampleGraphRunner
 from ostinato.graphs.vit import VitGraphRunner
 from ostinato.layers.mamba2 import SSD_CHUNK, ssd_workspace_bytes
 from ostinato.layers.mamba_tables import GRAPH_MAX_REQS, step_bounds
+from ostinato.layers.sampling_ops import padded_vocab
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.loader.kv_scales import KVScaleFilter
 from ostinato.mem.kv_cache import MHATokenToKVPool
@@ -133,6 +134,8 @@ class ModelRunner:
             from ostinato.runner import fused_sample  # lazily: Triton (see fused_sample's docstring)
 
             fused_sample.warm_up(self.max_running_requests, self.vocab_size, self.device)
+            # the logits a penalized step reads: a decode graph's padded buffer, or an eager step's [B, V]
+            self.penalties.warm_up([padded_vocab(self.vocab_size), self.vocab_size])
         self.sample_graph_runner: SampleGraphRunner | None = None  # sampled decode steps, after a decode graph
         if self.graph_runner is not None and not args.disable_sampler_cuda_graph:
             self.sample_graph_runner = SampleGraphRunner(

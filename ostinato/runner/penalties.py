@@ -24,6 +24,21 @@ class PenaltyState:
         self.counts: torch.Tensor | None = None
         self.in_prompt: torch.Tensor | None = None
 
+    def warm_up(self, logits_row_strides: list[int]) -> None:
+        """On CUDA, before serving: compile the penalize kernel's variants and launch once the ops that the first
+        penalized request would otherwise launch first mid-serving (their first launch loads them: tens of ms, as
+        `KVManager.warm_up` found for the prefix cache's). Changes no state."""
+        from ostinato.layers.triton_ops.penalize import warm_up
+
+        warm_up(self.vocab_size, logits_row_strides, self.device)
+        scratch = torch.zeros(2, 4, dtype=torch.int32, device=self.device)
+        rows = torch.zeros(1, dtype=torch.int64, device=self.device)
+        scratch[rows] = 0
+        scratch.view(-1).index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
+        marks = torch.zeros(2, 4, dtype=torch.bool, device=self.device)
+        marks[rows] = False
+        marks[rows, rows] = True
+
     def reset_rows(self, reqs: list) -> None:
         """Set the rows of these penalized requests (at their `req_pool_idx`) from the host: the counts of their
         outputs so far (every one known: no step of theirs is in flight) and, with a repetition penalty, their
@@ -35,11 +50,9 @@ class PenaltyState:
             self.in_prompt = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
         slots = _put([r.req_pool_idx for r in reqs], torch.int64, self.device)
         self.counts[slots] = 0
-        rows = [r.req_pool_idx for r in reqs for _ in r.output_token_ids]
-        if rows:
-            tokens = [t for r in reqs for t in r.output_token_ids]
-            self.counts.index_put_((_put(rows, torch.int64, self.device), _put(tokens, torch.int64, self.device)),
-                                   torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True)
+        flat = [r.req_pool_idx * self.vocab_size + t for r in reqs for t in r.output_token_ids]
+        if flat:
+            self._add(_put(flat, torch.int64, self.device))
         if repeat:
             marked = _put([r.req_pool_idx for r in repeat], torch.int64, self.device)
             self.in_prompt[marked] = False
@@ -50,10 +63,12 @@ class PenaltyState:
     def count_(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Add a step's drawn tokens to their slots' counts (on the device, in stream order: the next step's
         `rows` sees them). `slots`: int64 [B], the sink row for rows whose token is dropped."""
-        # one atomic-add kernel on the flat table (index_put_ with accumulate sorts its indices first: several
-        # launches); int32 sums are exact in any order
-        flat = slots * self.vocab_size + token_ids
-        self.counts.view(-1).index_add_(0, flat, torch.ones_like(token_ids, dtype=torch.int32))
+        self._add(slots * self.vocab_size + token_ids)
+
+    def _add(self, flat: torch.Tensor) -> None:
+        """counts.view(-1)[flat[i]] += 1 for each i, in one atomic-add kernel (index_put_ with accumulate sorts its
+        indices first: several launches, 0.2-0.4 ms a step at bs 32); int32 sums are exact in any order."""
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def rows(self, slots: torch.Tensor, repetition: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """`SamplingTensors.from_params`' penalty_rows for a batch of these request slots: the counts, the prompt

@@ -42,3 +42,17 @@ def penalize_rows(logits: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor
         logits, logits.stride(0), out, counts, in_prompt if has_rep else counts, rows, frequency, presence,
         repetition if has_rep else frequency, vocab, HAS_REP=has_rep, BLOCK=BLOCK, num_warps=8)
     return out
+
+
+def warm_up(vocab_size: int, row_strides: list[int], device: torch.device) -> None:
+    """Compile the variants an engine launches (fp32 logits rows `row_strides` apart: a decode graph's padded buffer,
+    a contiguous [B, V]; with and without a repetition penalty), so that the first penalized request does not hold
+    up the running ones for a compile."""
+    counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device)
+    marks = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
+    rows = torch.zeros(1, dtype=torch.int64, device=device)
+    zero = torch.zeros(1, device=device)
+    for stride in sorted(set(row_strides)):
+        logits = torch.zeros(1, stride, device=device)[:, :vocab_size]
+        penalize_rows(logits, counts, rows, zero, zero, None, None)
+        penalize_rows(logits, counts, rows, zero, zero, zero + 1, marks)
