@@ -16,7 +16,17 @@ import time
 
 import numpy as np
 import torch
-from common import RESULTS, chat_prompt_ids, copy_bandwidth, device_tag, load_file_module, step_times, write_report
+from common import (
+    RESULTS,
+    add_penalty_args,
+    chat_prompt_ids,
+    copy_bandwidth,
+    device_tag,
+    load_file_module,
+    penalty_params,
+    step_times,
+    write_report,
+)
 
 from ostinato import LLM, SamplingParams
 from ostinato.runner import sampler
@@ -61,12 +71,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=288)
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k for sampled rows (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p for sampled rows (1: off)")
-    ap.add_argument("--presence-penalty", type=float, default=0.0,
-                    help="SamplingParams.presence_penalty (sampled rows)")
-    ap.add_argument("--frequency-penalty", type=float, default=0.0,
-                    help="SamplingParams.frequency_penalty (sampled rows)")
-    ap.add_argument("--repetition-penalty", type=float, default=1.0,
-                    help="SamplingParams.repetition_penalty (sampled rows)")
+    add_penalty_args(ap)
     ap.add_argument("--chat-prompts", action="store_true",
                     help="chat requests (common.CHAT_PROMPTS through the model's chat template) instead of "
                          "--prompt-len random tokens: a real model's logits on text")
@@ -110,10 +115,7 @@ def main() -> None:
             for temperature, mode, copies in cases:
                 top_k = args.top_k if temperature > 0 else 0
                 top_p = args.top_p if temperature > 0 else 1.0
-                penalties = {k: v for k, v in (("presence_penalty", args.presence_penalty),
-                                               ("frequency_penalty", args.frequency_penalty),
-                                               ("repetition_penalty", args.repetition_penalty))
-                             if temperature > 0 and v != (1.0 if k == "repetition_penalty" else 0.0)}
+                penalties = penalty_params(args) if temperature > 0 else {}
                 runner.sample_graph_runner = graphs if mode == "on" else None
                 sampler._put = pinned_put if copies == "pinned" else _pageable_put
                 # warm-up twice: the second run is the first whose prompts are in the prefix cache, a path of its own

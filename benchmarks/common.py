@@ -182,3 +182,18 @@ def step_times(engine) -> Iterator[list[float]]:
         yield durations
     finally:
         del engine.step
+
+
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def add_penalty_args(ap) -> None:
+    """--presence-penalty, --frequency-penalty, --repetition-penalty: SamplingParams' penalties of sampled runs."""
+    for name in PENALTIES:
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=None,
+                        help=f"SamplingParams.{name} of the sampled runs")
+
+
+def penalty_params(args) -> dict:
+    """The penalties given on the command line, as SamplingParams keywords."""
+    return {name: getattr(args, name) for name in PENALTIES if getattr(args, name) is not None}

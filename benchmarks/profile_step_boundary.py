@@ -18,7 +18,7 @@ import statistics
 import tempfile
 
 import torch
-from common import chat_prompt_ids
+from common import add_penalty_args, chat_prompt_ids, penalty_params
 
 from ostinato import LLM, SamplingParams
 
@@ -84,8 +84,7 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled runs (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled runs")
-    ap.add_argument("--penalties", default="", help="the sampled runs' penalties as SamplingParams keywords, e.g. "
-                    "presence_penalty=0.5,repetition_penalty=1.1")
+    add_penalty_args(ap)
     ap.add_argument("--chat-prompts", action="store_true", help="chat requests (common.CHAT_PROMPTS), not random "
                     "tokens: a real model's logits on text")
     args = ap.parse_args()
@@ -99,8 +98,8 @@ def main() -> None:
     prompts = [{"prompt_token_ids": p} for p in ids]
     for temp in args.temperature:
         cut = dict(top_k=args.top_k, top_p=args.top_p) if temp > 0 else {}
-        if temp > 0 and args.penalties:
-            cut.update((k, float(v)) for k, v in (kv.split("=") for kv in args.penalties.split(",")))
+        if temp > 0:
+            cut.update(penalty_params(args))
         params = SamplingParams(temperature=temp, max_tokens=args.tokens, ignore_eos=True, seed=0, **cut)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (and the sampler graph's capture)
         torch.cuda.synchronize()

@@ -199,7 +199,13 @@ def test_engine_penalties_and_logprobs_vs_teacher_forcing(smollm, hf_model, temp
 
 
 @pytest.mark.parametrize("penalty,text", [(1.3, "Say it again and again: the cat sat on the mat, the cat sat on"),
-                                          (0.7, "Name twenty different fruits, one per line:")])
+                                          (0.7, "Name twenty different fruits, one per line:"),
+                                          # longer than the fixture's 48-token chunks: the row is set at the chunk
+                                          # that samples, the first one only passes through
+                                          (1.2, "Here is a long list of colours, each said twice: red red, green "
+                                                "green, blue blue, yellow yellow, purple purple, orange orange, "
+                                                "black black, white white, grey grey, pink pink, brown brown, "
+                                                "gold gold, silver silver, and then")])
 def test_engine_repetition_penalty_vs_transformers(smollm, hf_model, penalty, text):
     """Greedy with a repetition penalty: each token is the argmax of the teacher-forced logits after transformers'
     own RepetitionPenaltyLogitsProcessor over the prompt and the tokens before it (up to a near-tie)."""
@@ -207,6 +213,7 @@ def test_engine_repetition_penalty_vs_transformers(smollm, hf_model, penalty, te
 
     tok = smollm.get_tokenizer()
     prompt = tok.encode(text)
+    assert len(prompt) > 48 or penalty != 1.2
     kw = dict(temperature=0, max_tokens=20, ignore_eos=True)
     got = smollm.generate({"prompt_token_ids": prompt}, SamplingParams(repetition_penalty=penalty, **kw),
                           use_tqdm=False)[0].outputs[0].token_ids

@@ -41,6 +41,7 @@ from ostinato.loader import ModelSource
 from ostinato.mem.kv_manager import row_index
 from ostinato.models.registry import model_class
 from ostinato.runner.model_runner import ModelRunner, resolve_device
+from ostinato.runner.penalties import resets_row
 from ostinato.runner.sampler import SampledTensors
 from ostinato.runner.scheduled_batch import ScheduledBatch
 from ostinato.sampling_params import SamplingParams
@@ -63,8 +64,8 @@ class StepPlan:
     rope_deltas: list[int]
     num_pending: list[int]
     num_outputs: list[int]
-    # extend steps only (runner/penalties.py sets a penalized request's row then): batch index -> output ids of
-    # requests with penalties, and -> prompt ids of those with a repetition penalty
+    # the rows a worker sets from the host this step (runner/penalties.resets_row): batch index -> output ids, and
+    # -> prompt ids of those with a repetition penalty
     penalty_outputs: dict[int, list[int]]
     penalty_prompts: dict[int, list[int]]
     new_params: dict[int, tuple[SamplingParams, int]]  # row -> (params, seed) of a request new to that row
@@ -153,12 +154,14 @@ class TPWorkers:
             prev = self._sent.get(row)
             if prev is None or prev[0] is not r.params or prev[1] != r.seed:
                 new_params[row] = self._sent[row] = (r.params, r.seed)
-        extend = sched.mode is not ForwardMode.DECODE
+        # the rows the workers' prepare sets from the host (extend steps only)
+        resets = [] if sched.mode is ForwardMode.DECODE else [
+            i for i, (r, samples) in enumerate(zip(reqs, sched.sample_mask, strict=True)) if resets_row(r, samples)]
         plan = StepPlan(
             sched.mode, rows, list(sched.prefix_lens), list(sched.extend_lens), list(sched.sample_mask), ids,
             [r.rope_delta for r in reqs], [r.num_pending for r in reqs], [len(r.output_token_ids) for r in reqs],
-            {i: list(r.output_token_ids) for i, r in enumerate(reqs) if extend and r.params.has_penalties},
-            {i: list(r.prompt_token_ids) for i, r in enumerate(reqs) if extend and r.params.repetition_penalty != 1.0},
+            {i: list(reqs[i].output_token_ids) for i in resets},
+            {i: list(reqs[i].prompt_token_ids) for i in resets if reqs[i].params.repetition_penalty != 1.0},
             new_params, full)
         payload = [sched.out_cache_loc.to(self.device, torch.int64)]
         if full and sum(sched.prefix_lens):
@@ -293,7 +296,7 @@ class _RemoteRequest:
         self.params, self.seed, self.req_pool_idx = params, seed, row
         self.all_token_ids = _Window(start, ids)
         self.rope_delta, self.num_pending, self.output_token_ids = rope_delta, num_pending, outputs
-        self.prompt_token_ids = prompt  # a repetition-penalized request's, in its extend steps; else empty
+        self.prompt_token_ids = prompt  # a repetition-penalized request's, in a step that resets its row; else empty
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return self.all_token_ids[start:end]

@@ -37,7 +37,7 @@ from ostinato.models.registry import model_class
 from ostinato.runner.hybrid import is_hybrid, make_mamba_pool
 from ostinato.runner.mm_batch import EncoderStats, build_mm_forward
 from ostinato.runner.next_tokens import NextTokenBuffer
-from ostinato.runner.penalties import PenaltyState
+from ostinato.runner.penalties import PenaltyState, resets_row
 from ostinato.runner.sampler import SampledTensors, SamplingTensors, compute_logprobs, fused_draw, sample_tensors
 from ostinato.runner.scheduled_batch import ScheduledBatch
 
@@ -349,9 +349,7 @@ class ModelRunner:
         # its input may be PENDING_TOKEN, resolved on the device below
         assert all(r.num_pending == 0 or n == 1 for r, n in zip(reqs, sched.extend_lens, strict=True)), \
             "extend of a request with tokens in flight"
-        # a penalized request's row is set from the host in its extend steps (every output known there; a decoding
-        # row of a mixed step with a token in flight keeps the row its earlier steps counted into)
-        if fresh := [r for r in reqs if r.params.has_penalties and r.num_pending == 0]:
+        if fresh := [r for r, samples in zip(reqs, sched.sample_mask, strict=True) if resets_row(r, samples)]:
             self.penalties.reset_rows(fresh)
         ids, pos = [], []
         for req, start, n in zip(reqs, sched.prefix_lens, sched.extend_lens, strict=True):
@@ -433,13 +431,14 @@ class ModelRunner:
         last = self._last_sampling
         if last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
             tensors = last[1]
-            if tensors.penalized:  # the rows of this step's request slots (the same slots, but maybe not the tensor)
-                tensors = dataclasses.replace(tensors, count_rows=slots)
-            if tensors.steps is None:  # all greedy: nothing (else) depends on the step
-                return tensors
-            if steps is not None:
-                return dataclasses.replace(tensors, steps=steps)
-            return tensors.with_steps([len(r.output_token_ids) for r in reqs])
+            # penalized rows: read at this step's request slots (the same slots, but maybe not the same tensor)
+            changes = {"count_rows": slots} if tensors.penalized else {}
+            if tensors.steps is not None:  # (all greedy: nothing else depends on the step)
+                if steps is None:
+                    tensors = tensors.with_steps([len(r.output_token_ids) for r in reqs])
+                else:
+                    changes["steps"] = steps
+            return dataclasses.replace(tensors, **changes) if changes else tensors
         params = [r.params for r in reqs]
         rows = None
         if any(p.has_penalties for p in params):
@@ -452,7 +451,6 @@ class ModelRunner:
         )
         self._last_sampling = None if constrained else (list(reqs), tensors)
         return tensors
-
 
     def extend_path(self, batch: ForwardBatch) -> str:
         """How a non-decode step runs: "extend_graph" (the whole step captured), "piecewise" or "eager".
@@ -474,7 +472,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sched: ScheduledBatch, batch: ForwardBatch) -> SampledTensors:
         """Token ids (and the logprobs asked for) per scheduled request, stored in `next_tokens` and on their
-        way to the host; penalties count each request's output (which must hold no pending token)."""
+        way to the host; a penalized step's tokens are counted into the penalty state on the device."""
         reqs = sched.reqs
         tensors = self._sampling_tensors(reqs, batch.sample_steps, batch.req_pool_indices)
         drawn = None

@@ -2,15 +2,22 @@
 its prompt. Every sampling step adds the tokens it draws to the counts on the device, so a step with penalties needs
 no token back on the host and overlap scheduling keeps running (SGLang's penalizers keep their counts the same way).
 
-A slot's row is valid for the request that holds the slot from the request's first extend step in it: an extend
-step of a penalized request with no token in flight sets its row from the host (`reset_rows`: the counts of its
-outputs so far, which a retracted request brings back with it; its prompt's tokens). Rows of requests without
-penalties go stale and are never read.
+A slot's row is valid for the request that holds the slot from the first extend step in which the request samples
+there: that step sets the row from the host (`resets_row`, `reset_rows`: the counts of its outputs so far, which a
+retracted request brings back with it; its prompt's tokens). Rows are read only by steps in which their request
+samples, so earlier chunks of a prefill leave them alone, and rows of requests without penalties go stale.
 """
 
 import torch
 
 from ostinato.runner.sampler import _put
+
+
+def resets_row(req, samples: bool) -> bool:
+    """Whether an extend step sets this request's row from the host: a penalized request that samples in the step
+    with every output known (a decoding row of a mixed step with a token in flight keeps the row its earlier steps
+    counted into). The tensor-parallel plan sends the host's lists to the workers by the same test."""
+    return samples and req.num_pending == 0 and req.params.has_penalties
 
 
 class PenaltyState:
@@ -43,11 +50,8 @@ class PenaltyState:
         """Set the rows of these penalized requests (at their `req_pool_idx`) from the host: the counts of their
         outputs so far (every one known: no step of theirs is in flight) and, with a repetition penalty, their
         prompt's tokens."""
-        if self.counts is None:
-            self.counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
         repeat = [r for r in reqs if r.params.repetition_penalty != 1.0]
-        if repeat and self.in_prompt is None:
-            self.in_prompt = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+        self._make(bool(repeat))
         slots = _put([r.req_pool_idx for r in reqs], torch.int64, self.device)
         self.counts[slots] = 0
         flat = [r.req_pool_idx * self.vocab_size + t for r in reqs for t in r.output_token_ids]
@@ -73,5 +77,16 @@ class PenaltyState:
     def rows(self, slots: torch.Tensor, repetition: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """`SamplingTensors.from_params`' penalty_rows for a batch of these request slots: the counts, the prompt
         marks (None unless some row has a repetition penalty) and the slots (the penalize kernel reads the rows
-        in place)."""
+        in place). A step may hold a penalized request before any has sampled (an earlier chunk of its prompt):
+        the tables are made here too, and such a row's draw is dropped."""
+        self._make(repetition)
         return self.counts, self.in_prompt if repetition else None, slots
+
+    def _make(self, repetition: bool) -> None:
+        """The tables, made at first need (a repetition penalty's marks only for one); as normal tensors even when
+        the first need comes under inference mode (sampling), since the host's resets write them outside it."""
+        with torch.inference_mode(False):
+            if self.counts is None:
+                self.counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+            if repetition and self.in_prompt is None:
+                self.in_prompt = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)

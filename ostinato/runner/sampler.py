@@ -178,7 +178,7 @@ class SamplingTensors:
             output_counts=counts,
             count_rows=count_rows,
             repetition_penalties=put([p.repetition_penalty for p in params], torch.float32) if repeats else None,
-            prompt_mask=prompt_mask if repeats else None,
+            prompt_mask=prompt_mask,
             num_logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
             logit_bias=bias_entries(params, put),
             token_bitmask=bitmask,
