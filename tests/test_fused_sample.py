@@ -305,20 +305,60 @@ def test_all_greedy_steps_skip_the_kernels():
 
 @pytest.mark.parametrize("vocab", [700, 49_152, 100_352, 151_936])
 def test_warm_up_compiles_each_kernel_class_once(vocab):
-    """The engine's start-up warm-up (`fused_sample.warm_up_batches`) takes the smallest batch size of every
-    split-count class up to the largest batch: every batch size then finds its kernel compiled."""
+    """The engine's start-up warm-up (`fused_sample.warm_up_batches`) takes the smallest batch size of every kernel
+    class up to the largest batch (a power of two of the split count and a top_p gather capacity): every batch
+    size then finds its kernels compiled."""
     import triton
 
-    from ostinato.runner.fused_sample import split_plan, warm_up_batches
+    from ostinato.runner.fused_sample import gather_cap, split_plan, warm_up_batches
 
-    classes = {b: triton.next_power_of_2(split_plan(b, vocab)[1]) for b in range(1, 301)}
+    def key(b):
+        n = split_plan(b, vocab)[1]
+        return triton.next_power_of_2(n), gather_cap(b, n)
+
+    classes = {b: key(b) for b in range(1, 301)}
     batches = warm_up_batches(300, vocab)
     assert sorted({classes[b] for b in batches}) == sorted(set(classes.values()))
     assert len(batches) == len(set(classes.values()))
     assert all(classes[x] != classes[b] for b in batches for x in range(1, b))  # the first of its class
+    # the gather starts inside a split class at GATHER_MIN_BATCH rows: its own entry there
+    assert any(classes[b][1] == 0 for b in batches) and any(classes[b][1] > 0 for b in batches)
     for b in (1, 7, 64, 300):  # the plan covers the vocabulary in whole blocks
         split_len, n = split_plan(b, vocab)
         assert split_len % 2048 == 0 and (n - 1) * split_len < vocab <= n * split_len
+
+
+def _compiled_kernels() -> int:
+    """Kernel variants Triton has compiled so far for the sampler's kernels (all devices)."""
+    from ostinato.layers.triton_ops import argmax
+    from ostinato.runner import fused_sample
+
+    fns = [getattr(mod, n) for mod in (fused_sample, argmax) for n in dir(mod) if n.endswith("_kernel")]
+    return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
+
+
+@pytest.mark.skipif(not GPU, reason="counts Triton's compiled kernels (the interpreter compiles none)")
+def test_warm_up_leaves_nothing_to_compile():
+    """After `warm_up(..., filters=True)`, steps of any batch size up to the largest, with any filters, in graphs
+    (a scatter) or eagerly, compile no kernel: none is compiled mid-serving."""
+    from ostinato.runner.fused_sample import fused_sample, warm_up
+
+    vocab, max_batch = 5_000 + 37, 40
+    warm_up(max_batch, vocab, torch.device(DEVICE), row_strides=(padded_vocab(vocab),))
+    before = _compiled_kernels()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for b in range(1, max_batch + 1):
+        for min_p, cut in ((False, False), (True, False), (False, True), (True, True)):
+            params = _params(gen, b, min_p, cut)
+            t = SamplingTensors.from_params(params, list(range(b)), [0] * b, vocab, DEVICE)
+            if not t.fused_ok:  # every row greedy: the kernels do not run
+                continue
+            padded = torch.randn(b, padded_vocab(vocab), generator=gen).to(DEVICE)
+            scatter = (torch.empty(b, dtype=torch.int64, device=DEVICE), torch.arange(b, device=DEVICE))
+            for logits, sc in ((padded[:, :vocab].contiguous(), None), (padded[:, :vocab], scatter)):
+                fused_sample(logits, *t.fused_args()[:6], vocab, 1e-5, t.fused_args()[6], scatter=sc)
+    torch.cuda.synchronize()
+    assert _compiled_kernels() == before
 
 
 def test_warm_up_runs():
@@ -326,3 +366,17 @@ def test_warm_up_runs():
     from ostinato.runner.fused_sample import warm_up
 
     warm_up(3, 700, torch.device(DEVICE))
+
+
+def test_sampler_warm_up_arg():
+    """--sampler-warm-up takes none, temperature (the default) or all; anything else is refused by name."""
+    import argparse
+
+    from ostinato.config import EngineArgs
+
+    assert EngineArgs().sampler_warm_up == "temperature"
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args(["--sampler-warm-up", "all"]).sampler_warm_up == "all"
+    with pytest.raises(ValueError, match="sampler_warm_up must be one of none, temperature, all"):
+        EngineArgs(sampler_warm_up="filters")

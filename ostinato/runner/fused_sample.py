@@ -66,7 +66,7 @@ def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_s
     tl.store(Out + row * num_splits + split, tl.max(m, axis=0))
 
 
-@triton.jit(do_not_specialize=["split_len", "num_splits"])
+@triton.jit(do_not_specialize=["split_len", "num_splits", "b"])
 def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, Steps, OutVal, OutIdx, vocab_size,
                          split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr,
                          BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, TopKs=None, TopPs=None, Mass=None,
@@ -417,7 +417,7 @@ def _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, pref
     return hist
 
 
-@triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits"])
+@triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits", "b"])
 def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, Cursor, vocab_size,
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
                        BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, NWAY: tl.constexpr = 16,
@@ -476,7 +476,7 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
                 tl.atomic_add(out + tl.arange(0, 32), by_five, mask=by_five > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "b"])
 def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, CutK, vocab_size, num_splits, b,
                           greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
                           NWAY: tl.constexpr = 16, Mass=None, Count=None, HAS_P: tl.constexpr = False,
@@ -571,7 +571,7 @@ def _accepted(Mass, Count, row, b, num_splits, samples, top_k, top_p, vocab_size
     return ok | ~samples
 
 
-@triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits"])
+@triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits", "b"])
 def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Mass=None, Count=None,
@@ -638,7 +638,7 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
         tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "b"])
 def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved, Dense,
                         vocab_size, num_splits, b, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
                         NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr,
@@ -687,7 +687,7 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
             tl.store(out + 1, lo)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "b"])
 def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
@@ -885,20 +885,41 @@ def split_plan(batch: int, vocab_size: int) -> tuple[int, int]:
 
 
 def warm_up_batches(max_batch: int, vocab_size: int) -> list[int]:
-    """The smallest batch size of each kernel `fused_sample` compiles (one per power of two of its split count),
-    up to max_batch: running these once compiles every kernel a plain temperature draw needs, so a serving
-    engine does not compile one mid-stream as its batch shrinks (~0.1-0.3 s each on an H200)."""
-    seen: dict[int, int] = {}
+    """The smallest batch size of each set of kernels `fused_sample` compiles, up to max_batch: one per power of two
+    of its split count (SPLITS_POW2) and, within it, per top_p gather capacity (none below GATHER_MIN_BATCH rows).
+    Running these once compiles every kernel a serving engine would otherwise compile mid-stream as its batch
+    changes (each a stall of all running requests: 0.1-0.3 s a kernel on an H200, seconds for a top_k search)."""
+    seen: dict[tuple[int, int], int] = {}
     for b in range(1, max_batch + 1):
-        seen.setdefault(triton.next_power_of_2(split_plan(b, vocab_size)[1]), b)
+        num_splits = split_plan(b, vocab_size)[1]
+        seen.setdefault((triton.next_power_of_2(num_splits), gather_cap(b, num_splits)), b)
     return sorted(seen.values())
 
 
-def warm_up(max_batch: int, vocab_size: int, device: torch.device) -> None:
-    """Run `fused_sample` (temperature only) once at each of `warm_up_batches`."""
+# (min_p, top_k, top_p) of each set of kernels a step may need: temperature alone, and each filter combination
+WARM_UP_FILTERS = [(min_p, k, p) for min_p in (False, True) for k, p in ((False, False), (True, False),
+                                                                          (False, True), (True, True))]
+
+
+def warm_up(max_batch: int, vocab_size: int, device: torch.device, filters: bool = True,
+            row_strides: tuple[int, ...] = ()) -> None:
+    """Run `fused_sample` once at each of `warm_up_batches` with each of WARM_UP_FILTERS (temperature only unless
+    `filters`), storing its ids through a scatter as the sampler graphs do, and a plain draw as an eager step does;
+    over logits rows `row_strides` apart too (a decode graph's padded buffer: Triton specializes on a stride's
+    alignment), besides contiguous ones."""
     for b in warm_up_batches(max_batch, vocab_size):
         gen = torch.Generator(device=device).manual_seed(b)
-        logits = torch.randn(b, vocab_size, device=device, generator=gen)
         ones = torch.ones(b, device=device)
         zeros = torch.zeros(b, dtype=torch.int64, device=device)
-        fused_sample(logits, ones, None, None, None, zeros, zeros, vocab_size, greedy_eps=1e-5)  # (no row greedy)
+        top_ks = torch.full((b,), max(1, vocab_size // 2), dtype=torch.int64, device=device)
+        top_ps = torch.full((b,), 0.5, device=device)
+        out = torch.empty(b, dtype=torch.int64, device=device)
+        scatter = (torch.empty(b, dtype=torch.int64, device=device), torch.arange(b, device=device))
+        for stride in sorted({vocab_size, *row_strides}):
+            logits = torch.randn(b, stride, device=device, generator=gen)[:, :vocab_size]
+            for min_p, has_k, has_p in WARM_UP_FILTERS if filters else WARM_UP_FILTERS[:1]:
+                cut = has_k or has_p
+                fused_sample(logits, ones, ones * 0.01 if min_p else None, top_ks if cut else None,
+                             top_ps if cut else None, zeros, zeros, vocab_size, greedy_eps=1e-5,
+                             cut_phases=(has_k, has_p), out=out, scatter=scatter)  # (no row greedy)
+            fused_sample(logits, ones, None, None, None, zeros, zeros, vocab_size, greedy_eps=1e-5)  # an eager step's

@@ -38,7 +38,14 @@ from ostinato.runner.hybrid import is_hybrid, make_mamba_pool
 from ostinato.runner.mm_batch import EncoderStats, build_mm_forward
 from ostinato.runner.next_tokens import NextTokenBuffer
 from ostinato.runner.penalties import PenaltyState, resets_row
-from ostinato.runner.sampler import SampledTensors, SamplingTensors, compute_logprobs, fused_draw, sample_tensors
+from ostinato.runner.sampler import (
+    SampledTensors,
+    SamplingTensors,
+    compute_logprobs,
+    fused_draw,
+    sample_tensors,
+    warm_up_logprobs,
+)
 from ostinato.runner.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -130,12 +137,14 @@ class ModelRunner:
             self.graph_runner = DecodeGraphRunner(self)
             if self.extend_graph_max_tokens and not self.is_multimodal:  # image extends run eager
                 self.extend_graph_runner = ExtendGraphRunner(self, self.extend_graph_max_tokens)
-        if cuda:  # the sampler's kernels for every batch size class, now rather than mid-stream
+        if cuda and args.sampler_warm_up != "none":  # the sampler's kernels now rather than mid-stream
             from ostinato.runner import fused_sample  # lazily: Triton (see fused_sample's docstring)
 
-            fused_sample.warm_up(self.max_running_requests, self.vocab_size, self.device)
+            fused_sample.warm_up(self.max_running_requests, self.vocab_size, self.device,
+                                 filters=args.sampler_warm_up == "all", row_strides=(padded_vocab(self.vocab_size),))
             # the logits a penalized step reads: a decode graph's padded buffer, or an eager step's [B, V]
             self.penalties.warm_up([padded_vocab(self.vocab_size), self.vocab_size])
+            warm_up_logprobs(self.vocab_size, self.device)
         self.sample_graph_runner: SampleGraphRunner | None = None  # sampled decode steps, after a decode graph
         if self.graph_runner is not None and not args.disable_sampler_cuda_graph:
             self.sample_graph_runner = SampleGraphRunner(
