@@ -112,6 +112,8 @@ def test_penalty_state_rows_follow_resets_and_counted_draws():
                                             penalty_rows=state.rows(torch.tensor([2, 1]), True))
     from_lists = tensors(params, [[0], [2]], prompt_token_ids=[[4, 4, 9], [6, 10]])
     assert torch.equal(adjust_logits(logits, on_device), adjust_logits(logits, from_lists))
+    # the KV pool is sized with the tables' bytes set aside: what they take once made
+    assert PenaltyState.bytes_for(4, V) == state.counts.nbytes + state.in_prompt.nbytes
 
 
 def test_penalties_skipped_when_unused_and_needed_when_used():

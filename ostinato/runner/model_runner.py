@@ -266,6 +266,8 @@ class ModelRunner:
             return DEFAULT_CPU_KV_TOKENS
         activations = self._profile_prefill_bytes(head_dim, kv_dtype)
         graph_reserve = 2 * 256 * self.vocab_size * 4 + (512 << 20)  # static logits + capture workspace
+        # the penalty state, made at the first penalized request (~194 MB at 256 slots and a 152k vocabulary)
+        graph_reserve += PenaltyState.bytes_for(self.max_running_requests, self.vocab_size)
         extend_tokens = min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
         if not self.args.disable_cuda_graph:  # extend graphs keep the activations of their largest size
             graph_reserve += activations * extend_tokens // self.chunked_prefill_size
@@ -283,7 +285,8 @@ class ModelRunner:
             graph_reserve += self.args.vit_cuda_graph_max_mb << 20  # the vision graphs' cap
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.args.mem_fraction_static - (total - free) - activations - graph_reserve
-        logger.info("memory: %.2f GiB used after weights, %.2f GiB peak prefill activations, %.2f GiB for graphs, "
+        logger.info("memory: %.2f GiB used after weights, %.2f GiB peak prefill activations, %.2f GiB for graphs "
+                    "and the penalty state, "
                     "%.2f GiB left for KV", (total - free) / 2**30, activations / 2**30, graph_reserve / 2**30,
                     max(budget, 0) / 2**30)
         if budget < per_token * 2 * self.chunked_prefill_size:

@@ -31,6 +31,13 @@ class PenaltyState:
         self.counts: torch.Tensor | None = None
         self.in_prompt: torch.Tensor | None = None
 
+    @staticmethod
+    def bytes_for(num_slots: int, vocab_size: int) -> int:
+        """The tables' size once made: int32 counts and bool prompt marks, [slots + 1, V] each. The KV pool is sized
+        with this set aside (ModelRunner._tokens_from_memory), so the first penalized request cannot run the GPU
+        out of memory mid-serving."""
+        return (num_slots + 1) * vocab_size * (torch.int32.itemsize + torch.bool.itemsize)
+
     def warm_up(self, logits_row_strides: list[int]) -> None:
         """On CUDA, before serving: compile the penalize kernel's variants and launch once the ops that the first
         penalized request would otherwise launch first mid-serving (their first launch loads them: tens of ms, as
