@@ -153,3 +153,21 @@ def test_penalties_on_cuda_match_transformers(llm, model_path):
             assert x[t] >= x.max() - 2e-3, f"token {i}"
             counts[t] += 1
     assert not llm.engine.has_unfinished()
+
+
+def test_sampler_warm_up_all_leaves_nothing_to_compile(model_path):
+    """With --sampler-warm-up all, requests with every filter at every batch size compile no sampler kernel while
+    they run (each such compile stalls every running request: seconds for a top_k search)."""
+    from test_fused_sample import _compiled_kernels
+
+    from ostinato import LLM, SamplingParams
+
+    llm = LLM(model_path, dtype="float32", device="cuda", max_total_tokens=4096, max_running_requests=16,
+              cuda_graph_bs=[1, 2, 4, 8, 16], sampler_warm_up="all")
+    before = _compiled_kernels()
+    filters = [dict(), dict(top_k=5), dict(top_p=0.8), dict(min_p=0.1, top_k=20, top_p=0.9), dict(min_p=0.05)]
+    for n in (1, 3, 8, 13, 16):
+        for f in filters:
+            llm.generate(["the cat"] * n, SamplingParams(temperature=0.8, max_tokens=4, seed=1, **f), use_tqdm=False)
+    assert _compiled_kernels() == before
+    getattr(llm, "shutdown", lambda: None)()
