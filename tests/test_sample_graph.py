@@ -82,6 +82,57 @@ def test_replays_draw_what_the_torch_sampler_draws():
     assert set(runner.graphs) == {SampleKey(4, True, True, True), SampleKey(2, False, False, False)}
 
 
+def test_penalized_replays_draw_and_count_as_the_eager_step():
+    """A penalized step replayed from a sampler graph: the logits penalized by request row from the penalty state,
+    the draw, and the drawn ids counted into the state, as the eager step does them (`sample_tensors` and
+    `PenaltyState.count_`); capturing counts nothing (its runs count into the sink row), and padded rows count into
+    the sink row only."""
+    from types import SimpleNamespace
+
+    from ostinato.runner.penalties import PenaltyState
+    from ostinato.runner.sampler import sample_tensors
+
+    vocab, slots = 700, 6  # request slots 0-5; row 6 is the sink
+    gen = torch.Generator().manual_seed(5)
+    logits = _buffer(4, vocab, gen)
+    tokens = torch.full((slots + 1,), -7, dtype=torch.int64, device=DEVICE)
+    rows = torch.tensor([4, 1, 2, slots], device=DEVICE)  # the decode graph's request rows; the padded row: sink
+    graphed, eager = (PenaltyState(slots, vocab, torch.device(DEVICE)) for _ in range(2))
+    reqs = [SimpleNamespace(req_pool_idx=4, output_token_ids=[5, 5, 9], prompt_token_ids=[1, 2],
+                            params=SamplingParams(temperature=0.8, presence_penalty=0.7, frequency_penalty=0.4)),
+            SimpleNamespace(req_pool_idx=1, output_token_ids=[3], prompt_token_ids=[7, 7, 8],
+                            params=SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.2)),
+            SimpleNamespace(req_pool_idx=2, output_token_ids=[], prompt_token_ids=[11],
+                            params=SamplingParams(temperature=1.1, top_k=20, presence_penalty=1.0))]
+    for state in (graphed, eager):
+        state.reset_rows(reqs)
+    runner = SampleGraphRunner(logits, vocab, fused_draw, store=(tokens, rows), penalties=graphed)
+    params = [r.params for r in reqs]
+    # the engine's tensors: the rows read in place by slot, made once for the batch, the steps moving
+    make = [SamplingTensors.from_params(params, [3, 4, 5], [3, 1, 0], vocab, DEVICE,
+                                        penalty_rows=state.rows(rows[:3], True)) for state in (graphed, eager)]
+    for step in range(3):
+        if step:
+            _refill(logits, vocab, gen)
+        t_graph, t_eager = (t.with_steps([3 + step, 1 + step, step]) for t in make)
+        assert t_graph.graph_drawable
+        drawn = runner.replay(4, *t_graph.fused_args(), penalties=t_graph.penalty_rows()).clone()
+        expect = sample_tensors(logits[:3, :vocab], t_eager).ids
+        eager.count_(rows[:3], expect)
+        assert torch.equal(drawn.cpu(), expect.cpu()), step
+        assert torch.equal(tokens[rows[:3]].cpu(), expect.cpu()), "stored by request slot"
+        assert torch.equal(graphed.counts[:slots].cpu(), eager.counts[:slots].cpu()), step
+    # the sink row: the padded row's three draws, and 4 for each of the capture's runs (every row counts there)
+    assert int(graphed.counts[slots].sum()) % 4 == 3
+    assert set(runner.graphs) == {SampleKey(4, False, True, False, True, True)}
+    # logprobs of penalized logits, a bias or a grammar: drawn eagerly
+    with_logprobs = SamplingTensors.from_params([*params[:2], SamplingParams(temperature=1.0, logprobs=2,
+                                                                               presence_penalty=0.5)],
+                                                [3, 4, 5], [0, 0, 0], vocab, DEVICE,
+                                                penalty_rows=graphed.rows(rows[:3], True))
+    assert not with_logprobs.graph_drawable
+
+
 @pytest.mark.skipif(not GPU, reason="many replays: the interpreter is too slow for a distribution")
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, 0, 1.0, 0.0), (0.8, 5, 0.8, 0.05),
                                                                (1.5, 6, 0.9, 0.1), (1.0, 3, 1.0, 0.0)])

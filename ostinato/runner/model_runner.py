@@ -150,7 +150,7 @@ class ModelRunner:
             self.sample_graph_runner = SampleGraphRunner(
                 self.graph_runner.logits, self.vocab_size, fused_draw,
                 store=(self.next_tokens.tokens, self.graph_runner.req_pool_indices),
-                steps=self.graph_runner.sample_steps)
+                steps=self.graph_runner.sample_steps, penalties=self.penalties)
         self.vit_graph_runner: VitGraphRunner | None = None  # vision-encoder graphs (CPU: the Graph stand-in)
         if args.enable_vit_cuda_graph and self.is_multimodal:
             self.vit_graph_runner = VitGraphRunner(self.model.visual, self.device, args.vit_cuda_graph_max_mb << 20,
@@ -489,13 +489,14 @@ class ModelRunner:
         tensors = self._sampling_tensors(reqs, batch.sample_steps, batch.req_pool_indices)
         drawn = None
         if (self._argmax is not None and self.sample_graph_runner is not None and tensors.fused_ok
-                and not tensors.adjusts_logits):  # the decode graph's logits, drawn from as they stand
-            drawn = self.sample_graph_runner.replay(self.graph_runner.padded_size(len(reqs)), *tensors.fused_args())
+                and tensors.graph_drawable):  # the decode graph's logits, penalized there if asked, drawn from
+            drawn = self.sample_graph_runner.replay(self.graph_runner.padded_size(len(reqs)), *tensors.fused_args(),
+                                                    penalties=tensors.penalty_rows())
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
         sampled = sample_tensors(logits, tensors, self._argmax, drawn)
         if drawn is None and sampled.ids is not self._argmax:  # else a graph stored them (the argmax or the draw)
             self.next_tokens.store_(batch.sample_slots, sampled.ids)
-        if tensors.penalized:  # (a penalized step is never drawn by the sampler graph: its logits are adjusted)
+        if tensors.penalized and drawn is None:  # (a sampler graph counted its own draws)
             self.penalties.count_(batch.sample_slots, sampled.ids)
         if self._prompt_lp is not None:
             sampled.prompt_logprobs = self._prompt_lp

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ostinato.graphs.sample import PenaltyRows
 from ostinato.layers.sampling_ops import ARGMAX_CHUNK, chunked_argmax, padded_vocab, penalize  # noqa: F401
 from ostinato.sampling_params import GREEDY_EPS, SamplingParams
 
@@ -93,6 +94,20 @@ class SamplingTensors:
     def adjusts_logits(self) -> bool:
         """Whether `adjust_logits` changes the logits (penalties, logit_bias, structured outputs)."""
         return self.output_counts is not None or self.logit_bias is not None or self.token_bitmask is not None
+
+    @property
+    def graph_drawable(self) -> bool:
+        """Whether a sampler graph can draw this step (graphs/sample.py): nothing adjusts its logits but penalties,
+        and no row asks for logprobs of penalized logits (the graph keeps those to itself)."""
+        if self.logit_bias is not None or self.token_bitmask is not None:
+            return False
+        return not self.penalized or self.num_logprobs is None
+
+    def penalty_rows(self) -> PenaltyRows | None:
+        """The sampler graph's per-row penalties (None: no row has one)."""
+        if not self.penalized:
+            return None
+        return PenaltyRows(self.frequency_penalties, self.presence_penalties, self.repetition_penalties)
 
     @property
     def penalized(self) -> bool:
@@ -361,8 +376,11 @@ def sample_tensors(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = N
     """`adjust_logits`, `sample`, then the requested logprobs, all on the device (no sync).
     `argmax`: the logits' argmax when already computed (a decode graph computes it); unused when the logits
     were adjusted. `drawn`: the ids when already sampled (a sampler graph draws them; no adjusted logits)."""
-    x = adjust_logits(logits, t)
-    assert drawn is None or x is logits, "a drawn step has no penalties, bias or grammar"
+    if drawn is not None:  # a sampler graph drew them, from its own penalized logits where the step has penalties
+        assert t.graph_drawable, "a drawn step has no bias or grammar, nor logprobs of penalized logits"
+        x = logits
+    else:
+        x = adjust_logits(logits, t)
     ids = drawn if drawn is not None else sample(x, t, argmax if x is logits else None)
     constrained = t.token_bitmask is not None
     if t.num_logprobs is None:
