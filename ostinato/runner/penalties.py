@@ -49,6 +49,7 @@ class PenaltyState:
         rows = torch.zeros(1, dtype=torch.int64, device=self.device)
         scratch[rows] = 0
         scratch.view(-1).index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
+        torch.where(torch.zeros((), dtype=torch.bool, device=self.device), rows, rows)  # the sampler graph's count
         marks = torch.zeros(2, 4, dtype=torch.bool, device=self.device)
         marks[rows] = False
         marks[rows, rows] = True
