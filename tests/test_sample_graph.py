@@ -116,7 +116,7 @@ def test_penalized_replays_draw_and_count_as_the_eager_step():
             _refill(logits, vocab, gen)
         t_graph, t_eager = (t.with_steps([3 + step, 1 + step, step]) for t in make)
         assert t_graph.graph_drawable
-        drawn = runner.replay(4, *t_graph.fused_args(), penalties=t_graph.penalty_rows()).clone()
+        drawn = runner.replay(4, *t_graph.fused_args(), penalties=t_graph.graph_penalties()).clone()
         expect = sample_tensors(logits[:3, :vocab], t_eager).ids
         eager.count_(rows[:3], expect)
         assert torch.equal(drawn.cpu(), expect.cpu()), step

@@ -491,7 +491,7 @@ class ModelRunner:
         if (self._argmax is not None and self.sample_graph_runner is not None and tensors.fused_ok
                 and tensors.graph_drawable):  # the decode graph's logits, penalized there if asked, drawn from
             drawn = self.sample_graph_runner.replay(self.graph_runner.padded_size(len(reqs)), *tensors.fused_args(),
-                                                    penalties=tensors.penalty_rows())
+                                                    penalties=tensors.graph_penalties())
         # the replay's argmax belongs to the logits of the last forward, which are the ones sampled here
         sampled = sample_tensors(logits, tensors, self._argmax, drawn)
         if drawn is None and sampled.ids is not self._argmax:  # else a graph stored them (the argmax or the draw)

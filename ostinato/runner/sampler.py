@@ -103,7 +103,7 @@ class SamplingTensors:
             return False
         return not self.penalized or self.num_logprobs is None
 
-    def penalty_rows(self) -> PenaltyRows | None:
+    def graph_penalties(self) -> PenaltyRows | None:
         """The sampler graph's per-row penalties (None: no row has one)."""
         if not self.penalized:
             return None
