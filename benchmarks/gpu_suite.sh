@@ -5,7 +5,7 @@
 #                                          off, prefix cache, shutdown), in parallel processes: ~3 min cold
 #   bash benchmarks/gpu_suite.sh decode    ms per token through LLM.generate (greedy, T=0.6, greedy again), decode ms/step
 #                                          with torch.compile for 11 sizes, bf16 vs fp8 KV and page 1 vs 16,
-#                                          the KV-store variants
+#                                          the KV-store variants, each sampling feature's first-use stall
 #   bash benchmarks/gpu_suite.sh features  extend steps (eager / full graph / piecewise), prefix cache on vs off,
 #                                          the VLM encoder and TTFT, VLM TTFT through the server with ViT
 #                                          graphs off/on (needs the wheels), Granite-4.0-H decode and offline
@@ -70,6 +70,9 @@ decode)
   (cd benchmarks && timeout 100 python bench_kv_store.py 2>&1 | quiet | tail -12 | tee "$OUT/kv-store.log")
   timeout 200 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:128 --modes graph \
       --rope-store fused unfused --out "$OUT/decode-rope-store.json" 2>&1 | quiet | tail -8 | tee "$OUT/rope-store.log"
+  # each sampling feature's first use mid-serving: its first generate's longest step against its second's
+  (cd benchmarks && timeout 150 python profile_first_steps.py --model llama-3.2-1b --batch-size 32 --features 2>&1 \
+      | grep " bs " | tee "$OUT/first-uses.log")
   ;;
 features)
   timeout 200 python benchmarks/bench_extend.py --out "$OUT/extend.json" 2>&1 | quiet | tail -40 | tee "$OUT/extend.log"
