@@ -272,6 +272,62 @@ def test_hash_uniform_is_uniform():
     assert torch.equal(up, u[:, perm])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b, v", [(1, 49_152), (5, 700), (37, 3_001), (9, 2**15 + 3)])
+def test_gumbel_argmax_draws_what_the_hash_formula_draws(device, b, v, monkeypatch):
+    """The sampler's Gumbel-max (`gumbel_argmax`: the noise made a block of rows at a time in int32, in place) draws
+    what x - log(-log(hash_uniform(...))) draws, and its uniforms are hash_uniform's bit for bit: seeds past 32 bits
+    and negative, steps past 2**32, blocks that split the batch unevenly."""
+    import ostinato.runner.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "GUMBEL_CHUNK", 4 * v)  # 4 rows a block off CUDA
+    gen = torch.Generator().manual_seed(b * v)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (b,), generator=gen, dtype=torch.int64).to(device)
+    steps = torch.randint(0, 2**40, (b,), generator=gen, dtype=torch.int64).to(device)
+    ref_u = hash_uniform(seeds, steps, torch.arange(v, device=device))
+    keys = sampler_mod._as_int32(sampler_mod._mix32(sampler_mod._mix32(sampler_mod._mix32(
+        (seeds & 0xFFFFFFFF) ^ 0x3C6EF372) ^ ((seeds >> 32) & 0xFFFFFFFF)) ^ (steps & 0xFFFFFFFF)))
+    h = torch.empty(b, v, dtype=torch.int32, device=device)
+    u = sampler_mod._uniforms_(torch.empty(b, v, device=device), h, torch.empty_like(h),
+                               sampler_mod._id_hashes(v, torch.device(device)), keys)
+    assert torch.equal(u, ref_u)
+    for scale in (0.05, 3.0):  # near-flat rows: the noise decides
+        x = (torch.randn(b, v, generator=gen) * scale).to(device)
+        expect = (x - (-ref_u.log()).log()).argmax(dim=-1)
+        assert torch.equal(sampler_mod.gumbel_argmax(x, seeds, steps), expect)
+
+
+def test_top_p_cut_from_a_sorted_head_equals_the_full_sort(monkeypatch):
+    """Off CUDA a top_p row's cut is looked for among its highest logits first, more of them until they hold top_p
+    of its mass (`_sorted_head`): the draws equal a full sort's, for peaked rows (found among the first few, with no
+    sort), flat ones (the whole row), top_k rows and rows with both, min_p beside them, and greedy rows with a
+    top_p."""
+    import ostinato.runner.sampler as sampler_mod
+
+    b, v = 24, 3_000
+    gen = torch.Generator().manual_seed(11)
+    calls = []
+    real_topk, real_sort = torch.Tensor.topk, torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "topk", lambda x, k, **kw: calls.append(k) or real_topk(x, k, **kw))
+    monkeypatch.setattr(torch.Tensor, "sort", lambda x, **kw: calls.append("sort") or real_sort(x, **kw))
+    for scales, top_ks in (([8.0, 0.2, 3.0, 1.0], [-1, 40, 700]), ([9.0], [-1, 30])):
+        scale = torch.tensor(scales * (b // len(scales)))[:, None]  # peaked to flat rows
+        logits = torch.randn(b, v, generator=gen) * scale
+        params = [SamplingParams(temperature=0.0 if i % 7 == 0 else 0.5 + 0.1 * (i % 5),
+                                 top_p=[0.5, 0.9, 0.99, 1.0][i % 4], top_k=top_ks[i % len(top_ks)] if i % 5 else -1,
+                                 min_p=0.02 if i % 6 == 0 else 0.0) for i in range(b)]
+        t = SamplingTensors.from_params(params, list(range(b)), [3] * b, v, "cpu")
+        assert t.need_top_p and t.need_top_k and t.sort_width == v
+        calls.clear()
+        monkeypatch.setattr(sampler_mod, "TOP_P_HEAD", 16)
+        head = sample(logits, t)
+        assert calls[0] == max(top_ks), calls  # the largest top_k first
+        if len(scales) == 1:
+            assert "sort" not in calls, calls  # peaked rows: the cut within a head
+        monkeypatch.setattr(sampler_mod, "TOP_P_HEAD", v)  # the full sort
+        assert torch.equal(head, sample(logits, t))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_host_sync_on_cuda():
     logits = rand_logits(8, 5000, 8).cuda()
