@@ -38,6 +38,12 @@ def _mix32(x: Tensor) -> Tensor:
     return (x >> 16) ^ x
 
 
+def _row_keys(seeds: Tensor, steps: Tensor) -> Tensor:
+    """Each row's noise key, int64 holding a uint32: mix(mix(mix(seed_lo ^ c) ^ seed_hi) ^ step_lo)."""
+    key = _mix32(_mix32((seeds & _M32) ^ 0x3C6EF372) ^ ((seeds >> 32) & _M32))
+    return _mix32(key ^ (steps & _M32))
+
+
 def hash_uniform(seeds: Tensor, steps: Tensor, token_ids: Tensor) -> Tensor:
     """Uniforms in (0, 1), float32 [B, V], for int64 seeds [B], steps [B] and token ids [B, V] or [V].
 
@@ -45,9 +51,7 @@ def hash_uniform(seeds: Tensor, steps: Tensor, token_ids: Tensor) -> Tensor:
     keys are close (hashing `id ^ key` directly would give permuted copies), and for a [V] id vector
     that first hash costs O(V), not O(B * V).
     """
-    key = _mix32(_mix32((seeds & _M32) ^ 0x3C6EF372) ^ ((seeds >> 32) & _M32))
-    key = _mix32(key ^ (steps & _M32))
-    h = _mix32(_mix32(token_ids) ^ key[:, None])
+    h = _mix32(_mix32(token_ids) ^ _row_keys(seeds, steps)[:, None])
     # top 23 bits, centred in their bin: exactly representable in fp32, never 0 or 1
     return ((h >> 9).float() + 0.5) * 2.0**-23
 
@@ -90,8 +94,7 @@ def gumbel_argmax(x: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
     noise every sampler here draws. The noise is made a block of rows at a time, in int32 and in place, never as
     [B, V] int64 (the CPU's T=0.6 step at bs 32 over a 49k vocabulary: 25 -> 3.6 ms)."""
     b, v = x.shape
-    key = _mix32(_mix32((seeds & _M32) ^ 0x3C6EF372) ^ ((seeds >> 32) & _M32))
-    keys = _as_int32(_mix32(key ^ (steps & _M32)))
+    keys = _as_int32(_row_keys(seeds, steps))
     ids = _id_hashes(v, x.device)
     rows = b if x.is_cuda else max(1, min(b, GUMBEL_CHUNK // max(v, 1)))
     h = torch.empty(rows, v, dtype=torch.int32, device=x.device)
@@ -476,23 +479,24 @@ def fused_draw(logits: Tensor, temperatures: Tensor, min_ps: Tensor | None, top_
 TOP_P_HEAD = 256  # off CUDA, a top_p row's cut is looked for among its 256 highest logits first (then x8)
 
 
-def _sorted_head(x: Tensor, t: SamplingTensors, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """Each row's highest values of x, descending, as many as every row's cut needs, and (with top_p, `lse` each
-    row's logsumexp) the running mass of their softmax over the whole row. Some row with top_p and no top_k
-    needs the whole row sorted in the worst case; off CUDA the first 256, 2,048, ... are tried first, taken once
-    they hold top_p of the mass of every such row (a full sort of 32 rows of 49k logits takes ~50 ms on a CPU,
-    their top 256 ~2 ms). A top_k row needs its k highest (t.sort_width covers them)."""
+def _sorted_head(x: Tensor, t: SamplingTensors, lse: Tensor | None) -> Tensor:
+    """Each row's highest values of x, descending, as many as every row's cut needs (`lse`: each row's logsumexp,
+    given with top_p). Some row with top_p and no top_k needs the whole row sorted in the worst case; off CUDA the
+    first 256, 2,048, ... are tried first, taken once they hold top_p of the mass of every such row (a full sort of
+    32 rows of 49k logits takes ~50 ms on a CPU, their top 256 ~2 ms). A top_k row needs its k highest
+    (t.sort_width covers them)."""
     v, w = x.shape[-1], t.sort_width
-    # sampled rows with top_p and no top_k
-    needs_all = (t.top_ks >= v) & (t.top_ps < 1.0) & (t.temperatures >= GREEDY_EPS) if t.need_top_p else None
-    probe = min(max(TOP_P_HEAD, _max_top_k(t, v)), v) if w >= v and not x.is_cuda else v
-    while True:
-        width = min(w, probe)
-        s = x.topk(width, dim=-1).values if width < v else x.sort(dim=-1, descending=True).values
-        cums = (s - lse).exp().cumsum(dim=-1) if lse is not None else None
-        if width == v or width == w or not bool((needs_all & (cums[:, -1] < t.top_ps)).any()):
-            return s, cums
+    if w < v or x.is_cuda:
+        return x.topk(w, dim=-1).values if w < v else x.sort(dim=-1, descending=True).values
+    # sampled rows with top_p and no top_k: their mass, summed as the caller sums it, must reach top_p
+    needs_all = (t.top_ks >= v) & (t.top_ps < 1.0) & (t.temperatures >= GREEDY_EPS)
+    probe = max(TOP_P_HEAD, _max_top_k(t, v))
+    while probe < v:
+        s = x.topk(probe, dim=-1).values
+        if not bool((needs_all & ((s - lse).exp().cumsum(dim=-1)[:, -1] < t.top_ps)).any()):
+            return s
         probe *= 8
+    return x.sort(dim=-1, descending=True).values
 
 
 def _max_top_k(t: SamplingTensors, vocab_size: int) -> int:
@@ -524,7 +528,7 @@ def sample_torch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = Non
         v = x.shape[-1]
         # the mass top_p measures: over the row, or for a top_k row over its k highest (all in s)
         lse = x.logsumexp(dim=-1, keepdim=True) if t.need_top_p else None
-        s, cums = _sorted_head(x, t, lse)
+        s = _sorted_head(x, t, lse)
         w = s.shape[-1]
         cut = torch.full_like(s[:, :1], float("-inf"))
         if t.need_top_k:
@@ -534,7 +538,7 @@ def sample_torch(logits: Tensor, t: SamplingTensors, argmax: Tensor | None = Non
         if t.need_top_p:
             if t.need_top_k:  # a top_k row's mass is over what its k keep
                 lse = torch.where(t.top_ks[:, None] < v, s.logsumexp(dim=-1, keepdim=True), lse)
-                cums = (s - lse).exp().cumsum(dim=-1)
+            cums = (s - lse).exp().cumsum(dim=-1)
             # keep token i while the tokens before it sum to < top_p: up to the first reaching it
             last = torch.searchsorted(cums, t.top_ps[:, None]).clamp(max=w - 1)
             # rows with top_p == 1 keep all (an fp32 cumsum can reach 1.0 before the tail)
