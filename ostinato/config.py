@@ -32,11 +32,15 @@ class EngineArgs:
     disable_cuda_graph_padding: bool = _arg(False, "replay only batches whose size was captured exactly")
     disable_sampler_cuda_graph: bool = _arg(False, "sample decode steps with the fused kernels launched one by one "
                                             "(by default a graph per batch size and filter set replays them)")
-    sampler_warm_up: str = _arg("temperature", "GPU: the sampler kernels compiled at start-up. temperature: a plain "
-                                "draw at every batch-size class (18 kernels: ~5 s with an empty Triton cache). all: "
-                                "also every min_p / top_k / top_p combination (270 kernels: ~145 s with an empty "
-                                "cache, ~1.3 s from it, H100). Else a filter's first use at a batch-size class "
-                                "compiles mid-serving: seconds in which no running request advances. none: nothing")
+    sampler_warm_up: str = _arg("all", "GPU: the sampler kernels compiled at start-up. all: a draw with every min_p / "
+                                "top_k / top_p combination at every batch-size class (270 kernels for Llama-3.2-1B: "
+                                "~31 s over 8 worker processes with an empty Triton cache, ~2 s from it, H200). "
+                                "temperature: a plain draw only (18 kernels); a filter's first use at a batch-size "
+                                "class then compiles mid-serving: seconds in which no running request advances. "
+                                "none: nothing")
+    sampler_warm_up_workers: int | None = _arg(None, "GPU: child processes that compile the sampler kernels at "
+                                               "start-up, in parallel (default: a core each, less one, up to 8, "
+                                               "1 GiB of free GPU memory each); 0 or 1: the engine compiles alone")
     extend_cuda_graph_max_tokens: int = _arg(2048, "largest extend (prefill) step replayed from a CUDA graph, "
                                              "in tokens; 0 runs every extend eagerly")
     disable_overlap_schedule: bool = _arg(False, "wait for each step's tokens before scheduling the next (by "
@@ -106,6 +110,8 @@ class EngineArgs:
             ("schedule_policy", self.schedule_policy in ("lpm", "fcfs"), "one of lpm, fcfs"),
             ("sampler_warm_up", self.sampler_warm_up in ("none", "temperature", "all"),
              "one of none, temperature, all"),
+            ("sampler_warm_up_workers", self.sampler_warm_up_workers is None or self.sampler_warm_up_workers >= 0,
+             ">= 0"),
             ("vit_cuda_graph_max_mb", self.vit_cuda_graph_max_mb >= 1, ">= 1"),
             ("vit_cuda_graph_max_patches", self.vit_cuda_graph_max_patches >= 1, ">= 1"),
             ("tp_size", self.tp_size >= 1, ">= 1"),

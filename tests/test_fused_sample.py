@@ -369,14 +369,14 @@ def test_warm_up_runs():
 
 
 def test_sampler_warm_up_arg():
-    """--sampler-warm-up takes none, temperature (the default) or all; anything else is refused by name."""
+    """--sampler-warm-up takes none, temperature or all (the default); anything else is refused by name."""
     import argparse
 
     from ostinato.config import EngineArgs
 
-    assert EngineArgs().sampler_warm_up == "temperature"
+    assert EngineArgs().sampler_warm_up == "all"
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    assert parser.parse_args(["--sampler-warm-up", "all"]).sampler_warm_up == "all"
+    assert parser.parse_args(["--sampler-warm-up", "temperature"]).sampler_warm_up == "temperature"
     with pytest.raises(ValueError, match="sampler_warm_up must be one of none, temperature, all"):
         EngineArgs(sampler_warm_up="filters")

@@ -901,25 +901,36 @@ WARM_UP_FILTERS = [(min_p, k, p) for min_p in (False, True) for k, p in ((False,
                                                                           (False, True), (True, True))]
 
 
+def warm_up_cases(max_batch: int, vocab_size: int, filters: bool = True,
+                  row_strides: tuple[int, ...] = ()) -> list[tuple[int, int, tuple[bool, bool, bool] | None]]:
+    """(batch, logits row stride, filter set) of each launch `warm_up` makes, in its order: at each of
+    `warm_up_batches`, each row stride (`vocab_size` and `row_strides`), each of WARM_UP_FILTERS (temperature only
+    unless `filters`) drawn through a scatter as the sampler graphs draw, then None: a plain draw as an eager step
+    makes it."""
+    sets = WARM_UP_FILTERS if filters else WARM_UP_FILTERS[:1]
+    return [(b, stride, f) for b in warm_up_batches(max_batch, vocab_size)
+            for stride in sorted({vocab_size, *row_strides}) for f in (*sets, None)]
+
+
 def warm_up(max_batch: int, vocab_size: int, device: torch.device, filters: bool = True,
-            row_strides: tuple[int, ...] = ()) -> None:
-    """Run `fused_sample` once at each of `warm_up_batches` with each of WARM_UP_FILTERS (temperature only unless
-    `filters`), storing its ids through a scatter as the sampler graphs do, and a plain draw as an eager step does;
-    over logits rows `row_strides` apart too (a decode graph's padded buffer: Triton specializes on a stride's
-    alignment), besides contiguous ones."""
-    for b in warm_up_batches(max_batch, vocab_size):
+            row_strides: tuple[int, ...] = (), part: tuple[int, int] = (0, 1)) -> None:
+    """Run `fused_sample` once for each of `warm_up_cases` (over logits rows `row_strides` apart too: a decode
+    graph's padded buffer, as Triton specializes on a stride's alignment), compiling every kernel a serving step
+    could need. part (i, n): only cases i, i + n, i + 2n, ..., so n processes can share the compiles
+    (`warm_up_workers`)."""
+    for b, stride, flt in warm_up_cases(max_batch, vocab_size, filters, row_strides)[part[0]::part[1]]:
         gen = torch.Generator(device=device).manual_seed(b)
+        logits = torch.randn(b, stride, device=device, generator=gen)[:, :vocab_size]
         ones = torch.ones(b, device=device)
         zeros = torch.zeros(b, dtype=torch.int64, device=device)
-        top_ks = torch.full((b,), max(1, vocab_size // 2), dtype=torch.int64, device=device)
-        top_ps = torch.full((b,), 0.5, device=device)
-        out = torch.empty(b, dtype=torch.int64, device=device)
+        if flt is None:  # an eager step's
+            fused_sample(logits, ones, None, None, None, zeros, zeros, vocab_size, greedy_eps=1e-5)
+            continue
+        min_p, has_k, has_p = flt
+        cut = has_k or has_p
+        top_ks = torch.full((b,), max(1, vocab_size // 2), dtype=torch.int64, device=device) if cut else None
+        top_ps = torch.full((b,), 0.5, device=device) if cut else None
         scatter = (torch.empty(b, dtype=torch.int64, device=device), torch.arange(b, device=device))
-        for stride in sorted({vocab_size, *row_strides}):
-            logits = torch.randn(b, stride, device=device, generator=gen)[:, :vocab_size]
-            for min_p, has_k, has_p in WARM_UP_FILTERS if filters else WARM_UP_FILTERS[:1]:
-                cut = has_k or has_p
-                fused_sample(logits, ones, ones * 0.01 if min_p else None, top_ks if cut else None,
-                             top_ps if cut else None, zeros, zeros, vocab_size, greedy_eps=1e-5,
-                             cut_phases=(has_k, has_p), out=out, scatter=scatter)  # (no row greedy)
-            fused_sample(logits, ones, None, None, None, zeros, zeros, vocab_size, greedy_eps=1e-5)  # an eager step's
+        fused_sample(logits, ones, ones * 0.01 if min_p else None, top_ks, top_ps, zeros, zeros, vocab_size,
+                     greedy_eps=1e-5, cut_phases=(has_k, has_p), out=torch.empty_like(zeros),
+                     scatter=scatter)  # (no row greedy)

@@ -47,6 +47,7 @@ from ostinato.runner.sampler import (
     warm_up_logprobs,
 )
 from ostinato.runner.scheduled_batch import ScheduledBatch
+from ostinato.runner.warm_up_workers import warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +139,8 @@ class ModelRunner:
             if self.extend_graph_max_tokens and not self.is_multimodal:  # image extends run eager
                 self.extend_graph_runner = ExtendGraphRunner(self, self.extend_graph_max_tokens)
         if cuda and args.sampler_warm_up != "none":  # the sampler's kernels now rather than mid-stream
-            from ostinato.runner import fused_sample  # lazily: Triton (see fused_sample's docstring)
-
-            fused_sample.warm_up(self.max_running_requests, self.vocab_size, self.device,
-                                 filters=args.sampler_warm_up == "all", row_strides=(padded_vocab(self.vocab_size),))
+            warm_up_sampler(args.sampler_warm_up_workers, self.max_running_requests, self.vocab_size, self.device,
+                            args.sampler_warm_up == "all", (padded_vocab(self.vocab_size),))
             # the logits a penalized step reads: a decode graph's padded buffer, or an eager step's [B, V]
             self.penalties.warm_up([padded_vocab(self.vocab_size), self.vocab_size])
             warm_up_logprobs(self.vocab_size, self.device)

@@ -1,0 +1,141 @@
+"""The sampler's Triton kernels compiled at start-up by child processes, in parallel.
+
+`fused_sample.warm_up` with every filter compiles ~270 kernels, about half a second each on one core (145 s on an
+H100 with an empty Triton cache), where most of the time is Triton's own Python and LLVM, one core each. Triton
+keeps what it compiles in its on-disk cache, which processes share (entries land by rename). So n children each
+run every n-th warm-up case on the same GPU, and the engine's own `warm_up` afterwards finds every kernel in the
+cache and only loads it (~1.3 s for all 270). A child that fails costs only time: the engine compiles whatever is
+missing itself. Once the engine's warm-up has run, a marker beside Triton's cache (keyed on the warm-up's cases, the
+kernels' source and the toolchain) tells later starts that the cache holds them all, so no children start then.
+
+Children start as `python -m ostinato.runner.warm_up_workers` rather than through multiprocessing, so a user's
+script is never re-imported in them (spawn re-runs a `__main__` that lacks a main guard).
+"""
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CHILD_BYTES = 1 << 30  # GPU memory a child may take (its CUDA context and the warm-up's logits), at most
+MAX_AUTO_WORKERS = 8
+
+
+def worker_count(requested: int | None, cores: int, free_bytes: int) -> int:
+    """Children to start: `requested` (None: one a core, less the engine's, up to MAX_AUTO_WORKERS), never more
+    than the free GPU memory holds (CHILD_BYTES each). Below 2 the engine compiles alone: one child would only
+    move the work."""
+    n = min(MAX_AUTO_WORKERS, cores - 1) if requested is None else requested
+    n = min(n, free_bytes // CHILD_BYTES)
+    return n if n >= 2 else 0
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class WarmUpWorkers:
+    """n children running `fused_sample.warm_up(..., part=(i, n))`; `wait` for them before the engine's own."""
+
+    def __init__(self, workers: int, max_batch: int, vocab_size: int, device: torch.device, filters: bool,
+                 row_strides: tuple[int, ...] = ()) -> None:
+        spec = json.dumps(dict(max_batch=max_batch, vocab_size=vocab_size, device=str(device), filters=filters,
+                               row_strides=list(row_strides)))
+        self.started = time.perf_counter()
+        self.logs = [tempfile.TemporaryFile() for _ in range(workers)]  # stderr; a pipe could fill and block
+        self.procs = [subprocess.Popen([sys.executable, "-m", __name__, spec, str(i), str(workers)],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+                      for i, log in enumerate(self.logs)]
+
+    def wait(self, timeout: float = 900.0) -> int:
+        """Wait for every child (killing those still running after `timeout` seconds in all); how many finished
+        cleanly. Failures are logged, never raised."""
+        deadline = self.started + timeout
+        ok = 0
+        for i, (proc, log) in enumerate(zip(self.procs, self.logs, strict=True)):
+            try:
+                rc = proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            if rc == 0:
+                ok += 1
+            else:
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-2000:]
+                logger.warning("sampler warm-up worker %d/%d exited with %s; the engine compiles its kernels "
+                               "itself:\n%s", i, len(self.procs), rc, tail)
+            log.close()
+        logger.info("sampler kernels compiled by %d worker processes in %.1f s", len(self.procs),
+                    time.perf_counter() - self.started)
+        return ok
+
+
+def _marker(spec: str, device: torch.device) -> Path:
+    """The file that says a warm-up of `spec` ran on this kind of device with these kernels: in Triton's cache
+    directory, so clearing the cache clears it too."""
+    import triton
+
+    from ostinato.layers.triton_ops import argmax
+    from ostinato.runner import fused_sample
+
+    h = hashlib.sha256(spec.encode())
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else device.type
+    for part in (triton.__version__, torch.version.cuda or "", str(capability)):
+        h.update(part.encode())
+    for mod in (fused_sample, argmax):  # the kernels the warm-up compiles
+        h.update(Path(mod.__file__).read_bytes())
+    knobs = getattr(triton, "knobs", None)
+    cache = getattr(getattr(knobs, "cache", None), "dir", None) or os.environ.get("TRITON_CACHE_DIR") or \
+        os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return Path(cache) / "ostinato-sampler-warm-up" / h.hexdigest()
+
+
+def warm_up_sampler(requested_workers: int | None, max_batch: int, vocab_size: int, device: torch.device,
+                    filters: bool, row_strides: tuple[int, ...] = ()) -> None:
+    """`fused_sample.warm_up` in this process, after `worker_count` children have compiled its kernels into Triton's
+    cache, unless the marker says a warm-up like it already filled the cache."""
+    from ostinato.runner import fused_sample  # lazily: Triton
+
+    args = (max_batch, vocab_size, device, filters, tuple(row_strides))
+    marker = _marker(json.dumps([max_batch, vocab_size, filters, list(row_strides)]), device)
+    if not marker.exists():
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        workers = worker_count(requested_workers, usable_cores(), free)
+        if workers:
+            WarmUpWorkers(workers, *args).wait()
+    fused_sample.warm_up(*args)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:  # a read-only cache: children start again next time
+        pass
+
+
+def _main(argv: list[str]) -> None:
+    from ostinato.engine.proc_util import die_with_parent
+
+    die_with_parent()
+    spec, part = json.loads(argv[0]), (int(argv[1]), int(argv[2]))
+    device = torch.device(spec["device"])
+    if device.type == "cuda" and device.index is not None:  # (plain "cuda": the current device, as the engine's)
+        torch.cuda.set_device(device)
+    from ostinato.runner import fused_sample  # lazily, as the engine imports it: Triton
+
+    fused_sample.warm_up(spec["max_batch"], spec["vocab_size"], device, spec["filters"], tuple(spec["row_strides"]),
+                         part=part)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
