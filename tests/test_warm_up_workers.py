@@ -104,4 +104,34 @@ def test_warm_up_sampler_starts_workers_until_the_cache_is_marked(tmp_path, monk
     for max_batch, vocab in ((3, 700), (3, 700), (4, 700), (3, 701), (3, 700)):
         warm_up_workers.warm_up_sampler(None, max_batch, vocab, DEVICE, filters=False)
     assert started == [(3, 3, 700), (3, 4, 700), (3, 3, 701)]
-    assert len(list((tmp_path / "ostinato-sampler-warm-up").iterdir())) == 3
+    assert len([p for p in (tmp_path / "ostinato-sampler-warm-up").iterdir() if p.suffix != ".lock"]) == 3
+
+
+def test_concurrent_engines_start_workers_once(tmp_path, monkeypatch):
+    """Two engines warming up alike at once (tensor-parallel ranks): one starts the children, the other waits on
+    the lock, then finds the marker and only loads."""
+    import threading
+    import time
+
+    from ostinato.runner import warm_up_workers
+
+    started = []
+
+    class SlowRecorder:
+        def __init__(self, workers, *args):
+            started.append(workers)
+
+        def wait(self):
+            time.sleep(0.5)  # the other engine arrives meanwhile
+            return 2
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(warm_up_workers, "WarmUpWorkers", SlowRecorder)
+    monkeypatch.setattr(warm_up_workers, "worker_count", lambda requested, cores, free: 2)
+    engines = [threading.Thread(target=warm_up_workers.warm_up_sampler, args=(None, 3, 700, DEVICE, False))
+               for _ in range(2)]
+    for e in engines:
+        e.start()
+    for e in engines:
+        e.join()
+    assert started == [2]

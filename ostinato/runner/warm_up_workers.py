@@ -6,12 +6,15 @@ keeps what it compiles in its on-disk cache, which processes share (entries land
 run every n-th warm-up case on the same GPU, and the engine's own `warm_up` afterwards finds every kernel in the
 cache and only loads it (~1.3 s for all 270). A child that fails costs only time: the engine compiles whatever is
 missing itself. Once the engine's warm-up has run, a marker beside Triton's cache (keyed on the warm-up's cases, the
-kernels' source and the toolchain) tells later starts that the cache holds them all, so no children start then.
+kernels' source and the toolchain) tells later starts that the cache holds them all, so no children start then;
+a lock beside it makes engines that start together (tensor-parallel ranks) take turns, so only the first starts
+children.
 
 Children start as `python -m ostinato.runner.warm_up_workers` rather than through multiprocessing, so a user's
 script is never re-imported in them (spawn re-runs a `__main__` that lacks a main guard).
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -61,20 +65,26 @@ class WarmUpWorkers:
         cleanly. Failures are logged, never raised."""
         deadline = self.started + timeout
         ok = 0
-        for i, (proc, log) in enumerate(zip(self.procs, self.logs, strict=True)):
-            try:
-                rc = proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
-            if rc == 0:
-                ok += 1
-            else:
-                log.seek(0)
-                tail = log.read().decode(errors="replace")[-2000:]
-                logger.warning("sampler warm-up worker %d/%d exited with %s; the engine compiles its kernels "
-                               "itself:\n%s", i, len(self.procs), rc, tail)
-            log.close()
+        try:
+            for i, (proc, log) in enumerate(zip(self.procs, self.logs, strict=True)):
+                try:
+                    rc = proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    rc = proc.wait()
+                if rc == 0:
+                    ok += 1
+                else:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-2000:]
+                    logger.warning("sampler warm-up worker %d/%d exited with %s; the engine compiles its kernels "
+                                   "itself:\n%s", i, len(self.procs), rc, tail)
+        finally:  # interrupted (Ctrl-C during start-up): no child outlives the wait
+            for proc, log in zip(self.procs, self.logs, strict=True):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                log.close()
         logger.info("sampler kernels compiled by %d worker processes in %.1f s", len(self.procs),
                     time.perf_counter() - self.started)
         return ok
@@ -108,17 +118,34 @@ def warm_up_sampler(requested_workers: int | None, max_batch: int, vocab_size: i
 
     args = (max_batch, vocab_size, device, filters, tuple(row_strides))
     marker = _marker(json.dumps([max_batch, vocab_size, filters, list(row_strides)]), device)
-    if not marker.exists():
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-        workers = worker_count(requested_workers, usable_cores(), free)
-        if workers:
-            WarmUpWorkers(workers, *args).wait()
-    fused_sample.warm_up(*args)
+    with _exclusive(marker.with_suffix(".lock")):  # one engine at a time (TP ranks): the next finds the marker
+        if not marker.exists():
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+            workers = worker_count(requested_workers, usable_cores(), free)
+            if workers:
+                WarmUpWorkers(workers, *args).wait()
+        fused_sample.warm_up(*args)
+        try:
+            marker.touch()
+        except OSError:  # a read-only cache: children start again next time
+            pass
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (POSIX advisory, released when its holder exits); none where it cannot be
+    taken (a read-only cache directory, no fcntl)."""
     try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError:  # a read-only cache: children start again next time
-        pass
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")  # noqa: SIM115 (held open for the lock's lifetime)
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def _main(argv: list[str]) -> None:
