@@ -39,7 +39,7 @@ def fake_engine_core(args: dict, input_addr: str, output_addr: str) -> None:
     import zmq
 
     from ostinato.engine import ipc
-    from ostinato.engine.proc_util import die_with_parent
+    from ostinato.proc_util import die_with_parent
 
     die_with_parent()
     step_s = float(os.environ.get("FAKE_STEP_MS", "2")) / 1000

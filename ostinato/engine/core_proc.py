@@ -20,8 +20,8 @@ import zmq
 from ostinato.config import EngineArgs
 from ostinato.engine import ipc
 from ostinato.engine.engine_core import EngineCore
-from ostinato.engine.proc_util import die_with_parent
 from ostinato.multimodal.inputs import mm_from_wire
+from ostinato.proc_util import die_with_parent
 
 logger = logging.getLogger("ostinato.engine")
 

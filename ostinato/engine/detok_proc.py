@@ -36,7 +36,7 @@ import zmq
 
 from ostinato.engine import ipc
 from ostinato.engine.output_processor import OutputProcessor
-from ostinato.engine.proc_util import die_with_parent, set_process_name
+from ostinato.proc_util import die_with_parent, set_process_name
 
 logger = logging.getLogger("ostinato.detokenizer")
 

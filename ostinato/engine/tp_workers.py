@@ -36,10 +36,10 @@ import torch.distributed as dist
 from ostinato.attention.forward_batch import ForwardMode
 from ostinato.config import EngineArgs
 from ostinato.distributed.parallel_state import destroy_tp, init_tp, tp_group
-from ostinato.engine.proc_util import die_with_parent
 from ostinato.loader import ModelSource
 from ostinato.mem.kv_manager import row_index
 from ostinato.models.registry import model_class
+from ostinato.proc_util import die_with_parent
 from ostinato.runner.model_runner import ModelRunner, resolve_device
 from ostinato.runner.penalties import resets_row
 from ostinato.runner.sampler import SampledTensors

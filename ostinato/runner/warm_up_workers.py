@@ -56,8 +56,10 @@ class WarmUpWorkers:
                                row_strides=list(row_strides)))
         self.started = time.perf_counter()
         self.logs = [tempfile.TemporaryFile() for _ in range(workers)]  # stderr; a pipe could fill and block
+        # the engine's import path, as multiprocessing's spawn passes it: ostinato imports wherever it did here
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.procs = [subprocess.Popen([sys.executable, "-m", __name__, spec, str(i), str(workers)],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=env)
                       for i, log in enumerate(self.logs)]
 
     def wait(self, timeout: float = 900.0) -> int:
@@ -149,7 +151,7 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 
 def _main(argv: list[str]) -> None:
-    from ostinato.engine.proc_util import die_with_parent
+    from ostinato.proc_util import die_with_parent
 
     die_with_parent()
     spec, part = json.loads(argv[0]), (int(argv[1]), int(argv[2]))

@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ostinato.engine.async_client import AsyncEngineClient, EngineClientHooks, EngineInfo
-from ostinato.engine.proc_util import die_with_parent, set_process_name
+from ostinato.proc_util import die_with_parent, set_process_name
 
 logger = logging.getLogger("ostinato.serve")
 

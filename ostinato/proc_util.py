@@ -1,4 +1,4 @@
-"""Small Linux process helpers shared by the server's helper processes."""
+"""Small Linux process helpers shared by the engine's and the server's child processes."""
 
 import ctypes
 import signal
