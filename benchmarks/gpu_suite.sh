@@ -28,7 +28,9 @@ case "$part" in
 tests)
   # Every GPU test file, in parallel pytest processes (one per file or per chain): Triton compiles in each
   # process on a CPU core of its own. Run one after another, the groups ran past their limits on a fresh machine
-  # with Triton's cache cold (2026-11-26: logs came back empty); in parallel a cold H100 ran them all in 174 s.
+  # with Triton's cache cold (2026-11-26: logs came back empty); in parallel a cold H100 ran them all in 174 s,
+  # and an H200 in 351 s once each engine warmed every sampler kernel at start-up (2026-11-28, the new default;
+  # not profiled: its worker processes likely compete for the cores with the other files' compiles).
   # Files that build engines run in chains, never more than three engines at once; test_shutdown runs alone
   # after the rest, since it reads the device's free memory. One line a file in $OUT/tests.log, every output in
   # $OUT/tests.full.log (a device call brings back at most 8 files).

@@ -1,10 +1,11 @@
 """The sampler's Triton kernels compiled at start-up by child processes, in parallel.
 
-`fused_sample.warm_up` with every filter compiles ~270 kernels, about half a second each on one core (145 s on an
-H100 with an empty Triton cache), where most of the time is Triton's own Python and LLVM, one core each. Triton
+`fused_sample.warm_up` with every filter compiles ~270 kernels, over half a second each on one core (167 s on an
+H200 with an empty Triton cache), most of it in Triton's own Python and LLVM, one core each. Triton
 keeps what it compiles in its on-disk cache, which processes share (entries land by rename). So n children each
 run every n-th warm-up case on the same GPU, and the engine's own `warm_up` afterwards finds every kernel in the
-cache and only loads it (~1.3 s for all 270). A child that fails costs only time: the engine compiles whatever is
+cache and only loads it: 31 s in all over 8 children, ~1.9 s once the cache holds them
+(benchmarks/bench_sampler_warm_up.py). A child that fails costs only time: the engine compiles whatever is
 missing itself. Once the engine's warm-up has run, a marker beside Triton's cache (keyed on the warm-up's cases, the
 kernels' source and the toolchain) tells later starts that the cache holds them all, so no children start then;
 a lock beside it makes engines that start together (tensor-parallel ranks) take turns, so only the first starts
