@@ -58,6 +58,19 @@ def test_workers_run_their_parts(caplog):
     assert "worker 0/2 exited" in caplog.text and "worker 1/2 exited" in caplog.text
 
 
+def test_workers_that_cannot_start_leave_the_engine_to_compile(tmp_path, monkeypatch, caplog):
+    """No interpreter to start children with: a warning, and the engine's own warm-up runs (and marks the cache)."""
+    from ostinato.runner import warm_up_workers
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    monkeypatch.setattr(warm_up_workers, "worker_count", lambda requested, cores, free: 2)
+    with caplog.at_level(logging.WARNING, logger="ostinato.runner.warm_up_workers"):
+        warm_up_workers.warm_up_sampler(None, 3, 700, DEVICE, filters=False)
+    assert "could not start" in caplog.text
+    assert len([p for p in (tmp_path / "ostinato-sampler-warm-up").iterdir() if p.suffix != ".lock"]) == 1
+
+
 @pytest.mark.skipif(not GPU, reason="Triton's on-disk cache (the interpreter compiles nothing)")
 def test_engine_warm_up_after_workers_compiles_nothing(tmp_path):
     """With an empty Triton cache, the children compile every sampler kernel; the engine process's own warm-up then

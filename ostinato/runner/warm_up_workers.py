@@ -59,9 +59,15 @@ class WarmUpWorkers:
         self.logs = [tempfile.TemporaryFile() for _ in range(workers)]  # stderr; a pipe could fill and block
         # the engine's import path, as multiprocessing's spawn passes it: ostinato imports wherever it did here
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.procs = [subprocess.Popen([sys.executable, "-m", __name__, spec, str(i), str(workers)],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=env)
-                      for i, log in enumerate(self.logs)]
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for i, log in enumerate(self.logs):
+                self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, spec, str(i), str(workers)],
+                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                                   env=env))
+        except OSError:  # (no interpreter to run, no processes left): none of them then
+            self._stop()
+            raise
 
     def wait(self, timeout: float = 900.0) -> int:
         """Wait for every child (killing those still running after `timeout` seconds in all); how many finished
@@ -83,14 +89,18 @@ class WarmUpWorkers:
                     logger.warning("sampler warm-up worker %d/%d exited with %s; the engine compiles its kernels "
                                    "itself:\n%s", i, len(self.procs), rc, tail)
         finally:  # interrupted (Ctrl-C during start-up): no child outlives the wait
-            for proc, log in zip(self.procs, self.logs, strict=True):
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                log.close()
+            self._stop()
         logger.info("sampler kernels compiled by %d worker processes in %.1f s", len(self.procs),
                     time.perf_counter() - self.started)
         return ok
+
+    def _stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
 
 
 def _marker(spec: str, device: torch.device) -> Path:
@@ -126,7 +136,10 @@ def warm_up_sampler(requested_workers: int | None, max_batch: int, vocab_size: i
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
             workers = worker_count(requested_workers, usable_cores(), free)
             if workers:
-                WarmUpWorkers(workers, *args).wait()
+                try:
+                    WarmUpWorkers(workers, *args).wait()
+                except OSError as e:
+                    logger.warning("sampler warm-up workers could not start (%s); the engine compiles alone", e)
         fused_sample.warm_up(*args)
         try:
             marker.touch()
