@@ -113,7 +113,8 @@ def _marker(spec: str, device: torch.device) -> Path:
 
     h = hashlib.sha256(spec.encode())
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else device.type
-    for part in (triton.__version__, torch.version.cuda or "", str(capability)):
+    triton_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_"))  # knobs in the cache key
+    for part in (triton.__version__, torch.version.cuda or "", str(capability), str(triton_env)):
         h.update(part.encode())
     for mod in (fused_sample, argmax):  # the kernels the warm-up compiles
         h.update(Path(mod.__file__).read_bytes())
