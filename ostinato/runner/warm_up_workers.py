@@ -1,15 +1,15 @@
 """The sampler's Triton kernels compiled at start-up by child processes, in parallel.
 
 `fused_sample.warm_up` with every filter compiles ~270 kernels, over half a second each on one core (167 s on an
-H200 with an empty Triton cache), most of it in Triton's own Python and LLVM, one core each. Triton
-keeps what it compiles in its on-disk cache, which processes share (entries land by rename). So n children each
-run every n-th warm-up case on the same GPU, and the engine's own `warm_up` afterwards finds every kernel in the
-cache and only loads it: 31 s in all over 8 children, ~1.9 s once the cache holds them
-(benchmarks/bench_sampler_warm_up.py). A child that fails costs only time: the engine compiles whatever is
-missing itself. Once the engine's warm-up has run, a marker beside Triton's cache (keyed on the warm-up's cases, the
-kernels' source and the toolchain) tells later starts that the cache holds them all, so no children start then;
-a lock beside it makes engines that start together (tensor-parallel ranks) take turns, so only the first starts
-children.
+H200 with an empty Triton cache); threads barely help (two compiled eight only 1.5x faster than one on a 2-core
+CPU: much of a compile holds Python's GIL). Triton keeps what it compiles in its on-disk cache, which processes
+share (entries land by rename). So n children each run every n-th warm-up case on the same GPU, and the engine's
+own `warm_up` afterwards finds every kernel in the cache and only loads it: 31 s in all over 8 children, ~1.9 s
+once the cache holds them (benchmarks/bench_sampler_warm_up.py). A child that fails costs only time: the engine
+compiles whatever is missing itself. Once the engine's warm-up has run, a marker beside Triton's cache (keyed on the
+warm-up's cases, the kernels' source, the toolchain and the TRITON_* environment) tells later starts that the cache
+holds them all, so no children start then; a lock beside it makes engines that start together (tensor-parallel
+ranks) take turns, so only the first starts children.
 
 Children start as `python -m ostinato.runner.warm_up_workers` rather than through multiprocessing, so a user's
 script is never re-imported in them (spawn re-runs a `__main__` that lacks a main guard).
