@@ -1,8 +1,8 @@
 """The sampler's Triton kernels compiled at start-up by child processes, in parallel.
 
 `fused_sample.warm_up` with every filter compiles ~270 kernels, over half a second each on one core (167 s on an
-H200 with an empty Triton cache); threads barely help (two compiled eight only 1.5x faster than one on a 2-core
-CPU: much of a compile holds Python's GIL). Triton keeps what it compiles in its on-disk cache, which processes
+H200 with an empty Triton cache); threads would share the GIL (two compiled eight kernels only 1.5x faster than
+one on a 2-core CPU). Triton keeps what it compiles in its on-disk cache, which processes
 share (entries land by rename). So n children each run every n-th warm-up case on the same GPU, and the engine's
 own `warm_up` afterwards finds every kernel in the cache and only loads it: 31 s in all over 8 children, ~1.9 s
 once the cache holds them (benchmarks/bench_sampler_warm_up.py). A child that fails costs only time: the engine
