@@ -123,31 +123,43 @@ def test_warm_up_sampler_starts_workers_until_the_cache_is_marked(tmp_path, monk
     assert len([p for p in (tmp_path / "ostinato-sampler-warm-up").iterdir() if p.suffix != ".lock"]) == 4
 
 
-def test_concurrent_engines_start_workers_once(tmp_path, monkeypatch):
+def test_concurrent_engines_take_turns(tmp_path, monkeypatch):
     """Two engines warming up alike at once (tensor-parallel ranks): one starts the children, the other waits on
-    the lock, then finds the marker and only loads."""
+    the lock, then finds the marker and only loads. Engines warming up for different models take turns too (the
+    later one finds the kernels they share in the cache): their children never run at the same time."""
     import threading
     import time
 
     from ostinato.runner import warm_up_workers
 
-    started = []
+    started, running = [], []
 
     class SlowRecorder:
         def __init__(self, workers, *args):
-            started.append(workers)
+            started.append(args[1])  # the vocabulary
+            running.append(1)
+            assert len(running) == 1, "two engines' children at once"
 
         def wait(self):
             time.sleep(0.5)  # the other engine arrives meanwhile
+            running.pop()
             return 2
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(warm_up_workers, "WarmUpWorkers", SlowRecorder)
     monkeypatch.setattr(warm_up_workers, "worker_count", lambda requested, cores, free: 2)
-    engines = [threading.Thread(target=warm_up_workers.warm_up_sampler, args=(None, 3, 700, DEVICE, False))
-               for _ in range(2)]
+    errors = []
+
+    def engine(vocab):
+        try:
+            warm_up_workers.warm_up_sampler(None, 3, vocab, DEVICE, False)
+        except AssertionError as e:
+            errors.append(e)
+
+    engines = [threading.Thread(target=engine, args=(v,)) for v in (700, 700, 701)]
     for e in engines:
         e.start()
     for e in engines:
         e.join()
-    assert started == [2]
+    assert not errors
+    assert sorted(started) == [700, 701]

@@ -8,8 +8,8 @@ own `warm_up` afterwards finds every kernel in the cache and only loads it: 31 s
 once the cache holds them (benchmarks/bench_sampler_warm_up.py). A child that fails costs only time: the engine
 compiles whatever is missing itself. Once the engine's warm-up has run, a marker beside Triton's cache (keyed on the
 warm-up's cases, the kernels' source, the toolchain and the TRITON_* environment) tells later starts that the cache
-holds them all, so no children start then; a lock beside it makes engines that start together (tensor-parallel
-ranks) take turns, so only the first starts children.
+holds them all, so no children start then. Engines that start together (tensor-parallel ranks, parallel test
+processes) take turns on a lock beside the markers, so each finds what the ones before it compiled.
 
 Children start as `python -m ostinato.runner.warm_up_workers` rather than through multiprocessing, so a user's
 script is never re-imported in them (spawn re-runs a `__main__` that lacks a main guard).
@@ -132,7 +132,10 @@ def warm_up_sampler(requested_workers: int | None, max_batch: int, vocab_size: i
 
     args = (max_batch, vocab_size, device, filters, tuple(row_strides))
     marker = _marker(json.dumps([max_batch, vocab_size, filters, list(row_strides)]), device)
-    with _exclusive(marker.with_suffix(".lock")):  # one engine at a time (TP ranks): the next finds the marker
+    # one engine's warm-up at a time on the cache: the next (a TP rank, a parallel test process) then finds the
+    # marker, or at least the kernels the two share (Triton keys an integer argument such as the vocabulary size
+    # only by its divisibility by 16), instead of compiling them at the same time
+    with _exclusive(marker.parent / "warm-up.lock"):
         if not marker.exists():
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
             workers = worker_count(requested_workers, usable_cores(), free)
