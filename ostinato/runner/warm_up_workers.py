@@ -53,8 +53,7 @@ class WarmUpWorkers:
 
     def __init__(self, workers: int, max_batch: int, vocab_size: int, device: torch.device, filters: bool,
                  row_strides: tuple[int, ...] = ()) -> None:
-        spec = json.dumps(dict(max_batch=max_batch, vocab_size=vocab_size, device=str(device), filters=filters,
-                               row_strides=list(row_strides)))
+        spec = _spec(max_batch, vocab_size, filters, row_strides)
         self.started = time.perf_counter()
         self.logs = [tempfile.TemporaryFile() for _ in range(workers)]  # stderr; a pipe could fill and block
         # the engine's import path, as multiprocessing's spawn passes it: ostinato imports wherever it did here
@@ -62,7 +61,8 @@ class WarmUpWorkers:
         self.procs: list[subprocess.Popen] = []
         try:
             for i, log in enumerate(self.logs):
-                self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, spec, str(i), str(workers)],
+                self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, spec, str(device), str(i),
+                                                    str(workers)],
                                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                                    env=env))
         except OSError:  # (no interpreter to run, no processes left): none of them then
@@ -103,6 +103,11 @@ class WarmUpWorkers:
             log.close()
 
 
+def _spec(max_batch: int, vocab_size: int, filters: bool, row_strides: tuple[int, ...]) -> str:
+    """A warm-up's arguments (but the device) as JSON: a child's command line, and the marker's key."""
+    return json.dumps(dict(max_batch=max_batch, vocab_size=vocab_size, filters=filters, row_strides=list(row_strides)))
+
+
 def _marker(spec: str, device: torch.device) -> Path:
     """The file that says a warm-up of `spec` ran on this kind of device with these kernels: in Triton's cache
     directory, so clearing the cache clears it too."""
@@ -131,7 +136,7 @@ def warm_up_sampler(requested_workers: int | None, max_batch: int, vocab_size: i
     from ostinato.runner import fused_sample  # lazily: Triton
 
     args = (max_batch, vocab_size, device, filters, tuple(row_strides))
-    marker = _marker(json.dumps([max_batch, vocab_size, filters, list(row_strides)]), device)
+    marker = _marker(_spec(max_batch, vocab_size, filters, row_strides), device)
     # one engine's warm-up at a time on the cache: the next (a TP rank, a parallel test process) then finds the
     # marker, or at least the kernels the two share (Triton keys an integer argument such as the vocabulary size
     # only by its divisibility by 16), instead of compiling them at the same time
@@ -172,14 +177,12 @@ def _main(argv: list[str]) -> None:
     from ostinato.proc_util import die_with_parent
 
     die_with_parent()
-    spec, part = json.loads(argv[0]), (int(argv[1]), int(argv[2]))
-    device = torch.device(spec["device"])
+    spec, device, part = json.loads(argv[0]), torch.device(argv[1]), (int(argv[2]), int(argv[3]))
     if device.type == "cuda" and device.index is not None:  # (plain "cuda": the current device, as the engine's)
         torch.cuda.set_device(device)
     from ostinato.runner import fused_sample  # lazily, as the engine imports it: Triton
 
-    fused_sample.warm_up(spec["max_batch"], spec["vocab_size"], device, spec["filters"], tuple(spec["row_strides"]),
-                         part=part)
+    fused_sample.warm_up(device=device, part=part, **{**spec, "row_strides": tuple(spec["row_strides"])})
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
