@@ -29,8 +29,10 @@ tests)
   # Every GPU test file, in parallel pytest processes (one per file or per chain): Triton compiles in each
   # process on a CPU core of its own. Run one after another, the groups ran past their limits on a fresh machine
   # with Triton's cache cold (2026-11-26: logs came back empty); in parallel a cold H100 ran them all in 174 s,
-  # and an H200 in 351 s once each engine warmed every sampler kernel at start-up (2026-11-28, the new default;
-  # not profiled: its worker processes likely compete for the cores with the other files' compiles).
+  # and an H200 in 351-400 s once each engine warmed every sampler kernel at start-up (2026-11-28, the new default:
+  # 270 kernels for each vocabulary the tests' models have, over 8 worker processes). So the suite's engines warm
+  # the plain draw only (sampler_warm_up="temperature"), except test_sampling_features_gpu's warm-up test and
+  # test_warm_up_workers.py, whose subject it is.
   # Files that build engines run in chains, never more than three engines at once; test_shutdown runs alone
   # after the rest, since it reads the device's free memory. One line a file in $OUT/tests.log, every output in
   # $OUT/tests.full.log (a device call brings back at most 8 files).
@@ -45,7 +47,7 @@ tests)
     t layer_kernels tests/test_layer_kernels.py tests/test_skinny_gemm.py tests/test_wide_gemm.py tests/test_resident_gemv.py &
     t sampler tests/test_fused_sample.py tests/test_sample_graph.py tests/test_sampler.py tests/test_logits.py \
       tests/test_memset_hoist.py &
-    t ssm_scan tests/test_ssm_scan_kernel.py -k "$k" &
+    (t ssm_scan tests/test_ssm_scan_kernel.py -k "$k"; t warm_up_workers tests/test_warm_up_workers.py) &
     (t decode_graph tests/test_decode_graph.py tests/test_overlap.py; t fp8_kv tests/test_fp8_kv.py; t rope_store tests/test_rope_store.py
      t extend_graph tests/test_extend_graph.py) &
     (t models tests/test_gpu.py; t pdl tests/test_pdl.py; t decode_compile tests/test_decode_compile.py) &

@@ -31,7 +31,8 @@ def tiny_llm(tmp_path):
     path.write_text(json.dumps(TINY))
     llm = LLM(str(path), load_format="dummy", device=DEVICE, dtype="float32", attention_backend="triton",
               max_total_tokens=4096, page_size=4, max_running_requests=8, extend_cuda_graph_max_tokens=0,
-              disable_radix_cache=True)  # the graphed rerun must compute the same extends as the eager run
+              disable_radix_cache=True,  # the graphed rerun must compute the same extends as the eager run
+              sampler_warm_up="temperature")
     assert llm.engine.runner.extend_graph_runner is None  # every forward is eager unless a test attaches one
     return llm
 

@@ -181,7 +181,8 @@ def test_cuda_engine_fp8_and_pages_give_graph_equal_tokens():
     for name, kw in {"fp8-graph": {}, "fp8-eager": {"disable_cuda_graph": True},
                      "fp8-page16": {"page_size": 16}, "bf16": {"kv_cache_dtype": "auto"},
                      "bf16-page16": {"kv_cache_dtype": "auto", "page_size": 16}}.items():
-        args = {"kv_cache_dtype": "fp8_e4m3", "max_total_tokens": 65536, "cuda_graph_max_bs": 16} | kw
+        args = {"kv_cache_dtype": "fp8_e4m3", "max_total_tokens": 65536, "cuda_graph_max_bs": 16,
+                "sampler_warm_up": "temperature"} | kw
         with LLM("llama-3.2-1b", load_format="dummy", **args) as llm:
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         gc.collect()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def gpu_llm(request):
     # no prefix cache: these tests repeat prompts and compare runs that must form identical batches
     llm = LLM(request.param, load_format="dummy", max_total_tokens=200_000, max_running_requests=64,
-              cuda_graph_bs=[1, 2, 4, 8, 16, 32, 48, 64], disable_radix_cache=True)
+              cuda_graph_bs=[1, 2, 4, 8, 16, 32, 48, 64], disable_radix_cache=True, sampler_warm_up="temperature")
     yield llm
     del llm
     torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_prefix_cache_agrees_with_no_cache_on_gpu():
     llm = LLM("llama-3.2-1b", load_format="dummy", dtype="float32", max_total_tokens=20_000, max_running_requests=64,
-              page_size=16, chunked_prefill_size=1024)
+              page_size=16, chunked_prefill_size=1024, sampler_warm_up="temperature")
     sched = llm.engine.scheduler
     gen = torch.Generator().manual_seed(5)
     vocab = llm.engine.runner.vocab_size

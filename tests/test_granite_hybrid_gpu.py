@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.fixture(scope="module")
 def granite():
     llm = LLM("granite-4.0-h-1b", load_format="dummy", max_total_tokens=100_000, max_running_requests=32,
-              cuda_graph_bs=[1, 2, 4, 8, 16, 32])
+              cuda_graph_bs=[1, 2, 4, 8, 16, 32], sampler_warm_up="temperature")
     yield llm
     del llm
     torch.cuda.empty_cache()
@@ -70,7 +70,7 @@ def test_mixed_steps_replay_piecewise_graphs(monkeypatch):
     (a prefill chunk beside decoding rows, which the full graph cannot take) replay from them."""
     llm = LLM("granite-4.0-h-1b", load_format="dummy", max_total_tokens=100_000, max_running_requests=32,
               cuda_graph_bs=[1, 2, 4, 8], enable_mixed_chunk=True, chunked_prefill_size=512,
-              piecewise_cuda_graph_tokens=[256, 512])
+              piecewise_cuda_graph_tokens=[256, 512], sampler_warm_up="temperature")
     try:
         runner = llm.engine.runner
         assert runner.piecewise_graph_runner is not None and runner.extend_graph_runner is not None

@@ -25,7 +25,7 @@ def generate(model: str, prompts: list[dict], one_at_a_time: bool = False) -> li
     """Greedy, then sampled with seeds: each output's tokens and logprobs. `one_at_a_time`: each prompt alone (a
     one-row decode), else all in one batch."""
     llm = LLM(model, load_format="dummy", max_total_tokens=40_000, max_running_requests=16,
-              cuda_graph_bs=[1, 2, 4, 8, 16], disable_radix_cache=True)
+              cuda_graph_bs=[1, 2, 4, 8, 16], disable_radix_cache=True, sampler_warm_up="temperature")
     batches = [[p] for p in prompts] if one_at_a_time else [prompts]
     outs = []
     try:

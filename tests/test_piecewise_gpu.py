@@ -17,7 +17,8 @@ def pw_llm(request):
     llm = LLM("qwen3-0.6b", load_format="dummy", max_total_tokens=32768, max_running_requests=32,
               chunked_prefill_size=512, extend_cuda_graph_max_tokens=0, enable_mixed_chunk=True,
               enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=512,
-              piecewise_cuda_graph_compiler=request.param, disable_radix_cache=True)  # reruns compute alike
+              piecewise_cuda_graph_compiler=request.param, disable_radix_cache=True,
+              sampler_warm_up="temperature")  # reruns compute alike
     yield llm
     del llm
     torch.cuda.empty_cache()

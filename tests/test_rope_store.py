@@ -387,7 +387,8 @@ def test_engine_greedy_tokens_equal_fused_and_unfused(model, request, tmp_path):
         path, kw = str(path), {"load_format": "dummy"}
     llm = LLM(path, device=DEVICE, dtype="float32", attention_backend="triton", max_total_tokens=1024,
               page_size=4, max_running_requests=4, cuda_graph_bs=[4], extend_cuda_graph_max_tokens=0,
-              disable_cuda_graph=True, disable_radix_cache=True, **kw)  # eager until the graphs are attached
+              disable_cuda_graph=True, disable_radix_cache=True,  # eager until the graphs are attached
+              sampler_warm_up="temperature", **kw)
     runner = llm.engine.runner
     backend = runner.backend
     calls = []
@@ -444,7 +445,7 @@ def test_engine_greedy_tokens_with_the_input_norm_deferred(model, request, tmp_p
         path, kw = str(path), {"load_format": "dummy"}
     llm = LLM(path, device=DEVICE, dtype="float32", attention_backend="triton", max_total_tokens=1024, page_size=4,
               max_running_requests=4, extend_cuda_graph_max_tokens=0, disable_cuda_graph=True,
-              disable_radix_cache=True, **kw)
+              disable_radix_cache=True, sampler_warm_up="temperature", **kw)
     backend = llm.engine.runner.backend
     backend.fuse_rope_store, backend.decode_rope_max_bs = True, 4
     seen = []

@@ -43,7 +43,7 @@ def llm(model_path):
     from ostinato import LLM
 
     return LLM(model_path, dtype="float32", device="cuda", max_total_tokens=4096, max_running_requests=16,
-               cuda_graph_bs=[1, 2, 4, 8, 16])
+               cuda_graph_bs=[1, 2, 4, 8, 16], sampler_warm_up="temperature")
 
 
 def test_structured_outputs_hold_on_cuda(llm):

@@ -191,7 +191,7 @@ def test_gpu_greedy_equals_transformers_with_decode_graphs(vlm_dir, hf_model):
     from ostinato import LLM, SamplingParams
 
     llm = LLM(vlm_dir, dtype="float32", device="cuda", chunked_prefill_size=16, max_total_tokens=4096,
-              page_size=4, max_model_len=1024)
+              page_size=4, max_model_len=1024, sampler_warm_up="temperature")
     assert llm.engine.runner.graph_runner is not None
     max_new = 8
     prompts = [{"prompt": p, "multi_modal_data": {"image": _images(sizes, i)}} for i, (p, sizes) in enumerate(CASES)]
