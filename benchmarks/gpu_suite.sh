@@ -9,6 +9,12 @@
 #   bash benchmarks/gpu_suite.sh features  extend steps (eager / full graph / piecewise), prefix cache on vs off,
 #                                          the VLM encoder and TTFT, VLM TTFT through the server with ViT
 #                                          graphs off/on (needs the wheels), Granite-4.0-H decode and offline
+#   bash benchmarks/gpu_suite.sh floor     decode against the HBM floor (#16's tables), one run each: ms per token
+#                                          through LLM.generate greedy / T=0.6 at bs 1 and 32, the offline nano-vllm
+#                                          shape at T=0.6 / greedy, launches and graph-node gaps a step, and the bs-1
+#                                          step's kernel timeline
+#   bash benchmarks/gpu_suite.sh gpt-fast  gpt-fast's decode beside ours with its sampling (T=0.6, top_k 200); needs
+#                                          its model.py and generate.py in .bench-deps/gpt-fast (carried)
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead at concurrency 1 / 64 / 256, mixed chunk off / on
 #                                          (needs the .whl wheels carried)
@@ -91,6 +97,27 @@ features)
   fi
   timeout 120 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128 --no-launches \
       --out "$OUT/decode-granite.json" 2>&1 | quiet | tail -16 | tee "$OUT/decode-granite.log"
+  ;;
+floor)
+  timeout 240 python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b --batch-sizes 1 32 \
+      --temperature 0 0.6 --repeats 3 --step-log --out "$OUT/generate-rows.json" 2>&1 | quiet \
+      | grep -E "ms/token|Error" | tee "$OUT/generate-rows.log"
+  timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+      --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 \
+      --out "$OUT/offline.json" 2>&1 | quiet | tail -5 | tee "$OUT/offline.log"
+  # launches and gap_ms a step beside the floor; then the profiled bs-1 steps' first 24 kernels in order
+  timeout 120 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:256 --modes graph \
+      --iters 100 --out "$OUT/decode-launches.json" 2>&1 | quiet | tail -8 | tee "$OUT/decode-launches.log"
+  TIMELINE=24 timeout 120 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 \
+      --modes graph --no-launches --iters 100 --profile 1:128 --out "$OUT/decode-timeline.json" 2>&1 | quiet \
+      > "$OUT/decode-timeline.log"
+  ;;
+gpt-fast)
+  timeout 100 python benchmarks/bench_generate.py --models llama-3.2-1b --batch-sizes 1 32 --temperature 0.6 \
+      --top-k 200 --repeats 3 --out "$OUT/generate-topk200.json" 2>&1 | quiet | grep -E "ms/token|Error" \
+      | tee "$OUT/gpt-fast.log"
+  timeout 200 python benchmarks/bench_gpt_fast.py --gpt-fast .bench-deps/gpt-fast --batch-sizes 1 32 \
+      --temperature 0.6 --out "$OUT/gpt-fast.json" 2>&1 | grep -vE "it/s\]" | tail -6 | tee -a "$OUT/gpt-fast.log"
   ;;
 offline)
   timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
