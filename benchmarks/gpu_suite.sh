@@ -15,6 +15,8 @@
 #                                          step's kernel timeline
 #   bash benchmarks/gpu_suite.sh gpt-fast  gpt-fast's decode beside ours with its sampling (T=0.6, top_k 200); needs
 #                                          its model.py and generate.py in .bench-deps/gpt-fast (carried)
+#   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chain against the engine's one-row GEMVs
+#                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead at concurrency 1 / 64 / 256, mixed chunk off / on
 #                                          (needs the .whl wheels carried)
@@ -118,6 +120,11 @@ gpt-fast)
       | tee "$OUT/gpt-fast.log"
   timeout 200 python benchmarks/bench_gpt_fast.py --gpt-fast .bench-deps/gpt-fast --batch-sizes 1 32 \
       --temperature 0.6 --out "$OUT/gpt-fast.json" 2>&1 | grep -vE "it/s\]" | tail -6 | tee -a "$OUT/gpt-fast.log"
+  ;;
+gluon)
+  timeout 120 python benchmarks/bench_gluon_gemv_chain.py --layers 1 --per-sm 1 2>&1 | tail -6 | tee "$OUT/gluon-1layer.log"
+  timeout 300 python benchmarks/bench_gluon_gemv_chain.py --per-sm 1 2 --tiles 16x256x8 32x256x6 16x256x12 \
+      --out "$OUT/gluon-chain.json" 2>&1 | tail -12 | tee "$OUT/gluon-chain.log"
   ;;
 offline)
   timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \

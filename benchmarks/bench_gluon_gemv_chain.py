@@ -1,0 +1,332 @@
+"""Experiment for #16 (bs-1 decode), compiled for sm_90 on a CPU but NOT YET RUN ON A GPU: the GEMV chain of
+bench_persistent_gemv.py (Qwen3-0.6B's 112 projections at one row, 881 MB) in one persistent Gluon kernel whose
+weight reads never wait for an activation.
+
+Every Triton form of the chain so far (bench_persistent_gemv.py, docs/gpu-notes.md's twenty-second session) loads W
+in the same warps that wait for x: while a program waits for the GEMV before to finish, it asks HBM for nothing.
+Here each program is warp-specialized with Gluon (Triton's lower-level dialect, in the GPU machines' Triton 3.6):
+- a loader warp walks the program's share of every GEMV's weight tiles in chain order and copies each into a ring of
+  shared-memory slots with TMA, waiting only for a free slot, so it runs ahead across GEMV boundaries;
+- four compute warps take the tiles from the ring. Before a GEMV's first tile they wait until every row tile of the
+  GEMV before is stored (a count a GEMV, raised with release order by each stored tile), then read x once into
+  shared memory, multiply, store their rows of y and raise the count.
+So HBM keeps streaming W while the compute warps wait; what a wait costs is only what the ring cannot cover.
+
+Weights are re-laid out once as [BLOCK_N, BLOCK_K] tiles, each contiguous, so one 2-D tensor descriptor covers the
+whole chain (a tile is rows t * BLOCK_N .. of the [tiles * BLOCK_N, BLOCK_K] view). Row tiles are dealt to programs
+round-robin in chain order, so a program with no tile in a small GEMV (o, down) loads its next one early. Every
+program must be resident at once (the waits spin), so the grid is a few programs an SM.
+
+Gluon's API moves from release to release: this is written for Triton 3.6, the GPU machines' version (the CPU
+venv's newer Triton does not compile it; `pip install --no-deps --target /tmp/t36 triton==3.6.0` and put /tmp/t36
+first on PYTHONPATH for --compile-only).
+
+python benchmarks/bench_gluon_gemv_chain.py --compile-only   # CPU: sm_90 registers and shared memory (ptxas -v)
+timeout 120 python benchmarks/bench_gluon_gemv_chain.py --layers 1 --per-sm 1   # GPU, first: a wrong ring phase
+                                                                # would hang (mbarrier waits have no cap)
+python benchmarks/bench_gluon_gemv_chain.py --out FILE       # GPU: us for the chain beside the engine's GEMVs
+                                                             # (skinny and resident, run first and last)
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from bench_persistent_gemv import QWEN3_LAYER, chain_meta, graph_us, reference
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# a GEMV's row in the plan: row tiles, K tiles, first tile, input offset, output offset, order (plan_for)
+PLAN_COLS = gl.constexpr(6)
+
+
+@gluon.jit
+def _first_row(pid, order, num_programs):
+    """The first row tile of a GEMV this program takes, then every num_programs-th (first_row is its CPU twin):
+    row tile r of a GEMV whose tiles start at `order` in the chain goes to program (order + r) % num_programs."""
+    return (pid - order % num_programs + num_programs) % num_programs
+
+
+@gluon.jit
+def _loader(w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The loader warp: this program's tiles of every GEMV, in the order the compute warps take them, each into the
+    next ring slot once the compute warps have released it (a slot's first use waits on nothing)."""
+    i = 0
+    for g in range(num_gemvs):
+        rows = gl.load(Plan + g * PLAN_COLS)
+        k_tiles = gl.load(Plan + g * PLAN_COLS + 1)
+        first = gl.load(Plan + g * PLAN_COLS + 2)
+        order = gl.load(Plan + g * PLAN_COLS + 5)
+        for r in range(_first_row(pid, order, num_programs), rows, num_programs):
+            for c in range(k_tiles):
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [(first + r * k_tiles + c) * BLOCK_N, 0], ready.index(s),
+                                                bufs.index(s))
+                i += 1
+
+
+@gluon.jit
+def _wait_count(Count, target, max_spins):
+    """Spin until Count reaches target (acquire order); capped, so a grid that is not all resident fails, not hangs."""
+    seen = gl.atomic_add(Count, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < max_spins):
+        seen = gl.atomic_add(Count, 0, sem="acquire", scope="gpu")
+        spins += 1
+
+
+@gluon.jit
+def _compute(A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_programs, max_spins,
+             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, X_CHUNKS: gl.constexpr):
+    """The compute warps: y_g[rows of a tile] = W_g[those rows] @ x_g, x_g the output of GEMV g - 1 (or the chain's
+    input), for this program's row tiles of each GEMV in turn."""
+    tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    col_layout: gl.constexpr = gl.SliceLayout(0, tile_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, tile_layout)
+    offs_k = gl.arange(0, BLOCK_K, col_layout)
+    offs_n = gl.arange(0, BLOCK_N, row_layout)
+    i = 0
+    for g in range(num_gemvs):
+        rows = gl.load(Plan + g * PLAN_COLS)
+        k_tiles = gl.load(Plan + g * PLAN_COLS + 1)
+        in_off = gl.load(Plan + g * PLAN_COLS + 3)
+        out_off = gl.load(Plan + g * PLAN_COLS + 4)
+        order = gl.load(Plan + g * PLAN_COLS + 5)
+        start = _first_row(pid, order, num_programs)
+        if start < rows:
+            if g > 0:  # every row tile of GEMV g - 1 stored: x is whole
+                _wait_count(Counts + g - 1, gl.load(Plan + (g - 1) * PLAN_COLS), max_spins)
+            for xc in gl.static_range(X_CHUNKS):  # x once into shared memory (.cg: other SMs wrote it)
+                if xc < k_tiles:
+                    x_smem.index(xc).store(gl.load(A + in_off + xc * BLOCK_K + offs_k, cache_modifier=".cg"))
+            gl.thread_barrier()
+            for r in range(start, rows, num_programs):
+                acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, tile_layout)
+                for c in range(k_tiles):
+                    s = i % STAGES
+                    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                    w = bufs.index(s).load(tile_layout)
+                    mbarrier.arrive(empty.index(s), count=1)
+                    x = x_smem.index(c).load(col_layout)
+                    acc += w.to(gl.float32) * gl.expand_dims(x.to(gl.float32), 0)
+                    i += 1
+                gl.store(A + out_off + r * BLOCK_N + offs_n, gl.sum(acc, axis=1).to(A.dtype.element_ty))
+                gl.thread_barrier()  # every warp's stores of the tile before the count's release
+                gl.atomic_add(Counts + g, 1, sem="release", scope="gpu")
+            gl.thread_barrier()  # x_smem is rewritten for the next GEMV only once every warp has read it
+
+
+@gluon.jit
+def _chain_kernel(w_desc, A, Plan, Counts, num_gemvs, max_spins, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr, X_CHUNKS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    x_smem = gl.allocate_shared_memory(w_desc.dtype, [X_CHUNKS, BLOCK_K],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    gl.warp_specialize([
+        (_compute, (A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_programs, max_spins, BLOCK_N,
+                    BLOCK_K, STAGES, X_CHUNKS)),
+        (_loader, (w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs, BLOCK_N, STAGES)),
+    ], [1], [LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+def tile_layout() -> gl.NVMMASharedLayout:
+    """The ring slots' layout: unswizzled rows (a tile's 512-byte rows exceed the 128-byte swizzle's box)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+def tiled_weights(w: torch.Tensor, rows: list[tuple[int, ...]], block_n: int, block_k: int) -> torch.Tensor:
+    """The chain's flat W with each GEMV's [N, K] block re-laid out as [N / BLOCK_N, K / BLOCK_K] tiles of
+    [BLOCK_N, BLOCK_K], row-major, each tile contiguous; GEMV g's tiles start at its W offset."""
+    out = torch.empty_like(w)
+    for n, k, wo, _, _ in rows:
+        if n % block_n:
+            raise ValueError(f"N = {n} must be a multiple of BLOCK_N {block_n}")
+        if k % block_k:
+            raise ValueError(f"K = {k} must be a multiple of BLOCK_K {block_k}")
+        tiles = w[wo : wo + n * k].view(n // block_n, block_n, k // block_k, block_k).permute(0, 2, 1, 3)
+        out[wo : wo + n * k] = tiles.reshape(-1)
+    return out
+
+
+def plan_for(rows: list[tuple[int, ...]], block_n: int, block_k: int, device: torch.device) -> torch.Tensor:
+    """Plan rows (row tiles, K tiles, first tile, input offset, output offset, order), int32: `order` is the number
+    of row tiles of the GEMVs before, so row tile r of GEMV g goes to program (order + r) % programs."""
+    plan, order = [], 0
+    for n, k, wo, io, oo in rows:
+        assert n % block_n == 0 and k % block_k == 0 and wo % (block_n * block_k) == 0, (n, k, wo)
+        plan.append((n // block_n, k // block_k, wo // (block_n * block_k), io, oo, order))
+        order += n // block_n
+    return torch.tensor(plan, dtype=torch.int32, device=device).flatten()
+
+
+def first_row(pid: int, order: int, programs: int) -> int:
+    """_first_row on the CPU."""
+    return (pid - order % programs + programs) % programs
+
+
+def tile_schedule(plan: torch.Tensor, programs: int) -> list[list[tuple[int, int, int, int]]]:
+    """Each program's (GEMV, row tile, K tile, descriptor row) in the order its loader issues them and its compute
+    warps take them (both walk the plan the same way): the kernels' index math, for checking on a CPU."""
+    rows = plan.view(-1, PLAN_COLS.value).tolist()
+    out = []
+    for pid in range(programs):
+        seq = []
+        for g, (n_tiles, k_tiles, first, _, _, order) in enumerate(rows):
+            for r in range(first_row(pid, order, programs), n_tiles, programs):
+                seq += [(g, r, c, (first + r * k_tiles + c)) for c in range(k_tiles)]
+        out.append(seq)
+    return out
+
+
+def emulate_chain(w_tiled: torch.Tensor, plan: torch.Tensor, a: torch.Tensor, programs: int, block_n: int,
+                  block_k: int) -> torch.Tensor:
+    """The chain computed as the kernel computes it, from the tiles of `tile_schedule` read through the
+    descriptor's [tiles * BLOCK_N, BLOCK_K] view (fp32 sums, each tile's rows stored in a's dtype), GEMV by GEMV."""
+    a = a.clone()
+    view = w_tiled.view(-1, block_k)
+    plan_rows = plan.view(-1, PLAN_COLS.value).tolist()
+    schedule = tile_schedule(plan, programs)
+    for g, (_, k_tiles, _, in_off, out_off, _) in enumerate(plan_rows):
+        x = a[in_off : in_off + k_tiles * block_k].float().view(k_tiles, block_k)
+        for seq in schedule:
+            acc: dict[int, torch.Tensor] = {}
+            for gg, r, c, tile in seq:
+                if gg == g:
+                    w = view[tile * block_n : (tile + 1) * block_n].float()
+                    acc[r] = acc.get(r, torch.zeros(block_n)) + w @ x[c]
+            for r, y in acc.items():
+                a[out_off + r * block_n : out_off + (r + 1) * block_n] = y.to(a.dtype)
+    return a
+
+
+def descriptor(w_tiled: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    view = w_tiled.view(-1, block_k)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [block_n, block_k], tile_layout())
+
+
+def settings(block_n: int, block_k: int, stages: int, max_k: int, loader_regs: int = 32) -> dict:
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, X_CHUNKS=triton.next_power_of_2(max_k // block_k),
+                LOADER_REGS=loader_regs)
+
+
+def compile_sm90(block_n: int, block_k: int, stages: int, max_k: int, maxnreg: int, num_warps: int = 4) -> dict:
+    """Compile for sm_90 without a GPU; ptxas -v's registers, and the kernel's shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    fake = torch.empty(1024, block_k, dtype=torch.bfloat16)
+    consts = settings(block_n, block_k, stages, max_k)
+    sig = {"w_desc": mangle_type(descriptor(fake, block_n, block_k)), "A": "*bf16", "Plan": "*i32",
+           "Counts": "*i32", "num_gemvs": "i32", "max_spins": "i32", **{k: "constexpr" for k in consts}}
+    names = list(sig)
+    src = GluonASTSource(_chain_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next(p for p in (os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")) if os.path.exists(p))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(k.asm["ptx"])
+        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", err)
+    return dict(regs=int(regs.group(1)) if regs else None, smem=k.metadata.shared,
+                spill_bytes=sum(map(int, re.findall(r"(\d+) bytes spill stores", err))),
+                tma="cp.async.bulk.tensor" in k.asm["ptx"], ptxas_errors=err if "error" in err else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="persistent programs an SM, a pass each")
+    ap.add_argument("--tiles", nargs="+", default=["16x256x8"], help="BLOCK_N x BLOCK_K x ring slots")
+    ap.add_argument("--maxnreg", type=int, default=128,
+                    help="registers a thread (the compute warps get what the loader leaves): 2 programs an SM at 128")
+    ap.add_argument("--compile-only", action="store_true", help="CPU: compile each --tiles for sm_90 and report")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles]
+    max_k = max(k for _, k in QWEN3_LAYER)
+    if args.compile_only:
+        for bn, bk, st in tiles:
+            print(f"{bn}x{bk}x{st}: {compile_sm90(bn, bk, st, max_k, args.maxnreg)}", flush=True)
+        return
+    from ostinato.layers.triton_ops import resident_gemv
+    from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
+
+    dev = torch.device("cuda")
+    meta, w_size, a_size, rows = chain_meta(args.layers, dev)
+    gen = torch.Generator(dev).manual_seed(0)
+    w = torch.empty(w_size, dtype=torch.bfloat16, device=dev)
+    for n, k, wo, _, _ in rows:
+        w[wo : wo + n * k] = (torch.randn(n * k, generator=gen, device=dev) / k**0.5).to(torch.bfloat16)
+    a = torch.zeros(a_size, dtype=torch.bfloat16, device=dev)
+    a[: QWEN3_LAYER[0][1]] = torch.randn(QWEN3_LAYER[0][1], generator=gen, device=dev).to(torch.bfloat16)
+    ref, a0 = reference(w, a, rows), a.clone()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    views = [(w[wo : wo + n * k].view(n, k), io, oo, n, k) for n, k, wo, io, oo in rows]
+
+    def skinny() -> None:
+        for wv, io, oo, n, k in views:
+            skinny_linear(a[io : io + k].view(1, k), wv, out=a[oo : oo + n].view(1, n))
+
+    cfgs = [resident_gemv.config_for(n, k, 2, sms) for _, _, _, n, k in views]
+
+    def resident() -> None:  # the engine's one-row form for these shapes (resident_gemv.py)
+        for (wv, io, oo, n, k), cfg in zip(views, cfgs, strict=True):
+            resident_gemv.launch(a[io : io + k].view(1, k), wv, a[oo : oo + n].view(1, n), cfg)
+
+    variants = [("skinny", skinny)] + ([("resident (the engine's)", resident)] if None not in cfgs else [])
+    counts = torch.zeros(len(rows), dtype=torch.int32, device=dev)
+    for bn, bk, st in tiles:
+        w_tiled, plan = tiled_weights(w, rows, bn, bk), plan_for(rows, bn, bk, dev)
+        desc = descriptor(w_tiled, bn, bk)
+        cfg = settings(bn, bk, st, max_k)
+        for per_sm in args.per_sm:
+            def chain(desc=desc, plan=plan, programs=per_sm * sms, cfg=cfg) -> None:
+                counts.zero_()
+                _chain_kernel[(programs,)](desc, a, plan, counts, len(rows), 1 << 14, **cfg, num_warps=4,
+                                           maxnreg=args.maxnreg)
+
+            variants.append((f"gluon {bn}x{bk}x{st} {per_sm * sms} programs", chain))
+    variants += [("skinny (again)", skinny)] + ([("resident (again)", resident)] if None not in cfgs else [])
+    bytes_ = w_size * 2
+    report = {"device": torch.cuda.get_device_name(dev), "gemvs": len(rows), "weight_MB": bytes_ / 1e6, "rows": []}
+    for name, fn in variants:
+        a.copy_(a0)
+        fn()
+        torch.cuda.synchronize()
+        err = ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        us = graph_us(fn)
+        report["rows"].append(dict(variant=name, us=us, us_per_gemv=us / len(rows), TBps=bytes_ / us / 1e6,
+                                   rel_err=err))
+        print(f"{name:40} {us:9.1f} us  {us / len(rows):6.2f} us/GEMV  {bytes_ / us / 1e6:5.2f} TB/s  err {err:.1e}",
+              flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
