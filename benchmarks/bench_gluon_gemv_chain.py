@@ -29,7 +29,6 @@ python benchmarks/bench_gluon_gemv_chain.py --out FILE       # GPU: us for the c
 """
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -37,7 +36,7 @@ import tempfile
 
 import torch
 import triton
-from bench_persistent_gemv import QWEN3_LAYER, chain_meta, graph_us, reference
+from bench_persistent_gemv import QWEN3_LAYER, chain_meta, random_chain, reference, time_variants
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -55,16 +54,21 @@ def _first_row(pid, order, num_programs):
 
 
 @gluon.jit
+def _plan_row(Plan, g):
+    """GEMV g's plan row (plan_for): row tiles, K tiles, first tile, input offset, output offset, order."""
+    row = Plan + g * PLAN_COLS
+    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4),
+            gl.load(row + 5))
+
+
+@gluon.jit
 def _loader(w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The loader warp: this program's tiles of every GEMV, in the order the compute warps take them, each into the
     next ring slot once the compute warps have released it (a slot's first use waits on nothing)."""
     i = 0
     for g in range(num_gemvs):
-        rows = gl.load(Plan + g * PLAN_COLS)
-        k_tiles = gl.load(Plan + g * PLAN_COLS + 1)
-        first = gl.load(Plan + g * PLAN_COLS + 2)
-        order = gl.load(Plan + g * PLAN_COLS + 5)
+        rows, k_tiles, first, _, _, order = _plan_row(Plan, g)
         for r in range(_first_row(pid, order, num_programs), rows, num_programs):
             for c in range(k_tiles):
                 s = i % STAGES
@@ -97,11 +101,7 @@ def _compute(A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_pr
     offs_n = gl.arange(0, BLOCK_N, row_layout)
     i = 0
     for g in range(num_gemvs):
-        rows = gl.load(Plan + g * PLAN_COLS)
-        k_tiles = gl.load(Plan + g * PLAN_COLS + 1)
-        in_off = gl.load(Plan + g * PLAN_COLS + 3)
-        out_off = gl.load(Plan + g * PLAN_COLS + 4)
-        order = gl.load(Plan + g * PLAN_COLS + 5)
+        rows, k_tiles, _, in_off, out_off, order = _plan_row(Plan, g)
         start = _first_row(pid, order, num_programs)
         if start < rows:
             if g > 0:  # every row tile of GEMV g - 1 stored: x is whole
@@ -276,13 +276,8 @@ def main() -> None:
     from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
 
     dev = torch.device("cuda")
-    meta, w_size, a_size, rows = chain_meta(args.layers, dev)
-    gen = torch.Generator(dev).manual_seed(0)
-    w = torch.empty(w_size, dtype=torch.bfloat16, device=dev)
-    for n, k, wo, _, _ in rows:
-        w[wo : wo + n * k] = (torch.randn(n * k, generator=gen, device=dev) / k**0.5).to(torch.bfloat16)
-    a = torch.zeros(a_size, dtype=torch.bfloat16, device=dev)
-    a[: QWEN3_LAYER[0][1]] = torch.randn(QWEN3_LAYER[0][1], generator=gen, device=dev).to(torch.bfloat16)
+    _, w_size, a_size, rows = chain_meta(args.layers, dev)
+    w, a = random_chain(rows, w_size, a_size, dev)
     ref, a0 = reference(w, a, rows), a.clone()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     views = [(w[wo : wo + n * k].view(n, k), io, oo, n, k) for n, k, wo, io, oo in rows]
@@ -311,21 +306,7 @@ def main() -> None:
 
             variants.append((f"gluon {bn}x{bk}x{st} {per_sm * sms} programs", chain))
     variants += [("skinny (again)", skinny)] + ([("resident (again)", resident)] if None not in cfgs else [])
-    bytes_ = w_size * 2
-    report = {"device": torch.cuda.get_device_name(dev), "gemvs": len(rows), "weight_MB": bytes_ / 1e6, "rows": []}
-    for name, fn in variants:
-        a.copy_(a0)
-        fn()
-        torch.cuda.synchronize()
-        err = ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        us = graph_us(fn)
-        report["rows"].append(dict(variant=name, us=us, us_per_gemv=us / len(rows), TBps=bytes_ / us / 1e6,
-                                   rel_err=err))
-        print(f"{name:40} {us:9.1f} us  {us / len(rows):6.2f} us/GEMV  {bytes_ / us / 1e6:5.2f} TB/s  err {err:.1e}",
-              flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    time_variants(variants, lambda: a.copy_(a0), lambda name: a, ref, w_size * 2, len(rows), args.out)
 
 
 if __name__ == "__main__":

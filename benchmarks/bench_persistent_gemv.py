@@ -262,6 +262,41 @@ def from_words(words: torch.Tensor) -> torch.Tensor:
     return (words & 0xFFFF).to(torch.int16).view(torch.bfloat16)
 
 
+def random_chain(rows: list, w_size: int, a_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh random bf16 weights (scaled by 1 / sqrt(K) to keep the chain's values O(1)) and the activation buffer
+    with a random x0 (the first GEMV's K values) and zeros after it."""
+    gen = torch.Generator(device).manual_seed(0)
+    w = torch.empty(w_size, dtype=torch.bfloat16, device=device)
+    for n, k, wo, _, _ in rows:
+        w[wo : wo + n * k] = (torch.randn(n * k, generator=gen, device=device) / k**0.5).to(torch.bfloat16)
+    a = torch.zeros(a_size, dtype=torch.bfloat16, device=device)
+    k0 = rows[0][1]
+    a[:k0] = torch.randn(k0, generator=gen, device=device).to(torch.bfloat16)
+    return w, a
+
+
+def time_variants(variants: list, reset, output, ref: torch.Tensor, weight_bytes: int, num_gemvs: int,
+                  out: str | None) -> None:
+    """Run each (name, fn) once after `reset()` and compare `output(name)` with the chain's reference (a wait that
+    let a program through early shows there), then time it as a replayed graph (one that never opens, its spin
+    cap, shows there); print a line each and write the JSON report to `out`."""
+    report = {"device": torch.cuda.get_device_name(), "gemvs": num_gemvs, "weight_MB": weight_bytes / 1e6, "rows": []}
+    for name, fn in variants:
+        reset()
+        fn()
+        torch.cuda.synchronize()
+        got = output(name)
+        err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        us = graph_us(fn)
+        report["rows"].append(dict(variant=name, us=us, us_per_gemv=us / num_gemvs, TBps=weight_bytes / us / 1e6,
+                                   rel_err=err))
+        print(f"{name:44} {us:9.1f} us  {us / num_gemvs:6.2f} us/GEMV  {weight_bytes / us / 1e6:5.2f} TB/s  "
+              f"err {err:.1e}", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def reference(w: torch.Tensor, a: torch.Tensor, rows: list) -> torch.Tensor:
     """The chain in float32 from a's x0 (each output rounded to a's dtype, as the kernels store it)."""
     a = a.clone()
@@ -330,12 +365,7 @@ def main() -> None:
     shapes = SMOKE_LAYER if args.smoke else QWEN3_LAYER
     tiles = [] if args.smoke else [parse_tile(ap, t, shapes) for t in args.tiles]  # the smoke has its own
     meta, w_size, a_size, rows = chain_meta(layers, dev, shapes)
-    gen = torch.Generator(dev).manual_seed(0)
-    w = torch.empty(w_size, dtype=torch.bfloat16, device=dev)
-    for n, k, wo, _, _ in rows:  # fresh random weights, scaled to keep the chain's values O(1)
-        w[wo : wo + n * k] = (torch.randn(n * k, generator=gen, device=dev) / k**0.5).to(torch.bfloat16)
-    a = torch.zeros(a_size, dtype=torch.bfloat16, device=dev)
-    a[: shapes[0][1]] = torch.randn(shapes[0][1], generator=gen, device=dev).to(torch.bfloat16)
+    w, a = random_chain(rows, w_size, a_size, dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     ref = reference(w, a, rows)
     num = len(rows)
@@ -401,23 +431,14 @@ def main() -> None:
 
         variants.append((f"resident {spec}", resident))
     variants.append(("skinny (again)", skinny))
-    bytes_ = w_size * 2
-    report = {"device": torch.cuda.get_device_name(dev), "gemvs": num, "weight_MB": bytes_ / 1e6, "rows": []}
     a0 = a.clone()
-    for name, fn in variants:
+
+    def reset() -> None:
         a.copy_(a0)
         words.copy_(to_words(a0))
-        fn()
-        torch.cuda.synchronize()
-        err = rel_err(from_words(words) if name.startswith("tags") else a)  # a wait let through early shows here
-        us = graph_us(fn)  # and one that never opens (its spin cap) here
-        row = dict(variant=name, us=us, us_per_gemv=us / num, TBps=bytes_ / us / 1e6, rel_err=err)
-        report["rows"].append(row)
-        print(f"{name:44} {us:9.1f} us  {us / num:6.2f} us/GEMV  {bytes_ / us / 1e6:5.2f} TB/s  err {err:.1e}",
-              flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+
+    time_variants(variants, reset, lambda name: from_words(words) if name.startswith("tags") else a, ref,
+                  w_size * 2, num, args.out)
 
 
 if __name__ == "__main__":
