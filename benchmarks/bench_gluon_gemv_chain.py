@@ -91,9 +91,11 @@ def _wait_count(Count, target, max_spins):
 
 @gluon.jit
 def _compute(A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_programs, max_spins,
-             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, X_CHUNKS: gl.constexpr):
+             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, X_CHUNKS: gl.constexpr,
+             WAIT: gl.constexpr):
     """The compute warps: y_g[rows of a tile] = W_g[those rows] @ x_g, x_g the output of GEMV g - 1 (or the chain's
-    input), for this program's row tiles of each GEMV in turn."""
+    input), for this program's row tiles of each GEMV in turn. Without WAIT nothing waits for x (wrong sums: the
+    rate the ring streams at when waiting is free)."""
     tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     col_layout: gl.constexpr = gl.SliceLayout(0, tile_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, tile_layout)
@@ -104,7 +106,7 @@ def _compute(A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_pr
         rows, k_tiles, _, in_off, out_off, order = _plan_row(Plan, g)
         start = _first_row(pid, order, num_programs)
         if start < rows:
-            if g > 0:  # every row tile of GEMV g - 1 stored: x is whole
+            if WAIT and g > 0:  # every row tile of GEMV g - 1 stored: x is whole
                 _wait_count(Counts + g - 1, gl.load(Plan + (g - 1) * PLAN_COLS), max_spins)
             for xc in gl.static_range(X_CHUNKS):  # x once into shared memory (.cg: other SMs wrote it)
                 if xc < k_tiles:
@@ -128,7 +130,7 @@ def _compute(A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_pr
 
 @gluon.jit
 def _chain_kernel(w_desc, A, Plan, Counts, num_gemvs, max_spins, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, X_CHUNKS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                  STAGES: gl.constexpr, X_CHUNKS: gl.constexpr, LOADER_REGS: gl.constexpr, WAIT: gl.constexpr = True):
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -141,7 +143,7 @@ def _chain_kernel(w_desc, A, Plan, Counts, num_gemvs, max_spins, BLOCK_N: gl.con
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     gl.warp_specialize([
         (_compute, (A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_programs, max_spins, BLOCK_N,
-                    BLOCK_K, STAGES, X_CHUNKS)),
+                    BLOCK_K, STAGES, X_CHUNKS, WAIT)),
         (_loader, (w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs, BLOCK_N, STAGES)),
     ], [1], [LOADER_REGS])
     for s in gl.static_range(STAGES):
@@ -299,12 +301,13 @@ def main() -> None:
         desc = descriptor(w_tiled, bn, bk)
         cfg = settings(bn, bk, st, max_k)
         for per_sm in args.per_sm:
-            def chain(desc=desc, plan=plan, programs=per_sm * sms, cfg=cfg) -> None:
-                counts.zero_()
-                _chain_kernel[(programs,)](desc, a, plan, counts, len(rows), 1 << 14, **cfg, num_warps=4,
-                                           maxnreg=args.maxnreg)
+            for wait in (True, False):
+                def chain(desc=desc, plan=plan, programs=per_sm * sms, cfg=cfg, wait=wait) -> None:
+                    counts.zero_()
+                    _chain_kernel[(programs,)](desc, a, plan, counts, len(rows), 1 << 14, **cfg, WAIT=wait,
+                                               num_warps=4, maxnreg=args.maxnreg)
 
-            variants.append((f"gluon {bn}x{bk}x{st} {per_sm * sms} programs", chain))
+                variants.append((f"gluon {bn}x{bk}x{st} {per_sm * sms} programs{'' if wait else ' no wait'}", chain))
     variants += [("skinny (again)", skinny)] + ([("resident (again)", resident)] if None not in cfgs else [])
     time_variants(variants, lambda: a.copy_(a0), lambda name: a, ref, w_size * 2, len(rows), args.out)
 
