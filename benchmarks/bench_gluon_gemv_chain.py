@@ -29,14 +29,11 @@ python benchmarks/bench_gluon_gemv_chain.py --out FILE       # GPU: us for the c
 """
 
 import argparse
-import os
-import re
-import subprocess
-import tempfile
 
 import torch
 import triton
 from bench_persistent_gemv import QWEN3_LAYER, chain_meta, random_chain, reference, time_variants
+from kernel_regs import ptxas_stats
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -244,18 +241,7 @@ def compile_sm90(block_n: int, block_k: int, stages: int, max_k: int, maxnreg: i
     names = list(sig)
     src = GluonASTSource(_chain_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = next(p for p in (os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")) if os.path.exists(p))
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(k.asm["ptx"])
-        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True).stderr
-    regs = re.search(r"Used (\d+) registers", err)
-    return dict(regs=int(regs.group(1)) if regs else None, smem=k.metadata.shared,
-                spill_bytes=sum(map(int, re.findall(r"(\d+) bytes spill stores", err))),
-                tma="cp.async.bulk.tensor" in k.asm["ptx"], ptxas_errors=err if "error" in err else "")
+    return dict(ptxas_stats(k.asm["ptx"]), smem=k.metadata.shared, tma="cp.async.bulk.tensor" in k.asm["ptx"])
 
 
 def main() -> None:

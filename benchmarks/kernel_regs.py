@@ -14,8 +14,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ostinato.layers.triton_ops import conv_extend, ssd_scan
-
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTR_TYPES = dict(x_ptr="bf16", b_ptr="bf16", c_ptr="bf16", dt_ptr="bf16", w_ptr="bf16", out_ptr="bf16",
                  slot_ptr="i64", cu_ptr="i32", req_ptr="i32", chunk_cu_ptr="i32", chunk_req_ptr="i32",
@@ -47,20 +45,29 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, ptr_types: dict | None = 
                 attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps))
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(k.asm["ptx"])
-        err = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True).stderr
-    regs = re.search(r"Used (\d+) registers", err)
     ptx = k.asm["ptx"]
-    return dict(regs=int(regs.group(1)) if regs else None,
-                spill_bytes=sum(map(int, re.findall(r"(\d+) bytes spill stores", err))), smem=k.metadata.shared,
+    return dict(ptxas_stats(ptx), smem=k.metadata.shared,
                 mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none")
 
 
+def ptxas_stats(ptx: str) -> dict:
+    """Registers a thread and spilled bytes that ptxas -v reports for sm_90a PTX (regs None where it failed; its
+    error text then in `ptxas_errors`)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        err = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", err)
+    return dict(regs=int(regs.group(1)) if regs else None,
+                spill_bytes=sum(map(int, re.findall(r"(\d+) bytes spill stores", err))),
+                **({"ptxas_errors": err} if "error" in err else {}))
+
+
 def main() -> None:
+    from ostinato.layers.triton_ops import conv_extend, ssd_scan
+
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     shape = dict(HEADS_PER_GROUP=48, P=64, N=128, H=48, PRECISION="low", HAS_COUNTS=False)
     cases = [("conv extend", conv_extend._conv_extend_kernel, dict(HAS_BIAS=True, K=4, BLOCK_T=bt, BLOCK_D=bd), 4)
