@@ -28,7 +28,8 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 part=${1:-tests}
-quiet() { grep --line-buffered -vE "it/s\]|Generating|Capturing|Compiling"; }
+# (a progress bar ends its updates in \r: a row printed after one would share its line and be dropped with it)
+quiet() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|Generating|Capturing|Compiling"; }
 # a group's whole output goes to $OUT/<name>.full.log as it comes (a call cut short still brings back what ran),
 # and its last lines to $OUT/<name>.log and the terminal
 keep() { tee "$OUT/$1.full.log" | tail -"$2" | tee "$OUT/$1.log"; }
