@@ -32,7 +32,7 @@ import argparse
 
 import torch
 import triton
-from bench_persistent_gemv import QWEN3_LAYER, chain_meta, random_chain, reference, time_variants
+from bench_persistent_gemv import QWEN3_LAYER, chain_meta, parse_tile, random_chain, reference, time_variants
 from kernel_regs import ptxas_stats
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -254,7 +254,14 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true", help="CPU: compile each --tiles for sm_90 and report")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles]
+    tiles = []
+    for spec in args.tiles:  # BLOCK_N x BLOCK_K x ring slots (parse_tile's stages)
+        bn, bk, st, _ = parse_tile(ap, spec, QWEN3_LAYER)
+        if spec.count("x") != 2:
+            ap.error(f"--tiles {spec!r}: BLOCK_N x BLOCK_K x ring slots (the compute warps are always 4)")
+        if bn > 256 or bk > 256:
+            ap.error(f"--tiles {spec!r}: a TMA box is at most 256 elements a side")
+        tiles.append((bn, bk, st))
     max_k = max(k for _, k in QWEN3_LAYER)
     if args.compile_only:
         for bn, bk, st in tiles:
