@@ -29,6 +29,7 @@ python benchmarks/bench_gluon_gemv_chain.py --out FILE       # GPU: us for the c
 """
 
 import argparse
+import json
 
 import torch
 import triton
@@ -41,6 +42,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # a GEMV's row in the plan: row tiles, K tiles, first tile, input offset, output offset, order (plan_for)
 PLAN_COLS = gl.constexpr(6)
+# the compute warps' modes (_compute)
+CHAIN, NO_WAIT, DRAIN = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+MODES = {"chain": 0, "no wait": 1, "drain": 2}
 
 
 @gluon.jit
@@ -60,14 +64,15 @@ def _plan_row(Plan, g):
 
 @gluon.jit
 def _loader(w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The loader warp: this program's tiles of every GEMV, in the order the compute warps take them, each into the
-    next ring slot once the compute warps have released it (a slot's first use waits on nothing)."""
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+    """The loader warp: this program's tiles of every GEMV, in the order the compute warps take them, GROUP K tiles
+    of a row tile (contiguous in the tiled weights: one TMA box) into the next ring slot once the compute warps have
+    released it (a slot's first use waits on nothing)."""
     i = 0
     for g in range(num_gemvs):
         rows, k_tiles, first, _, _, order = _plan_row(Plan, g)
         for r in range(_first_row(pid, order, num_programs), rows, num_programs):
-            for c in range(k_tiles):
+            for c in range(0, k_tiles, GROUP):
                 s = i % STAGES
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
@@ -87,61 +92,110 @@ def _wait_count(Count, target, max_spins):
 
 
 @gluon.jit
-def _compute(A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_programs, max_spins,
-             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, X_CHUNKS: gl.constexpr,
-             WAIT: gl.constexpr):
-    """The compute warps: y_g[rows of a tile] = W_g[those rows] @ x_g, x_g the output of GEMV g - 1 (or the chain's
-    input), for this program's row tiles of each GEMV in turn. Without WAIT nothing waits for x (wrong sums: the
-    rate the ring streams at when waiting is free)."""
-    tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    col_layout: gl.constexpr = gl.SliceLayout(0, tile_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, tile_layout)
-    offs_k = gl.arange(0, BLOCK_K, col_layout)
-    offs_n = gl.arange(0, BLOCK_N, row_layout)
-    i = 0
-    for g in range(num_gemvs):
-        rows, k_tiles, _, in_off, out_off, order = _plan_row(Plan, g)
-        start = _first_row(pid, order, num_programs)
-        if start < rows:
-            if WAIT and g > 0:  # every row tile of GEMV g - 1 stored: x is whole
-                _wait_count(Counts + g - 1, gl.load(Plan + (g - 1) * PLAN_COLS), max_spins)
-            for xc in gl.static_range(X_CHUNKS):  # x once into shared memory (.cg: other SMs wrote it)
-                if xc < k_tiles:
-                    x_smem.index(xc).store(gl.load(A + in_off + xc * BLOCK_K + offs_k, cache_modifier=".cg"))
-            gl.thread_barrier()
-            for r in range(start, rows, num_programs):
-                acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, tile_layout)
-                for c in range(k_tiles):
-                    s = i % STAGES
-                    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                    w = bufs.index(s).load(tile_layout)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    x = x_smem.index(c).load(col_layout)
-                    acc += w.to(gl.float32) * gl.expand_dims(x.to(gl.float32), 0)
-                    i += 1
-                gl.store(A + out_off + r * BLOCK_N + offs_n, gl.sum(acc, axis=1).to(A.dtype.element_ty))
-                gl.thread_barrier()  # every warp's stores of the tile before the count's release
-                gl.atomic_add(Counts + g, 1, sem="release", scope="gpu")
-            gl.thread_barrier()  # x_smem is rewritten for the next GEMV only once every warp has read it
+def _now():
+    """The GPU's nanosecond clock (%globaltimer), the same on every SM."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _chain_kernel(w_desc, A, Plan, Counts, num_gemvs, max_spins, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, X_CHUNKS: gl.constexpr, LOADER_REGS: gl.constexpr, WAIT: gl.constexpr = True):
+def _stamp(Trace, pid, g, num_gemvs, j, TRACE: gl.constexpr):
+    """With TRACE, time j of this program's GEMV g into Trace[pid, g, j] (TRACE_POINTS)."""
+    if TRACE:
+        gl.store(Trace + (pid * num_gemvs + g) * 4 + j, _now())
+
+
+@gluon.jit
+def _compute(A, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num_gemvs, pid, num_programs, max_spins,
+             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+             X_CHUNKS: gl.constexpr, MODE: gl.constexpr, RELEASE_EACH_TILE: gl.constexpr, TRACE: gl.constexpr):
+    """The compute warps: y_g[rows of a tile] = W_g[those rows] @ x_g, x_g the output of GEMV g - 1 (or the chain's
+    input), for this program's row tiles of each GEMV in turn, GROUP K tiles (one ring slot) at a time: one wait,
+    one load and one release a slot, since each step of the loop is a chain of latencies (wait, shared-memory load,
+    the barrier before the release), not of issue.
+    MODE: CHAIN waits for x; NO_WAIT does not (wrong sums: the rate when waiting is free); DRAIN only takes slots
+    from the ring and frees them (the ring's own rate). The count of GEMV g is raised after each stored row tile
+    (RELEASE_EACH_TILE) or once, by the program's row tiles, after its last: a release costs a memory fence."""
+    # a slot as [GROUP, BLOCK_N, BLOCK_K]: each thread holds its (row, columns) of every K tile of the group, so the
+    # sum over the group stays in the thread; a warp spans min(32, BLOCK_K / 8) lanes of 8 columns along K
+    lanes_k: gl.constexpr = 32 if BLOCK_K >= 256 else BLOCK_K // 8
+    slot_layout: gl.constexpr = gl.BlockedLayout([GROUP, 1, 8], [1, 32 // lanes_k, lanes_k],
+                                                 [1, gl.num_warps(), 1], [2, 1, 0])
+    acc_layout: gl.constexpr = gl.SliceLayout(0, slot_layout)
+    x_layout: gl.constexpr = gl.SliceLayout(1, slot_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    offs_n = gl.arange(0, BLOCK_N, row_layout)
+    whole_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // lanes_k, lanes_k], [gl.num_warps(), 1], [1, 0])
+    offs_chunk = gl.arange(0, X_CHUNKS, gl.SliceLayout(1, whole_layout))
+    offs_k = gl.arange(0, BLOCK_K, gl.SliceLayout(0, whole_layout))
+    i = 0
+    for g in range(num_gemvs):
+        rows, k_tiles, _, in_off, out_off, order = _plan_row(Plan, g)
+        in_off = gl.multiple_of(in_off, 16)  # activation offsets are multiples of 1024: x loads as 16-byte words
+        out_off = gl.multiple_of(out_off, 16)
+        start = _first_row(pid, order, num_programs)
+        if MODE == DRAIN:
+            for _ in range(gl.maximum(rows - start + num_programs - 1, 0) // num_programs * (k_tiles // GROUP)):
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                mbarrier.arrive(empty.index(s), count=1)
+                i += 1
+        elif start < rows:
+            _stamp(Trace, pid, g, num_gemvs, 0, TRACE)
+            if MODE == CHAIN and g > 0:  # every row tile of GEMV g - 1 stored: x is whole
+                _wait_count(Counts + g - 1, gl.load(Plan + (g - 1) * PLAN_COLS), max_spins)
+            _stamp(Trace, pid, g, num_gemvs, 1, TRACE)
+            # x once into shared memory, in one load (one L2 round trip; .cg: other SMs wrote it)
+            x_all = gl.load(A + in_off + gl.expand_dims(offs_chunk, 1) * BLOCK_K + gl.expand_dims(offs_k, 0),
+                            mask=gl.expand_dims(offs_chunk, 1) < k_tiles, cache_modifier=".cg")
+            x_whole.store(x_all)
+            gl.thread_barrier()
+            _stamp(Trace, pid, g, num_gemvs, 2, TRACE)
+            for r in range(start, rows, num_programs):
+                acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, acc_layout)
+                for c in range(0, k_tiles, GROUP):
+                    s = i % STAGES
+                    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                    w = slots.index(s).load(slot_layout)
+                    mbarrier.arrive(empty.index(s), count=1)
+                    x = x_groups.index(c // GROUP).load(x_layout)
+                    acc += gl.sum(w.to(gl.float32) * gl.expand_dims(x.to(gl.float32), 1), axis=0)
+                    i += 1
+                gl.store(A + out_off + r * BLOCK_N + offs_n, gl.sum(acc, axis=1).to(A.dtype.element_ty))
+                if RELEASE_EACH_TILE:
+                    gl.thread_barrier()  # every warp's stores of the tile before the count's release
+                    gl.atomic_add(Counts + g, 1, sem="release", scope="gpu")
+            gl.thread_barrier()  # (and x is rewritten for the next GEMV only once every warp has read it)
+            _stamp(Trace, pid, g, num_gemvs, 3, TRACE)
+            if not RELEASE_EACH_TILE:
+                gl.atomic_add(Counts + g, (rows - start + num_programs - 1) // num_programs, sem="release",
+                              scope="gpu")
+
+
+@gluon.jit
+def _chain_kernel(w_desc, A, Plan, Counts, Trace, num_gemvs, max_spins, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr, GROUP: gl.constexpr, X_CHUNKS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                  MODE: gl.constexpr = 0, RELEASE_EACH_TILE: gl.constexpr = False, TRACE: gl.constexpr = False):
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
-    bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    # ring slots of GROUP K tiles ([GROUP * BLOCK_N, BLOCK_K], the TMA box); the compute warps read a slot through
+    # a [GROUP, BLOCK_N, BLOCK_K] view of the same bytes (unswizzled rows: row-major, as TMA writes them)
+    bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, GROUP * BLOCK_N, BLOCK_K], w_desc.layout)
+    slots = bufs._reinterpret(w_desc.dtype, [STAGES, GROUP, BLOCK_N, BLOCK_K],
+                              gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    x_smem = gl.allocate_shared_memory(w_desc.dtype, [X_CHUNKS, BLOCK_K],
-                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # x in shared memory: stored whole ([X_CHUNKS, BLOCK_K]), read a slot's GROUP chunks at a time
+    x_whole = gl.allocate_shared_memory(w_desc.dtype, [X_CHUNKS, BLOCK_K],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    x_groups = x_whole._reinterpret(w_desc.dtype, [X_CHUNKS // GROUP, GROUP, BLOCK_K],
+                                    gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     gl.warp_specialize([
-        (_compute, (A, Plan, Counts, bufs, ready, empty, x_smem, num_gemvs, pid, num_programs, max_spins, BLOCK_N,
-                    BLOCK_K, STAGES, X_CHUNKS, WAIT)),
-        (_loader, (w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs, BLOCK_N, STAGES)),
+        (_compute, (A, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num_gemvs, pid, num_programs,
+                    max_spins, BLOCK_N, BLOCK_K, STAGES, GROUP, X_CHUNKS, MODE, RELEASE_EACH_TILE, TRACE)),
+        (_loader, (w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs, BLOCK_N, STAGES, GROUP)),
     ], [1], [LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -149,7 +203,7 @@ def _chain_kernel(w_desc, A, Plan, Counts, num_gemvs, max_spins, BLOCK_N: gl.con
 
 
 def tile_layout() -> gl.NVMMASharedLayout:
-    """The ring slots' layout: unswizzled rows (a tile's 512-byte rows exceed the 128-byte swizzle's box)."""
+    """The ring slots' layout: unswizzled rows (the compute warps read slots as plain row-major bytes)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
@@ -197,6 +251,40 @@ def tile_schedule(plan: torch.Tensor, programs: int) -> list[list[tuple[int, int
     return out
 
 
+def slot_schedule(plan: torch.Tensor, programs: int, group: int) -> list[list[tuple[int, int, int, int]]]:
+    """Each program's ring slots in order, as _loader copies them: (GEMV, row tile, first K tile, descriptor row
+    of the box), a box being `group` consecutive tiles."""
+    rows = plan.view(-1, PLAN_COLS.value).tolist()
+    return [[(g, r, c, first + r * k_tiles + c)
+             for g, (n_tiles, k_tiles, first, _, _, order) in enumerate(rows)
+             for r in range(first_row(pid, order, programs), n_tiles, programs)
+             for c in range(0, k_tiles, group)] for pid in range(programs)]
+
+
+def trace_report(trace: torch.Tensor) -> dict:
+    """Where a chain's time goes, from TRACE's stamps ([programs, GEMVs, 4] ns: start, waited, x stored, tiles
+    stored; 0 where a program has no tile of a GEMV), in us averaged over GEMVs 1..: `period` from the last program
+    done with GEMV g - 1 to the last done with g; `notice` from that last one to the first / last program past its
+    wait (the release seen); `x` the x load; `tiles` a program's share of tiles after x, mean and slowest."""
+    t = trace.double() / 1e3
+    has = t[:, :, 0] > 0
+    big = torch.tensor(float("inf"), dtype=t.dtype)
+    last_done = torch.where(has, t[:, :, 3], -big).amax(0)
+    first_past = torch.where(has, t[:, :, 1], big).amin(0)
+    last_past = torch.where(has, t[:, :, 1], -big).amax(0)
+
+    def mean(v: torch.Tensor) -> float:
+        return round(v[1:].mean().item(), 3)
+
+    def mean_has(v: torch.Tensor) -> torch.Tensor:  # over the programs with tiles, a GEMV each
+        return torch.where(has, v, 0).sum(0) / has.sum(0)
+
+    return dict(period=mean(last_done.diff(prepend=last_done[:1])),
+                notice_first=mean(first_past - last_done.roll(1)), notice_last=mean(last_past - last_done.roll(1)),
+                x=mean(mean_has(t[:, :, 2] - t[:, :, 1])), tiles=mean(mean_has(t[:, :, 3] - t[:, :, 2])),
+                tiles_slowest=mean(torch.where(has, t[:, :, 3] - t[:, :, 2], -big).amax(0)))
+
+
 def emulate_chain(w_tiled: torch.Tensor, plan: torch.Tensor, a: torch.Tensor, programs: int, block_n: int,
                   block_k: int) -> torch.Tensor:
     """The chain computed as the kernel computes it, from the tiles of `tile_schedule` read through the
@@ -218,26 +306,30 @@ def emulate_chain(w_tiled: torch.Tensor, plan: torch.Tensor, a: torch.Tensor, pr
     return a
 
 
-def descriptor(w_tiled: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+def descriptor(w_tiled: torch.Tensor, block_n: int, block_k: int, group: int = 1) -> TensorDescriptor:
+    """The tiled weights as [tiles * BLOCK_N, BLOCK_K] rows, in boxes of `group` consecutive tiles."""
     view = w_tiled.view(-1, block_k)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [block_n, block_k], tile_layout())
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [group * block_n, block_k], tile_layout())
 
 
-def settings(block_n: int, block_k: int, stages: int, max_k: int, loader_regs: int = 32) -> dict:
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, X_CHUNKS=triton.next_power_of_2(max_k // block_k),
-                LOADER_REGS=loader_regs)
+def settings(block_n: int, block_k: int, stages: int, group: int, max_k: int, loader_regs: int = 32) -> dict:
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP=group,
+                X_CHUNKS=max(group, triton.next_power_of_2(max_k // block_k)), LOADER_REGS=loader_regs)
 
 
-def compile_sm90(block_n: int, block_k: int, stages: int, max_k: int, maxnreg: int, num_warps: int = 4) -> dict:
+def compile_sm90(block_n: int, block_k: int, stages: int, group: int, max_k: int, maxnreg: int,
+                 num_warps: int = 4, mode: str = "chain", trace: bool = False) -> dict:
     """Compile for sm_90 without a GPU; ptxas -v's registers, and the kernel's shared memory."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     fake = torch.empty(1024, block_k, dtype=torch.bfloat16)
-    consts = settings(block_n, block_k, stages, max_k)
-    sig = {"w_desc": mangle_type(descriptor(fake, block_n, block_k)), "A": "*bf16", "Plan": "*i32",
-           "Counts": "*i32", "num_gemvs": "i32", "max_spins": "i32", **{k: "constexpr" for k in consts}}
+    consts = dict(settings(block_n, block_k, stages, group, max_k), MODE=MODES[mode], RELEASE_EACH_TILE=False,
+                  TRACE=trace)
+    sig = {"w_desc": mangle_type(descriptor(fake, block_n, block_k, group)), "A": "*bf16", "Plan": "*i32",
+           "Counts": "*i32", "Trace": "*i64", "num_gemvs": "i32", "max_spins": "i32",
+           **{k: "constexpr" for k in consts}}
     names = list(sig)
     src = GluonASTSource(_chain_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
@@ -248,24 +340,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="persistent programs an SM, a pass each")
-    ap.add_argument("--tiles", nargs="+", default=["16x256x8"], help="BLOCK_N x BLOCK_K x ring slots")
+    ap.add_argument("--tiles", nargs="+", default=["16x256x6x4"],
+                    help="BLOCK_N x BLOCK_K x ring slots [x K tiles a slot, a power of two (default 1)]")
     ap.add_argument("--maxnreg", type=int, default=128,
                     help="registers a thread (the compute warps get what the loader leaves): 2 programs an SM at 128")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                    help="chain: the real chain; no wait: no waits (wrong sums); drain: the ring alone")
+    ap.add_argument("--release", nargs="+", choices=["gemv", "tile"], default=["gemv", "tile"],
+                    help="raise a GEMV's count once a program (gemv) or after each row tile (tile)")
+    ap.add_argument("--warps", type=int, nargs="+", default=[4], help="compute warps a program, a pass each")
+    ap.add_argument("--trace", action="store_true",
+                    help="run each chain-mode variant once more with time stamps and report where its time goes")
     ap.add_argument("--compile-only", action="store_true", help="CPU: compile each --tiles for sm_90 and report")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiles = []
-    for spec in args.tiles:  # BLOCK_N x BLOCK_K x ring slots (parse_tile's stages)
-        bn, bk, st, _ = parse_tile(ap, spec, QWEN3_LAYER)
-        if spec.count("x") != 2:
-            ap.error(f"--tiles {spec!r}: BLOCK_N x BLOCK_K x ring slots (the compute warps are always 4)")
-        if bn > 256 or bk > 256:
-            ap.error(f"--tiles {spec!r}: a TMA box is at most 256 elements a side")
-        tiles.append((bn, bk, st))
+    for spec in args.tiles:
+        bn, bk, st, group = parse_tile(ap, spec, QWEN3_LAYER)  # (its 4th field is warps there, K tiles a slot here)
+        group = group if spec.count("x") == 3 else 1
+        if group & (group - 1) or any(k // bk % group for _, k in QWEN3_LAYER):
+            ap.error(f"--tiles {spec!r}: K tiles a slot must be a power of two that divides every K / BLOCK_K")
+        if bn * group > 256 or bk > 256:
+            ap.error(f"--tiles {spec!r}: a TMA box (BLOCK_N * K tiles a slot, BLOCK_K) is at most 256 a side")
+        tiles.append((bn, bk, st, group))
     max_k = max(k for _, k in QWEN3_LAYER)
     if args.compile_only:
-        for bn, bk, st in tiles:
-            print(f"{bn}x{bk}x{st}: {compile_sm90(bn, bk, st, max_k, args.maxnreg)}", flush=True)
+        for bn, bk, st, group in tiles:
+            for mode in args.modes:
+                stats = compile_sm90(bn, bk, st, group, max_k, args.maxnreg, mode=mode)
+                print(f"{bn}x{bk}x{st}x{group} {mode}: {stats}", flush=True)
         return
     from ostinato.layers.triton_ops import resident_gemv
     from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
@@ -289,20 +392,40 @@ def main() -> None:
 
     variants = [("skinny", skinny)] + ([("resident (the engine's)", resident)] if None not in cfgs else [])
     counts = torch.zeros(len(rows), dtype=torch.int32, device=dev)
-    for bn, bk, st in tiles:
+    trace = torch.zeros(1, dtype=torch.int64, device=dev)  # (unused without TRACE)
+    traces: dict[str, dict] = {}
+    for bn, bk, st, group in tiles:
         w_tiled, plan = tiled_weights(w, rows, bn, bk), plan_for(rows, bn, bk, dev)
-        desc = descriptor(w_tiled, bn, bk)
-        cfg = settings(bn, bk, st, max_k)
-        for per_sm in args.per_sm:
-            for wait in (True, False):
-                def chain(desc=desc, plan=plan, programs=per_sm * sms, cfg=cfg, wait=wait) -> None:
+        desc = descriptor(w_tiled, bn, bk, group)
+        cfg = settings(bn, bk, st, group, max_k)
+        for per_sm, warps in [(p, nw) for p in args.per_sm for nw in args.warps]:
+            for mode, release in [(m, r) for m in args.modes for r in (args.release if m != "drain" else ["-"])]:
+                def chain(desc=desc, plan=plan, programs=per_sm * sms, cfg=cfg, mode=MODES[mode],
+                          each=release == "tile", warps=warps) -> None:
                     counts.zero_()
-                    _chain_kernel[(programs,)](desc, a, plan, counts, len(rows), 1 << 14, **cfg, WAIT=wait,
-                                               num_warps=4, maxnreg=args.maxnreg)
+                    _chain_kernel[(programs,)](desc, a, plan, counts, trace, len(rows), 1 << 14, **cfg, MODE=mode,
+                                               RELEASE_EACH_TILE=each, num_warps=warps, maxnreg=args.maxnreg)
 
-                variants.append((f"gluon {bn}x{bk}x{st} {per_sm * sms} programs{'' if wait else ' no wait'}", chain))
+                if args.trace and mode == "chain":
+                    programs = per_sm * sms
+                    stamps = torch.zeros(programs, len(rows), 4, dtype=torch.int64, device=dev)
+                    counts.zero_()
+                    _chain_kernel[(programs,)](desc, a, plan, counts, stamps, len(rows), 1 << 14, **cfg,
+                                               MODE=MODES[mode], RELEASE_EACH_TILE=release == "tile", TRACE=True,
+                                               num_warps=warps, maxnreg=args.maxnreg)
+                    traces[f"{bn}x{bk}x{st}x{group} {programs}x{warps}w {release}"] = trace_report(stamps.cpu())
+
+                label = mode if mode == "drain" else f"{mode}, release a {release}"
+                variants.append((f"gluon {bn}x{bk}x{st}x{group} {per_sm * sms}x{warps}w {label}", chain))
     variants += [("skinny (again)", skinny)] + ([("resident (again)", resident)] if None not in cfgs else [])
     time_variants(variants, lambda: a.copy_(a0), lambda name: a, ref, w_size * 2, len(rows), args.out)
+    for name, report in traces.items():
+        print(f"trace {name}: {report}", flush=True)
+    if args.out and traces:
+        with open(args.out) as f:
+            report = json.load(f)
+        with open(args.out, "w") as f:
+            json.dump(dict(report, traces=traces), f, indent=1)
 
 
 if __name__ == "__main__":

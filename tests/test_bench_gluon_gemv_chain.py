@@ -48,6 +48,28 @@ def test_schedule_covers_every_tile_once_and_computes_the_chain(programs, block_
     assert err < 2e-2, err
 
 
+@pytest.mark.parametrize("group", [2, 4])
+def test_a_slot_box_holds_its_group_of_k_tiles(group):
+    """A ring slot is one TMA box of `group` tiles ([group * BLOCK_N, BLOCK_K] rows from the slot's descriptor row),
+    read by the compute warps as [group, BLOCK_N, BLOCK_K]: box u must be W_g's block (r, c + u), and the slots,
+    expanded, must be the tile order the kernels' index math walks."""
+    block_n, block_k, programs = 16, 32, 5  # K tiles 8, 16, 8, 12: every group divides them
+    _, w_size, _, rows = chain_meta(2, torch.device("cpu"), SMOKE_LAYER)
+    w = torch.randn(w_size, generator=torch.Generator().manual_seed(group)).to(torch.bfloat16)
+    w_tiled = gluon_chain.tiled_weights(w, rows, block_n, block_k)
+    plan = gluon_chain.plan_for(rows, block_n, block_k, torch.device("cpu"))
+    view = w_tiled.view(-1, block_k)
+    slots = gluon_chain.slot_schedule(plan, programs, group)
+    for seq, tiles in zip(slots, gluon_chain.tile_schedule(plan, programs), strict=True):
+        assert [(g, r, c + u, row + u) for g, r, c, row in seq for u in range(group)] == tiles
+        for g, r, c, row in seq:
+            n, k, wo, _, _ = rows[g]
+            box = view[row * block_n : (row + group) * block_n].view(group, block_n, block_k)
+            w_g = w[wo : wo + n * k].view(n, k)[r * block_n : (r + 1) * block_n]
+            for u in range(group):
+                assert torch.equal(box[u], w_g[:, (c + u) * block_k : (c + u + 1) * block_k])
+
+
 def test_row_tiles_are_dealt_round_robin_in_chain_order():
     """Row tile r of GEMV g goes to program (order_g + r) % programs: consecutive tiles of the chain, across GEMV
     boundaries, on consecutive programs, so a program with no tile in a small GEMV loads its next one early."""
@@ -61,3 +83,26 @@ def test_row_tiles_are_dealt_round_robin_in_chain_order():
 def test_shapes_that_do_not_tile_are_refused():
     with pytest.raises(ValueError, match="K = 384 must be a multiple of BLOCK_K 256"):
         gluon_chain.tiled_weights(torch.zeros(256 * 384, dtype=torch.bfloat16), [(256, 384, 0, 0, 0)], 16, 256)
+
+
+def test_trace_report_reads_the_stamps():
+    """A made-up trace of 3 programs and 3 GEMVs (ns): program 2 has no tile of GEMV 1. Each GEMV g >= 1 starts
+    for everyone when the last program is done with g - 1; its figures are computed here by hand."""
+    done = [[1000, 5000, 9000], [1400, 5600, 9800], [1200, 0, 9400]]  # stage 3; 0: no tile
+    trace = torch.zeros(3, 3, 4, dtype=torch.int64)
+    for p in range(3):
+        for g in range(3):
+            if done[p][g]:
+                past = 1400 + 700 * p if g == 1 else 5600 + 500 * p if g == 2 else 100  # stage 1
+                trace[p, g] = torch.tensor([past - 50, past, past + 900, done[p][g]])
+    report = gluon_chain.trace_report(trace)
+    # last done: 1400, 5600, 9800 -> periods 4.2, 4.2 us
+    assert report["period"] == pytest.approx(4.2)
+    # GEMV 1: first past 1400 (-0 after 1400), last past 2100 (p 1); GEMV 2: 5600 / 6600 after 5600
+    assert report["notice_first"] == pytest.approx(0.0)
+    assert report["notice_last"] == pytest.approx((0.7 + 1.0) / 2)
+    assert report["x"] == pytest.approx(0.9)
+    # tiles after x: GEMV 1 p0 5000-2300, p1 5600-3000 -> mean 2.65, slowest 2.7; GEMV 2 p0 9000-6500,
+    # p1 9800-7000, p2 9400-7500 -> mean 2.4, slowest 2.8
+    assert report["tiles"] == pytest.approx((2.65 + 2.4) / 2)
+    assert report["tiles_slowest"] == pytest.approx((2.7 + 2.8) / 2)
