@@ -1,31 +1,40 @@
-"""Experiment for #16 (bs-1 decode), compiled for sm_90 on a CPU but NOT YET RUN ON A GPU: the GEMV chain of
-bench_persistent_gemv.py (Qwen3-0.6B's 112 projections at one row, 881 MB) in one persistent Gluon kernel whose
-weight reads never wait for an activation.
+"""Experiment for #16 (bs-1 decode): a model's chain of one-row GEMVs (Qwen3-0.6B's 112 projections, 881 MB, or
+Llama-3.2-1B's 64, 1.95 GB) in one persistent Gluon kernel whose weight reads never wait for an activation.
 
-Every Triton form of the chain so far (bench_persistent_gemv.py, docs/gpu-notes.md's twenty-second session) loads W
+Every Triton form of the chain before (bench_persistent_gemv.py, docs/gpu-notes.md's twenty-second session) loads W
 in the same warps that wait for x: while a program waits for the GEMV before to finish, it asks HBM for nothing.
 Here each program is warp-specialized with Gluon (Triton's lower-level dialect, in the GPU machines' Triton 3.6):
-- a loader warp walks the program's share of every GEMV's weight tiles in chain order and copies each into a ring of
-  shared-memory slots with TMA, waiting only for a free slot, so it runs ahead across GEMV boundaries;
-- four compute warps take the tiles from the ring. Before a GEMV's first tile they wait until every row tile of the
-  GEMV before is stored (a count a GEMV, raised with release order by each stored tile), then read x once into
-  shared memory, multiply, store their rows of y and raise the count.
-So HBM keeps streaming W while the compute warps wait; what a wait costs is only what the ring cannot cover.
+- a loader warp walks the program's share of every GEMV's weight tiles in chain order and copies them by TMA into a
+  ring of shared-memory slots (a slot: GROUP consecutive K tiles of a row tile, one box), waiting only for a free
+  slot, so it runs ahead across GEMV boundaries;
+- four compute warps take slots from the ring. Before a GEMV's first tile they wait until every row tile of the
+  GEMV before is stored (a count a GEMV, raised with release order once by each program, or after each row tile),
+  read x once into shared memory in one load, multiply, store their rows of y and raise the count.
+So HBM keeps streaming W while the compute warps wait; what a wait costs is what the ring cannot cover.
+
+What it showed on an H200 (docs/gpu-notes.md, thirty-eighth session): the ring alone streams at the copy rate, and
+the chain is correct, but every GEMV boundary costs about 2 us on the critical path (the releasing program's fence
+under the weight stream, the count seen, x's round trip), and a program's share of a GEMV then takes the compute
+warps longer than its bytes take HBM; so the chain ran 35% (Qwen3-0.6B) and 6% (Llama-3.2-1B) slower than the
+engine's one launch a GEMV. `--modes` isolates the parts: `drain` (the ring alone), `compute` (the compute warps
+alone), `no wait`, `tags` (waits on tagged data in place of counts), and `--trace` times each program's phases.
 
 Weights are re-laid out once as [BLOCK_N, BLOCK_K] tiles, each contiguous, so one 2-D tensor descriptor covers the
 whole chain (a tile is rows t * BLOCK_N .. of the [tiles * BLOCK_N, BLOCK_K] view). Row tiles are dealt to programs
 round-robin in chain order, so a program with no tile in a small GEMV (o, down) loads its next one early. Every
-program must be resident at once (the waits spin), so the grid is a few programs an SM.
+program must be resident at once (the waits spin, capped: a grid that is not shows as wrong sums), so the grid is a
+few programs an SM.
 
 Gluon's API moves from release to release: this is written for Triton 3.6, the GPU machines' version (the CPU
 venv's newer Triton does not compile it; `pip install --no-deps --target /tmp/t36 triton==3.6.0` and put /tmp/t36
 first on PYTHONPATH for --compile-only).
 
 python benchmarks/bench_gluon_gemv_chain.py --compile-only   # CPU: sm_90 registers and shared memory (ptxas -v)
-timeout 120 python benchmarks/bench_gluon_gemv_chain.py --layers 1 --per-sm 1   # GPU, first: a wrong ring phase
-                                                                # would hang (mbarrier waits have no cap)
-python benchmarks/bench_gluon_gemv_chain.py --out FILE       # GPU: us for the chain beside the engine's GEMVs
-                                                             # (skinny and resident, run first and last)
+timeout 120 python benchmarks/bench_gluon_gemv_chain.py --layers 1 --per-sm 1   # GPU, first after a change to the
+                                                                # ring: a wrong phase hangs (mbarrier waits have no cap)
+python benchmarks/bench_gluon_gemv_chain.py --tiles 16x256x6x4 --modes chain "no wait" --release gemv --trace \
+    --out FILE                                               # GPU: us for the chain beside the engine's GEMVs
+                                                             # (run first and last), and where its time goes
 """
 
 import argparse
@@ -33,7 +42,15 @@ import json
 
 import torch
 import triton
-from bench_persistent_gemv import QWEN3_LAYER, chain_meta, parse_tile, random_chain, reference, time_variants
+from bench_persistent_gemv import (
+    LLAMA_1B_LAYER,
+    QWEN3_LAYER,
+    chain_meta,
+    parse_tile,
+    random_chain,
+    reference,
+    time_variants,
+)
 from kernel_regs import ptxas_stats
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -42,9 +59,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # a GEMV's row in the plan: row tiles, K tiles, first tile, input offset, output offset, order (plan_for)
 PLAN_COLS = gl.constexpr(6)
+# the chain's projections (N, K) a layer, and the layers, by model
+LAYERS = {"qwen3-0.6b": (QWEN3_LAYER, 28), "llama-3.2-1b": (LLAMA_1B_LAYER, 16)}
 # the compute warps' modes (_compute)
-CHAIN, NO_WAIT, DRAIN = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
-MODES = {"chain": 0, "no wait": 1, "drain": 2}
+CHAIN, NO_WAIT, DRAIN, TAGS, COMPUTE = (gl.constexpr(m) for m in range(5))
+MODES = {"chain": 0, "no wait": 1, "drain": 2, "tags": 3, "compute": 4}
 
 
 @gluon.jit
@@ -64,12 +83,12 @@ def _plan_row(Plan, g):
 
 @gluon.jit
 def _loader(w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MODE: gl.constexpr):
     """The loader warp: this program's tiles of every GEMV, in the order the compute warps take them, GROUP K tiles
     of a row tile (contiguous in the tiled weights: one TMA box) into the next ring slot once the compute warps have
-    released it (a slot's first use waits on nothing)."""
+    released it (a slot's first use waits on nothing). In COMPUTE mode it loads nothing."""
     i = 0
-    for g in range(num_gemvs):
+    for g in range(num_gemvs if MODE != COMPUTE else 0):
         rows, k_tiles, first, _, _, order = _plan_row(Plan, g)
         for r in range(_first_row(pid, order, num_programs), rows, num_programs):
             for c in range(0, k_tiles, GROUP):
@@ -105,16 +124,33 @@ def _stamp(Trace, pid, g, num_gemvs, j, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def _compute(A, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num_gemvs, pid, num_programs, max_spins,
-             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-             X_CHUNKS: gl.constexpr, MODE: gl.constexpr, RELEASE_EACH_TILE: gl.constexpr, TRACE: gl.constexpr):
+def _poll_tagged(ptrs, mask, tag, max_spins):
+    """x from tagged words (the bf16's bits low, the writing run's tag high), read again until every word carries
+    this run's tag: the data is its own flag, so its writers need no fence and no count."""
+    words = gl.load(ptrs, mask=mask, other=tag << 16, volatile=True)
+    spins = 0
+    while (gl.sum((((words >> 16) & 0xFFFF) != tag).to(gl.int32)) > 0) & (spins < max_spins):
+        words = gl.load(ptrs, mask=mask, other=tag << 16, volatile=True)
+        spins += 1
+    return (words & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _compute(A, A32, Epoch, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num_gemvs, pid,
+             num_programs, max_spins, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+             GROUP: gl.constexpr, X_CHUNKS: gl.constexpr, MODE: gl.constexpr, RELEASE_EACH_TILE: gl.constexpr,
+             TRACE: gl.constexpr):
     """The compute warps: y_g[rows of a tile] = W_g[those rows] @ x_g, x_g the output of GEMV g - 1 (or the chain's
     input), for this program's row tiles of each GEMV in turn, GROUP K tiles (one ring slot) at a time: one wait,
     one load and one release a slot, since each step of the loop is a chain of latencies (wait, shared-memory load,
     the barrier before the release), not of issue.
     MODE: CHAIN waits for x; NO_WAIT does not (wrong sums: the rate when waiting is free); DRAIN only takes slots
-    from the ring and frees them (the ring's own rate). The count of GEMV g is raised after each stored row tile
-    (RELEASE_EACH_TILE) or once, by the program's row tiles, after its last: a release costs a memory fence."""
+    from the ring and frees them (the ring's own rate); COMPUTE reads the slots as they are, with no loads into them
+    and no waits (wrong sums: the compute warps' own rate); TAGS keeps GEMV outputs in A32 as tagged words
+    (_poll_tagged), the run's tag being Epoch + 1, which program 0 stores when done (every program has read it by
+    then: all are resident, and program 0's last GEMVs wait on every program's first). In CHAIN the count of GEMV g
+    is raised after each stored row tile (RELEASE_EACH_TILE) or once, by the program's row tiles, after its last:
+    a release costs a memory fence."""
     # a slot as [GROUP, BLOCK_N, BLOCK_K]: each thread holds its (row, columns) of every K tile of the group, so the
     # sum over the group stays in the thread; a warp spans min(32, BLOCK_K / 8) lanes of 8 columns along K
     lanes_k: gl.constexpr = 32 if BLOCK_K >= 256 else BLOCK_K // 8
@@ -127,7 +163,10 @@ def _compute(A, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num
     whole_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // lanes_k, lanes_k], [gl.num_warps(), 1], [1, 0])
     offs_chunk = gl.arange(0, X_CHUNKS, gl.SliceLayout(1, whole_layout))
     offs_k = gl.arange(0, BLOCK_K, gl.SliceLayout(0, whole_layout))
+    epoch = gl.load(Epoch)
+    tag = (epoch + 1) & 0xFFFF
     i = 0
+    prev_rows = 0
     for g in range(num_gemvs):
         rows, k_tiles, _, in_off, out_off, order = _plan_row(Plan, g)
         in_off = gl.multiple_of(in_off, 16)  # activation offsets are multiples of 1024: x loads as 16-byte words
@@ -142,11 +181,15 @@ def _compute(A, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num
         elif start < rows:
             _stamp(Trace, pid, g, num_gemvs, 0, TRACE)
             if MODE == CHAIN and g > 0:  # every row tile of GEMV g - 1 stored: x is whole
-                _wait_count(Counts + g - 1, gl.load(Plan + (g - 1) * PLAN_COLS), max_spins)
+                _wait_count(Counts + g - 1, prev_rows, max_spins)
             _stamp(Trace, pid, g, num_gemvs, 1, TRACE)
             # x once into shared memory, in one load (one L2 round trip; .cg: other SMs wrote it)
-            x_all = gl.load(A + in_off + gl.expand_dims(offs_chunk, 1) * BLOCK_K + gl.expand_dims(offs_k, 0),
-                            mask=gl.expand_dims(offs_chunk, 1) < k_tiles, cache_modifier=".cg")
+            x_offs = in_off + gl.expand_dims(offs_chunk, 1) * BLOCK_K + gl.expand_dims(offs_k, 0)
+            x_mask = gl.expand_dims(offs_chunk, 1) < k_tiles
+            if MODE == TAGS and g > 0:
+                x_all = _poll_tagged(A32 + x_offs, x_mask, tag, max_spins)
+            else:
+                x_all = gl.load(A + x_offs, mask=x_mask, cache_modifier=".cg")
             x_whole.store(x_all)
             gl.thread_barrier()
             _stamp(Trace, pid, g, num_gemvs, 2, TRACE)
@@ -154,27 +197,38 @@ def _compute(A, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num
                 acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, acc_layout)
                 for c in range(0, k_tiles, GROUP):
                     s = i % STAGES
-                    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                    if MODE != COMPUTE:
+                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                     w = slots.index(s).load(slot_layout)
-                    mbarrier.arrive(empty.index(s), count=1)
+                    if MODE != COMPUTE:
+                        mbarrier.arrive(empty.index(s), count=1)
                     x = x_groups.index(c // GROUP).load(x_layout)
                     acc += gl.sum(w.to(gl.float32) * gl.expand_dims(x.to(gl.float32), 1), axis=0)
                     i += 1
-                gl.store(A + out_off + r * BLOCK_N + offs_n, gl.sum(acc, axis=1).to(A.dtype.element_ty))
-                if RELEASE_EACH_TILE:
+                y = gl.sum(acc, axis=1).to(A.dtype.element_ty)
+                if MODE == TAGS:
+                    gl.store(A32 + out_off + r * BLOCK_N + offs_n,
+                             (y.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) | (tag << 16))
+                else:
+                    gl.store(A + out_off + r * BLOCK_N + offs_n, y)
+                if RELEASE_EACH_TILE and MODE != TAGS:
                     gl.thread_barrier()  # every warp's stores of the tile before the count's release
                     gl.atomic_add(Counts + g, 1, sem="release", scope="gpu")
             gl.thread_barrier()  # (and x is rewritten for the next GEMV only once every warp has read it)
             _stamp(Trace, pid, g, num_gemvs, 3, TRACE)
-            if not RELEASE_EACH_TILE:
+            if not RELEASE_EACH_TILE and MODE != TAGS:
                 gl.atomic_add(Counts + g, (rows - start + num_programs - 1) // num_programs, sem="release",
                               scope="gpu")
+        prev_rows = rows
+    if MODE == TAGS and pid == 0:
+        gl.store(Epoch, epoch + 1)
 
 
 @gluon.jit
-def _chain_kernel(w_desc, A, Plan, Counts, Trace, num_gemvs, max_spins, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, GROUP: gl.constexpr, X_CHUNKS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                  MODE: gl.constexpr = 0, RELEASE_EACH_TILE: gl.constexpr = False, TRACE: gl.constexpr = False):
+def _chain_kernel(w_desc, A, A32, Epoch, Plan, Counts, Trace, num_gemvs, max_spins, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, X_CHUNKS: gl.constexpr,
+                  LOADER_REGS: gl.constexpr, MODE: gl.constexpr = 0, RELEASE_EACH_TILE: gl.constexpr = False,
+                  TRACE: gl.constexpr = False):
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
     # ring slots of GROUP K tiles ([GROUP * BLOCK_N, BLOCK_K], the TMA box); the compute warps read a slot through
@@ -193,9 +247,10 @@ def _chain_kernel(w_desc, A, Plan, Counts, Trace, num_gemvs, max_spins, BLOCK_N:
     x_groups = x_whole._reinterpret(w_desc.dtype, [X_CHUNKS // GROUP, GROUP, BLOCK_K],
                                     gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     gl.warp_specialize([
-        (_compute, (A, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num_gemvs, pid, num_programs,
-                    max_spins, BLOCK_N, BLOCK_K, STAGES, GROUP, X_CHUNKS, MODE, RELEASE_EACH_TILE, TRACE)),
-        (_loader, (w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs, BLOCK_N, STAGES, GROUP)),
+        (_compute, (A, A32, Epoch, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num_gemvs, pid,
+                    num_programs, max_spins, BLOCK_N, BLOCK_K, STAGES, GROUP, X_CHUNKS, MODE, RELEASE_EACH_TILE,
+                    TRACE)),
+        (_loader, (w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs, BLOCK_N, STAGES, GROUP, MODE)),
     ], [1], [LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -285,6 +340,16 @@ def trace_report(trace: torch.Tensor) -> dict:
                 tiles_slowest=mean(torch.where(has, t[:, :, 3] - t[:, :, 2], -big).amax(0)))
 
 
+def tagged(x: torch.Tensor, tag: int) -> torch.Tensor:
+    """bf16 values as the TAGS kernel stores them: int32 words, the bf16's bits low and the tag high."""
+    return (x.view(torch.int16).to(torch.int32) & 0xFFFF) | (tag << 16)
+
+
+def untagged(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 values, tags) of tagged words, as _poll_tagged reads them."""
+    return (words & 0xFFFF).to(torch.int16).view(torch.bfloat16), (words >> 16) & 0xFFFF
+
+
 def emulate_chain(w_tiled: torch.Tensor, plan: torch.Tensor, a: torch.Tensor, programs: int, block_n: int,
                   block_k: int) -> torch.Tensor:
     """The chain computed as the kernel computes it, from the tiles of `tile_schedule` read through the
@@ -327,7 +392,8 @@ def compile_sm90(block_n: int, block_k: int, stages: int, group: int, max_k: int
     fake = torch.empty(1024, block_k, dtype=torch.bfloat16)
     consts = dict(settings(block_n, block_k, stages, group, max_k), MODE=MODES[mode], RELEASE_EACH_TILE=False,
                   TRACE=trace)
-    sig = {"w_desc": mangle_type(descriptor(fake, block_n, block_k, group)), "A": "*bf16", "Plan": "*i32",
+    sig = {"w_desc": mangle_type(descriptor(fake, block_n, block_k, group)), "A": "*bf16", "A32": "*i32",
+           "Epoch": "*i32", "Plan": "*i32",
            "Counts": "*i32", "Trace": "*i64", "num_gemvs": "i32", "max_spins": "i32",
            **{k: "constexpr" for k in consts}}
     names = list(sig)
@@ -338,14 +404,16 @@ def compile_sm90(block_n: int, block_k: int, stages: int, group: int, max_k: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--model", choices=list(LAYERS), default="qwen3-0.6b", help="whose projections make the chain")
+    ap.add_argument("--layers", type=int, default=None, help="layers in the chain (default: the model's)")
     ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="persistent programs an SM, a pass each")
     ap.add_argument("--tiles", nargs="+", default=["16x256x6x4"],
                     help="BLOCK_N x BLOCK_K x ring slots [x K tiles a slot, a power of two (default 1)]")
     ap.add_argument("--maxnreg", type=int, default=128,
                     help="registers a thread (the compute warps get what the loader leaves): 2 programs an SM at 128")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
-                    help="chain: the real chain; no wait: no waits (wrong sums); drain: the ring alone")
+                    help="chain: the real chain; tags: waits on tagged data; no wait: no waits (wrong sums); drain: "
+                    "the ring alone; compute: the compute warps alone, on whatever the ring holds")
     ap.add_argument("--release", nargs="+", choices=["gemv", "tile"], default=["gemv", "tile"],
                     help="raise a GEMV's count once a program (gemv) or after each row tile (tile)")
     ap.add_argument("--warps", type=int, nargs="+", default=[4], help="compute warps a program, a pass each")
@@ -354,16 +422,18 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true", help="CPU: compile each --tiles for sm_90 and report")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    shapes, model_layers = LAYERS[args.model]
+    layers = args.layers or model_layers
     tiles = []
     for spec in args.tiles:
-        bn, bk, st, group = parse_tile(ap, spec, QWEN3_LAYER)  # (its 4th field is warps there, K tiles a slot here)
+        bn, bk, st, group = parse_tile(ap, spec, shapes)  # (its 4th field is warps there, K tiles a slot here)
         group = group if spec.count("x") == 3 else 1
-        if group & (group - 1) or any(k // bk % group for _, k in QWEN3_LAYER):
+        if group & (group - 1) or any(k // bk % group for _, k in shapes):
             ap.error(f"--tiles {spec!r}: K tiles a slot must be a power of two that divides every K / BLOCK_K")
         if bn * group > 256 or bk > 256:
             ap.error(f"--tiles {spec!r}: a TMA box (BLOCK_N * K tiles a slot, BLOCK_K) is at most 256 a side")
         tiles.append((bn, bk, st, group))
-    max_k = max(k for _, k in QWEN3_LAYER)
+    max_k = max(k for _, k in shapes)
     if args.compile_only:
         for bn, bk, st, group in tiles:
             for mode in args.modes:
@@ -374,7 +444,7 @@ def main() -> None:
     from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
 
     dev = torch.device("cuda")
-    _, w_size, a_size, rows = chain_meta(args.layers, dev)
+    _, w_size, a_size, rows = chain_meta(layers, dev, shapes)
     w, a = random_chain(rows, w_size, a_size, dev)
     ref, a0 = reference(w, a, rows), a.clone()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -392,33 +462,39 @@ def main() -> None:
 
     variants = [("skinny", skinny)] + ([("resident (the engine's)", resident)] if None not in cfgs else [])
     counts = torch.zeros(len(rows), dtype=torch.int32, device=dev)
-    trace = torch.zeros(1, dtype=torch.int64, device=dev)  # (unused without TRACE)
+    a32, epoch = torch.zeros(a_size, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+    no_trace = torch.zeros(1, dtype=torch.int64, device=dev)
     traces: dict[str, dict] = {}
+
+    def launch(desc, plan, programs: int, cfg: dict, mode: str, release: str, warps: int, stamps=no_trace) -> None:
+        counts.zero_()
+        _chain_kernel[(programs,)](desc, a, a32, epoch, plan, counts, stamps, len(rows), 1 << 14, **cfg,
+                                   MODE=MODES[mode], RELEASE_EACH_TILE=release == "tile", TRACE=stamps is not no_trace,
+                                   num_warps=warps, maxnreg=args.maxnreg)
+
+    def output(name: str) -> torch.Tensor:  # tags keep the GEMVs' outputs in a32 (x0 stays in a)
+        if "tags" not in name:
+            return a
+        return torch.cat([a[: rows[0][1]], untagged(a32[rows[0][1] :])[0]])
+
     for bn, bk, st, group in tiles:
         w_tiled, plan = tiled_weights(w, rows, bn, bk), plan_for(rows, bn, bk, dev)
         desc = descriptor(w_tiled, bn, bk, group)
         cfg = settings(bn, bk, st, group, max_k)
         for per_sm, warps in [(p, nw) for p in args.per_sm for nw in args.warps]:
-            for mode, release in [(m, r) for m in args.modes for r in (args.release if m != "drain" else ["-"])]:
-                def chain(desc=desc, plan=plan, programs=per_sm * sms, cfg=cfg, mode=MODES[mode],
-                          each=release == "tile", warps=warps) -> None:
-                    counts.zero_()
-                    _chain_kernel[(programs,)](desc, a, plan, counts, trace, len(rows), 1 << 14, **cfg, MODE=mode,
-                                               RELEASE_EACH_TILE=each, num_warps=warps, maxnreg=args.maxnreg)
-
-                if args.trace and mode == "chain":
-                    programs = per_sm * sms
-                    stamps = torch.zeros(programs, len(rows), 4, dtype=torch.int64, device=dev)
-                    counts.zero_()
-                    _chain_kernel[(programs,)](desc, a, plan, counts, stamps, len(rows), 1 << 14, **cfg,
-                                               MODE=MODES[mode], RELEASE_EACH_TILE=release == "tile", TRACE=True,
-                                               num_warps=warps, maxnreg=args.maxnreg)
-                    traces[f"{bn}x{bk}x{st}x{group} {programs}x{warps}w {release}"] = trace_report(stamps.cpu())
-
-                label = mode if mode == "drain" else f"{mode}, release a {release}"
-                variants.append((f"gluon {bn}x{bk}x{st}x{group} {per_sm * sms}x{warps}w {label}", chain))
+            programs = per_sm * sms
+            for mode in args.modes:
+                for release in args.release if mode in ("chain", "no wait") else ["-"]:
+                    args_ = (desc, plan, programs, cfg, mode, release, warps)
+                    name = f"{bn}x{bk}x{st}x{group} {programs}x{warps}w {mode}" + (
+                        f", release a {release}" if release != "-" else "")
+                    variants.append((f"gluon {name}", lambda args_=args_: launch(*args_)))
+                    if args.trace and mode in ("chain", "tags"):
+                        stamps = torch.zeros(programs, len(rows), 4, dtype=torch.int64, device=dev)
+                        launch(*args_, stamps)
+                        traces[name] = trace_report(stamps.cpu())
     variants += [("skinny (again)", skinny)] + ([("resident (again)", resident)] if None not in cfgs else [])
-    time_variants(variants, lambda: a.copy_(a0), lambda name: a, ref, w_size * 2, len(rows), args.out)
+    time_variants(variants, lambda: a.copy_(a0), output, ref, w_size * 2, len(rows), args.out)
     for name, report in traces.items():
         print(f"trace {name}: {report}", flush=True)
     if args.out and traces:

@@ -45,6 +45,7 @@ import triton.language as tl  # noqa: E402
 # another, so nothing is polled for long)
 ASM_POLLS = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 QWEN3_LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # (N, K) of each projection
+LLAMA_1B_LAYER = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # Llama-3.2-1B's (16 layers)
 SMOKE_LAYER = [(512, 256), (256, 512), (768, 256), (256, 384)]  # the same pattern, small, for the interpreter
 
 

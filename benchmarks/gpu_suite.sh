@@ -15,7 +15,8 @@
 #                                          step's kernel timeline
 #   bash benchmarks/gpu_suite.sh gpt-fast  gpt-fast's decode beside ours with its sampling (T=0.6, top_k 200); needs
 #                                          its model.py and generate.py in .bench-deps/gpt-fast (carried)
-#   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chain against the engine's one-row GEMVs
+#   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chains (Qwen3-0.6B, Llama-3.2-1B) against
+#                                          the engine's one-row GEMVs, with their parts and time stamps
 #                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead at concurrency 1 / 64 / 256, mixed chunk off / on
@@ -123,9 +124,14 @@ gpt-fast)
       --temperature 0.6 --out "$OUT/gpt-fast.json" 2>&1 | grep -vE "it/s\]" | tail -6 | tee -a "$OUT/gpt-fast.log"
   ;;
 gluon)
-  timeout 120 python benchmarks/bench_gluon_gemv_chain.py --layers 1 --per-sm 1 2>&1 | tail -6 | tee "$OUT/gluon-1layer.log"
-  timeout 300 python benchmarks/bench_gluon_gemv_chain.py --per-sm 1 2 --tiles 16x256x8 32x256x6 16x256x12 \
-      --out "$OUT/gluon-chain.json" 2>&1 | tail -12 | tee "$OUT/gluon-chain.log"
+  # the thirty-eighth session's tables: each model's chain against the engine's GEMVs, with its parts (the ring
+  # alone, the compute warps alone, no waits) and where the chain's time goes (--trace)
+  timeout 60 python benchmarks/bench_gluon_gemv_chain.py --layers 1 --per-sm 1 2>&1 | tail -6 | tee "$OUT/gluon-1layer.log"
+  for m in qwen3-0.6b llama-3.2-1b; do
+    timeout 200 python benchmarks/bench_gluon_gemv_chain.py --model $m --per-sm 1 --tiles 16x256x8 16x256x6x4 \
+        --modes chain "no wait" drain compute --release gemv --trace --out "$OUT/gluon-chain-$m.json" 2>&1 \
+        | tail -14 | tee "$OUT/gluon-chain-$m.log"
+  done
   ;;
 offline)
   timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \

@@ -106,3 +106,14 @@ def test_trace_report_reads_the_stamps():
     # p1 9800-7000, p2 9400-7500 -> mean 2.4, slowest 2.8
     assert report["tiles"] == pytest.approx((2.65 + 2.4) / 2)
     assert report["tiles_slowest"] == pytest.approx((2.7 + 2.8) / 2)
+
+
+@pytest.mark.parametrize("tag", [1, 0x7FFF, 0x8000, 0xFFFF])
+def test_tagged_words_keep_value_and_tag(tag):
+    """The TAGS kernel's word: a bf16's bits low, the run's tag high (tags at and past 0x8000 make the word
+    negative: the tag must still read back whole, and the sign of the value must not leak into it)."""
+    x = (torch.randn(257, generator=torch.Generator().manual_seed(tag)) * 3).to(torch.bfloat16)
+    x[:3] = torch.tensor([-0.0, float("-inf"), -1e-30])
+    values, tags = gluon_chain.untagged(gluon_chain.tagged(x, tag))
+    assert torch.equal(values.view(torch.int16), x.view(torch.int16))
+    assert bool((tags == tag).all())
