@@ -10,7 +10,8 @@ state, read and written once (only the attention layers have KV).
 
 Each row also reports, from torch.profiler over a few steps (`--no-launches` skips it): `launches`, the GPU
 activities (kernels, copies, sets) of one forward (a graph replay with its input copies, or the eager forward),
-`step_launches` the same for the whole step (inputs, forward, sampling, the copy to the host), `kernel_ms` their
+`step_launches` the same for the whole step (inputs, forward, sampling, the copy to the host; LAUNCH_NAMES=1 lists
+the activities whose count differs between the two), `kernel_ms` their
 summed GPU time per forward and `gap_ms` = forward_ms - kernel_ms: the time the GPU sat between the forward's
 kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). `--rope-store fused kernel unfused` runs
 each model as the engine does (rotary + KV store inside the decode kernel up to the backend's rope_attend cap, by
@@ -34,6 +35,7 @@ python benchmarks/bench_decode.py --models llama-3.2-1b --cases 32:128 32:288 --
 
 import argparse
 import ast
+import collections
 import copy
 import gc
 import os
@@ -157,11 +159,18 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
     spans = {e.name.split("/")[1]: e.time_range for e in events if e.name.startswith("bench_decode/")}
     # (record_function's ranges also appear on the GPU timeline, as annotations spanning each phase: not kernels)
     device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("bench_decode/")]
-    count, ms = {}, {}
+    count, ms, names = {}, {}, {}
     for name, span in spans.items():
         inside = [e for e in device if span.start <= e.time_range.start <= span.end]
         count[name] = len(inside) / iters
         ms[name] = sum(e.time_range.elapsed_us() for e in inside) / iters / 1e3
+        names[name] = collections.Counter(e.name[:80] for e in inside)
+    if os.environ.get("LAUNCH_NAMES"):  # per activity name, a step's count against the forward's (less prepare's)
+        forward = names["forward"] - names["prepare"]
+        for key in sorted(set(forward) | set(names["step"])):
+            if forward[key] != names["step"][key]:
+                print(f"  launches a forward / a step: {forward[key] / iters:6.1f} / {names['step'][key] / iters:6.1f}"
+                      f"  {key}")
     return {"launches": count["forward"] - count["prepare"], "step_launches": count["step"],
             "kernel_ms": ms["forward"] - ms["prepare"]}
 
