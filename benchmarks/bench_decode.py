@@ -10,10 +10,12 @@ state, read and written once (only the attention layers have KV).
 
 Each row also reports, from torch.profiler over a few steps (`--no-launches` skips it): `launches`, the GPU
 activities (kernels, copies, sets) of one forward (a graph replay with its input copies, or the eager forward),
-`step_launches` the same for the whole step (inputs, forward, sampling, the copy to the host; LAUNCH_NAMES=1 lists
-the activities whose count differs between the two), `kernel_ms` their
+`step_launches` the same for the whole step (inputs, forward, sampling, the copy to the host), `kernel_ms` their
 summed GPU time per forward and `gap_ms` = forward_ms - kernel_ms: the time the GPU sat between the forward's
-kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). `--rope-store fused kernel unfused` runs
+kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). `step_launches` reads low: the step window
+holds all ten token copies but every other activity of only nine of the ten profiled steps, whichever phase runs
+first (LAUNCH_NAMES=1 lists the activities whose counts differ, LAUNCH_ORDER=step,prepare,forward reorders the
+phases; docs/gpu-notes.md, thirty-eighth session); the cause is not known. `--rope-store fused kernel unfused` runs
 each model as the engine does (rotary + KV store inside the decode kernel up to the backend's rope_attend cap, by
 head dim, the fused `attention/triton_ops/rope_store.py` kernel above), with that kernel at every batch size, and
 with neither.
@@ -141,6 +143,8 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
 
     phases = {"prepare": lambda: runner.prepare(sched), "forward": lambda: runner.forward(runner.prepare(sched)),
               "step": lambda: runner.step(sched).result()}
+    if os.environ.get("LAUNCH_ORDER"):
+        phases = {k: phases[k] for k in os.environ["LAUNCH_ORDER"].split(",")}
     saved = runner.graph_runner
     runner.graph_runner = saved if graph else None
     try:
@@ -166,6 +170,12 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
         ms[name] = sum(e.time_range.elapsed_us() for e in inside) / iters / 1e3
         names[name] = collections.Counter(e.name[:80] for e in inside)
     if os.environ.get("LAUNCH_NAMES"):  # per activity name, a step's count against the forward's (less prepare's)
+        for name, span in spans.items():  # and the activities just outside each phase's window (us)
+            before = [span.start - e.time_range.start for e in device if span.start - 5e4 <= e.time_range.start
+                      < span.start]
+            after = [e.time_range.start - span.end for e in device if span.end < e.time_range.start <= span.end + 5e4]
+            print(f"  {name}: window {span.end - span.start:.0f} us; {len(before)} activities start up to "
+                  f"{max(before, default=0):.0f} us before it, {len(after)} up to {max(after, default=0):.0f} after")
         forward = names["forward"] - names["prepare"]
         for key in sorted(set(forward) | set(names["step"])):
             if forward[key] != names["step"][key]:
