@@ -59,6 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # a GEMV's row in the plan: row tiles, K tiles, first tile, input offset, output offset, order (plan_for)
 PLAN_COLS = gl.constexpr(6)
+TRACE_POINTS = gl.constexpr(6)  # time stamps a program and GEMV (trace_report)
 # the chain's projections (N, K) a layer, and the layers, by model
 LAYERS = {"qwen3-0.6b": (QWEN3_LAYER, 28), "llama-3.2-1b": (LLAMA_1B_LAYER, 16)}
 # the compute warps' modes (_compute)
@@ -82,15 +83,19 @@ def _plan_row(Plan, g):
 
 
 @gluon.jit
-def _loader(w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MODE: gl.constexpr):
+def _loader(w_desc, bufs, ready, empty, Plan, Trace, num_gemvs, pid, num_programs,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MODE: gl.constexpr,
+            TRACE: gl.constexpr):
     """The loader warp: this program's tiles of every GEMV, in the order the compute warps take them, GROUP K tiles
     of a row tile (contiguous in the tiled weights: one TMA box) into the next ring slot once the compute warps have
     released it (a slot's first use waits on nothing). In COMPUTE mode it loads nothing."""
     i = 0
     for g in range(num_gemvs if MODE != COMPUTE else 0):
         rows, k_tiles, first, _, _, order = _plan_row(Plan, g)
-        for r in range(_first_row(pid, order, num_programs), rows, num_programs):
+        start = _first_row(pid, order, num_programs)
+        if start < rows:
+            _stamp(Trace, pid, g, num_gemvs, 4, TRACE)
+        for r in range(start, rows, num_programs):
             for c in range(0, k_tiles, GROUP):
                 s = i % STAGES
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -98,6 +103,8 @@ def _loader(w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs,
                 tma.async_copy_global_to_shared(w_desc, [(first + r * k_tiles + c) * BLOCK_N, 0], ready.index(s),
                                                 bufs.index(s))
                 i += 1
+        if start < rows:
+            _stamp(Trace, pid, g, num_gemvs, 5, TRACE)
 
 
 @gluon.jit
@@ -118,9 +125,9 @@ def _now():
 
 @gluon.jit
 def _stamp(Trace, pid, g, num_gemvs, j, TRACE: gl.constexpr):
-    """With TRACE, time j of this program's GEMV g into Trace[pid, g, j] (TRACE_POINTS)."""
+    """With TRACE, time j of this program's GEMV g into Trace[pid, g, j] (trace_report says what each j is)."""
     if TRACE:
-        gl.store(Trace + (pid * num_gemvs + g) * 4 + j, _now())
+        gl.store(Trace + (pid * num_gemvs + g) * TRACE_POINTS + j, _now())
 
 
 @gluon.jit
@@ -250,7 +257,8 @@ def _chain_kernel(w_desc, A, A32, Epoch, Plan, Counts, Trace, num_gemvs, max_spi
         (_compute, (A, A32, Epoch, Plan, Counts, Trace, slots, ready, empty, x_groups, x_whole, num_gemvs, pid,
                     num_programs, max_spins, BLOCK_N, BLOCK_K, STAGES, GROUP, X_CHUNKS, MODE, RELEASE_EACH_TILE,
                     TRACE)),
-        (_loader, (w_desc, bufs, ready, empty, Plan, num_gemvs, pid, num_programs, BLOCK_N, STAGES, GROUP, MODE)),
+        (_loader, (w_desc, bufs, ready, empty, Plan, Trace, num_gemvs, pid, num_programs, BLOCK_N, STAGES, GROUP,
+                   MODE, TRACE)),
     ], [1], [LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -317,10 +325,13 @@ def slot_schedule(plan: torch.Tensor, programs: int, group: int) -> list[list[tu
 
 
 def trace_report(trace: torch.Tensor) -> dict:
-    """Where a chain's time goes, from TRACE's stamps ([programs, GEMVs, 4] ns: start, waited, x stored, tiles
-    stored; 0 where a program has no tile of a GEMV), in us averaged over GEMVs 1..: `period` from the last program
-    done with GEMV g - 1 to the last done with g; `notice` from that last one to the first / last program past its
-    wait (the release seen); `x` the x load; `tiles` a program's share of tiles after x, mean and slowest."""
+    """Where a chain's time goes, from TRACE's stamps ([programs, GEMVs, TRACE_POINTS] ns; 0 where a program has no
+    tile of a GEMV). The compute warps stamp their start (0), past the wait (1), x stored (2) and tiles stored (3);
+    the loader its first box's turn (4, before waiting for the slot) and its last box issued (5). In us averaged
+    over GEMVs 1..: `period` from the last program done with GEMV g - 1 to the last done with g; `notice` from that
+    last one to the first / last program past its wait (the release seen); `x` the x load; `tiles` a program's share
+    of tiles after x, mean and slowest; `loader_ahead` how long before a program's tiles began its loader had issued
+    every box of them (negative: it was still issuing), and `loader_span` from its first box's turn to its last."""
     t = trace.double() / 1e3
     has = t[:, :, 0] > 0
     big = torch.tensor(float("inf"), dtype=t.dtype)
@@ -337,7 +348,9 @@ def trace_report(trace: torch.Tensor) -> dict:
     return dict(period=mean(last_done.diff(prepend=last_done[:1])),
                 notice_first=mean(first_past - last_done.roll(1)), notice_last=mean(last_past - last_done.roll(1)),
                 x=mean(mean_has(t[:, :, 2] - t[:, :, 1])), tiles=mean(mean_has(t[:, :, 3] - t[:, :, 2])),
-                tiles_slowest=mean(torch.where(has, t[:, :, 3] - t[:, :, 2], -big).amax(0)))
+                tiles_slowest=mean(torch.where(has, t[:, :, 3] - t[:, :, 2], -big).amax(0)),
+                loader_ahead=mean(mean_has(t[:, :, 2] - t[:, :, 5])),
+                loader_span=mean(mean_has(t[:, :, 5] - t[:, :, 4])))
 
 
 def tagged(x: torch.Tensor, tag: int) -> torch.Tensor:
@@ -490,7 +503,7 @@ def main() -> None:
                         f", release a {release}" if release != "-" else "")
                     variants.append((f"gluon {name}", lambda args_=args_: launch(*args_)))
                     if args.trace and mode in ("chain", "tags"):
-                        stamps = torch.zeros(programs, len(rows), 4, dtype=torch.int64, device=dev)
+                        stamps = torch.zeros(programs, len(rows), TRACE_POINTS.value, dtype=torch.int64, device=dev)
                         launch(*args_, stamps)
                         traces[name] = trace_report(stamps.cpu())
     variants += [("skinny (again)", skinny)] + ([("resident (again)", resident)] if None not in cfgs else [])

@@ -89,12 +89,13 @@ def test_trace_report_reads_the_stamps():
     """A made-up trace of 3 programs and 3 GEMVs (ns): program 2 has no tile of GEMV 1. Each GEMV g >= 1 starts
     for everyone when the last program is done with g - 1; its figures are computed here by hand."""
     done = [[1000, 5000, 9000], [1400, 5600, 9800], [1200, 0, 9400]]  # stage 3; 0: no tile
-    trace = torch.zeros(3, 3, 4, dtype=torch.int64)
+    trace = torch.zeros(3, 3, gluon_chain.TRACE_POINTS.value, dtype=torch.int64)
     for p in range(3):
         for g in range(3):
             if done[p][g]:
                 past = 1400 + 700 * p if g == 1 else 5600 + 500 * p if g == 2 else 100  # stage 1
-                trace[p, g] = torch.tensor([past - 50, past, past + 900, done[p][g]])
+                # the loader reached the GEMV 3 us before x was stored and issued its last box 0.4 us before
+                trace[p, g] = torch.tensor([past - 50, past, past + 900, done[p][g], past - 2100, past + 500])
     report = gluon_chain.trace_report(trace)
     # last done: 1400, 5600, 9800 -> periods 4.2, 4.2 us
     assert report["period"] == pytest.approx(4.2)
@@ -106,6 +107,8 @@ def test_trace_report_reads_the_stamps():
     # p1 9800-7000, p2 9400-7500 -> mean 2.4, slowest 2.8
     assert report["tiles"] == pytest.approx((2.65 + 2.4) / 2)
     assert report["tiles_slowest"] == pytest.approx((2.7 + 2.8) / 2)
+    assert report["loader_ahead"] == pytest.approx(0.4)
+    assert report["loader_span"] == pytest.approx(2.6)
 
 
 @pytest.mark.parametrize("tag", [1, 0x7FFF, 0x8000, 0xFFFF])
