@@ -120,3 +120,16 @@ def test_tagged_words_keep_value_and_tag(tag):
     values, tags = gluon_chain.untagged(gluon_chain.tagged(x, tag))
     assert torch.equal(values.view(torch.int16), x.view(torch.int16))
     assert bool((tags == tag).all())
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("16x256x6x3", "K tiles a slot must be a power of two"),
+    ("16x256x6x8", "divides every K / BLOCK_K"),  # Qwen3-0.6B's K = 1024 has 4 tiles of 256
+    ("128x256x6x4", "at most 256 a side"),
+])
+def test_bad_tiles_are_refused_by_name(spec, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_gluon_gemv_chain.py", "--tiles", spec, "--compile-only"])
+    with pytest.raises(SystemExit):
+        gluon_chain.main()
+    err = capsys.readouterr().err
+    assert spec in err and message in err
