@@ -143,8 +143,10 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
 
     phases = {"prepare": lambda: runner.prepare(sched), "forward": lambda: runner.forward(runner.prepare(sched)),
               "step": lambda: runner.step(sched).result()}
-    if os.environ.get("LAUNCH_ORDER"):
-        phases = {k: phases[k] for k in os.environ["LAUNCH_ORDER"].split(",")}
+    if order := os.environ.get("LAUNCH_ORDER"):
+        if sorted(order.split(",")) != sorted(phases):
+            raise SystemExit(f"LAUNCH_ORDER={order!r}: the phases {', '.join(phases)}, each once, comma-separated")
+        phases = {k: phases[k] for k in order.split(",")}
     saved = runner.graph_runner
     runner.graph_runner = saved if graph else None
     try:
@@ -170,12 +172,6 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
         ms[name] = sum(e.time_range.elapsed_us() for e in inside) / iters / 1e3
         names[name] = collections.Counter(e.name[:80] for e in inside)
     if os.environ.get("LAUNCH_NAMES"):  # per activity name, a step's count against the forward's (less prepare's)
-        for name, span in spans.items():  # and the activities just outside each phase's window (us)
-            before = [span.start - e.time_range.start for e in device if span.start - 5e4 <= e.time_range.start
-                      < span.start]
-            after = [e.time_range.start - span.end for e in device if span.end < e.time_range.start <= span.end + 5e4]
-            print(f"  {name}: window {span.end - span.start:.0f} us; {len(before)} activities start up to "
-                  f"{max(before, default=0):.0f} us before it, {len(after)} up to {max(after, default=0):.0f} after")
         forward = names["forward"] - names["prepare"]
         for key in sorted(set(forward) | set(names["step"])):
             if forward[key] != names["step"][key]:

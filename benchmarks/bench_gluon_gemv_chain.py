@@ -38,7 +38,6 @@ python benchmarks/bench_gluon_gemv_chain.py --tiles 16x256x6x4 --modes chain "no
 """
 
 import argparse
-import json
 
 import torch
 import triton
@@ -149,8 +148,7 @@ def _compute(A, A32, Epoch, Plan, Counts, Trace, slots, ready, empty, x_groups, 
              TRACE: gl.constexpr):
     """The compute warps: y_g[rows of a tile] = W_g[those rows] @ x_g, x_g the output of GEMV g - 1 (or the chain's
     input), for this program's row tiles of each GEMV in turn, GROUP K tiles (one ring slot) at a time: one wait,
-    one load and one release a slot, since each step of the loop is a chain of latencies (wait, shared-memory load,
-    the barrier before the release), not of issue.
+    one load and one release a slot (on the H200 slots of 1, 2 or 4 tiles timed the same).
     MODE: CHAIN waits for x; NO_WAIT does not (wrong sums: the rate when waiting is free); DRAIN only takes slots
     from the ring and frees them (the ring's own rate); COMPUTE reads the slots as they are, with no loads into them
     and no waits (wrong sums: the compute warps' own rate); TAGS keeps GEMV outputs in A32 as tagged words
@@ -300,28 +298,20 @@ def first_row(pid: int, order: int, programs: int) -> int:
     return (pid - order % programs + programs) % programs
 
 
-def tile_schedule(plan: torch.Tensor, programs: int) -> list[list[tuple[int, int, int, int]]]:
-    """Each program's (GEMV, row tile, K tile, descriptor row) in the order its loader issues them and its compute
-    warps take them (both walk the plan the same way): the kernels' index math, for checking on a CPU."""
-    rows = plan.view(-1, PLAN_COLS.value).tolist()
-    out = []
-    for pid in range(programs):
-        seq = []
-        for g, (n_tiles, k_tiles, first, _, _, order) in enumerate(rows):
-            for r in range(first_row(pid, order, programs), n_tiles, programs):
-                seq += [(g, r, c, (first + r * k_tiles + c)) for c in range(k_tiles)]
-        out.append(seq)
-    return out
-
-
 def slot_schedule(plan: torch.Tensor, programs: int, group: int) -> list[list[tuple[int, int, int, int]]]:
-    """Each program's ring slots in order, as _loader copies them: (GEMV, row tile, first K tile, descriptor row
-    of the box), a box being `group` consecutive tiles."""
+    """Each program's ring slots in the order its loader copies them and its compute warps take them (both walk the
+    plan the same way): (GEMV, row tile, first K tile, descriptor row of the box), a box being `group` consecutive
+    tiles. The kernels' index math, for checking on a CPU."""
     rows = plan.view(-1, PLAN_COLS.value).tolist()
     return [[(g, r, c, first + r * k_tiles + c)
              for g, (n_tiles, k_tiles, first, _, _, order) in enumerate(rows)
              for r in range(first_row(pid, order, programs), n_tiles, programs)
              for c in range(0, k_tiles, group)] for pid in range(programs)]
+
+
+def tile_schedule(plan: torch.Tensor, programs: int) -> list[list[tuple[int, int, int, int]]]:
+    """Each program's (GEMV, row tile, K tile, descriptor row), one tile a slot."""
+    return slot_schedule(plan, programs, 1)
 
 
 def trace_report(trace: torch.Tensor) -> dict:
@@ -435,8 +425,13 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true", help="CPU: compile each --tiles for sm_90 and report")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    counts_given = {"layers": [] if args.layers is None else [args.layers], "per-sm": args.per_sm,
+                    "warps": args.warps, "maxnreg": [args.maxnreg]}
+    for flag, values in counts_given.items():
+        if any(v < 1 for v in values):
+            ap.error(f"--{flag} must be >= 1, got {' '.join(map(str, values))}")
     shapes, model_layers = LAYERS[args.model]
-    layers = args.layers or model_layers
+    layers = model_layers if args.layers is None else args.layers
     tiles = []
     for spec in args.tiles:
         bn, bk, st, group = parse_tile(ap, spec, shapes)  # (its 4th field is warps there, K tiles a slot here)
@@ -453,7 +448,6 @@ def main() -> None:
                 stats = compile_sm90(bn, bk, st, group, max_k, args.maxnreg, mode=mode)
                 print(f"{bn}x{bk}x{st}x{group} {mode}: {stats}", flush=True)
         return
-    from ostinato.layers.triton_ops import resident_gemv
     from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
 
     dev = torch.device("cuda")
@@ -463,17 +457,11 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     views = [(w[wo : wo + n * k].view(n, k), io, oo, n, k) for n, k, wo, io, oo in rows]
 
-    def skinny() -> None:
+    def engine() -> None:  # the engine's one-row GEMVs: skinny_linear takes resident_gemv where the shape fits
         for wv, io, oo, n, k in views:
             skinny_linear(a[io : io + k].view(1, k), wv, out=a[oo : oo + n].view(1, n))
 
-    cfgs = [resident_gemv.config_for(n, k, 2, sms) for _, _, _, n, k in views]
-
-    def resident() -> None:  # the engine's one-row form for these shapes (resident_gemv.py)
-        for (wv, io, oo, n, k), cfg in zip(views, cfgs, strict=True):
-            resident_gemv.launch(a[io : io + k].view(1, k), wv, a[oo : oo + n].view(1, n), cfg)
-
-    variants = [("skinny", skinny)] + ([("resident (the engine's)", resident)] if None not in cfgs else [])
+    variants = [("engine (skinny_linear)", engine)]
     counts = torch.zeros(len(rows), dtype=torch.int32, device=dev)
     a32, epoch = torch.zeros(a_size, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
     no_trace = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -506,15 +494,11 @@ def main() -> None:
                         stamps = torch.zeros(programs, len(rows), TRACE_POINTS.value, dtype=torch.int64, device=dev)
                         launch(*args_, stamps)
                         traces[name] = trace_report(stamps.cpu())
-    variants += [("skinny (again)", skinny)] + ([("resident (again)", resident)] if None not in cfgs else [])
-    time_variants(variants, lambda: a.copy_(a0), output, ref, w_size * 2, len(rows), args.out)
+    variants.append(("engine (again)", engine))
+    time_variants(variants, lambda: a.copy_(a0), output, ref, w_size * 2, len(rows), args.out,
+                  extra=dict(traces=traces) if traces else None)
     for name, report in traces.items():
         print(f"trace {name}: {report}", flush=True)
-    if args.out and traces:
-        with open(args.out) as f:
-            report = json.load(f)
-        with open(args.out, "w") as f:
-            json.dump(dict(report, traces=traces), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -277,11 +277,12 @@ def random_chain(rows: list, w_size: int, a_size: int, device: torch.device) -> 
 
 
 def time_variants(variants: list, reset, output, ref: torch.Tensor, weight_bytes: int, num_gemvs: int,
-                  out: str | None) -> None:
+                  out: str | None, extra: dict | None = None) -> None:
     """Run each (name, fn) once after `reset()` and compare `output(name)` with the chain's reference (a wait that
     let a program through early shows there), then time it as a replayed graph (one that never opens, its spin
-    cap, shows there); print a line each and write the JSON report to `out`."""
-    report = {"device": torch.cuda.get_device_name(), "gemvs": num_gemvs, "weight_MB": weight_bytes / 1e6, "rows": []}
+    cap, shows there); print a line each and write the JSON report, with `extra`'s keys, to `out`."""
+    report = {"device": torch.cuda.get_device_name(), "gemvs": num_gemvs, "weight_MB": weight_bytes / 1e6,
+              **(extra or {}), "rows": []}
     for name, fn in variants:
         reset()
         fn()

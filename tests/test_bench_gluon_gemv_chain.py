@@ -133,3 +133,15 @@ def test_bad_tiles_are_refused_by_name(spec, message, monkeypatch, capsys):
         gluon_chain.main()
     err = capsys.readouterr().err
     assert spec in err and message in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--per-sm", "1", "0"], "--per-sm must be >= 1, got 1 0"),
+    (["--warps", "-4"], "--warps must be >= 1, got -4"),
+])
+def test_bad_counts_are_refused_by_name(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_gluon_gemv_chain.py", *argv, "--compile-only"])
+    with pytest.raises(SystemExit):
+        gluon_chain.main()
+    assert message in capsys.readouterr().err
