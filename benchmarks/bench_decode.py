@@ -33,6 +33,8 @@ TIMELINE=26 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 1:128 
 python benchmarks/bench_decode.py --models llama-3.2-1b --cases 32:128 32:288 --modes graph --no-launches \
     --decode-entry table "32:min_tokens_per_split=512" "32:block_n=64,num_warps=2"   # decode-kernel settings in
                                                                                   # the graph, one pass each
+python benchmarks/bench_decode.py --models qwen3-0.6b --cases 32:256 --modes graph --no-launches \
+    --gemm-tiles rule "gated:block_n=32" rule   # the wide / skinny GEMMs' tiles at 5-32 rows, one pass each
 """
 
 import argparse
@@ -53,7 +55,7 @@ from ostinato.attention.triton_ops.decode_attention import table_entry
 from ostinato.config import EngineArgs
 from ostinato.engine.request import Request
 from ostinato.engine.scheduler import ScheduledBatch
-from ostinato.layers.triton_ops import pdl
+from ostinato.layers.triton_ops import pdl, skinny_gemm, wide_gemm
 from ostinato.loader import load_model_source
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.models.llama import head_dim_of
@@ -197,9 +199,45 @@ def patch_decode_tables(spec: str) -> None:
             table[int(bs)] = table_entry(table, int(bs)) | update
 
 
+GEMM_KINDS = ("plain", "gated", "skinny")
+CONFIG_RULES = {"wide": wide_gemm.config_for, "skinny": skinny_gemm.config_for}
+
+
+def patch_gemm_tiles(spec: str) -> None:
+    """`--gemm-tiles` value: "rule" (config_for as the tree has it), or ";"-separated "KIND:key=value,..." changes to
+    the tiles config_for picks at 5-32 rows, KIND one of plain / gated (wide_gemm.py: qkv / gate_up) and skinny
+    (skinny_gemm.py's tensor-core form: o / down), keys the config's fields (block_n=32,num_stages=4). Read when a
+    kernel launches, so also by the capture; "rule" restores both rules."""
+    wide_gemm.config_for, skinny_gemm.config_for = CONFIG_RULES["wide"], CONFIG_RULES["skinny"]
+    if spec == "rule":
+        return
+    changes: dict[str, dict] = {}
+    for part in spec.split(";"):
+        kind, _, fields = part.partition(":")
+        if kind not in GEMM_KINDS or not fields:
+            raise ValueError(f"--gemm-tiles {part!r}: KIND:key=value,... with KIND one of {', '.join(GEMM_KINDS)}")
+        keys = (skinny_gemm.SkinnyConfig if kind == "skinny" else wide_gemm.WideConfig)._fields
+        changes[kind] = {}
+        for kv in fields.split(","):
+            key, _, value = kv.partition("=")
+            if key not in keys or not value.isdigit():
+                raise ValueError(f"--gemm-tiles {part!r}: {kv!r} is not key=integer with key one of {', '.join(keys)}")
+            changes[kind][key] = int(value)
+
+    def wide_rule(m: int, n: int, k: int, gated: bool = False) -> wide_gemm.WideConfig:
+        cfg = CONFIG_RULES["wide"](m, n, k, gated)
+        return cfg._replace(**changes.get("gated" if gated else "plain", {})) if m <= 32 else cfg
+
+    def skinny_rule(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> skinny_gemm.SkinnyConfig:
+        cfg = CONFIG_RULES["skinny"](m, n, k, num_sms, gated)
+        return cfg._replace(**changes.get("skinny", {})) if 4 < m <= 32 and not gated else cfg
+
+    wide_gemm.config_for, skinny_gemm.config_for = wide_rule, skinny_rule
+
+
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
                 page_size: int = 1, rope_store: str = "fused", use_pdl: str | None = None,
-                decode_entry: str = "table") -> tuple[list[dict], dict]:
+                decode_entry: str = "table", gemm_tiles: str = "rule") -> tuple[list[dict], dict]:
     need = max(bs * (ctx + page_size) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
@@ -216,6 +254,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     use_pdl = "on" if pdl.ENABLED else "off"
     tables = copy.deepcopy(TritonAttentionBackend.decode_tables)
     patch_decode_tables(decode_entry)  # read when the backend is built
+    patch_gemm_tiles(gemm_tiles)
     runner = ModelRunner(eargs, load_model_source(name, "dummy"))
     gc.collect()
     gc.freeze()  # as EngineCore does after start-up: no collection walks the model's objects mid-timing
@@ -235,7 +274,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
         state_per_req = 2 * runner.mamba_pool.bytes() // (runner.mamba_pool.size + 1)
     gr = runner.graph_runner
     print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}, pdl {use_pdl}, decode entry "
-          f"{decode_entry}): weights "
+          f"{decode_entry}, GEMM tiles {gemm_tiles}): weights "
           f"{runner.weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, capture {gr.capture_seconds:.1f} s for "
           f"{gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
@@ -253,7 +292,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
             row = {"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
                    "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile,
                    "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store, "pdl": use_pdl,
-                   "decode_entry": decode_entry}
+                   "decode_entry": decode_entry, "gemm_tiles": gemm_tiles}
             if args.launches:
                 if graph not in launches:
                     launches[graph] = launch_stats(runner, sched, graph, iters=min(iters, 10))
@@ -278,6 +317,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     TritonAttentionBackend.fuse_rope_store = None
     TritonAttentionBackend.decode_rope_max_bs = rope_max_bs
     TritonAttentionBackend.decode_tables = tables
+    patch_gemm_tiles("rule")
     pdl.ENABLED = pdl_before
     return rows, meta
 
@@ -292,7 +332,8 @@ def print_comparison(rows: list[dict]) -> None:
             continue
         launches = f", {r['launches']:.0f} launches" if "launches" in r else ""
         print(f"{r['model']:<14}bs {r['bs']:>4} ctx {r['context']:>5} {r['mode']:<10} kv {r['kv_cache_dtype']:<9} "
-              f"page {r['page_size']:>3} rope+store {r['rope_store']} pdl {r['pdl']} entry {r['decode_entry']}: "
+              f"page {r['page_size']:>3} rope+store {r['rope_store']} pdl {r['pdl']} entry {r['decode_entry']} "
+              f"tiles {r['gemm_tiles']}: "
               f"{r['ms_per_step']:.3f} ms"
               f"{launches}, "
               f"{base[key] / r['ms_per_step']:.3f}x of the first configuration")
@@ -319,6 +360,9 @@ def main() -> None:
     ap.add_argument("--decode-entry", nargs="+", default=["table"],
                     help='decode-kernel settings, one pass each: "table", or "BS:key=value,..." (";" between '
                          "batch sizes) changes to the entry BS takes (see patch_decode_tables)")
+    ap.add_argument("--gemm-tiles", nargs="+", default=["rule"],
+                    help='GEMM tiles at 5-32 rows, one pass each: "rule", or "KIND:key=value,..." (";" between '
+                         "kinds plain / gated / skinny) changes to config_for's pick (see patch_gemm_tiles)")
     ap.add_argument("--no-launches", dest="launches", action="store_false",
                     help="skip the launch count and gap columns (torch.profiler over a few steps per row)")
     ap.add_argument("--modes", nargs="+", default=["eager", "graph", "graph-sync"],
@@ -340,9 +384,10 @@ def main() -> None:
                 for rope in args.rope_store:
                     for use_pdl in args.pdl:
                         for entry in args.decode_entry:
-                            r, m = bench_model(name, args, bw, kv, page, rope, use_pdl, entry)
-                            rows += r
-                            meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}/{entry}"] = m
+                            for tiles in args.gemm_tiles:
+                                r, m = bench_model(name, args, bw, kv, page, rope, use_pdl, entry, tiles)
+                                rows += r
+                                meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}/{entry}/{tiles}"] = m
     print_comparison(rows)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,

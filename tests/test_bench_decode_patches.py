@@ -1,6 +1,7 @@
 """Benchmark helpers that patch the engine before a run: bench_decode.py's `--decode-entry` (the decode-kernel
 settings a pass runs with, patched into the backend's tables before the engine is built, and restored by the
-benchmark after) and bound_decode_launches.py (launches replaced by no-ops, for an upper bound)."""
+benchmark after), its `--gemm-tiles` (the GEMMs' tile rule at 5-32 rows) and bound_decode_launches.py (launches
+replaced by no-ops, for an upper bound)."""
 
 import copy
 import os
@@ -9,10 +10,11 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from bench_decode import patch_decode_tables  # noqa: E402
+from bench_decode import patch_decode_tables, patch_gemm_tiles  # noqa: E402
 
 from ostinato.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from ostinato.attention.triton_ops.decode_attention import table_entry  # noqa: E402
+from ostinato.layers.triton_ops import skinny_gemm, wide_gemm  # noqa: E402
 
 
 def test_patch_changes_the_entry_a_batch_size_takes_in_every_table():
@@ -54,3 +56,48 @@ def test_launch_bound_replaces_the_norm_and_the_activation_with_no_launch():
         assert act.data_ptr() == x.data_ptr() and act.shape == (3, 4)
     finally:
         norm.fused_add_rms_norm, norm_linear.silu_and_mul = saved
+
+
+def test_gemm_tiles_change_the_named_kind_at_5_to_32_rows_only():
+    rules = wide_gemm.config_for, skinny_gemm.config_for
+    try:
+        patch_gemm_tiles("gated:block_n=32,num_stages=3;skinny:block_k=256")
+        assert wide_gemm.config_for(32, 3072, 1024, gated=True) == rules[0](32, 3072, 1024, True)._replace(
+            block_n=32, num_stages=3)
+        assert wide_gemm.config_for(32, 4096, 1024) == rules[0](32, 4096, 1024)  # plain: not named
+        assert wide_gemm.config_for(48, 3072, 1024, gated=True) == rules[0](48, 3072, 1024, True)  # > 32 rows
+        assert skinny_gemm.config_for(16, 1024, 3072) == rules[1](16, 1024, 3072)._replace(block_k=256)
+        assert skinny_gemm.config_for(4, 1024, 3072) == rules[1](4, 1024, 3072)  # the FMA form: not named
+        patch_gemm_tiles("rule")
+        assert (wide_gemm.config_for, skinny_gemm.config_for) == rules
+        for bad in ("gate:block_n=32", "plain", "skinny:block_k=two"):
+            with pytest.raises(ValueError):
+                patch_gemm_tiles(bad)
+    finally:
+        wide_gemm.config_for, skinny_gemm.config_for = rules
+
+
+def test_gemm_tiles_reach_the_kernel_and_keep_its_sums():
+    """The patched rule is what wide_linear launches with (a tile of 32 + 32 gate / up rows here), and the kernel
+    still computes silu(x W_gate^T) * (x W_up^T) (Triton's interpreter on the CPU, in fp16: it has no bf16 dot)."""
+    import torch
+
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 128, generator=g).to(dev, torch.float16)
+    w = (torch.randn(256, 128, generator=g) / 12).to(dev, torch.float16)
+    gate, up = (x.float() @ w.float().T).split(128, 1)
+    want = torch.nn.functional.silu(gate) * up
+    rules = wide_gemm.config_for, skinny_gemm.config_for
+    seen = []
+    try:
+        patch_gemm_tiles("gated:block_n=32,num_stages=2")
+        patched = wide_gemm.config_for
+        wide_gemm.config_for = lambda *a, **kw: seen.append(patched(*a, **kw)) or seen[-1]
+        got = wide_gemm.wide_linear(x, w, gated=True)
+    finally:
+        wide_gemm.config_for, skinny_gemm.config_for = rules
+    assert [c.block_n for c in seen] == [32]
+    torch.testing.assert_close(got.float().cpu(), want.cpu(), atol=4e-3, rtol=4e-3)

@@ -98,12 +98,17 @@ def config_for(m: int, n: int, k: int, gated: bool = False) -> WideConfig:
     one, where 3 stages were 1% faster; at 64 rows the best of the settings that fit for Llama-3.2-1B's gate_up
     (H200). At 33-64 rows a gated W of fewer than 128 programs of 64 rows (Qwen3-0.6B's gate_up: 48, on 132 SMs)
     takes 32 + 32 rows a program and 4 stages: H200, M = 64, 9.90 -> 7.47 us (cuBLAS + silu_and_mul 8.25;
-    skinny-wide-sweep-m64-h200-20261126-s18.json)."""
+    skinny-wide-sweep-m64-h200-20261126-s18.json). So does it at 5-32 rows, timed in the decode step rather than
+    alone (H200, Qwen3-0.6B, `bench_decode.py --models qwen3-0.6b --cases 8:128 16:128 32:256 --modes graph
+    --no-launches --iters 100 --gemm-tiles rule "gated:block_n=32" ... rule`,
+    decode-tiles-qwen3-h200-20261128-s39.json): ms a step 0.862 / 0.882 / 1.161 -> 0.847 / 0.874 / 1.132. Plain
+    rows (qkv) were slower there at 32 a program (0.901 / 0.918 / 1.172; Llama-3.2-1B bs 32 x 256 1.013 -> 1.059)
+    and at 128 (0.97x, decode-tiles128-qwen3-h200-20261128-s39.json)."""
     m_pad = max(16, triton.next_power_of_2(m))
     block_k = 128 if k % 128 == 0 else 64
+    if gated and triton.cdiv(n, 64) < 128:
+        return WideConfig(m_pad, 32, block_k, 4, 4)
     if m_pad > 32:
-        if gated and triton.cdiv(n, 64) < 128:
-            return WideConfig(m_pad, 32, block_k, 4, 4)
         return WideConfig(m_pad, 64, block_k, 4, 3 if gated else 4)
     return WideConfig(m_pad, 64, block_k, 4, 4 if gated else 6)
 
