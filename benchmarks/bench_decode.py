@@ -12,13 +12,11 @@ Each row also reports, from torch.profiler over a few steps (`--no-launches` ski
 activities (kernels, copies, sets) of one forward (a graph replay with its input copies, or the eager forward),
 `step_launches` the same for the whole step (inputs, forward, sampling, the copy to the host), `kernel_ms` their
 summed GPU time per forward and `gap_ms` = forward_ms - kernel_ms: the time the GPU sat between the forward's
-kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). `step_launches` reads low: the step window
-holds all ten token copies but every other activity of only nine of the ten profiled steps, whichever phase runs
-first (LAUNCH_NAMES=1 lists the activities whose counts differ, LAUNCH_ORDER=step,prepare,forward reorders the
-phases; docs/gpu-notes.md, thirty-eighth session); the cause is not known. `--rope-store fused kernel unfused` runs
-each model as the engine does (rotary + KV store inside the decode kernel up to the backend's rope_attend cap, by
-head dim, the fused `attention/triton_ops/rope_store.py` kernel above), with that kernel at every batch size, and
-with neither.
+kernels (graph-node gaps in graph modes; host-bound launch gaps eagerly). LAUNCH_NAMES=1 lists the activities whose
+counts differ between a forward and a step, LAUNCH_ORDER=step,prepare,forward reorders the profiled phases.
+`--rope-store fused kernel unfused` runs each model as the engine does (rotary + KV store inside the decode kernel
+up to the backend's rope_attend cap, by head dim, the fused `attention/triton_ops/rope_store.py` kernel above), with
+that kernel at every batch size, and with neither.
 
 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b
 python benchmarks/bench_decode.py --models granite-4.0-h-1b llama-3.2-1b --cases 1:128 32:128 128:128
@@ -136,6 +134,18 @@ def profile_steps(runner: ModelRunner, sched: ScheduledBatch, iters: int = 20) -
             end = r.end
 
 
+def phase_spans(events: list) -> dict:
+    """Each `bench_decode/<phase>` record_function's range on the host, which holds all of the phase's GPU work (it
+    ends after a synchronize). The profiler also lists each range as GPU annotations of the same name, one a stream,
+    spanning that stream's activities: the copy stream's spans the token copies alone, from the first step's copy
+    on, so with those the step window lost the first step's inputs and forward (docs/gpu-notes.md, thirty-eighth
+    and thirty-ninth sessions)."""
+    from torch.autograd import DeviceType
+
+    return {e.name.split("/")[1]: e.time_range for e in events
+            if e.name.startswith("bench_decode/") and e.device_type == DeviceType.CPU}
+
+
 def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: int = 10) -> dict:
     """From one torch.profiler session: the GPU activities (kernels, copies, sets; each graph node of a replay on
     its own) of one forward and of one whole step, and the forward's summed GPU time. The forward's are those of
@@ -164,7 +174,7 @@ def launch_stats(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters:
     finally:
         runner.graph_runner = saved
     events = prof.events()
-    spans = {e.name.split("/")[1]: e.time_range for e in events if e.name.startswith("bench_decode/")}
+    spans = phase_spans(events)
     # (record_function's ranges also appear on the GPU timeline, as annotations spanning each phase: not kernels)
     device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("bench_decode/")]
     count, ms, names = {}, {}, {}
