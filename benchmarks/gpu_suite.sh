@@ -24,7 +24,7 @@
 #   bash benchmarks/gpu_suite.sh piecewise piecewise GPU tests, start-up split (cold / warm cache), extend steps
 #   bash benchmarks/gpu_suite.sh mixed     ITL under prefill pressure (mixed chunk off / on), TTFT through
 #                                          `ostinato serve` with piecewise on / off (the server needs the wheels)
-# Writes logs and JSON under $OUT (or ./gpu-out).
+# Writes logs and JSON under $OUT (or ./gpu-out); more than 8 files go into one $OUT/<part>.tgz.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -174,4 +174,9 @@ mixed)
       --out "$OUT/ttft-piecewise.json" 2>&1 | quiet | tail -24 | tee "$OUT/ttft-piecewise.log"
   ;;
 esac
+# the device tool brings back at most 8 files a call: past that, one archive of them all
+# (2026-11-28: the floor part's JSON files stayed behind)
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar -C "$OUT" -czf "/tmp/$part.tgz" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/$part.tgz" "$OUT/"
+fi
 exit 0
