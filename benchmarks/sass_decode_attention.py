@@ -10,6 +10,8 @@ MAXNREG=128 TOP=30 COMBINE=0 PAGE=1 python benchmarks/sass_decode_attention.py .
 ROPE=1 [NORM=1] [XNORM=1] python benchmarks/sass_decode_attention.py ...  # stage 1 rotating q, storing the new K/V
                                                                         # (rope_attend) [with the input norm's scale]
 EARLY_KV=2 python benchmarks/sass_decode_attention.py ...  # with early_kv's L2 requests for 2 key blocks
+HEADS=16:8:128 python benchmarks/sass_decode_attention.py ...  # Qwen3-0.6B's heads (query:KV:dim; default 32:8:64)
+OFFS32=1 python benchmarks/sass_decode_attention.py ...  # K/V offsets in int32 (OSTINATO_DECODE_OFFS32=1's form)
 HEAD=200 python benchmarks/sass_decode_attention.py ...  # also the order of the global loads, exits, barriers,
                                                          # shared-memory shuffles, L2 prefetches (CCTL) and the PDL
                                                          # wait / trigger (ACQBULK / PREEXIT) in the first 200
@@ -35,6 +37,8 @@ TOP = int(os.environ.get("TOP", "8"))  # opcodes shown
 PAGE = int(os.environ.get("PAGE", "16"))  # the pool's page size
 EARLY_KV = int(os.environ.get("EARLY_KV", "0"))  # decode_attention's early_kv: key blocks asked of L2 before the wait
 MAXNREG = {"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}  # a register cap for ptxas
+Q_HEADS, KV_HEADS, DIM = (int(x) for x in os.environ.get("HEADS", "32:8:64").split(":"))
+GROUP = Q_HEADS // KV_HEADS
 VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT=True, V_CVT=True),
                       bits=dict(FP16_DOT=True, CVT_BITS=True, BITS_FACTOR=256.0),
                       qk8=dict(QK_FP8=True), qk8_vcvt=dict(QK_FP8=True, V_CVT=True),
@@ -43,13 +47,13 @@ VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT
 
 
 def early_lines(fp8: bool) -> int:
-    """The KV_LINES constant decode_attention passes for EARLY_KV (0: off): a head-dim-64 row's lines."""
-    return lines_for(64 * (1 if fp8 else 2)) if EARLY_KV else 0
+    """The KV_LINES constant decode_attention passes for EARLY_KV (0: off): a head row's lines."""
+    return lines_for(DIM * (1 if fp8 else 2)) if EARLY_KV else 0
 
 
 def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: int, whole: bool, page: int = 16):
-    """Llama-3.2-1B heads (32 / 8, dim 64), pages of `page`; every int argument divisible by 16 (as the graph
-    path's strides are)."""
+    """HEADS' heads (Llama-3.2-1B's 32 / 8, dim 64, by default), pages of `page`; every int argument divisible by 16
+    (as the graph path's strides are)."""
     kv = "*u8" if fp8 else "*bf16"
     ptrs = dict(Q="*bf16", K_buf=kv, V_buf=kv, Req_to_token="*i32", Req_pool_indices="*i64", Seq_lens="*i32",
                 Num_kv_splits="*i32", Mid_o="*fp32", Mid_lse="*fp32", K_scale="*fp32", V_scale="*fp32", Counter="*i32",
@@ -66,14 +70,15 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
     page_const = da.page_arg(page, block_n)
     if variant == "kv_group":
         fn = da._decode_stage1_kv_group_kernel
-        consts = dict(GROUP=4, HEAD_DIM=64, KV_PER_PROG=4, BLOCK_N=block_n, PAGE=page_const, KV_FP8=int(fp8),
+        consts = dict(GROUP=GROUP, HEAD_DIM=DIM, KV_PER_PROG=4, BLOCK_N=block_n, PAGE=page_const, KV_FP8=int(fp8),
                       FP16_DOT=fp8, WHOLE_BLOCKS=whole, PRECISION="tf32") | engine
     else:
         fn = da._decode_stage1_kernel
-        consts = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=block_n, PRECISION="tf32",
+        consts = dict(GROUP=GROUP, HEAD_DIM=DIM, BLOCK_H=16, BLOCK_D=DIM, BLOCK_N=block_n, PRECISION="tf32",
                       PAGE=page_const, KV_FP8=int(fp8), FP16_DOT=False, V_CVT=False, CVT_BITS=False, QK_FP8=False,
-                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=4, FOLD=False, X_NORM="X" in ptrs,
-                      BLOCK_X=2048 if "X" in ptrs else 1, KV_LINES=early_lines(fp8), KV_BLOCKS=EARLY_KV or 1) | engine
+                      BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=triton.next_power_of_2(GROUP), FOLD=False,
+                      X_NORM="X" in ptrs, BLOCK_X=2048 if "X" in ptrs else 1, KV_LINES=early_lines(fp8),
+                      KV_BLOCKS=EARLY_KV or 1, OFFS32=os.environ.get("OFFS32") == "1") | engine
         if fp8 or variant == "bf16_fold":
             consts |= VARIANT_CONSTS[variant]
     sig, attrs = {}, {}
@@ -125,7 +130,7 @@ def report(spec: str) -> None:
     bufs = [int(x) for x in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", k.asm["ttgir"])]
     progs = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 228 * 1024 // (smem + 1024), 64 // warps)
     heads = 4 if variant == "kv_group" else 1
-    tile = block_n * 64 * 2 * (1 if kv == "fp8" else 2) * heads
+    tile = block_n * DIM * 2 * (1 if kv == "fp8" else 2) * heads
     sass = cuobjdump(k.asm["cubin"], "-sass")
     ops = loop_opcodes(sass)
     per128 = sum(ops.values()) * warps * 128 // block_n // heads

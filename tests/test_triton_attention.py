@@ -5,6 +5,7 @@ in bf16 against the torch backend computed in fp32.
 """
 
 import bisect
+import importlib
 import os
 import shutil
 
@@ -174,6 +175,39 @@ def test_kv_layouts_give_the_same_bits(mode, page):
         stored.append([b.clone() for b in env.cache.get_kv_buffer(0)])
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(stored[0], stored[1], strict=True))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_int32_offsets_give_the_int64_bits(monkeypatch, page, head_major):
+    """Stage 1 addresses K/V rows with int32 offsets where the cache allows (decode_attention.OFFS32): the same
+    output bits as with int64 offsets, for whole and partial key blocks."""
+    da = importlib.import_module("ostinato.attention.triton_ops.decode_attention")  # the package's is the function
+
+    outs = []
+    for offs32 in (True, False):
+        monkeypatch.setattr(da, "OFFS32", offs32)
+        env = make_env(page, 4, 2, 16, seed=page + 7, head_major=head_major)
+        assert da.int32_offsets(*env.cache.get_kv_buffer(0))
+        prefix = [0, 16, 79, 44]
+        batch = make_batch(env, ForwardMode.DECODE, new_requests(env, prefix), prefix, [1] * 4)
+        q, k, v = qkv(env, 4)
+        outs.append(run_triton(env, batch, q, k, v))
+        check(env, batch, outs[-1], q, atol=1e-4)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_int32_offsets_refuse_a_cache_past_two_to_the_31():
+    from ostinato.attention.triton_ops.decode_attention import int32_offsets
+
+    small = torch.empty(2**20, 8, 128, device="meta")  # 2**30 elements: the last at offset 2**30 - 1
+    assert int32_offsets(small, small)
+    big = torch.empty(2**21 + 1, 8, 128, device="meta")
+    assert not int32_offsets(small, big)
+    exact = torch.empty(8, 2**21, 128, device="meta").transpose(0, 1)  # [slots, heads, dim], heads outermost
+    assert exact.stride(1) == 2**28 and int32_offsets(exact)  # 2**31 elements: the last at offset 2**31 - 1
+    assert not int32_offsets(torch.empty(8, 2**21 + 1, 128, device="meta").transpose(0, 1))
+    assert int32_offsets(torch.empty(0, 8, 128, device="meta"))
 
 
 def test_one_split_combined_in_stage1_gives_stage2_bits():

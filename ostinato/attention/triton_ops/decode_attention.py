@@ -40,6 +40,18 @@ from ostinato.layers.triton_ops.rotary import norm_rotate
 
 # decode_attention's `early_kv` (OSTINATO_DECODE_EARLY_KV=0: never)
 EARLY_KV = os.environ.get("OSTINATO_DECODE_EARLY_KV", "1") != "0"
+# OSTINATO_DECODE_OFFS32=1: stage 1 addresses K/V rows with int32 offsets where every element of the cache is within
+# 2**31 of its start. The key loop's 64-bit products are a fifth of its SASS: per 128 keys, Qwen3-0.6B heads at bs
+# 32's entry 2,276 -> 1,828 instructions, Llama-3.2-1B's 1,416 -> 1,192 (Triton 3.6, sm_90,
+# `benchmarks/sass_decode_attention.py`), and at 32 rows the loop is bound by its warps' instruction issue (Nsight
+# Compute, docs/gpu-notes.md, thirty-ninth session). Off by default until a step with it is timed on a GPU: its
+# correctness is (tests/test_triton_attention.py on the H200), its speed not yet.
+OFFS32 = os.environ.get("OSTINATO_DECODE_OFFS32", "0") == "1"
+
+
+def int32_offsets(*bufs: torch.Tensor) -> bool:
+    """Whether every element of each buffer lies within an int32 element offset of its first."""
+    return all(sum((n - 1) * st for n, st in zip(b.shape, b.stride(), strict=True) if n > 0) < 2**31 for b in bufs)
 
 
 @triton.jit
@@ -237,6 +249,7 @@ def _decode_stage1_kernel(
     ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
     X=None, stride_x=0, x_cols=1, eps_x=0.0, X_NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1,
     KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1, min_tokens=1, SPLITS_FROM_LEN: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
     b = tl.program_id(1)
@@ -336,13 +349,14 @@ def _decode_stage1_kernel(
                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
                 BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
                 V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_N=False, MASK_D=HEAD_DIM != BLOCK_D,
+                OFFS32=OFFS32,
             )
         if whole_end < end:
             acc, m_i, l_i = attend_kv_block(
                 q, acc, m_i, l_i, whole_end, end, 0, K_buf, V_buf, req_row, kv_head,
                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
                 BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
-                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_D=HEAD_DIM != BLOCK_D,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, MASK_D=HEAD_DIM != BLOCK_D, OFFS32=OFFS32,
             )
     else:
         for n0 in range(start, end, BLOCK_N):
@@ -350,7 +364,7 @@ def _decode_stage1_kernel(
                 q, acc, m_i, l_i, n0, end, 0, K_buf, V_buf, req_row, kv_head,
                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_d, d_mask, qk_scale,
                 BLOCK_N=BLOCK_N, CAUSAL=False, PRECISION=PRECISION, PAGE=PAGE, KV_FP8=KV_FP8,
-                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8,
+                V_CVT=V_CVT, CVT_BITS=CVT_BITS, QK_FP8=QK_FP8, OFFS32=OFFS32,
             )
 
     nonempty = l_i > 0
@@ -627,6 +641,9 @@ def decode_attention(
     blocks). Only where the caller knows that none of those was written by the kernel just ahead of this one: a
     kernel that wrote one and then triggered (or ended) may not have flushed its writes yet.
     OSTINATO_DECODE_EARLY_KV=0 turns it off.
+
+    With OFFS32 (OSTINATO_DECODE_OFFS32=1) stage 1 computes K/V row offsets in int32 where `int32_offsets(k_buf,
+    v_buf)` (the fold and kv_group forms in int64 always).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -706,7 +723,7 @@ def decode_attention(
             V_CVT=v_cvt_on, CVT_BITS=bool(cvt_bits and fp8), QK_FP8=bool(qk_fp8 and fp8),
             BITS_FACTOR=bits_factor(fp8), WHOLE_BLOCKS=bool(whole_blocks), **tail,
             GROUP_P2=triton.next_power_of_2(group), FOLD=fold, num_warps=num_warps,
-            num_stages=num_stages,
+            num_stages=num_stages, OFFS32=OFFS32 and int32_offsets(k_buf, v_buf),
             KV_LINES=lines_for(head_dim * k_buf.element_size()) if pdl and early_kv and EARLY_KV else 0,
             KV_BLOCKS=int(early_kv) or 1,
         )

@@ -97,33 +97,36 @@ def kv_to_dot(x, KV_FP8: tl.constexpr, CVT_BITS: tl.constexpr, dtype: tl.constex
 
 
 @triton.jit
-def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASK_N: tl.constexpr = True):
+def block_slots(req_row, n0, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASK_N: tl.constexpr = True,
+                INT32: tl.constexpr = False):
     """KV slots of tokens n0 .. n0 + BLOCK_N of a request (0 past kv_end). n0 is a multiple of BLOCK_N.
 
     PAGE > 1 (pages of PAGE slots, each page's slots contiguous and page-aligned): one table read per page,
     the page's first slot, then consecutive slots; PAGE 1: one read per token. MASK_N False: the caller
-    promises n0 + BLOCK_N <= kv_end (n_mask is then all true and nothing is masked)."""
+    promises n0 + BLOCK_N <= kv_end (n_mask is then all true and nothing is masked). The slots are int64, or the
+    table's int32 with INT32 (for offsets the caller knows fit 32 bits)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     if PAGE == 1:
         if MASK_N:
-            slots = tl.load(req_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+            slots = tl.load(req_row + offs_n, mask=n_mask, other=0)
         else:
-            slots = tl.load(req_row + offs_n).to(tl.int64)
+            slots = tl.load(req_row + offs_n)
     elif PAGE >= BLOCK_N:  # the block lies in one page (PAGE is a multiple of BLOCK_N)
-        first = tl.load(req_row + n0).to(tl.int64)
-        slots = first + (offs_n - n0)
+        slots = tl.load(req_row + n0) + (offs_n - n0)
         if MASK_N:
             slots = tl.where(n_mask, slots, 0)
     else:  # BLOCK_N // PAGE whole pages
         offs_p = n0 + tl.arange(0, BLOCK_N // PAGE) * PAGE
         if MASK_N:
-            first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0).to(tl.int64)
+            first = tl.load(req_row + offs_p, mask=offs_p < kv_end, other=0)
         else:
-            first = tl.load(req_row + offs_p).to(tl.int64)
+            first = tl.load(req_row + offs_p)
         slots = tl.reshape(first[:, None] + tl.arange(0, PAGE)[None, :], [BLOCK_N])
         if MASK_N:
             slots = tl.where(n_mask, slots, 0)
+    if not INT32:
+        slots = slots.to(tl.int64)
     return slots, offs_n, n_mask
 
 
@@ -148,7 +151,7 @@ def attend_kv_block(
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr = 1, KV_FP8: tl.constexpr = 0,
     V_CVT: tl.constexpr = False, CVT_BITS: tl.constexpr = False, QK_FP8: tl.constexpr = False,
-    MASK_N: tl.constexpr = True, MASK_D: tl.constexpr = True,
+    MASK_N: tl.constexpr = True, MASK_D: tl.constexpr = True, OFFS32: tl.constexpr = False,
 ):
     """Keys n0 .. n0 + BLOCK_N (those < kv_end; with CAUSAL, also <= each row's q_pos) into (acc, m_i, l_i).
 
@@ -157,9 +160,14 @@ def attend_kv_block(
     v_scale (with CVT_BITS, v_scale / bits factor). The dots run in q's dtype (fp16 with QK_FP8, for p.v).
     MASK_N False: the block is whole (n0 + BLOCK_N <= kv_end), no key mask; MASK_D False: d_mask is all true.
     """
-    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE, MASK_N)
-    k = load_tile(K_buf + slots[None, :] * stride_kbs + kv_head.to(tl.int64) * stride_kbh + offs_d[:, None],
-                  d_mask, n_mask, MASK_D, MASK_N)  # [BLOCK_D, BLOCK_N]
+    slots, offs_n, n_mask = block_slots(req_row, n0, kv_end, BLOCK_N, PAGE, MASK_N, OFFS32)
+    if OFFS32:
+        k_off = slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None]
+        v_off = slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :]
+    else:
+        k_off = slots[None, :] * stride_kbs + kv_head.to(tl.int64) * stride_kbh + offs_d[:, None]
+        v_off = slots[:, None] * stride_vbs + kv_head.to(tl.int64) * stride_vbh + offs_d[None, :]
+    k = load_tile(K_buf + k_off, d_mask, n_mask, MASK_D, MASK_N)  # [BLOCK_D, BLOCK_N]
     if QK_FP8:  # q is e4m3: an fp8 tensor-core dot on the stored bytes
         dot_dtype = tl.float16
         s = tl.dot(q, kv_from_store(k, KV_FP8), out_dtype=tl.float32) * qk_scale
@@ -174,8 +182,7 @@ def attend_kv_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_tile(V_buf + slots[:, None] * stride_vbs + kv_head.to(tl.int64) * stride_vbh + offs_d[None, :],
-                  n_mask, d_mask, MASK_N, MASK_D)  # [BLOCK_N, BLOCK_D]
+    v = load_tile(V_buf + v_off, n_mask, d_mask, MASK_N, MASK_D)  # [BLOCK_N, BLOCK_D]
     if V_CVT:  # fp16 dots on CUDA (the caller's promise); see the module doc
         v = fp8_to_fp16_fixed(v, KV_FP8)
     else:
