@@ -15,6 +15,8 @@
 #                                          step's kernel timeline
 #   bash benchmarks/gpu_suite.sh gpt-fast  gpt-fast's decode beside ours with its sampling (T=0.6, top_k 200); needs
 #                                          its model.py and generate.py in .bench-deps/gpt-fast (carried)
+#   bash benchmarks/gpu_suite.sh offs32    decode stage 1 with int32 K/V offsets (OSTINATO_DECODE_OFFS32) off / on in
+#                                          turns, then the GPU attention tests with it on
 #   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chains (Qwen3-0.6B, Llama-3.2-1B) against
 #                                          the engine's one-row GEMVs, with their parts and time stamps
 #                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
@@ -122,6 +124,17 @@ gpt-fast)
       | tee "$OUT/gpt-fast.log"
   timeout 200 python benchmarks/bench_gpt_fast.py --gpt-fast .bench-deps/gpt-fast --batch-sizes 1 32 \
       --temperature 0.6 --out "$OUT/gpt-fast.json" 2>&1 | grep -vE "it/s\]" | tail -6 | tee -a "$OUT/gpt-fast.log"
+  ;;
+offs32)
+  # prepared in the thirty-ninth session, whose device time ended before its A/B: each process compiles its own
+  # variant, so one warm-up process first (its rows are not the comparison)
+  for o in 1 0 1 0 1; do
+    OSTINATO_DECODE_OFFS32=$o timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b llama-3.2-1b \
+        --cases 1:128 32:256 32:1024 --modes graph --no-launches --iters 100 --out "$OUT/decode-offs32-$o.json" 2>&1 \
+        | quiet | grep "graph " | sed "s/^/offs32 $o /" | tee -a "$OUT/decode-offs32.log"
+  done
+  OSTINATO_DECODE_OFFS32=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+      tests/test_decode_graph.py tests/test_fp8_kv.py 2>&1 | tail -3 | tee "$OUT/offs32-tests.log"
   ;;
 gluon)
   # the thirty-eighth session's tables: each model's chain against the engine's GEMVs, with its parts (the ring
