@@ -16,7 +16,8 @@
 #   bash benchmarks/gpu_suite.sh gpt-fast  gpt-fast's decode beside ours with its sampling (T=0.6, top_k 200); needs
 #                                          its model.py and generate.py in .bench-deps/gpt-fast (carried)
 #   bash benchmarks/gpu_suite.sh offs32    decode stage 1 with int32 K/V offsets (OSTINATO_DECODE_OFFS32) off / on in
-#                                          turns, then the GPU attention tests with it on
+#                                          turns, the GPU attention tests with it on, then bs 32's entry at 3 and 4
+#                                          stages with it
 #   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chains (Qwen3-0.6B, Llama-3.2-1B) against
 #                                          the engine's one-row GEMVs, with their parts and time stamps
 #                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
@@ -135,6 +136,12 @@ offs32)
   done
   OSTINATO_DECODE_OFFS32=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
       tests/test_decode_graph.py tests/test_fp8_kv.py 2>&1 | tail -3 | tee "$OUT/offs32-tests.log"
+  # with it on, fewer pipeline stages at 17-32 rows: a split of 4 blocks computes 4 blocks' addresses ahead
+  # (docs/gpu-notes.md, thirty-ninth session)
+  OSTINATO_DECODE_OFFS32=1 timeout 200 python benchmarks/bench_decode.py --models qwen3-0.6b llama-3.2-1b \
+      --cases 32:256 32:1024 --modes graph --no-launches --iters 100 --decode-entry table "32:num_stages=3" \
+      "32:num_stages=4" table --out "$OUT/decode-offs32-stages.json" 2>&1 | quiet | grep "x of the first" \
+      | tee "$OUT/decode-offs32-stages.log"
   ;;
 gluon)
   # the thirty-eighth session's tables: each model's chain against the engine's GEMVs, with its parts (the ring
