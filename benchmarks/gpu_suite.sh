@@ -129,7 +129,7 @@ gpt-fast)
 offs32)
   # prepared in the thirty-ninth session, whose device time ended before its A/B: each process compiles its own
   # variant, so one warm-up process first (its rows are not the comparison)
-  for o in 1 0 1 0; do  # (the whole part: about 8 minutes on a fresh machine, by the calls of the 39th session)
+  for o in 1 0 1 0; do  # the whole part: an estimated 8 minutes on a fresh machine (39th session's calls)
     OSTINATO_DECODE_OFFS32=$o timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b llama-3.2-1b \
         --cases 1:128 32:256 32:1024 --modes graph --no-launches --iters 100 --out "$OUT/decode-offs32-$o.json" 2>&1 \
         | quiet | grep "graph " | sed "s/^/offs32 $o /" | tee -a "$OUT/decode-offs32.log"
