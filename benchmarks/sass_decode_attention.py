@@ -39,6 +39,7 @@ EARLY_KV = int(os.environ.get("EARLY_KV", "0"))  # decode_attention's early_kv: 
 MAXNREG = {"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}  # a register cap for ptxas
 Q_HEADS, KV_HEADS, DIM = (int(x) for x in os.environ.get("HEADS", "32:8:64").split(":"))
 GROUP = Q_HEADS // KV_HEADS
+KV_PER_PROG = da.kv_group_size(Q_HEADS, KV_HEADS, DIM)  # the kv_group variant's KV heads a program, as the engine's
 VARIANT_CONSTS = dict(cast={}, fp16=dict(FP16_DOT=True), fp16_vcvt=dict(FP16_DOT=True, V_CVT=True),
                       bits=dict(FP16_DOT=True, CVT_BITS=True, BITS_FACTOR=256.0),
                       qk8=dict(QK_FP8=True), qk8_vcvt=dict(QK_FP8=True, V_CVT=True),
@@ -70,8 +71,8 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
     page_const = da.page_arg(page, block_n)
     if variant == "kv_group":
         fn = da._decode_stage1_kv_group_kernel
-        consts = dict(GROUP=GROUP, HEAD_DIM=DIM, KV_PER_PROG=4, BLOCK_N=block_n, PAGE=page_const, KV_FP8=int(fp8),
-                      FP16_DOT=fp8, WHOLE_BLOCKS=whole, PRECISION="tf32") | engine
+        consts = dict(GROUP=GROUP, HEAD_DIM=DIM, KV_PER_PROG=KV_PER_PROG, BLOCK_N=block_n, PAGE=page_const,
+                      KV_FP8=int(fp8), FP16_DOT=fp8, WHOLE_BLOCKS=whole, PRECISION="tf32") | engine
     else:
         fn = da._decode_stage1_kernel
         consts = dict(GROUP=GROUP, HEAD_DIM=DIM, BLOCK_H=16, BLOCK_D=DIM, BLOCK_N=block_n, PRECISION="tf32",
@@ -81,6 +82,7 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
                       KV_BLOCKS=EARLY_KV or 1, OFFS32=os.environ.get("OFFS32") == "1") | engine
         if fp8 or variant == "bf16_fold":
             consts |= VARIANT_CONSTS[variant]
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # the kv_group kernel has no rotary (ROPE, ...)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -129,7 +131,7 @@ def report(spec: str) -> None:
     smem = k.metadata.shared
     bufs = [int(x) for x in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", k.asm["ttgir"])]
     progs = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 228 * 1024 // (smem + 1024), 64 // warps)
-    heads = 4 if variant == "kv_group" else 1
+    heads = KV_PER_PROG if variant == "kv_group" else 1
     tile = block_n * DIM * 2 * (1 if kv == "fp8" else 2) * heads
     sass = cuobjdump(k.asm["cubin"], "-sass")
     ops = loop_opcodes(sass)
