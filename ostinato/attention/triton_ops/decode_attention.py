@@ -40,13 +40,13 @@ from ostinato.layers.triton_ops.rotary import norm_rotate
 
 # decode_attention's `early_kv` (OSTINATO_DECODE_EARLY_KV=0: never)
 EARLY_KV = os.environ.get("OSTINATO_DECODE_EARLY_KV", "1") != "0"
-# OSTINATO_DECODE_OFFS32=1: stage 1 addresses K/V rows with int32 offsets where every element of the cache is within
-# 2**31 of its start. The key loop's 64-bit products are a fifth of its SASS: per 128 keys, Qwen3-0.6B heads at bs
-# 32's entry 2,276 -> 1,828 instructions, Llama-3.2-1B's 1,416 -> 1,192 (Triton 3.6, sm_90,
-# `benchmarks/sass_decode_attention.py`), and at 32 rows the loop is bound by its warps' instruction issue (Nsight
-# Compute, docs/gpu-notes.md, thirty-ninth session). Off by default until a step with it is timed on a GPU: its
-# correctness is (tests/test_triton_attention.py on the H200), its speed not yet.
-OFFS32 = os.environ.get("OSTINATO_DECODE_OFFS32", "0") == "1"
+# Stage 1 addresses K/V rows with int32 offsets where every element of the cache is within 2**31 of its start
+# (OSTINATO_DECODE_OFFS32=0: always int64). The key loop's 64-bit products are a fifth of its SASS: per 128 keys,
+# Qwen3-0.6B heads at bs 32's entry 2,276 -> 1,828 instructions, Llama-3.2-1B's 1,416 -> 1,192 (Triton 3.6, sm_90,
+# `benchmarks/sass_decode_attention.py`), and at 32 rows the loop is bound by its warps' instruction issue. On the
+# H200, a step: Qwen3-0.6B bs 1 0.645 -> 0.631 ms, bs 32 x 256 1.137 -> 1.119; Llama-3.2-1B bs 1 0.843 -> 0.835
+# (docs/gpu-notes.md, fortieth session).
+OFFS32 = os.environ.get("OSTINATO_DECODE_OFFS32", "1") != "0"
 
 
 def int32_offsets(*bufs: torch.Tensor) -> bool:
@@ -642,8 +642,8 @@ def decode_attention(
     kernel that wrote one and then triggered (or ended) may not have flushed its writes yet.
     OSTINATO_DECODE_EARLY_KV=0 turns it off.
 
-    With OFFS32 (OSTINATO_DECODE_OFFS32=1) stage 1 computes K/V row offsets in int32 where `int32_offsets(k_buf,
-    v_buf)` (the fold and kv_group forms in int64 always).
+    With OFFS32 (the default; OSTINATO_DECODE_OFFS32=0 turns it off) stage 1 computes K/V row offsets in int32
+    where `int32_offsets(k_buf, v_buf)` (the fold and kv_group forms in int64 always).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
