@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_suite.sh offs32    decode stage 1 with int32 K/V offsets (OSTINATO_DECODE_OFFS32) off / on in
 #                                          turns, the GPU attention tests with it on, then bs 32's entry at 3 and 4
 #                                          stages with it
+#   bash benchmarks/gpu_suite.sh fusedmlp  the one-row MLP as one kernel (benchmarks/fused_mlp_bs1.py, timing only)
+#                                          against the engine's gate_up + down, in turns
 #   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chains (Qwen3-0.6B, Llama-3.2-1B) against
 #                                          the engine's one-row GEMVs, with their parts and time stamps
 #                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
@@ -142,6 +144,17 @@ offs32)
       --cases 32:256 32:1024 --modes graph --no-launches --iters 100 --decode-entry table "32:num_stages=3" \
       "32:num_stages=4" table --out "$OUT/decode-offs32-stages.json" 2>&1 | quiet | grep "x of the first" \
       | tee "$OUT/decode-offs32-stages.log"
+  ;;
+fusedmlp)
+  # one process a variant (each compiles its own kernels): the engine first and last
+  i=0
+  for v in "" fused:32:4 fused:16:4 fused:16:8:resident fused:32:8 ""; do
+    i=$((i + 1)); name=$i-${v:-engine}
+    models="qwen3-0.6b llama-3.2-1b"; [ "${v##*:}" = resident ] && models=qwen3-0.6b  # Llama's slice won't fit
+    MLP=$v timeout 150 python benchmarks/fused_mlp_bs1.py --models $models --cases 1:128 1:1024 --modes graph \
+        --no-launches --iters 100 --out "$OUT/decode-mlp-${name//:/-}.json" 2>&1 | quiet | grep "graph " \
+        | sed "s/^/mlp ${v:-engine} /" | tee -a "$OUT/decode-fused-mlp.log"
+  done
   ;;
 gluon)
   # the thirty-eighth session's tables: each model's chain against the engine's GEMVs, with its parts (the ring
