@@ -11,7 +11,7 @@ ROPE=1 [NORM=1] [XNORM=1] python benchmarks/sass_decode_attention.py ...  # stag
                                                                         # (rope_attend) [with the input norm's scale]
 EARLY_KV=2 python benchmarks/sass_decode_attention.py ...  # with early_kv's L2 requests for 2 key blocks
 HEADS=16:8:128 python benchmarks/sass_decode_attention.py ...  # Qwen3-0.6B's heads (query:KV:dim; default 32:8:64)
-OFFS32=1 python benchmarks/sass_decode_attention.py ...  # K/V offsets in int32 (OSTINATO_DECODE_OFFS32=1's form)
+OFFS32=0 python benchmarks/sass_decode_attention.py ...  # K/V offsets in int64 (OSTINATO_DECODE_OFFS32=0's form)
 HEAD=200 python benchmarks/sass_decode_attention.py ...  # also the order of the global loads, exits, barriers,
                                                          # shared-memory shuffles, L2 prefetches (CCTL) and the PDL
                                                          # wait / trigger (ACQBULK / PREEXIT) in the first 200
@@ -79,7 +79,7 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
                       PAGE=page_const, KV_FP8=int(fp8), FP16_DOT=False, V_CVT=False, CVT_BITS=False, QK_FP8=False,
                       BITS_FACTOR=1.0, WHOLE_BLOCKS=whole, GROUP_P2=triton.next_power_of_2(GROUP), FOLD=False,
                       X_NORM="X" in ptrs, BLOCK_X=2048 if "X" in ptrs else 1, KV_LINES=early_lines(fp8),
-                      KV_BLOCKS=EARLY_KV or 1, OFFS32=os.environ.get("OFFS32") == "1") | engine
+                      KV_BLOCKS=EARLY_KV or 1, OFFS32=os.environ.get("OFFS32", "1") != "0") | engine
         if fp8 or variant == "bf16_fold":
             consts |= VARIANT_CONSTS[variant]
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # the kv_group kernel has no rotary (ROPE, ...)
@@ -127,7 +127,8 @@ def report(spec: str) -> None:
     kv, variant, block_n, warps, stages = parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4])
     whole = len(parts) > 5 and parts[5] == "whole"
     k = compile_stage1(kv == "fp8", variant, block_n, warps, stages, whole, PAGE)
-    regs = int(re.search(r"REG:(\d+)", cuobjdump(k.asm["cubin"], "-res-usage")).group(1))
+    usage = cuobjdump(k.asm["cubin"], "-res-usage")
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     smem = k.metadata.shared
     bufs = [int(x) for x in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", k.asm["ttgir"])]
     progs = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 228 * 1024 // (smem + 1024), 64 // warps)
@@ -136,7 +137,8 @@ def report(spec: str) -> None:
     sass = cuobjdump(k.asm["cubin"], "-sass")
     ops = loop_opcodes(sass)
     per128 = sum(ops.values()) * warps * 128 // block_n // heads
-    print(f"{spec:34} regs {regs:3} smem {smem:6} kv buffers {max(bufs, default=0)} programs/SM {progs:2} "
+    print(f"{spec:34} regs {regs:3} stack {stack} smem {smem:6} kv buffers {max(bufs, default=0)} "
+          f"programs/SM {progs:2} "
           f"in flight {progs * max(max(bufs, default=1), 1) * tile // 1024:4} KB  loop instr / 128 keys {per128:5}  "
           f"{dict(ops.most_common(TOP))}", flush=True)
     if os.environ.get("HEAD"):  # where the kernel's first loads go out and where it first waits
