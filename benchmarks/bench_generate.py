@@ -94,11 +94,15 @@ def main() -> None:
         tree_sampler.fused_sample = load_file_module(args.sampler, "fused_sample_other").fused_sample
 
     rows, device = [], None
+    # the copy rate once, before any engine: measured after each engine's start, the first model's read about 3.6 TB/s
+    # on an H200 where the second's and bench_decode's read 3.9-4.1 (2026-11-28, fortieth session)
+    bw = copy_bandwidth(torch.device("cuda")) if torch.cuda.is_available() else None
     for model in args.models:
         llm = LLM(model, load_format=args.load_format, dtype=args.dtype)
         runner = llm.engine.runner
         device = runner.device
-        bw = copy_bandwidth(device)
+        if bw is None or device.type != "cuda":
+            bw = copy_bandwidth(device)
         kv_token = runner.kv_cache.bytes() // runner.kv_cache.size
         rng = random.Random(0)
         for bs in args.batch_sizes:
@@ -153,7 +157,7 @@ def main() -> None:
         del llm
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "rows": rows}
+              "copy_bandwidth_TBps": bw / 1e12, "rows": rows}
     write_report(report, args.out or os.path.join(RESULTS, f"generate-{device_tag(device)}.json"))
 
 
