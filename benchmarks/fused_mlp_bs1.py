@@ -12,9 +12,9 @@ timing only, the numerics of the step are wrong. The kernel's own numerics are c
 
 Weights stream through a K loop after the PDL wait (the skinny GEMV's form, its first lines asked of L2 before the
 wait), or, with RESIDENT, each program's whole slice is loaded into registers before the wait (resident_gemv.py's
-form: only where it fits).
+form: only where it fits); `early` lets the next kernel's programs be placed before the wait, as that form does.
 
-MLP=fused:BJ:WARPS[:resident] python benchmarks/fused_mlp_bs1.py <bench_decode.py's arguments>
+MLP=fused:BJ:WARPS[:resident][:early] python benchmarks/fused_mlp_bs1.py <bench_decode.py's arguments>
 (MLP unset: the engine's path, the same wrapper, for A/B in turns.)
 """
 
@@ -33,7 +33,8 @@ from ostinato.layers.triton_ops.silu_and_mul import silu_mul_rounded
 @triton.jit
 def _fused_mlp_kernel(X, R, R_out, Wgu, Wd, Acc, Zero, zero_n, H, INTER, eps,
                       BJ: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, H_PAD: tl.constexpr,
-                      RESIDENT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                      RESIDENT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                      EARLY_TRIGGER: tl.constexpr = False):
     pid = tl.program_id(0)
     j = pid * BJ + tl.arange(0, BJ)  # this program's intermediate columns (I % BJ == 0)
     cols = tl.arange(0, H_PAD)
@@ -45,6 +46,8 @@ def _fused_mlp_kernel(X, R, R_out, Wgu, Wd, Acc, Zero, zero_n, H, INTER, eps,
         prefetch_rows(Wgu, j, H, H, 2)
         prefetch_rows(Wgu, INTER + j, H, H, 2)
     if PDL:
+        if EARLY_TRIGGER:  # resident_gemv's order: the next kernel's programs placed while these loads fly
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     # the next layer's accumulator, read by no kernel any more: zeroed in shares
     zoffs = pid * 256 + tl.arange(0, 256)
@@ -75,13 +78,13 @@ def _fused_mlp_kernel(X, R, R_out, Wgu, Wd, Acc, Zero, zero_n, H, INTER, eps,
             nn = n0 + tl.arange(0, BH)
             wdt = tl.load(Wd + nn[:, None] * INTER + j[None, :]).to(tl.float32)
             tl.atomic_add(Acc + nn, tl.sum(wdt * act[None, :], axis=1), sem="relaxed")
-    if PDL:
+    if PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 def fused_mlp(x: torch.Tensor, residual: torch.Tensor, eps: float, gate_up: torch.Tensor, down: torch.Tensor,
               acc: torch.Tensor, zero: torch.Tensor, bj: int = 32, num_warps: int = 4,
-              resident: bool = False) -> torch.Tensor:
+              resident: bool = False, early_trigger: bool = False) -> torch.Tensor:
     """acc += down(silu_and_mul(gate_up(rms_norm(x + residual)))) for one row (acc fp32 [H], zeroed by the caller
     or by the launch before); returns x + residual (the new residual stream). `zero` (fp32) is set to 0 on the way.
     gate_up [2I, H] holds the norm's weight (folded); H a power of two, I a multiple of bj."""
@@ -94,11 +97,11 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor, eps: float, gate_up: torc
     _fused_mlp_kernel[(grid,)](
         x, residual, residual_out, gate_up, down, acc, zero, zero.numel(), hidden, inter, eps,
         BJ=bj, BK=min(hidden, 256), BH=min(hidden, 256), H_PAD=hidden, RESIDENT=resident, PREFETCH=pdl,
-        PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
+        PDL=pdl, launch_pdl=pdl, num_warps=num_warps, EARLY_TRIGGER=early_trigger)
     return residual_out
 
 
-def _patch_layers(bj: int, num_warps: int, resident: bool) -> None:
+def _patch_layers(bj: int, num_warps: int, resident: bool, early_trigger: bool) -> None:
     """DecoderLayer.forward at one row: the engine's attention, then fused_mlp into one of two fp32 accumulators
     (each launch zeroes the other); the layer returns a bf16 row no kernel writes (timing only)."""
     from ostinato.layers.norm_linear import norm_linear
@@ -120,7 +123,7 @@ def _patch_layers(bj: int, num_warps: int, resident: bool) -> None:
         i = attn.layer_id % 2
         residual = fused_mlp(o, residual, self.post_attention_layernorm.eps, self.mlp.gate_up_proj.weight,
                              self.mlp.down_proj.weight, state["acc"][i], state["acc"][1 - i], bj, num_warps,
-                             resident)
+                             resident, early_trigger)
         return state["x"], residual
 
     llama.DecoderLayer.forward = forward
@@ -131,7 +134,7 @@ if __name__ == "__main__":
     if spec:
         kind, bj, warps, *rest = spec.split(":")
         assert kind == "fused", spec
-        _patch_layers(int(bj), int(warps), rest == ["resident"])
+        _patch_layers(int(bj), int(warps), "resident" in rest, "early" in rest)
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
     sys.argv = [os.path.join(here, "bench_decode.py")] + sys.argv[1:]
