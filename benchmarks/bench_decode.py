@@ -33,6 +33,8 @@ python benchmarks/bench_decode.py --models llama-3.2-1b --cases 32:128 32:288 --
                                                                                   # the graph, one pass each
 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 32:256 --modes graph --no-launches \
     --gemm-tiles rule "gated:block_n=32" rule   # the wide / skinny GEMMs' tiles at 5-32 rows, one pass each
+python benchmarks/bench_decode.py --models llama-3.2-1b --cases 1:128 --modes graph --no-launches \
+    --gemm-tiles rule "fma_gated:block_k=1024" rule   # the FMA form's at 1-4 rows (gate_up, down)
 """
 
 import argparse
@@ -209,16 +211,21 @@ def patch_decode_tables(spec: str) -> None:
             table[int(bs)] = table_entry(table, int(bs)) | update
 
 
-GEMM_KINDS = ("plain", "gated", "skinny")
-CONFIG_RULES = {"wide": wide_gemm.config_for, "skinny": skinny_gemm.config_for}
+GEMM_KINDS = ("plain", "gated", "skinny", "fma", "fma_gated")
+CONFIG_RULES = {"wide": wide_gemm.config_for, "skinny": skinny_gemm.config_for,
+                "prenorm": skinny_gemm.prenorm_config}
 
 
 def patch_gemm_tiles(spec: str) -> None:
     """`--gemm-tiles` value: "rule" (config_for as the tree has it), or ";"-separated "KIND:key=value,..." changes to
-    the tiles config_for picks at 5-32 rows, KIND one of plain / gated (wide_gemm.py: qkv / gate_up) and skinny
-    (skinny_gemm.py's tensor-core form: o / down), keys the config's fields (block_n=32,num_stages=4). Read when a
-    kernel launches, so also by the capture; "rule" restores both rules."""
+    the tiles config_for picks, keys the config's fields (block_n=32,num_stages=4). KIND at 5-32 rows: plain / gated
+    (wide_gemm.py: qkv / gate_up) and skinny (skinny_gemm.py's tensor-core form: o / down); at 1-4 rows, skinny_gemm's
+    FMA form: fma (plain: Llama-3.2-1B's down at one row) and fma_gated (gate_up; block_n is output columns, each
+    reading a gate and an up row). At 1-4 rows the change applies to the tiles launched: after prenorm_config's
+    widening where the norm is folded in (gate_up). Projections on the resident GEMV (resident_gemv.py) never ask.
+    Read when a kernel launches, so also by the capture; "rule" restores the rules."""
     wide_gemm.config_for, skinny_gemm.config_for = CONFIG_RULES["wide"], CONFIG_RULES["skinny"]
+    skinny_gemm.prenorm_config = CONFIG_RULES["prenorm"]
     if spec == "rule":
         return
     changes: dict[str, dict] = {}
@@ -226,7 +233,7 @@ def patch_gemm_tiles(spec: str) -> None:
         kind, _, fields = part.partition(":")
         if kind not in GEMM_KINDS or not fields:
             raise ValueError(f"--gemm-tiles {part!r}: KIND:key=value,... with KIND one of {', '.join(GEMM_KINDS)}")
-        keys = (skinny_gemm.SkinnyConfig if kind == "skinny" else wide_gemm.WideConfig)._fields
+        keys = (wide_gemm.WideConfig if kind in ("plain", "gated") else skinny_gemm.SkinnyConfig)._fields
         changes[kind] = {}
         for kv in fields.split(","):
             key, _, value = kv.partition("=")
@@ -238,11 +245,26 @@ def patch_gemm_tiles(spec: str) -> None:
         cfg = CONFIG_RULES["wide"](m, n, k, gated)
         return cfg._replace(**changes.get("gated" if gated else "plain", {})) if m <= 32 else cfg
 
+    def fma_change(cfg: skinny_gemm.SkinnyConfig, m: int, gated: bool) -> skinny_gemm.SkinnyConfig:
+        return cfg._replace(**changes.get("fma_gated" if gated else "fma", {})) if m <= 4 else cfg
+
     def skinny_rule(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> skinny_gemm.SkinnyConfig:
         cfg = CONFIG_RULES["skinny"](m, n, k, num_sms, gated)
-        return cfg._replace(**changes.get("skinny", {})) if 4 < m <= 32 and not gated else cfg
+        if m <= 4:
+            return fma_change(cfg, m, gated)
+        return cfg._replace(**changes.get("skinny", {})) if m <= 32 and not gated else cfg
+
+    def prenorm_rule(m: int, n: int, k: int, num_sms: int = 132, gated: bool = False) -> skinny_gemm.SkinnyConfig:
+        # the tree's prenorm_config on the tree's config_for (it looks config_for up in its module), then the change
+        skinny_gemm.config_for = CONFIG_RULES["skinny"]
+        try:
+            cfg = CONFIG_RULES["prenorm"](m, n, k, num_sms, gated)
+        finally:
+            skinny_gemm.config_for = skinny_rule
+        return fma_change(cfg, m, gated)
 
     wide_gemm.config_for, skinny_gemm.config_for = wide_rule, skinny_rule
+    skinny_gemm.prenorm_config = prenorm_rule
 
 
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
@@ -371,8 +393,9 @@ def main() -> None:
                     help='decode-kernel settings, one pass each: "table", or "BS:key=value,..." (";" between '
                          "batch sizes) changes to the entry BS takes (see patch_decode_tables)")
     ap.add_argument("--gemm-tiles", nargs="+", default=["rule"],
-                    help='GEMM tiles at 5-32 rows, one pass each: "rule", or "KIND:key=value,..." (";" between '
-                         "kinds plain / gated / skinny) changes to config_for's pick (see patch_gemm_tiles)")
+                    help='GEMM tiles, one pass each: "rule", or "KIND:key=value,..." (";" between kinds plain / '
+                         "gated / skinny at 5-32 rows, fma / fma_gated at 1-4) changes to config_for's pick (see "
+                         "patch_gemm_tiles)")
     ap.add_argument("--no-launches", dest="launches", action="store_false",
                     help="skip the launch count and gap columns (torch.profiler over a few steps per row)")
     ap.add_argument("--modes", nargs="+", default=["eager", "graph", "graph-sync"],

@@ -58,8 +58,8 @@ def test_launch_bound_replaces_the_norm_and_the_activation_with_no_launch():
         norm.fused_add_rms_norm, norm_linear.silu_and_mul = saved
 
 
-def test_gemm_tiles_change_the_named_kind_at_5_to_32_rows_only():
-    rules = wide_gemm.config_for, skinny_gemm.config_for
+def test_gemm_tiles_change_the_named_kind_at_its_rows_only():
+    rules, prenorm = (wide_gemm.config_for, skinny_gemm.config_for), skinny_gemm.prenorm_config
     try:
         patch_gemm_tiles("gated:block_n=32,num_stages=3;skinny:block_k=256")
         assert wide_gemm.config_for(32, 3072, 1024, gated=True) == rules[0](32, 3072, 1024, True)._replace(
@@ -68,13 +68,23 @@ def test_gemm_tiles_change_the_named_kind_at_5_to_32_rows_only():
         assert wide_gemm.config_for(48, 3072, 1024, gated=True) == rules[0](48, 3072, 1024, True)  # > 32 rows
         assert skinny_gemm.config_for(16, 1024, 3072) == rules[1](16, 1024, 3072)._replace(block_k=256)
         assert skinny_gemm.config_for(4, 1024, 3072) == rules[1](4, 1024, 3072)  # the FMA form: not named
+        patch_gemm_tiles("fma_gated:block_k=1024,num_stages=4;fma:block_n=8")
+        assert skinny_gemm.config_for(1, 8192, 2048, gated=True) == rules[1](1, 8192, 2048, gated=True)._replace(
+            block_k=1024, num_stages=4)
+        assert skinny_gemm.config_for(4, 2048, 8192) == rules[1](4, 2048, 8192)._replace(block_n=8)
+        assert skinny_gemm.config_for(5, 2048, 8192) == rules[1](5, 2048, 8192)  # past the FMA form's rows
+        assert skinny_gemm.config_for(1, 8192, 2048, gated=False) == rules[1](1, 8192, 2048)._replace(block_n=8)
+        # the folded norm's tiles: the change after prenorm_config's widening, which still sees the tree's rule
+        assert skinny_gemm.prenorm_config(1, 8192, 2048, gated=True) == prenorm(1, 8192, 2048, gated=True)._replace(
+            block_k=1024, num_stages=4)
+        assert skinny_gemm.config_for is not rules[1]
         patch_gemm_tiles("rule")
-        assert (wide_gemm.config_for, skinny_gemm.config_for) == rules
-        for bad in ("gate:block_n=32", "plain", "skinny:block_k=two"):
+        assert (wide_gemm.config_for, skinny_gemm.config_for) == rules and skinny_gemm.prenorm_config is prenorm
+        for bad in ("gate:block_n=32", "plain", "skinny:block_k=two", "fma:block_m=2"):
             with pytest.raises(ValueError):
                 patch_gemm_tiles(bad)
     finally:
-        wide_gemm.config_for, skinny_gemm.config_for = rules
+        (wide_gemm.config_for, skinny_gemm.config_for), skinny_gemm.prenorm_config = rules, prenorm
 
 
 def test_gemm_tiles_reach_the_kernel_and_keep_its_sums():
@@ -98,6 +108,53 @@ def test_gemm_tiles_reach_the_kernel_and_keep_its_sums():
         wide_gemm.config_for = lambda *a, **kw: seen.append(patched(*a, **kw)) or seen[-1]
         got = wide_gemm.wide_linear(x, w, gated=True)
     finally:
-        wide_gemm.config_for, skinny_gemm.config_for = rules
+        patch_gemm_tiles("rule")
+    assert (wide_gemm.config_for, skinny_gemm.config_for) == rules
     assert [c.block_n for c in seen] == [32]
     torch.testing.assert_close(got.float().cpu(), want.cpu(), atol=4e-3, rtol=4e-3)
+
+
+def test_fma_tiles_reach_the_kernel_and_keep_its_sums():
+    """An fma_gated patch is what a 2-row gate_up launches with (one row would take the resident GEMV), plain and
+    with the norm folded in, and the FMA kernel still computes silu(x W_gate^T) * (x W_up^T) (Triton's interpreter
+    on the CPU, or the GPU)."""
+    import torch
+
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 256, generator=g).to(dev, torch.bfloat16)
+    w = (torch.randn(128, 256, generator=g) / 16).to(dev, torch.bfloat16)
+    gate, up = (x.float() @ w.float().T).split(64, 1)
+    want = torch.nn.functional.silu(gate) * up
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6)
+    n_gate, n_up = (normed @ w.float().T).split(64, 1)
+    want_normed = torch.nn.functional.silu(n_gate) * n_up
+    rules, prenorm = (wide_gemm.config_for, skinny_gemm.config_for), skinny_gemm.prenorm_config
+    seen = []
+    try:
+        patch_gemm_tiles("fma_gated:block_n=8,block_k=64,num_stages=2")
+        launch = skinny_gemm._skinny_fma_kernel
+        skinny_gemm._skinny_fma_kernel = Recorder(launch, seen)
+        got = skinny_gemm.skinny_gate_up_silu(x, w)
+        got_normed, _ = skinny_gemm.skinny_norm_linear(x, w, 1e-6, gated=True)
+    finally:
+        (wide_gemm.config_for, skinny_gemm.config_for), skinny_gemm.prenorm_config = rules, prenorm
+        skinny_gemm._skinny_fma_kernel = launch
+    assert seen == [(8, 64, 2)] * 2
+    torch.testing.assert_close(got.float().cpu(), want.cpu(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_normed.float().cpu(), want_normed.cpu(), atol=2e-2, rtol=2e-2)
+
+
+class Recorder:
+    """Stands in for a Triton kernel: records each launch's (BLOCK_N, BLOCK_K, NUM_STAGES), then launches."""
+
+    def __init__(self, kernel, seen: list) -> None:
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.seen.append((meta["BLOCK_N"], meta["BLOCK_K"], meta["NUM_STAGES"]))
+            return self.kernel[grid](*args, **meta)
+        return launch
