@@ -5,7 +5,7 @@ copies in its PTX. Run with the GPU machines' Triton (3.6) on the path: PYTHONPA
 
 python benchmarks/sass_skinny_fma.py                 # the tiles config_for / prenorm_config give Llama-3.2-1B's
                                                      # and Qwen3-0.6B's one-row gate_up and down
-python benchmarks/sass_skinny_fma.py g:1:32:128:5 d:0:8:512:3   # kind (g gated / d plain):prenorm:block_n:block_k:stages
+python benchmarks/sass_skinny_fma.py g:1:32:128:5 d:0:8:512:3  # kind (g gated, d plain):prenorm:block_n:block_k:stages
 """
 
 import re
