@@ -20,8 +20,9 @@
 #                                          stages with it
 #   bash benchmarks/gpu_suite.sh fusedmlp  the one-row MLP as one kernel (benchmarks/fused_mlp_bs1.py, timing only)
 #                                          against the engine's gate_up + down, in turns
-#   bash benchmarks/gpu_suite.sh fmatiles  Llama-3.2-1B's one-row gate_up and down (the skinny FMA kernel) at other
-#                                          tiles, in the step (bench_decode.py --gemm-tiles fma / fma_gated)
+#   bash benchmarks/gpu_suite.sh bs1       bs-1 steps at other settings: Llama-3.2-1B's one-row gate_up and down (the
+#                                          skinny FMA kernel) at other tiles (bench_decode.py --gemm-tiles fma /
+#                                          fma_gated), then the splits merged in stage 1 at one row
 #   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chains (Qwen3-0.6B, Llama-3.2-1B) against
 #                                          the engine's one-row GEMVs, with their parts and time stamps
 #                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
@@ -158,9 +159,9 @@ fusedmlp)
         | sed "s/^/mlp ${v:-engine} /" | tee -a "$OUT/decode-fused-mlp.log"
   done
   ;;
-fmatiles)
-  # prepared in the fortieth session, not yet run. In the bs-1 timeline (decode-timeline-h200-20261128-s40.log)
-  # gate_up streams 67 MB in 19.0 us (3.5 TB/s) and down 33.5 MB in 10.5 (3.2 TB/s), at a 4.0 TB/s copy rate: 3.6
+bs1)
+  # prepared in the fortieth session, not yet run (about 5 minutes). In the bs-1 timeline
+  # (decode-timeline-h200-20261128-s40.log) gate_up streams 67 MB in 19.0 us (3.5 TB/s) and down 33.5 MB in 10.5 (3.2 TB/s), at a 4.0 TB/s copy rate: 3.6
   # us a layer over the bytes, where #16's 0.80 ms target needs about 2.7 us less a layer. The tree's tiles at one
   # row: gate_up 32 + 32 rows x K 256, 3 stages (256 programs), which Triton 3.6 compiles for sm_90 at 255
   # registers with 72 bytes of spills; K 128 with 5 stages keeps the bytes in flight at 168 registers, no spills,
@@ -171,6 +172,11 @@ fmatiles)
       "fma_gated:block_k=128,num_stages=4" "fma_gated:block_n=16,num_stages=5" "fma_gated:num_stages=4" \
       "fma:num_stages=4" "fma:block_n=8,block_k=512" rule --out "$OUT/decode-fma-tiles.json" 2>&1 \
       | quiet | grep -E "x of the first|Error" | tee "$OUT/decode-fma-tiles.log"
+  # stage 2's launch holds 15-24 us of a bs-1 step (twenty-third session's bound); merging in stage 1 was slower at
+  # one row in the fifteenth and twenty-third sessions, before int32 offsets, early_kv and the resident GEMVs
+  timeout 300 python benchmarks/bench_decode.py --models qwen3-0.6b llama-3.2-1b --cases 1:128 1:1024 --modes graph \
+      --no-launches --iters 100 --decode-entry table "1:combine=True" table --out "$OUT/decode-bs1-combine.json" 2>&1 \
+      | quiet | grep -E "x of the first|Error" | tee "$OUT/decode-bs1-combine.log"
   ;;
 gluon)
   # the thirty-eighth session's tables: each model's chain against the engine's GEMVs, with its parts (the ring
