@@ -166,11 +166,12 @@ bs1)
   # row: gate_up 32 + 32 rows x K 256, 3 stages (256 programs), which Triton 3.6 compiles for sm_90 at 255
   # registers with 72 bytes of spills; K 128 with 5 stages keeps the bytes in flight at 168 registers, no spills,
   # and 16 + 16 rows 153 (the sass check is in docs/gpu-notes.md, fortieth session). down: 4 rows x K 1024, 3
-  # stages (512 programs, 80 registers)
+  # stages (512 programs, 80 registers; 2 K tiles in flight, about 62 KB an SM)
   timeout 500 python benchmarks/bench_decode.py --models llama-3.2-1b --cases 1:128 1:1024 --modes graph \
       --no-launches --iters 100 --gemm-tiles rule "fma_gated:block_k=128,num_stages=5" \
       "fma_gated:block_k=128,num_stages=4" "fma_gated:block_n=16,num_stages=5" "fma_gated:num_stages=4" \
-      "fma:num_stages=4" "fma:block_n=8,block_k=512" rule --out "$OUT/decode-fma-tiles.json" 2>&1 \
+      "fma:num_stages=4" "fma:num_stages=6" \
+      "fma:block_n=8,block_k=512" rule --out "$OUT/decode-fma-tiles.json" 2>&1 \
       | quiet | grep -E "x of the first|Error" | tee "$OUT/decode-fma-tiles.log"
   # stage 2's launch holds 15-24 us of a bs-1 step (twenty-third session's bound); merging in stage 1 was slower at
   # one row in the fifteenth and twenty-third sessions, before int32 offsets, early_kv and the resident GEMVs
