@@ -161,8 +161,9 @@ fusedmlp)
   ;;
 bs1)
   # prepared in the fortieth session, not yet run (about 5 minutes). In the bs-1 timeline
-  # (decode-timeline-h200-20261128-s40.log) gate_up streams 67 MB in 19.0 us (3.5 TB/s) and down 33.5 MB in 10.5 (3.2 TB/s), at a 4.0 TB/s copy rate: 3.6
-  # us a layer over the bytes, where #16's 0.80 ms target needs about 2.7 us less a layer. The tree's tiles at one
+  # (decode-timeline-h200-20261128-s40.log) gate_up streams 67 MB in 19.0 us (3.5 TB/s) and down 33.5 MB in 10.5
+  # (3.2 TB/s), at a 4.0 TB/s copy rate: 3.6 us a layer over the bytes, where #16's 0.80 ms target needs about 2.7
+  # us less a layer. The tree's tiles at one
   # row: gate_up 32 + 32 rows x K 256, 3 stages (256 programs), which Triton 3.6 compiles for sm_90 at 255
   # registers with 72 bytes of spills; K 128 with 5 stages keeps the bytes in flight at 168 registers, no spills,
   # and 16 + 16 rows 153 (the sass check is in docs/gpu-notes.md, fortieth session). down: 4 rows x K 1024, 3
