@@ -23,6 +23,9 @@
 #   bash benchmarks/gpu_suite.sh bs1       bs-1 steps at other settings: Llama-3.2-1B's one-row gate_up and down (the
 #                                          skinny FMA kernel) at other tiles (bench_decode.py --gemm-tiles fma /
 #                                          fma_gated), then the splits merged in stage 1 at one row
+#   bash benchmarks/gpu_suite.sh gluongemv one launch a GEMV in Gluon, W streamed by TMA from before the PDL wait,
+#                                          beside the engine's GEMVs on Llama-3.2-1B's and Qwen3-0.6B's chains
+#                                          (bench_gluon_gemv.py: a one-layer run first, under a short timeout)
 #   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chains (Qwen3-0.6B, Llama-3.2-1B) against
 #                                          the engine's one-row GEMVs, with their parts and time stamps
 #                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
@@ -179,6 +182,15 @@ bs1)
   timeout 300 python benchmarks/bench_decode.py --models qwen3-0.6b llama-3.2-1b --cases 1:128 1:1024 --modes graph \
       --no-launches --iters 100 --decode-entry table "1:combine=True" table --out "$OUT/decode-bs1-combine.json" 2>&1 \
       | quiet | grep -E "x of the first|Error" | tee "$OUT/decode-bs1-combine.log"
+  ;;
+gluongemv)
+  # prepared in the fortieth session, not yet run: a wrong ring phase would hang, so one layer first
+  timeout 120 python benchmarks/bench_gluon_gemv.py --layers 1 --tiles 16x256x8 --per-sm 1 2>&1 | tail -4 \
+      | tee "$OUT/gluon-gemv-smoke.log"
+  timeout 240 python benchmarks/bench_gluon_gemv.py --model llama-3.2-1b --tiles 16x256x8 32x128x8 16x128x12 \
+      --per-sm 1 2 --no-pdl --out "$OUT/gluon-gemv-llama.json" 2>&1 | tail -20 | tee "$OUT/gluon-gemv-llama.log"
+  timeout 200 python benchmarks/bench_gluon_gemv.py --model qwen3-0.6b --tiles 16x256x8 16x128x12 --per-sm 1 2 \
+      --out "$OUT/gluon-gemv-qwen3.json" 2>&1 | tail -12 | tee "$OUT/gluon-gemv-qwen3.log"
   ;;
 gluon)
   # the thirty-eighth session's tables: each model's chain against the engine's GEMVs, with its parts (the ring

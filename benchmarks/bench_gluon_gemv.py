@@ -1,0 +1,233 @@
+"""Experiment for #16 (bs-1 decode): one launch a GEMV, as the engine does, but each GEMV warp-specialized in Gluon
+with its weights streamed by TMA into a shared-memory ring from the kernel's first instruction, before its PDL wait.
+
+Why: in a bs-1 step of Llama-3.2-1B the skinny FMA kernel streams gate_up's 67 MB at 3.5 TB/s and down's 33.5 MB
+at 3.2 (docs/gpu-notes.md, fortieth session), where the TMA ring of bench_gluon_gemv_chain.py streamed 4.4-4.5 TB/s
+alone and the Gluon chain without its waits 3.97 TB/s over Llama-3.2-1B's 64 GEMVs (the engine's forms 3.4). The
+chain lost on its grid-wide waits; here there are none: the boundary is the launch under PDL, as in the engine.
+- A loader warp lets the next kernel's programs be placed at once (griddepcontrol.launch_dependents: it never makes
+  their wait return early), then copies its program's [BLOCK_N, BLOCK_K] tiles of W straight from W's [N, K]
+  layout (one 2-D tensor descriptor a weight, no re-layout), row tile after row tile, waiting only for a free slot.
+  W is no kernel's output, so this may run before the wait: the ring fills while the GEMV before finishes.
+- Four compute warps wait (griddepcontrol.wait: every earlier kernel done), read x whole into shared memory, and
+  for each of their row tiles drain the ring, storing y's BLOCK_N rows.
+Row tiles go to programs round-robin (tile r to program r % programs). Plain GEMVs only (no gate, norm or residual):
+the question is the streaming rate a launch, beside the engine's kernels on the same chain.
+
+Written for Triton 3.6's Gluon (the GPU machines'); the CPU venv's newer Triton does not compile it
+(`pip install --no-deps --target /tmp/t36 triton==3.6.0`, /tmp/t36 first on PYTHONPATH, for --compile-only).
+
+python benchmarks/bench_gluon_gemv.py --compile-only                  # CPU: sm_90 registers, shared memory
+timeout 120 python benchmarks/bench_gluon_gemv.py --layers 1 --tiles 16x256x8   # GPU, first after a change to the
+                                                    # ring: a wrong phase hangs (mbarrier waits have no cap)
+python benchmarks/bench_gluon_gemv.py --model llama-3.2-1b --tiles 16x256x8 32x128x8 --per-sm 1 2 --out FILE
+"""
+
+import argparse
+
+import torch
+from bench_gluon_gemv_chain import LAYERS, tile_layout
+from bench_persistent_gemv import chain_meta, parse_tile, random_chain, reference, time_variants
+from kernel_regs import ptxas_stats
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _griddep(PTX: gl.constexpr):
+    """A griddepcontrol instruction (PTX: "wait" or "launch_dependents")."""
+    gl.inline_asm_elementwise(PTX + " mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _loader(w_desc, bufs, ready, empty, row_tiles, k_tiles, pid, num_programs, BLOCK_N: gl.constexpr,
+            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+    """The loader warp: this program's row tiles' K tiles, in the order the compute warps take them, into the next
+    ring slot once the compute warps have freed it (a slot's first use waits on nothing)."""
+    if PDL:
+        _griddep("griddepcontrol.launch_dependents;")
+    i = 0
+    for r in range(pid, row_tiles, num_programs):
+        for c in range(k_tiles):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [r * BLOCK_N, c * BLOCK_K], ready.index(s), bufs.index(s))
+            i += 1
+
+
+@gluon.jit
+def _compute(X, Y, bufs, ready, empty, x_smem, x_rows, row_tiles, k_tiles, pid, num_programs, BLOCK_N: gl.constexpr,
+             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, X_CHUNKS: gl.constexpr, PDL: gl.constexpr):
+    """The compute warps: after the PDL wait, x (k_tiles chunks of BLOCK_K) into shared memory in one load, then
+    y[rows of a tile] = W[those rows] @ x a slot at a time, fp32 sums, each tile's rows stored in x's dtype."""
+    lanes_k: gl.constexpr = 32 if BLOCK_K >= 256 else BLOCK_K // 8
+    tile_layout_: gl.constexpr = gl.BlockedLayout([1, 8], [32 // lanes_k, lanes_k], [gl.num_warps(), 1], [1, 0])
+    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, tile_layout_))
+    offs_chunk = gl.arange(0, X_CHUNKS, gl.SliceLayout(1, tile_layout_))
+    offs_k = gl.arange(0, BLOCK_K, gl.SliceLayout(0, tile_layout_))
+    if PDL:  # every earlier kernel done (x is whole, and nobody reads Y any more)
+        _griddep("griddepcontrol.wait;")
+        _griddep("griddepcontrol.launch_dependents;")
+    x_offs = gl.expand_dims(offs_chunk, 1) * BLOCK_K + gl.expand_dims(offs_k, 0)
+    x_all = gl.load(X + x_offs, mask=gl.expand_dims(offs_chunk, 1) < k_tiles, cache_modifier=".cg")
+    x_smem.store(x_all)
+    gl.thread_barrier()
+    i = 0
+    for r in range(pid, row_tiles, num_programs):
+        acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, tile_layout_)
+        for c in range(k_tiles):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            w = bufs.index(s).load(tile_layout_)
+            mbarrier.arrive(empty.index(s), count=1)
+            x = x_rows.index(c).load(tile_layout_)  # [1, BLOCK_K]
+            acc += w.to(gl.float32) * x.to(gl.float32)
+            i += 1
+        gl.store(Y + r * BLOCK_N + offs_n, gl.sum(acc, axis=1).to(Y.dtype.element_ty))
+
+
+@gluon.jit
+def _gemv_kernel(w_desc, X, Y, row_tiles, k_tiles, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr, X_CHUNKS: gl.constexpr, LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
+    pid = gl.program_id(0)
+    num_programs = gl.num_programs(0)
+    bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    # x stored whole ([X_CHUNKS, BLOCK_K]), read a chunk at a time as a [1, BLOCK_K] row of the same bytes
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])  # (a view one rank more: the index's)
+    x_smem = gl.allocate_shared_memory(w_desc.dtype, [X_CHUNKS, BLOCK_K], plain)
+    x_rows = x_smem._reinterpret(w_desc.dtype, [X_CHUNKS, 1, BLOCK_K], plain)
+    gl.warp_specialize([
+        (_compute, (X, Y, bufs, ready, empty, x_smem, x_rows, row_tiles, k_tiles, pid, num_programs, BLOCK_N, BLOCK_K,
+                    STAGES, X_CHUNKS, PDL)),
+        (_loader, (w_desc, bufs, ready, empty, row_tiles, k_tiles, pid, num_programs, BLOCK_N, BLOCK_K, STAGES,
+                   PDL)),
+    ], [1], [LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """W [N, K] (rows contiguous) in boxes of [BLOCK_N, BLOCK_K], unswizzled as the compute warps read them."""
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k], tile_layout())
+
+
+def x_chunks(max_k: int, block_k: int) -> int:
+    """x's shared-memory rows: K / BLOCK_K rounded up to a power of two (a tensor's dims are)."""
+    return 1 << max(0, (max_k // block_k - 1).bit_length())
+
+
+def tile_order(row_tiles: int, k_tiles: int, programs: int) -> list[list[tuple[int, int]]]:
+    """Each program's (row tile, K tile) in the order its loader copies them and its compute warps take them: the
+    kernels' index math, for checking on a CPU."""
+    return [[(r, c) for r in range(pid, row_tiles, programs) for c in range(k_tiles)] for pid in range(programs)]
+
+
+def emulate_gemv(w: torch.Tensor, x: torch.Tensor, programs: int, block_n: int, block_k: int) -> torch.Tensor:
+    """y = W @ x as the kernel computes it, from tile_order's tiles (fp32 sums in K-tile order, rows rounded to x's
+    dtype once each)."""
+    n, k = w.shape
+    y = torch.empty(n, dtype=x.dtype)
+    for seq in tile_order(n // block_n, k // block_k, programs):
+        acc: dict[int, torch.Tensor] = {}
+        for r, c in seq:
+            tile = w[r * block_n : (r + 1) * block_n, c * block_k : (c + 1) * block_k].float()
+            acc[r] = acc.get(r, torch.zeros(block_n)) + tile @ x[c * block_k : (c + 1) * block_k].float()
+        for r, v in acc.items():
+            y[r * block_n : (r + 1) * block_n] = v.to(x.dtype)
+    return y
+
+
+def settings(block_n: int, block_k: int, stages: int, max_k: int, loader_regs: int = 32) -> dict:
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, X_CHUNKS=x_chunks(max_k, block_k),
+                LOADER_REGS=loader_regs)
+
+
+def compile_sm90(block_n: int, block_k: int, stages: int, max_k: int, maxnreg: int, num_warps: int = 4) -> dict:
+    """Compile for sm_90 without a GPU; ptxas -v's registers, the kernel's shared memory, whether it has TMA and
+    both griddepcontrol instructions."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    fake = torch.empty(1024, max_k, dtype=torch.bfloat16)
+    consts = dict(settings(block_n, block_k, stages, max_k), PDL=True)
+    sig = {"w_desc": mangle_type(weight_descriptor(fake, block_n, block_k)), "X": "*bf16", "Y": "*bf16",
+           "row_tiles": "i32", "k_tiles": "i32", **{k: "constexpr" for k in consts}}
+    names = list(sig)
+    src = GluonASTSource(_gemv_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
+    k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+    ptx = k.asm["ptx"]
+    return dict(ptxas_stats(ptx), smem=k.metadata.shared, tma="cp.async.bulk.tensor" in ptx,
+                pdl=all(f"griddepcontrol.{i}" in ptx for i in ("wait", "launch_dependents")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=list(LAYERS), default="llama-3.2-1b", help="whose projections make the chain")
+    ap.add_argument("--layers", type=int, default=None, help="layers in the chain (default: the model's)")
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="programs an SM at most, a pass each")
+    ap.add_argument("--tiles", nargs="+", default=["16x256x8"], help="BLOCK_N x BLOCK_K x ring slots")
+    ap.add_argument("--maxnreg", type=int, default=128, help="registers a thread (the loader's are set apart)")
+    ap.add_argument("--no-pdl", action="store_true", help="also time each Gluon variant launched without PDL")
+    ap.add_argument("--compile-only", action="store_true", help="CPU: compile each --tiles for sm_90 and report")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    shapes, model_layers = LAYERS[args.model]
+    layers = model_layers if args.layers is None else args.layers
+    if layers < 1 or min(args.per_sm) < 1:
+        ap.error("--layers and --per-sm must be >= 1")
+    tiles = []
+    for spec in args.tiles:
+        bn, bk, st, _ = parse_tile(ap, spec, shapes)
+        if bn > 256 or bk > 256:
+            ap.error(f"--tiles {spec!r}: a TMA box is at most 256 a side")
+        tiles.append((bn, bk, st))
+    max_k = max(k for _, k in shapes)
+    if args.compile_only:
+        for bn, bk, st in tiles:
+            print(f"{bn}x{bk}x{st}: {compile_sm90(bn, bk, st, max_k, args.maxnreg)}", flush=True)
+        return
+    from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
+
+    dev = torch.device("cuda")
+    _, w_size, a_size, rows = chain_meta(layers, dev, shapes)
+    w, a = random_chain(rows, w_size, a_size, dev)
+    ref, a0 = reference(w, a, rows), a.clone()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    views = [(w[wo : wo + n * k].view(n, k), io, oo, n, k) for n, k, wo, io, oo in rows]
+
+    def engine() -> None:  # the engine's one-row GEMVs: skinny_linear takes resident_gemv where the shape fits
+        for wv, io, oo, n, k in views:
+            skinny_linear(a[io : io + k].view(1, k), wv, out=a[oo : oo + n].view(1, n))
+
+    def gluon_chain(descs: list, cfg: dict, per_sm: int, pdl: bool) -> None:
+        for desc, (_, io, oo, n, k) in zip(descs, views, strict=True):
+            row_tiles = n // cfg["BLOCK_N"]
+            _gemv_kernel[(min(row_tiles, per_sm * sms),)](
+                desc, a[io:], a[oo:], row_tiles, k // cfg["BLOCK_K"], **cfg, PDL=pdl, launch_pdl=pdl,
+                num_warps=4, maxnreg=args.maxnreg)
+
+    variants = [("engine (skinny_linear)", engine)]
+    for bn, bk, st in tiles:
+        descs = [weight_descriptor(wv, bn, bk) for wv, *_ in views]
+        cfg = settings(bn, bk, st, max_k)
+        for per_sm in args.per_sm:
+            for pdl in [True, False] if args.no_pdl else [True]:
+                name = f"gluon {bn}x{bk}x{st} <= {per_sm}/SM" + ("" if pdl else " no PDL")
+                variants.append((name, lambda d=descs, c=cfg, p=per_sm, q=pdl: gluon_chain(d, c, p, q)))
+    variants.append(("engine (again)", engine))
+    time_variants(variants, lambda: a.copy_(a0), lambda _: a, ref, w_size * 2, len(rows), args.out)
+
+
+if __name__ == "__main__":
+    main()

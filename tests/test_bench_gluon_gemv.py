@@ -1,0 +1,37 @@
+"""bench_gluon_gemv.py's index math on a CPU (Gluon has no interpreter; the kernel itself runs only on a GPU):
+each program's (row tile, K tile) order, which its loader and compute warps both walk, covers every tile once,
+a row tile's K tiles on one program in order, and computes what torch computes."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+gluon_gemv = pytest.importorskip("bench_gluon_gemv", exc_type=ImportError)
+
+
+@pytest.mark.parametrize("n,k,programs,block_n,block_k", [(96, 256, 4, 16, 64), (64, 512, 5, 8, 128),
+                                                           (128, 128, 200, 16, 32)])
+def test_tile_order_covers_every_tile_once_and_computes_the_gemv(n, k, programs, block_n, block_k):
+    order = gluon_gemv.tile_order(n // block_n, k // block_k, programs)
+    tiles = [t for seq in order for t in seq]
+    assert sorted(tiles) == [(r, c) for r in range(n // block_n) for c in range(k // block_k)]
+    for seq in order:  # each row tile's K tiles together and in order: the compute warps' sum runs along K
+        rows = [r for r, _ in seq]
+        assert rows == sorted(rows)
+        for r in set(rows):
+            assert [c for rr, c in seq if rr == r] == list(range(k // block_k))
+    gen = torch.Generator().manual_seed(n + programs)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(k, generator=gen).to(torch.bfloat16)
+    got = gluon_gemv.emulate_gemv(w, x, programs, block_n, block_k)
+    torch.testing.assert_close(got.float(), (w.double() @ x.double()).float(), atol=2e-2, rtol=1e-2)
+
+
+def test_x_chunks_hold_the_widest_k():
+    assert gluon_gemv.x_chunks(8192, 256) == 32
+    assert gluon_gemv.x_chunks(3072, 256) == 16  # 12 chunks, rounded up to a power of two
+    assert gluon_gemv.x_chunks(256, 256) == 1
