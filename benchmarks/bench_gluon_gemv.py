@@ -26,8 +26,8 @@ python benchmarks/bench_gluon_gemv.py --model llama-3.2-1b --tiles 16x256x8 32x1
 import argparse
 
 import torch
-from bench_gluon_gemv_chain import LAYERS, tile_layout
-from bench_persistent_gemv import chain_meta, parse_tile, random_chain, reference, time_variants
+from bench_gluon_gemv_chain import LAYERS, chain_setup, tile_layout
+from bench_persistent_gemv import parse_tile, time_variants
 from kernel_regs import ptxas_stats
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -197,18 +197,7 @@ def main() -> None:
         for bn, bk, st in tiles:
             print(f"{bn}x{bk}x{st}: {compile_sm90(bn, bk, st, max_k, args.maxnreg)}", flush=True)
         return
-    from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
-
-    dev = torch.device("cuda")
-    _, w_size, a_size, rows = chain_meta(layers, dev, shapes)
-    w, a = random_chain(rows, w_size, a_size, dev)
-    ref, a0 = reference(w, a, rows), a.clone()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    views = [(w[wo : wo + n * k].view(n, k), io, oo, n, k) for n, k, wo, io, oo in rows]
-
-    def engine() -> None:  # the engine's one-row GEMVs: skinny_linear takes resident_gemv where the shape fits
-        for wv, io, oo, n, k in views:
-            skinny_linear(a[io : io + k].view(1, k), wv, out=a[oo : oo + n].view(1, n))
+    rows, _, w_size, a, a0, ref, sms, views, engine = chain_setup(layers, shapes)
 
     def gluon_chain(descs: list, cfg: dict, per_sm: int, pdl: bool) -> None:
         for desc, (_, io, oo, n, k) in zip(descs, views, strict=True):

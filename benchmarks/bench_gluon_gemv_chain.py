@@ -405,6 +405,26 @@ def compile_sm90(block_n: int, block_k: int, stages: int, group: int, max_k: int
     return dict(ptxas_stats(k.asm["ptx"]), smem=k.metadata.shared, tma="cp.async.bulk.tensor" in k.asm["ptx"])
 
 
+def chain_setup(layers: int, shapes: list[tuple[int, int]]) -> tuple:
+    """A chain of `layers` layers of `shapes` on the GPU: (meta rows, random weights, their element count, the
+    activation buffer with its x0, a copy of it, the float32 reference, the SM count, each GEMV's (W [N, K] view,
+    in offset, out offset, N, K), and the engine's one-row GEMVs over it as a function)."""
+    from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
+
+    dev = torch.device("cuda")
+    _, w_size, a_size, rows = chain_meta(layers, dev, shapes)
+    w, a = random_chain(rows, w_size, a_size, dev)
+    ref, a0 = reference(w, a, rows), a.clone()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    views = [(w[wo : wo + n * k].view(n, k), io, oo, n, k) for n, k, wo, io, oo in rows]
+
+    def engine() -> None:  # the engine's one-row GEMVs: skinny_linear takes resident_gemv where the shape fits
+        for wv, io, oo, n, k in views:
+            skinny_linear(a[io : io + k].view(1, k), wv, out=a[oo : oo + n].view(1, n))
+
+    return rows, w, w_size, a, a0, ref, sms, views, engine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=list(LAYERS), default="qwen3-0.6b", help="whose projections make the chain")
@@ -448,22 +468,11 @@ def main() -> None:
                 stats = compile_sm90(bn, bk, st, group, max_k, args.maxnreg, mode=mode)
                 print(f"{bn}x{bk}x{st}x{group} {mode}: {stats}", flush=True)
         return
-    from ostinato.layers.triton_ops.skinny_gemm import skinny_linear
-
-    dev = torch.device("cuda")
-    _, w_size, a_size, rows = chain_meta(layers, dev, shapes)
-    w, a = random_chain(rows, w_size, a_size, dev)
-    ref, a0 = reference(w, a, rows), a.clone()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    views = [(w[wo : wo + n * k].view(n, k), io, oo, n, k) for n, k, wo, io, oo in rows]
-
-    def engine() -> None:  # the engine's one-row GEMVs: skinny_linear takes resident_gemv where the shape fits
-        for wv, io, oo, n, k in views:
-            skinny_linear(a[io : io + k].view(1, k), wv, out=a[oo : oo + n].view(1, n))
-
+    rows, w, w_size, a, a0, ref, sms, _, engine = chain_setup(layers, shapes)
+    dev = a.device
     variants = [("engine (skinny_linear)", engine)]
     counts = torch.zeros(len(rows), dtype=torch.int32, device=dev)
-    a32, epoch = torch.zeros(a_size, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+    a32, epoch = torch.zeros(a.numel(), dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
     no_trace = torch.zeros(1, dtype=torch.int64, device=dev)
     traces: dict[str, dict] = {}
 

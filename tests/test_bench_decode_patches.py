@@ -87,19 +87,27 @@ def test_gemm_tiles_change_the_named_kind_at_its_rows_only():
         (wide_gemm.config_for, skinny_gemm.config_for), skinny_gemm.prenorm_config = rules, prenorm
 
 
-def test_gemm_tiles_reach_the_kernel_and_keep_its_sums():
-    """The patched rule is what wide_linear launches with (a tile of 32 + 32 gate / up rows here), and the kernel
-    still computes silu(x W_gate^T) * (x W_up^T) (Triton's interpreter on the CPU, in fp16: it has no bf16 dot)."""
+def gated_case(m: int, k: int, inter: int, dtype: str, seed: int) -> tuple:
+    """x [m, k], a gate_up W [2 * inter, k] (in the dtype, on the GPU if there is one) and silu(x W_gate^T) *
+    (x W_up^T) in float32; skips where no kernel can run (no interpreter, no GPU)."""
     import torch
 
     if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 128, generator=g).to(dev, torch.float16)
-    w = (torch.randn(256, 128, generator=g) / 12).to(dev, torch.float16)
-    gate, up = (x.float() @ w.float().T).split(128, 1)
-    want = torch.nn.functional.silu(gate) * up
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dev, getattr(torch, dtype))
+    w = (torch.randn(2 * inter, k, generator=g) / k**0.5).to(dev, getattr(torch, dtype))
+    gate, up = (x.float() @ w.float().T).split(inter, 1)
+    return x, w, torch.nn.functional.silu(gate) * up
+
+
+def test_gemm_tiles_reach_the_kernel_and_keep_its_sums():
+    """The patched rule is what wide_linear launches with (a tile of 32 + 32 gate / up rows here), and the kernel
+    still computes silu(x W_gate^T) * (x W_up^T) (Triton's interpreter on the CPU, in fp16: it has no bf16 dot)."""
+    import torch
+
+    x, w, want = gated_case(6, 128, 128, "float16", seed=3)
     rules = wide_gemm.config_for, skinny_gemm.config_for
     seen = []
     try:
@@ -120,14 +128,7 @@ def test_fma_tiles_reach_the_kernel_and_keep_its_sums():
     on the CPU, or the GPU)."""
     import torch
 
-    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 256, generator=g).to(dev, torch.bfloat16)
-    w = (torch.randn(128, 256, generator=g) / 16).to(dev, torch.bfloat16)
-    gate, up = (x.float() @ w.float().T).split(64, 1)
-    want = torch.nn.functional.silu(gate) * up
+    x, w, want = gated_case(2, 256, 64, "bfloat16", seed=5)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6)
     n_gate, n_up = (normed @ w.float().T).split(64, 1)
     want_normed = torch.nn.functional.silu(n_gate) * n_up
