@@ -25,7 +25,9 @@
 #                                          fma_gated), then the splits merged in stage 1 at one row
 #   bash benchmarks/gpu_suite.sh gluongemv one launch a GEMV in Gluon, W streamed by TMA from before the PDL wait,
 #                                          beside the engine's GEMVs on Llama-3.2-1B's and Qwen3-0.6B's chains
-#                                          (bench_gluon_gemv.py: a one-layer run first, under a short timeout)
+#                                          (bench_gluon_gemv.py: a one-layer run first, under a short timeout, and
+#                                          a check against the engine's ops)
+#   bash benchmarks/gpu_suite.sh gluonstep Llama-3.2-1B's one-row gate_up and down on that kernel in the step
 #   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chains (Qwen3-0.6B, Llama-3.2-1B) against
 #                                          the engine's one-row GEMVs, with their parts and time stamps
 #                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
@@ -187,10 +189,21 @@ gluongemv)
   # prepared in the fortieth session, not yet run: a wrong ring phase would hang, so one layer first
   timeout 120 python benchmarks/bench_gluon_gemv.py --layers 1 --tiles 16x256x8 --per-sm 1 2>&1 | tail -4 \
       | tee "$OUT/gluon-gemv-smoke.log"
-  timeout 240 python benchmarks/bench_gluon_gemv.py --model llama-3.2-1b --tiles 16x256x8 32x128x8 16x128x12 \
+  timeout 120 python benchmarks/bench_gluon_gemv.py --check --tiles 16x256x8 32x128x8 2>&1 | tail -12 \
+      | tee "$OUT/gluon-gemv-check.log"
+  timeout 200 python benchmarks/bench_gluon_gemv.py --model llama-3.2-1b --tiles 16x256x8 32x128x8 16x128x12 \
       --per-sm 1 2 --no-pdl --out "$OUT/gluon-gemv-llama.json" 2>&1 | tail -20 | tee "$OUT/gluon-gemv-llama.log"
-  timeout 200 python benchmarks/bench_gluon_gemv.py --model qwen3-0.6b --tiles 16x256x8 16x128x12 --per-sm 1 2 \
+  timeout 150 python benchmarks/bench_gluon_gemv.py --model qwen3-0.6b --tiles 16x256x8 16x128x12 --per-sm 1 2 \
       --out "$OUT/gluon-gemv-qwen3.json" 2>&1 | tail -12 | tee "$OUT/gluon-gemv-qwen3.log"
+  ;;
+gluonstep)
+  # prepared in the fortieth session, not yet run: Llama-3.2-1B's one-row gate_up and down (the GEMVs the resident
+  # kernel does not hold) on bench_gluon_gemv.py's kernel in the step, in turns with the engine's (one process each)
+  for v in "" 16:256:65536:1 "" 16:256:65536:1; do
+    GLUON_GEMV=$v timeout 140 python benchmarks/bench_gluon_gemv.py --step --models llama-3.2-1b --cases 1:128 \
+        1:1024 --modes graph --no-launches --iters 100 2>&1 | quiet | grep "graph " \
+        | sed "s/^/gluon ${v:-engine} /" | tee -a "$OUT/decode-gluon-gemv-step.log"
+  done
   ;;
 gluon)
   # the thirty-eighth session's tables: each model's chain against the engine's GEMVs, with its parts (the ring

@@ -27,7 +27,7 @@ def test_tile_order_covers_every_tile_once_and_computes_the_gemv(n, k, programs,
     gen = torch.Generator().manual_seed(n + programs)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
     x = torch.randn(k, generator=gen).to(torch.bfloat16)
-    got = gluon_gemv.emulate_gemv(w, x, programs, block_n, block_k)
+    got, _ = gluon_gemv.emulate_gemv(w, x, programs, block_n, block_k)
     torch.testing.assert_close(got.float(), (w.double() @ x.double()).float(), atol=2e-2, rtol=1e-2)
 
 
@@ -35,3 +35,30 @@ def test_x_chunks_hold_the_widest_k():
     assert gluon_gemv.x_chunks(8192, 256) == 32
     assert gluon_gemv.x_chunks(3072, 256) == 16  # 12 chunks, rounded up to a power of two
     assert gluon_gemv.x_chunks(256, 256) == 1
+
+
+@pytest.mark.parametrize("gated,prenorm", [(False, False), (True, True), (False, True)])
+def test_emulated_kernel_matches_the_engines_one_row_ops(gated, prenorm):
+    """The emulation (the kernel's arithmetic, tile by tile) computes what the engine's op it would stand in for
+    computes: skinny_norm_linear (residual added, norm folded, gated: silu_and_mul) or skinny_linear, here in
+    Triton's interpreter, to a bf16 rounding."""
+    if not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the engine's ops run in Triton's interpreter here")
+    from ostinato.layers.triton_ops import skinny_gemm
+
+    n, k, eps = 64, 512, 1e-5
+    gen = torch.Generator().manual_seed(11 + gated + 2 * prenorm)
+    w = (torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(1, k, generator=gen).to(torch.bfloat16) if prenorm else None
+    got, new_residual = gluon_gemv.emulate_gemv(w, x[0], 3, 16, 128, gated=gated, eps=eps if prenorm else None,
+                                                residual=None if residual is None else residual[0])
+    if prenorm:
+        want, want_residual = skinny_gemm.skinny_norm_linear(x, w, eps, residual, gated=gated)
+        torch.testing.assert_close(new_residual, want_residual[0], atol=0, rtol=8e-3)  # the interpreter's rounding
+    elif gated:
+        want = skinny_gemm.skinny_gate_up_silu(x, w)
+    else:
+        want = skinny_gemm.skinny_linear(x, w)
+    torch.testing.assert_close(got.float(), want[0].float(), atol=2e-2, rtol=2e-2)
+    assert got.abs().max() > 0.1  # not a vacuous match
