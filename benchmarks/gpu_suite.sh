@@ -15,9 +15,9 @@
 #                                          step's kernel timeline
 #   bash benchmarks/gpu_suite.sh gpt-fast  gpt-fast's decode beside ours with its sampling (T=0.6, top_k 200); needs
 #                                          its model.py and generate.py in .bench-deps/gpt-fast (carried)
-#   bash benchmarks/gpu_suite.sh offs32    decode stage 1 with int32 K/V offsets (OSTINATO_DECODE_OFFS32) off / on in
-#                                          turns, the GPU attention tests with it on, then bs 32's entry at 3 and 4
-#                                          stages with it
+#   bash benchmarks/gpu_suite.sh offs32    decode stage 1 with int32 K/V offsets (OSTINATO_DECODE_OFFS32, on by
+#                                          default since the fortieth session's run of this) off / on in turns, the
+#                                          GPU attention tests with it on, then bs 32's entry at 3 and 4 stages
 #   bash benchmarks/gpu_suite.sh fusedmlp  the one-row MLP as one kernel (benchmarks/fused_mlp_bs1.py, timing only)
 #                                          against the engine's gate_up + down, in turns
 #   bash benchmarks/gpu_suite.sh bs1       bs-1 steps at other settings: Llama-3.2-1B's one-row gate_up and down (the
@@ -137,9 +137,9 @@ gpt-fast)
       --temperature 0.6 --out "$OUT/gpt-fast.json" 2>&1 | grep -vE "it/s\]" | tail -6 | tee -a "$OUT/gpt-fast.log"
   ;;
 offs32)
-  # prepared in the thirty-ninth session, whose device time ended before its A/B: each process compiles its own
-  # variant, so one warm-up process first (its rows are not the comparison)
-  for o in 1 0 1 0; do  # the whole part: an estimated 8 minutes on a fresh machine (39th session's calls)
+  # prepared in the thirty-ninth session, run in the fortieth (391 s on a fresh machine; its test step ran past its
+  # 200 s limit after 46 passing tests). Each process compiles its own variant, in turns
+  for o in 1 0 1 0; do
     OSTINATO_DECODE_OFFS32=$o timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b llama-3.2-1b \
         --cases 1:128 32:256 32:1024 --modes graph --no-launches --iters 100 --out "$OUT/decode-offs32-$o.json" 2>&1 \
         | quiet | grep "graph " | sed "s/^/offs32 $o /" | tee -a "$OUT/decode-offs32.log"
@@ -168,8 +168,8 @@ bs1)
   # prepared in the fortieth session, not yet run (about 5 minutes). In the bs-1 timeline
   # (decode-timeline-h200-20261128-s40.log) gate_up streams 67 MB in 19.0 us (3.5 TB/s) and down 33.5 MB in 10.5
   # (3.2 TB/s), at a 4.0 TB/s copy rate: 3.6 us a layer over the bytes, where #16's 0.80 ms target needs about 2.7
-  # us less a layer. The tree's tiles at one
-  # row: gate_up 32 + 32 rows x K 256, 3 stages (256 programs), which Triton 3.6 compiles for sm_90 at 255
+  # us less a layer. The tree's tiles at one row: gate_up 32 + 32 rows x K 256, 3 stages (256 programs), which
+  # Triton 3.6 compiles for sm_90 at 255
   # registers with 72 bytes of spills; K 128 with 5 stages keeps the bytes in flight at 168 registers, no spills,
   # and 16 + 16 rows 153 (the sass check is in docs/gpu-notes.md, fortieth session). down: 4 rows x K 1024, 3
   # stages (512 programs, 80 registers; 2 K tiles in flight, about 62 KB an SM)
