@@ -11,8 +11,10 @@ chain lost on its grid-wide waits; here there are none: the boundary is the laun
   W is no kernel's output, so this may run before the wait: the ring fills while the GEMV before finishes.
 - Four compute warps wait (griddepcontrol.wait: every earlier kernel done), read x whole into shared memory, and
   for each of their row tiles drain the ring, storing y's BLOCK_N rows.
-Row tiles go to programs round-robin (tile r to program r % programs). Plain GEMVs only (no gate, norm or residual):
-the question is the streaming rate a launch, beside the engine's kernels on the same chain.
+Row tiles go to programs round-robin (tile r to program r % programs). The chain (`main`) is of plain GEMVs: the
+question is the streaming rate a launch, beside the engine's kernels on the same chain. The kernel also takes the
+forms of Llama-3.2-1B's one-row gate_up (GATED: a gate box and an up box a slot; HAS_RES, PRENORM: the residual
+added and the folded norm's inverse RMS), checked against the engine's ops (--check) and timed in the step (--step).
 
 Written for Triton 3.6's Gluon (the GPU machines'); the CPU venv's newer Triton does not compile it
 (`pip install --no-deps --target /tmp/t36 triton==3.6.0`, /tmp/t36 first on PYTHONPATH, for --compile-only).
