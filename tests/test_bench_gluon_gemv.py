@@ -62,3 +62,26 @@ def test_emulated_kernel_matches_the_engines_one_row_ops(gated, prenorm):
         want = skinny_gemm.skinny_linear(x, w)
     torch.testing.assert_close(got.float(), want[0].float(), atol=2e-2, rtol=2e-2)
     assert got.abs().max() > 0.1  # not a vacuous match
+
+
+def test_patched_engine_leaves_what_the_kernel_does_not_take_to_its_own_launch():
+    """--step's patch (GLUON_GEMV) sends only CUDA one-row launches the resident GEMV does not take to the Gluon
+    kernel: a CPU call still runs the engine's kernel, with the engine's signature."""
+    if not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the engine's kernel runs in Triton's interpreter here")
+    from ostinato.layers.triton_ops import skinny_gemm
+
+    saved = skinny_gemm._launch
+    try:
+        gluon_gemv.patch_engine("16:256:65536:1")
+        assert skinny_gemm._launch is not saved
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(64, 256, generator=gen) / 16).to(torch.bfloat16)
+        got = skinny_gemm.skinny_linear(x, w)
+        res = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
+        normed, new_res = skinny_gemm.skinny_norm_linear(x, torch.cat([w, w]), 1e-5, res, gated=True)
+    finally:
+        skinny_gemm._launch = saved
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, atol=2e-2, rtol=2e-2)
+    assert normed.shape == (1, 64) and new_res.shape == (1, 256)
