@@ -346,7 +346,11 @@ def patch_engine(spec: str) -> None:
     GEMV does not take, with no add after them and shapes the kernel takes, go to gluon_gemv (real outputs)."""
     from ostinato.layers.triton_ops import resident_gemv, skinny_gemm
 
-    bn, bk, ring, per_sm = (int(v) for v in spec.split(":"))
+    fields = spec.split(":")
+    if len(fields) != 4 or not all(f.isdigit() and int(f) > 0 for f in fields):
+        raise ValueError(f"GLUON_GEMV must be block_n:block_k:ring bytes:programs an SM (positive integers), "
+                         f"got {spec!r}")
+    bn, bk, ring, per_sm = (int(v) for v in fields)
     engine_launch = skinny_gemm._launch
 
     def launch(x, weight, out, config, gated=False, prenorm=None, add=None):

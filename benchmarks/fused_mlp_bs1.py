@@ -132,9 +132,11 @@ def _patch_layers(bj: int, num_warps: int, resident: bool, early_trigger: bool) 
 if __name__ == "__main__":
     spec = os.environ.get("MLP", "")
     if spec:
-        kind, bj, warps, *rest = spec.split(":")
-        assert kind == "fused", spec
-        _patch_layers(int(bj), int(warps), "resident" in rest, "early" in rest)
+        kind, *fields = spec.split(":")
+        if kind != "fused" or len(fields) < 2 or not all(f.isdigit() for f in fields[:2]) \
+                or set(fields[2:]) - {"resident", "early"}:
+            raise SystemExit(f"MLP must be fused:BJ:WARPS[:resident][:early], got {spec!r}")
+        _patch_layers(int(fields[0]), int(fields[1]), "resident" in fields, "early" in fields)
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
     sys.argv = [os.path.join(here, "bench_decode.py")] + sys.argv[1:]

@@ -72,6 +72,10 @@ def test_patched_engine_leaves_what_the_kernel_does_not_take_to_its_own_launch()
     from ostinato.layers.triton_ops import skinny_gemm
 
     saved = skinny_gemm._launch
+    for bad in ("16:256:65536", "16:256:big:1", "0:256:65536:1"):
+        with pytest.raises(ValueError, match="GLUON_GEMV"):
+            gluon_gemv.patch_engine(bad)
+    assert skinny_gemm._launch is saved
     try:
         gluon_gemv.patch_engine("16:256:65536:1")
         assert skinny_gemm._launch is not saved

@@ -15,6 +15,7 @@ rotates and stores that token's K/V before it walks its keys; with the layer's i
 (`NewTokens.x_rms`), q, k and v are first scaled by the inverse RMS of the request's residual-stream row.
 """
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -51,7 +52,13 @@ OFFS32 = os.environ.get("OSTINATO_DECODE_OFFS32", "1") != "0"
 
 def int32_offsets(*bufs: torch.Tensor) -> bool:
     """Whether every element of each buffer lies within an int32 element offset of its first."""
-    return all(sum((n - 1) * st for n, st in zip(b.shape, b.stride(), strict=True) if n > 0) < 2**31 for b in bufs)
+    return all(_last_offset_fits(tuple(b.shape), b.stride()) for b in bufs)
+
+
+@functools.cache
+def _last_offset_fits(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    # cached: decode_attention asks once a layer and step, always about the same few KV buffers
+    return sum((n - 1) * st for n, st in zip(shape, stride, strict=True) if n > 0) < 2**31
 
 
 @triton.jit
