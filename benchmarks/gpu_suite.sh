@@ -31,6 +31,10 @@
 #   bash benchmarks/gpu_suite.sh gluon     the warp-specialized Gluon GEMV chains (Qwen3-0.6B, Llama-3.2-1B) against
 #                                          the engine's one-row GEMVs, with their parts and time stamps
 #                                          (bench_gluon_gemv_chain.py: a one-layer run first, under a short timeout)
+#   bash benchmarks/gpu_suite.sh attno     one decode row's attention and o_proj as one kernel (benchmarks/
+#                                          fused_attn_o_bs1.py, timing only) against the engine's, in turns, and
+#                                          the kernel's test compiled
+#   bash benchmarks/gpu_suite.sh copyrate  the device copy rate (the floors' bandwidth) by timing method
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead at concurrency 1 / 64 / 256, mixed chunk off / on
 #                                          (needs the .whl wheels carried)
@@ -165,7 +169,8 @@ fusedmlp)
   done
   ;;
 bs1)
-  # prepared in the fortieth session, not yet run (about 5 minutes). In the bs-1 timeline
+  # prepared in the fortieth session, run in the forty-first (162 s; no setting beat the rule: docs/gpu-notes.md).
+  # In the bs-1 timeline
   # (decode-timeline-h200-20261128-s40.log) gate_up streams 67 MB in 19.0 us (3.5 TB/s) and down 33.5 MB in 10.5
   # (3.2 TB/s), at a 4.0 TB/s copy rate: 3.6 us a layer over the bytes, where #16's 0.80 ms target needs about 2.7
   # us less a layer. The tree's tiles at one row: gate_up 32 + 32 rows x K 256, 3 stages (256 programs), which
@@ -186,7 +191,8 @@ bs1)
       | quiet | grep -E "x of the first|Error" | tee "$OUT/decode-bs1-combine.log"
   ;;
 gluongemv)
-  # prepared in the fortieth session, not yet run: a wrong ring phase would hang, so one layer first
+  # prepared in the fortieth session, run in the forty-first (37 s): level with the engine's GEMVs on Llama-3.2-1B,
+  # slower than the resident ones on Qwen3-0.6B. A wrong ring phase would hang, so one layer first
   timeout 120 python benchmarks/bench_gluon_gemv.py --layers 1 --tiles 16x256x8 --per-sm 1 2>&1 | tail -4 \
       | tee "$OUT/gluon-gemv-smoke.log"
   timeout 120 python benchmarks/bench_gluon_gemv.py --check --tiles 16x256x8 32x128x8 2>&1 | tail -12 \
@@ -214,6 +220,18 @@ gluon)
         --modes chain "no wait" drain compute --release gemv --trace --out "$OUT/gluon-chain-$m.json" 2>&1 \
         | tail -14 | tee "$OUT/gluon-chain-$m.log"
   done
+  ;;
+attno)
+  for v in "" 64:4 32:4 ""; do
+    ATTN_O=$v timeout 150 python benchmarks/fused_attn_o_bs1.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 1:256 \
+        1:1024 --modes graph --no-launches --iters 100 2>&1 | quiet | grep "graph " | grep -v "x of the first" \
+        | sed "s/^/attn_o ${v:-engine} /" | tee -a "$OUT/decode-attn-o.log"
+  done
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_fused_attn_o_bs1.py 2>&1 | tail -3 \
+      | tee "$OUT/attn-o-tests.log"
+  ;;
+copyrate)
+  timeout 60 python benchmarks/copy_rate_probe.py "$OUT/copy-rate.json" 2>&1 | tail -8 | tee "$OUT/copy-rate.log"
   ;;
 offline)
   timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
