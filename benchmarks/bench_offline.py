@@ -12,11 +12,15 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+from bench_decode import patch_decode_tables
 from common import RESULTS, add_model_args, copy_bandwidth, device_tag, write_report
 
 from ostinato import LLM, SamplingParams
+from ostinato.attention.forward_batch import ForwardMode
 
 
 def make_prompts(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -65,6 +69,54 @@ def step_split(llm: LLM, before: dict | None = None) -> dict:
     return now if before is None else {k: v - before[k] for k, v in now.items()}
 
 
+BUCKETS = ((1, 8), (9, 32), (33, 64), (65, 128), (129, 256), (257, 1 << 30))
+
+
+@contextmanager
+def logged_steps(llm: LLM) -> Iterator[list]:
+    """Yields a list that fills with one (mode, rows, context tokens, seconds) a step: what each step() call
+    scheduled, with the seconds of the NEXT call, which returns once this step is done on the GPU (overlap
+    scheduling: a call launches its step, then reads the one before back)."""
+    core, log = llm.engine, []
+    scheduler, engine_step = core.scheduler, core.step
+    schedule = scheduler.schedule
+    scheduled = []
+
+    def logged_schedule():
+        sched = schedule()
+        scheduled.append(None if sched is None else ("decode" if sched.mode is ForwardMode.DECODE else "extend",
+                                                     len(sched.reqs), sum(r.seq_len for r in sched.reqs)))
+        return sched
+
+    def timed_step():
+        t = time.perf_counter()
+        out = engine_step()
+        if len(scheduled) >= 2 and scheduled[-2] is not None:
+            log.append((*scheduled[-2], time.perf_counter() - t))
+        return out
+
+    scheduler.schedule, core.step = logged_schedule, timed_step
+    try:
+        yield log
+    finally:
+        del scheduler.schedule, core.step  # the class's methods again
+
+
+def bucket_table(log: list, weight_bytes: int, kv_token: int, bw: float) -> list[dict]:
+    """Decode steps by batch rows: count, seconds, and their bytes' floor (the weights once a step, every row's
+    context of KV once) at `bw`; extend steps as one row."""
+    rows = []
+    for lo, hi in BUCKETS:
+        steps = [(n, ctx, sec) for mode, n, ctx, sec in log if mode == "decode" and lo <= n <= hi]
+        if steps:
+            floor = sum(weight_bytes + ctx * kv_token for _, ctx, _ in steps) / bw
+            rows.append({"rows": f"{lo}-{hi}", "steps": len(steps), "seconds": sum(s for *_, s in steps),
+                         "floor_s": floor})
+    extend = [sec for mode, *_, sec in log if mode == "extend"]
+    rows.append({"rows": "extend", "steps": len(extend), "seconds": sum(extend), "floor_s": None})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
@@ -75,11 +127,14 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 | fp8_e5m2")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--decode-entry", default="table",
+                    help='decode-kernel settings: "table", or "BS:key=value,..." changes (bench_decode.py\'s)')
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                     help="one run per temperature (nano-vllm's own bench samples at 0.6)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<device>.json)")
     args = ap.parse_args()
 
+    patch_decode_tables(args.decode_entry)
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
               max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
               kv_cache_dtype=args.kv_cache_dtype)
@@ -97,10 +152,11 @@ def main() -> None:
         llm.reset_prefix_cache()  # every timed run computes its prompts (the previous temperature's run cached them)
         before = step_split(llm)
         t = time.perf_counter()
-        results = llm.generate(batch, params)
+        with logged_steps(llm) as log:
+            results = llm.generate(batch, params)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        timed.append((temperature, time.perf_counter() - t, step_split(llm, before)))
+        timed.append((temperature, time.perf_counter() - t, step_split(llm, before), log))
         out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
         assert out_tokens == sum(outs)
 
@@ -113,12 +169,12 @@ def main() -> None:
     floor = (steps * runner.weight_bytes + kv_reads) / bw
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     rows = []
-    for temperature, elapsed, split in timed:
+    for temperature, elapsed, split, log in timed:
         # the decode steps the engine ran, against the same bytes: its weights each step, every token's KV once
         split["decode_floor_s"] = (split["decode_steps"] * runner.weight_bytes + kv_reads) / bw
         rows.append({"engine": f"ostinato T={temperature:g}", "temperature": temperature, "seconds": elapsed,
                      "output_tok_s": out_tokens / elapsed, "floor_s": floor, "fraction_of_floor": floor / elapsed,
-                     **split})
+                     **split, "by_rows": bucket_table(log, runner.weight_bytes, kv_token, bw)})
     if not args.no_hf:
         assert len(set(outs)) == 1, "the HF baseline needs one output length"
         hf_s = bench_hf(llm, prompts, outs[0], device)
@@ -128,6 +184,7 @@ def main() -> None:
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "model": args.model or "SmolLM2-135M-Instruct (default)", "dtype": str(runner.dtype),
               "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
+              "decode_entry": args.decode_entry,
               "output_tokens": out_tokens, "copy_bandwidth_GBps": bw / 1e9,
               "weight_bytes": runner.weight_bytes, "kv_bytes_read": kv_reads, "decode_steps_floor": steps,
               "max_total_tokens": runner.max_total_tokens, "rows": rows}
@@ -140,6 +197,10 @@ def main() -> None:
             print(f"  {r['engine']}: {r['extend_steps']} extend steps ({r['extend_tokens']} tokens) "
                   f"{r['extend_seconds']:.2f} s; {r['decode_steps']} decode steps {r['decode_seconds']:.2f} s, "
                   f"their floor {r['decode_floor_s']:.2f} s ({r['decode_floor_s'] / r['decode_seconds']:.1%})")
+            for b in r["by_rows"]:  # each step timed by the step() call after it (logged_steps)
+                floor_s = "" if b["floor_s"] is None else \
+                    f", floor {b['floor_s']:.3f} s ({b['floor_s'] / b['seconds']:.1%})"
+                print(f"    {b['rows']:>9} rows: {b['steps']:5} steps {b['seconds']:.3f} s{floor_s}")
     write_report(report, args.out or os.path.join(RESULTS, f"offline-{device_tag(device)}.json"))
 
 

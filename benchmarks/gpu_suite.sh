@@ -35,6 +35,9 @@
 #                                          fused_attn_o_bs1.py, timing only) against the engine's, in turns, and
 #                                          the kernel's test compiled
 #   bash benchmarks/gpu_suite.sh copyrate  the device copy rate (the floors' bandwidth) by timing method
+#   bash benchmarks/gpu_suite.sh offlinesplits  the offline nano-vllm shape at T=0.6 with the 65-256-row decode entry
+#                                          splitting long requests (programs_per_sm 32, 512 tokens a split) against
+#                                          the table, in turns, then the same entry at uniform contexts
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead at concurrency 1 / 64 / 256, mixed chunk off / on
 #                                          (needs the .whl wheels carried)
@@ -229,6 +232,21 @@ attno)
   done
   timeout 120 python -m pytest -q -p no:cacheprovider tests/test_fused_attn_o_bs1.py 2>&1 | tail -3 \
       | tee "$OUT/attn-o-tests.log"
+  ;;
+offlinesplits)
+  # prepared in the forty-first session (one run each there: 70.4% of the floor against the table's 69.2%, the
+  # 129-256-row decode steps 3.676 -> 3.561 s). The shape's contexts run 100-2,048 tokens, so at 129-256 rows one
+  # split a request (the table's) leaves the longest requests' programs running alone; bench_decode.py's rows
+  # (one context for all) cannot show that. About 6 minutes
+  for e in table "128:programs_per_sm=32,min_tokens_per_split=512" table "128:programs_per_sm=32,min_tokens_per_split=512"; do
+    timeout 115 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 --decode-entry "$e" \
+        2>&1 | quiet | grep -E "ostinato T|129-256|65-128" | sed "s/^/[$e] /" | tee -a "$OUT/offline-splits.log"
+  done
+  timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 128:1024 256:1024 128:4096 --modes graph \
+      --no-launches --iters 50 --decode-entry table "128:programs_per_sm=32,min_tokens_per_split=512" table \
+      --out "$OUT/decode-splits-uniform.json" 2>&1 | quiet | grep -E "x of the first|Error" \
+      | tee "$OUT/decode-splits-uniform.log"
   ;;
 copyrate)
   timeout 60 python benchmarks/copy_rate_probe.py "$OUT/copy-rate.json" 2>&1 | tail -8 | tee "$OUT/copy-rate.log"
