@@ -37,12 +37,20 @@ def copy_bandwidth(device: torch.device) -> float:
             times.append(time.perf_counter() - t)
         return 2 * src.numel() * src.element_size() / sorted(times)[len(times) // 2]
     nbytes = min(1 << 31, torch.cuda.mem_get_info(device)[0] // 4) // 16 * 16
+    rate = event_copy_rate(device, nbytes, reps=10, trials=7)
+    torch.cuda.empty_cache()
+    return rate
+
+
+def event_copy_rate(device: torch.device, nbytes: int, reps: int, trials: int) -> float:
+    """Bytes/s (read + written) of `reps` back-to-back copies of an `nbytes` buffer, timed by CUDA events, median
+    of `trials`."""
     src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    reps, times = 10, []
-    for _ in range(7):
+    times = []
+    for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
@@ -50,8 +58,6 @@ def copy_bandwidth(device: torch.device) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / reps)
-    del src, dst
-    torch.cuda.empty_cache()
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 import torch
-from common import copy_bandwidth
+from common import copy_bandwidth, event_copy_rate
 
 
 def host_timed(nbytes: int = 1 << 29) -> float:
@@ -28,28 +28,11 @@ def host_timed(nbytes: int = 1 << 29) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
-def events(nbytes: int, reps: int, trials: int = 15) -> float:
-    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return 2 * nbytes / sorted(times)[len(times) // 2]
-
-
 if __name__ == "__main__":
     out = {"host-timed 512 MB (the earlier method)": host_timed()}
     for size in (1 << 29, 1 << 31):
         for reps in (1, 10):
-            out[f"events {size >> 20} MB x {reps}"] = events(size, reps)
+            out[f"events {size >> 20} MB x {reps}"] = event_copy_rate(torch.device("cuda"), size, reps, trials=15)
     out["common.copy_bandwidth"] = copy_bandwidth(torch.device("cuda"))
     out["host-timed 512 MB again"] = host_timed()
     for k, v in out.items():
