@@ -83,19 +83,27 @@ def compile_stage1(fp8: bool, variant: str, block_n: int, warps: int, stages: in
         if fp8 or variant == "bf16_fold":
             consts |= VARIANT_CONSTS[variant]
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # the kv_group kernel has no rotary (ROPE, ...)
+    return compile_sm90(fn, consts, ptrs, ("qk_scale", "eps", "eps_x"), num_warps=warps, num_stages=stages,
+                        **MAXNREG)
+
+
+def compile_sm90(fn, consts: dict, ptrs: dict, floats: tuple = (), plain_ints: tuple = (), **options):
+    """A Triton kernel compiled for sm_90 without a GPU: `consts` its constexprs, `ptrs` its pointer types by
+    argument name, `floats` its fp32 scalars, every other argument an i32 divisible by 16 (as Triton specializes a
+    launch's strides and sizes), except `plain_ints`."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name in ptrs:
             sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "eps", "eps_x"):
+        elif name in floats:
             sig[name] = "fp32"
+        elif name in plain_ints:
+            sig[name] = "i32"
         else:
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, consts, attrs)
-    options = dict(num_warps=warps, num_stages=stages, **MAXNREG)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:

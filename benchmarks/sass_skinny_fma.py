@@ -11,10 +11,7 @@ python benchmarks/sass_skinny_fma.py g:1:32:128:5 d:0:8:512:3  # kind (g gated, 
 import re
 import sys
 
-import triton
-from sass_decode_attention import cuobjdump
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sass_decode_attention import compile_sm90, cuobjdump
 
 from ostinato.layers.triton_ops import skinny_gemm
 
@@ -28,20 +25,7 @@ def compile_fma(gated: bool, prenorm: bool, block_n: int, block_k: int, stages: 
                   HAS_RES=prenorm, PDL=True, HAS_ADD=False,
                   PREFETCH_LINES=skinny_gemm.prefetch_lines(
                       skinny_gemm.SkinnyConfig(m_pad, block_n, block_k, False, warps, stages), 2))
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in PTRS:
-            sig[name], attrs[(i,)] = PTRS[name], [["tt.divisibility", 16]]
-        elif name == "eps":
-            sig[name] = "fp32"
-        elif name == "M":
-            sig[name] = "i32"
-        else:
-            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return compile_sm90(fn, consts, PTRS, ("eps",), ("M",), num_warps=warps, num_stages=stages)
 
 
 def report(label: str, gated: bool, prenorm: bool, block_n: int, block_k: int, stages: int) -> None:
