@@ -113,7 +113,8 @@ def bucket_table(log: list, weight_bytes: int, kv_token: int, bw: float) -> list
             rows.append({"rows": f"{lo}-{hi}", "steps": len(steps), "seconds": sum(s for *_, s in steps),
                          "floor_s": floor})
     extend = [sec for mode, *_, sec in log if mode == "extend"]
-    rows.append({"rows": "extend", "steps": len(extend), "seconds": sum(extend), "floor_s": None})
+    rows.append({"rows": "extend", "steps": len(extend), "seconds": sum(extend), "floor_s": None,
+                 "step_seconds": extend})
     return rows
 
 
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 | fp8_e5m2")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the engine's")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--decode-entry", default="table",
                     help='decode-kernel settings: "table", or "BS:key=value,..." changes (bench_decode.py\'s)')
@@ -137,7 +139,7 @@ def main() -> None:
     patch_decode_tables(args.decode_entry)
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
               max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, chunked_prefill_size=args.chunked_prefill_size)
     runner = llm.engine.runner
     device = runner.device
     prompts, outs = make_prompts(args, runner.vocab_size)
@@ -183,6 +185,7 @@ def main() -> None:
     report = {"device": name, "device_type": device.type, "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "model": args.model or "SmolLM2-135M-Instruct (default)", "dtype": str(runner.dtype),
+              "chunked_prefill_size": runner.chunked_prefill_size,
               "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
               "decode_entry": args.decode_entry,
               "output_tokens": out_tokens, "copy_bandwidth_GBps": bw / 1e9,
@@ -201,6 +204,8 @@ def main() -> None:
                 floor_s = "" if b["floor_s"] is None else \
                     f", floor {b['floor_s']:.3f} s ({b['floor_s'] / b['seconds']:.1%})"
                 print(f"    {b['rows']:>9} rows: {b['steps']:5} steps {b['seconds']:.3f} s{floor_s}")
+                if "step_seconds" in b:  # each extend step's ms: a stall shows as one outlier, a slow GPU as all
+                    print("      extend steps, ms: " + " ".join(f"{1e3 * s:.0f}" for s in b["step_seconds"]))
     write_report(report, args.out or os.path.join(RESULTS, f"offline-{device_tag(device)}.json"))
 
 

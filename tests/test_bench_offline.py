@@ -11,13 +11,13 @@ from bench_offline import bucket_table, logged_steps, step_split  # noqa: E402
 
 
 def test_bucket_table_sums_by_rows_and_floors_each_step():
-    log = [("extend", 3, 90, 0.5), ("decode", 3, 93, 0.1), ("decode", 2, 70, 0.2), ("decode", 40, 4000, 0.3),
-           ("decode", 1, 36, 0.05)]
+    log = [("extend", 3, 90, 0.5), ("decode", 3, 93, 0.1), ("extend", 1, 12, 0.25), ("decode", 2, 70, 0.2),
+           ("decode", 40, 4000, 0.3), ("decode", 1, 36, 0.05)]
     table = bucket_table(log, weight_bytes=1000, kv_token=10, bw=1e4)
     assert table == [
         {"rows": "1-8", "steps": 3, "seconds": pytest.approx(0.35), "floor_s": pytest.approx((3000 + 1990) / 1e4)},
         {"rows": "33-64", "steps": 1, "seconds": pytest.approx(0.3), "floor_s": pytest.approx(41000 / 1e4)},
-        {"rows": "extend", "steps": 1, "seconds": pytest.approx(0.5), "floor_s": None},
+        {"rows": "extend", "steps": 2, "seconds": pytest.approx(0.75), "floor_s": None, "step_seconds": [0.5, 0.25]},
     ]
 
 
