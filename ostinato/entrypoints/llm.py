@@ -13,6 +13,7 @@ from ostinato.entrypoints.chat_utils import check_conversation, check_unicode
 from ostinato.loader import load_model_source
 from ostinato.multimodal.processor import chat_images, make_image_input_processor
 from ostinato.outputs import RequestOutput
+from ostinato.runner.model_runner import offline_chunked_prefill_size
 from ostinato.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -22,6 +23,8 @@ class LLM:
     """`LLM(model=...).generate(prompts, SamplingParams(...))` -> list[RequestOutput], in prompt order."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if engine_args.get("chunked_prefill_size") is None:  # larger offline on a large GPU, as vLLM's LLM
+            engine_args["chunked_prefill_size"] = offline_chunked_prefill_size(engine_args.get("device", "auto"))
         self.args = EngineArgs(model=model, **engine_args)
         self.source = load_model_source(self.args.model, self.args.load_format, self.args.trust_remote_code)
         self.tokenizer = None if self.args.skip_tokenizer_init else self.source.tokenizer

@@ -65,6 +65,30 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+OFFLINE_CHUNKED_PREFILL = 16384
+
+
+def offline_chunk_for(device_name: str, total_bytes: int) -> int | None:
+    """The `LLM` class's prefill chunk on a GPU of this name and memory where the user set none: 16,384 tokens
+    from 70 GiB, A100s excepted (vLLM's offline defaults, as its PR 17885 measured), else None (the runner's
+    default, which the server keeps). An eager 8,192-token extend step's host launches take about as long as
+    its GPU work (Qwen3-0.6B on an H200: ~16 ms each), so any slower host stretched it; twice the tokens a step
+    keeps the GPU the bound (benchmarks/results/offline-chunk*-s42.json: 148,000 prompt tokens in 0.31 s
+    against 0.38-0.48)."""
+    if total_bytes >= 70 * 2**30 and "a100" not in device_name.lower():
+        return OFFLINE_CHUNKED_PREFILL
+    return None
+
+
+def offline_chunked_prefill_size(device_arg: str) -> int | None:
+    """offline_chunk_for the device that `device_arg` resolves to (None on a CPU)."""
+    device = resolve_device(device_arg)
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return offline_chunk_for(props.name, props.total_memory)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
