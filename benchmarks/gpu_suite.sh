@@ -234,10 +234,10 @@ attno)
       | tee "$OUT/attn-o-tests.log"
   ;;
 offlinesplits)
-  # prepared in the forty-first session (one run each there: 70.4% of the floor against the table's 69.2%, the
-  # 129-256-row decode steps 3.676 -> 3.561 s). The shape's contexts run 100-2,048 tokens, so at 129-256 rows one
-  # split a request (the table's) leaves the longest requests' programs running alone; bench_decode.py's rows
-  # (one context for all) cannot show that. About 6 minutes
+  # The shape's contexts run 100-2,048 tokens, so at 129-256 rows one split a request (the table's) leaves the
+  # longest requests' programs running alone; bench_decode.py's rows (one context for all) cannot show that.
+  # Forty-second session: those steps 1-3% faster split, one-context batches 1.5-4.5% slower, so the table stayed
+  # (offline-splits-h200-20261128-s42.log). About 4 minutes
   for e in table "128:programs_per_sm=32,min_tokens_per_split=512" table "128:programs_per_sm=32,min_tokens_per_split=512"; do
     timeout 115 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
         --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 --decode-entry "$e" \
