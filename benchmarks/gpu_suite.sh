@@ -38,6 +38,9 @@
 #   bash benchmarks/gpu_suite.sh offlinesplits  the offline nano-vllm shape at T=0.6 with the 65-256-row decode entry
 #                                          splitting long requests (programs_per_sm 32, 512 tokens a split) against
 #                                          the table, in turns, then the same entry at uniform contexts
+#   bash benchmarks/gpu_suite.sh offlinebalance  the same with the 65-256-row entry balancing (only requests longer
+#                                          than the batch's mean split; programs_per_sm 16 / 32) against the table,
+#                                          in turns, then at one context for all, and the balance tests compiled
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead at concurrency 1 / 64 / 256, mixed chunk off / on
 #                                          (needs the .whl wheels carried)
@@ -247,6 +250,22 @@ offlinesplits)
       --no-launches --iters 50 --decode-entry table "128:programs_per_sm=32,min_tokens_per_split=512" table \
       --out "$OUT/decode-splits-uniform.json" 2>&1 | quiet | grep -E "x of the first|Error" \
       | tee "$OUT/decode-splits-uniform.log"
+  ;;
+offlinebalance)
+  # prepared in the forty-second session, untimed: `balance` (compute_num_kv_splits) splits a request only where it
+  # is longer than the batch's mean, so one-context batches keep the table's one split (where the split entry above
+  # lost 1.5-4.5%) and the long requests of a mixed batch still split. About 7 minutes
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k "balanc or graph_path" 2>&1 \
+      | tail -1 | tee "$OUT/balance-tests.log"
+  for e in table "128:balance=True,programs_per_sm=16" table "128:balance=True,programs_per_sm=32"; do
+    timeout 115 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 --decode-entry "$e" \
+        2>&1 | quiet | grep -E "ostinato T|129-256|65-128" | sed "s/^/[$e] /" | tee -a "$OUT/offline-balance.log"
+  done
+  timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 128:1024 256:1024 128:4096 --modes graph \
+      --no-launches --iters 50 --decode-entry table "128:balance=True,programs_per_sm=16" \
+      "128:balance=True,programs_per_sm=32" table --out "$OUT/decode-balance-uniform.json" 2>&1 | quiet \
+      | grep -E "x of the first|Error" | tee "$OUT/decode-balance-uniform.log"
   ;;
 copyrate)
   timeout 60 python benchmarks/copy_rate_probe.py "$OUT/copy-rate.json" 2>&1 | tail -8 | tee "$OUT/copy-rate.log"

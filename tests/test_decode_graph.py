@@ -233,3 +233,21 @@ def test_replay_records_new_slots_and_stores_greedy_tokens(tiny_llm):
     assert torch.equal(table[rows, sched.prefix_lens], sched.out_cache_loc.to(torch.int32))
     assert torch.equal(runner.next_tokens.tokens[rows], known.argmax(-1))
     release(runner, reqs)
+
+
+def test_every_replay_begins_with_the_backends_graph_step(tiny_llm, monkeypatch):
+    """The captured step calls the attention backend's begin_graph_step (metadata every layer reads, counted from the
+    static buffers: a balancing decode entry's split counts) once, before its forward, so every replay redoes it."""
+    runner = tiny_llm.engine.runner
+    calls = []
+    forward = runner.model.forward
+    monkeypatch.setattr(runner.backend, "begin_graph_step", lambda: calls.append("begin"))
+    monkeypatch.setattr(runner.model, "forward", lambda *a, **k: (calls.append("forward"), forward(*a, **k))[1])
+    graphs = DecodeGraphRunner(runner)
+    sched, reqs = decode_batch(runner, [[5, 6, 7, 8], [9, 10, 11]])
+    batch = runner.prepare(sched)
+    calls.clear()
+    graphs.replay(batch)
+    graphs.replay(batch)
+    assert calls == ["begin", "forward"] * 2
+    release(runner, reqs)

@@ -381,7 +381,8 @@ def graph_path(env: Env, max_bs: int, steps: list[tuple[ForwardBatch, tuple]], p
     static = ForwardBatch(ForwardMode.DECODE, pad_to, loc[:pad_to], loc[:pad_to], rpi[:pad_to], seq[:pad_to],
                           loc[:pad_to], torch.arange(pad_to, device=dev), [1] * pad_to)
 
-    def run() -> torch.Tensor:
+    def run() -> torch.Tensor:  # as the decode graph runner's step: begin_graph_step, then the layers
+        env.tri.begin_graph_step()
         return env.tri.forward(q_in[:pad_to], k_in[:pad_to], v_in[:pad_to], s, static)
 
     outs, graph, out = [], None, None
@@ -484,6 +485,42 @@ def test_a_table_entry_decides_where_stage_1_combines(monkeypatch):
 def test_graph_path_follows_buffers_and_ignores_padded_rows():
     env = make_env(4, 8, 2, 16, seed=7, max_reqs=6)
     check_graph_path(env, lens_a=[40, 3, 70], lens_b=[0, 22], pad_to=4, max_bs=5, atol=1e-4)
+
+
+def test_balanced_split_counts():
+    """balance: a split holds at least the mean length of the rows longer than 1 (a graph's padded rows hold 1),
+    so one length for all keeps one split a request and only the longer requests split."""
+    from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        n, min_tokens, cap = int(torch.randint(1, 40, (1,), generator=gen)), 16, 4
+        lens = torch.randint(2, 3000, (n,), generator=gen, dtype=torch.int32)
+        pads = torch.ones(int(torch.randint(0, 8, (1,), generator=gen)), dtype=torch.int32)
+        out = torch.empty(n + len(pads), dtype=torch.int32)
+        compute_num_kv_splits(torch.cat([lens, pads]), out, min_tokens, cap, balance=True)
+        per = max(min_tokens, -(-int(lens.sum()) // n))
+        assert out.tolist() == [min(cap, max(1, -(-t // per))) for t in lens.tolist()] + [1] * len(pads)
+    out = torch.empty(8, dtype=torch.int32)
+    compute_num_kv_splits(torch.full((8,), 1025, dtype=torch.int32), out, 16, 4, balance=True)
+    assert out.tolist() == [1] * 8
+    compute_num_kv_splits(torch.full((8,), 1025, dtype=torch.int32), out, 16, 4)
+    assert out.tolist() == [4] * 8  # the plain rule: ceil(1025 / 16), capped
+
+
+def test_balancing_entry_matches_torch_eagerly_and_through_the_graph_path(monkeypatch):
+    """A table entry with `balance`: the long request alone splits (3 splits, where the plain rule gives it 6),
+    the output matches torch, and the graph path (begin_graph_step counting the splits, padded rows) gives the
+    eager pass's bits."""
+    env = make_env(4, 8, 2, 16, seed=11, max_reqs=12)
+    env.tri.decode_table = {bs: e | {"balance": True} for bs, e in env.tri.decode_table.items()}
+    rows = new_requests(env, [90, 10, 12, 8])
+    batch, (q, k, v) = decode_step(env, rows, [90, 10, 12, 8])
+    out = run_triton(env, batch, q, k, v)
+    assert env.tri.num_kv_splits.tolist() == [3, 1, 1, 1]  # seq_lens 91, 11, 13, 9: a split >= their mean, 31
+    check_stored(env, batch, k, v)
+    check(env, batch, out, q, atol=1e-4)
+    check_graph_path(env, lens_a=[60, 5, 9], lens_b=[3, 40], pad_to=4, max_bs=6, atol=1e-4)
 
 
 # ---------------------------------------------------------------- CUDA at model shapes, bf16

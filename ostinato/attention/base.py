@@ -44,6 +44,11 @@ class AttentionBackend(abc.ABC):
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Called after the runner has written the static buffers and before replay."""
 
+    def begin_graph_step(self) -> None:
+        """Called at the start of a captured decode step, inside the captured region (so on every replay), before
+        the forward: metadata derived from the static buffers that every layer reads (none by default)."""
+        return None
+
     # ---- extend graph capture (optional): a backend whose extend kernels take a fixed launch grid
     supports_extend_graphs = False
 

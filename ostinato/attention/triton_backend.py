@@ -57,7 +57,10 @@ class TritonAttentionBackend(AttentionBackend):
     # programs_per_sm (replaces kv_splits_cap's 2) and min_tokens_per_split (replaces the class's), `combine`
     # (whether stage 1 combines the splits at the entry's batch sizes, in place of combine_min_bs's rule), and maxnreg
     # (a register cap for ptxas, so more one-warp programs fit an SM), and early_kv (decode_attention's: stage 1
-    # reads its split's bounds and asks L2 for its first key block, an int: that many, before its PDL wait). It is on
+    # reads its split's bounds and asks L2 for its first key block, an int: that many, before its PDL wait), and
+    # balance (compute_num_kv_splits': a split at least the batch's mean length, so at one length for all a request
+    # keeps one split and only the longer ones split; counted once a step, by begin_graph_step in a captured one;
+    # in no entry yet, untimed). early_kv is on
     # where it measured faster (H100, `bench_decode.py ... --decode-entry "1:early_kv=True;...;256:early_kv=True"`
     # against OSTINATO_DECODE_EARLY_KV=0, decode-earlykv-*-h100-20261126-s17*.json, docs/gpu-notes.md); at bs 4-8,
     # Llama-3.2-1B's bs 128 and fp8 bs 256 it was slower (0.3-2.4%), and it is off where untimed. Four blocks at bs
@@ -269,6 +272,12 @@ class TritonAttentionBackend(AttentionBackend):
     def _min_tokens_per_split(self, bs: int) -> int:
         return table_entry(self.decode_table, bs).get("min_tokens_per_split", self.min_tokens_per_split)
 
+    def _count_splits(self, seq_lens: torch.Tensor, out: torch.Tensor, bs: int) -> None:
+        """out[b]: request b's split count in a batch of `bs` (the table entry's min_tokens_per_split, kv_splits_cap,
+        and its `balance`: compute_num_kv_splits)."""
+        compute_num_kv_splits(seq_lens, out, self._min_tokens_per_split(bs), self.kv_splits_cap(bs),
+                              table_entry(self.decode_table, bs).get("balance", False))
+
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.graph_mode = False
@@ -276,8 +285,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.seq_lens = batch.seq_lens
         if batch.mode is ForwardMode.DECODE:
             self.num_kv_splits = torch.empty(batch.batch_size, dtype=torch.int32, device=self.device)
-            compute_num_kv_splits(batch.seq_lens, self.num_kv_splits, self._min_tokens_per_split(batch.batch_size),
-                                  self.kv_splits_cap(batch.batch_size))  # the same cap forward_decode's grid has
+            self._count_splits(batch.seq_lens, self.num_kv_splits, batch.batch_size)  # the cap the grid has
             return
         prefix, extend = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
         assert prefix is not None and extend is not None
@@ -293,8 +301,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.tail_req_pool_indices = batch.req_pool_indices[head:].clone()
             self.tail_seq_lens = batch.seq_lens[head:].clone()
             self.num_kv_splits = torch.empty(tail, dtype=torch.int32, device=self.device)
-            compute_num_kv_splits(self.tail_seq_lens, self.num_kv_splits, self._min_tokens_per_split(tail),
-                                  self.kv_splits_cap(tail))
+            self._count_splits(self.tail_seq_lens, self.num_kv_splits, tail)
             prefix, extend = prefix[:head], extend[:head]
         # one host->device copy for the five per-request and per-block int vectors, each padded to a multiple
         # of 4 entries so every one starts 16-byte aligned (Triton specializes kernels on pointer alignment;
@@ -351,6 +358,7 @@ class TritonAttentionBackend(AttentionBackend):
                                        device=self.device)
         self.graph_mid_lse = torch.empty(max_bs, num_heads, self.max_kv_splits, dtype=torch.float32,
                                          device=self.device)
+        self.graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         assert self.graph_max_bs > 0, "init_cuda_graph_state must run first"
@@ -358,6 +366,13 @@ class TritonAttentionBackend(AttentionBackend):
         self.graph_mode = True
         self.graph_bs = bs
         self.graph_req_pool_indices, self.graph_seq_lens = req_pool_indices[:bs], seq_lens[:bs]
+        # a balancing entry's split counts depend on the whole batch (its mean length): counted once a step by
+        # begin_graph_step, inside the capture; else each kernel counts a request's splits from its own length
+        self.graph_balance = table_entry(self.decode_table, bs).get("balance", False)
+
+    def begin_graph_step(self) -> None:
+        if self.graph_balance:
+            self._count_splits(self.graph_seq_lens, self.graph_num_kv_splits[: self.graph_bs], self.graph_bs)
 
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         # everything derived from the buffers is recomputed inside the captured region
@@ -447,8 +462,9 @@ class TritonAttentionBackend(AttentionBackend):
         if self.graph_mode:
             cap = self.graph_mid_o.shape
             assert bs == self.graph_bs and num_heads <= cap[1] and head_dim <= cap[3], (bs, num_heads, head_dim)
-            # the kernels count each request's splits from seq_lens: no launches for them inside the capture
-            num_kv_splits = None
+            # the kernels count each request's splits from seq_lens (no launches for them inside the capture),
+            # unless the entry balances (begin_graph_step counted them before the forward)
+            num_kv_splits = self.graph_num_kv_splits[:bs] if self.graph_balance else None
             req_pool_indices, seq_lens = self.graph_req_pool_indices, self.graph_seq_lens
             mid_o = self.graph_mid_o[:bs, :num_heads, :splits, :head_dim]
             mid_lse = self.graph_mid_lse[:bs, :num_heads, :splits]

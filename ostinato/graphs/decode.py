@@ -115,6 +115,7 @@ class DecodeGraphRunner:
         def step() -> None:
             next_tokens.begin_decode_(batch.input_ids, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
                                       table)
+            backend.begin_graph_step()
             with forward_context(backend, batch, layers):
                 hidden = forward(batch.input_ids, batch.positions)
             model.compute_logits(hidden, out=self.logits[:bs, : self.vocab_size])

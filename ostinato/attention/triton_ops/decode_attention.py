@@ -573,14 +573,27 @@ def table_entry(table: dict[int, dict], bs: int) -> dict:
 def decode_kwargs(entry: dict) -> dict:
     """A settings-table entry as decode_attention's keyword arguments (variant expanded; the split settings and
     `combine`, which the caller applies, dropped)."""
-    kw = {k: v for k, v in entry.items() if k not in ("variant", "programs_per_sm", "min_tokens_per_split", "combine")}
+    kw = {k: v for k, v in entry.items()
+          if k not in ("variant", "programs_per_sm", "min_tokens_per_split", "combine", "balance")}
     return kw | FP8_DECODE_VARIANTS[entry.get("variant", "cast")]
 
 
 def compute_num_kv_splits(seq_lens: torch.Tensor, out: torch.Tensor, min_tokens_per_split: int,
-                          max_kv_splits: int) -> None:
-    """out[b] = clamp(ceil(seq_lens[b] / min_tokens_per_split), 1, max_kv_splits), on the device, no sync."""
-    n = torch.div(seq_lens + (min_tokens_per_split - 1), min_tokens_per_split, rounding_mode="floor")
+                          max_kv_splits: int, balance: bool = False) -> None:
+    """out[b] = clamp(ceil(seq_lens[b] / min_tokens_per_split), 1, max_kv_splits), on the device, no sync.
+
+    `balance`: a split holds at least the batch's mean length (rounded up) as well, so a batch of one length
+    keeps one split a request and only the requests longer than the mean split, where one long request's
+    programs would otherwise run on alone after the rest (the offline shape's contexts run 100-2,048 tokens). The
+    mean is over the rows longer than 1: a decoding request holds its prompt and the new token, while a graph's
+    padded rows hold 1, so a padded replay splits as the eager pass of its real rows does."""
+    per_split: int | torch.Tensor = min_tokens_per_split
+    if balance:
+        real = seq_lens > 1
+        count = real.sum().clamp_(min=1)
+        mean = torch.div(torch.where(real, seq_lens, 0).sum() + count - 1, count, rounding_mode="floor")
+        per_split = mean.clamp_(min=min_tokens_per_split)
+    n = torch.div(seq_lens + (per_split - 1), per_split, rounding_mode="floor")
     out.copy_(n.clamp_(1, max_kv_splits))
 
 
