@@ -41,6 +41,8 @@
 #   bash benchmarks/gpu_suite.sh offlinebalance  the same with the 65-256-row entry balancing (only requests longer
 #                                          than the batch's mean split; programs_per_sm 16 / 32) against the table,
 #                                          in turns, then at one context for all, and the balance tests compiled
+#   bash benchmarks/gpu_suite.sh drawsplits  the sampler's kernels with 1,024 / 2,048 target programs (fused_sample's
+#                                          _TARGET_PROGRAMS, 512 in the tree) beside the tree's, kernel us by profile
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
 #   bash benchmarks/gpu_suite.sh serving   serving overhead at concurrency 1 / 64 / 256, mixed chunk off / on
 #                                          (needs the .whl wheels carried)
@@ -266,6 +268,21 @@ offlinebalance)
       --no-launches --iters 50 --decode-entry table "128:balance=True,programs_per_sm=16" \
       "128:balance=True,programs_per_sm=32" table --out "$OUT/decode-balance-uniform.json" 2>&1 | quiet \
       | grep -E "x of the first|Error" | tee "$OUT/decode-balance-uniform.log"
+  ;;
+drawsplits)
+  # prepared in the forty-second session: the plain T=0.6 draw took 15.6 us of Llama-3.2-1B's bs-32 step (thirty-fifth
+  # session's boundary), about four times the read of its 16 MB of logits; at bs 32 the tree gives it 16 splits a row
+  # (512 programs of 8,192 columns, four dependent 2,048-column loads each). More, shorter programs keep more loads
+  # in flight. The draws are the same bits at any split count (Gumbel-max with the same noise, ties to the lowest
+  # index); the cut searches' gather capacity also moves with the splits, so adopting one means the sampler tests
+  for n in 1024 2048; do
+    sed "s/^_TARGET_PROGRAMS = 512 /_TARGET_PROGRAMS = $n /" ostinato/runner/fused_sample.py > "/tmp/fused_sample_$n.py"
+  done
+  for v in 128256 151936; do
+    timeout 240 python benchmarks/bench_fused_sample.py --vocab $v --batch-sizes 1 32 64 256 --profile \
+        --baseline /tmp/fused_sample_1024.py /tmp/fused_sample_2048.py --out "$OUT/draw-splits-$v.json" 2>&1 \
+        | grep -vE "^\s*$" | tee "$OUT/draw-splits-$v.log" | grep -A1 "top_k None top_p None" | head -40
+  done
   ;;
 copyrate)
   timeout 60 python benchmarks/copy_rate_probe.py "$OUT/copy-rate.json" 2>&1 | tail -8 | tee "$OUT/copy-rate.log"
