@@ -508,7 +508,7 @@ def test_balanced_split_counts():
     assert out.tolist() == [4] * 8  # the plain rule: ceil(1025 / 16), capped
 
 
-def test_balancing_entry_matches_torch_eagerly_and_through_the_graph_path(monkeypatch):
+def test_balancing_entry_matches_torch_eagerly_and_through_the_graph_path():
     """A table entry with `balance`: the long request alone splits (3 splits, where the plain rule gives it 6),
     the output matches torch, and the graph path (begin_graph_step counting the splits, padded rows) gives the
     eager pass's bits."""
