@@ -59,6 +59,22 @@ quiet() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|Generating|Capturing|C
 # a group's whole output goes to $OUT/<name>.full.log as it comes (a call cut short still brings back what ran),
 # and its last lines to $OUT/<name>.log and the terminal
 keep() { tee "$OUT/$1.full.log" | tail -"$2" | tee "$OUT/$1.log"; }
+# the offline nano-vllm shape at T=0.6 once per decode entry, one process each (in turns: give entries twice), its
+# lines tagged by entry in $OUT/<name>.log; then bench_decode.py at one context for all, every entry in one process
+offline_entries() {
+  local name=$1 e; shift
+  for e in "$@"; do
+    timeout 115 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 --decode-entry "$e" \
+        2>&1 | quiet | grep -E "ostinato T|129-256|65-128" | sed "s/^/[$e] /" | tee -a "$OUT/$name.log"
+  done
+}
+uniform_entries() {
+  local name=$1; shift
+  timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 128:1024 256:1024 128:4096 --modes graph \
+      --no-launches --iters 50 --decode-entry "$@" --out "$OUT/$name.json" 2>&1 | quiet \
+      | grep -E "x of the first|Error" | tee "$OUT/$name.log"
+}
 case "$part" in
 tests)
   # Every GPU test file, in parallel pytest processes (one per file or per chain): Triton compiles in each
@@ -243,15 +259,9 @@ offlinesplits)
   # longest requests' programs running alone; bench_decode.py's rows (one context for all) cannot show that.
   # Forty-second session: those steps 1-3% faster split, one-context batches 1.5-4.5% slower, so the table stayed
   # (offline-splits-h200-20261128-s42.log). About 4 minutes
-  for e in table "128:programs_per_sm=32,min_tokens_per_split=512" table "128:programs_per_sm=32,min_tokens_per_split=512"; do
-    timeout 115 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
-        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 --decode-entry "$e" \
-        2>&1 | quiet | grep -E "ostinato T|129-256|65-128" | sed "s/^/[$e] /" | tee -a "$OUT/offline-splits.log"
-  done
-  timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 128:1024 256:1024 128:4096 --modes graph \
-      --no-launches --iters 50 --decode-entry table "128:programs_per_sm=32,min_tokens_per_split=512" table \
-      --out "$OUT/decode-splits-uniform.json" 2>&1 | quiet | grep -E "x of the first|Error" \
-      | tee "$OUT/decode-splits-uniform.log"
+  offline_entries offline-splits table "128:programs_per_sm=32,min_tokens_per_split=512" table \
+      "128:programs_per_sm=32,min_tokens_per_split=512"
+  uniform_entries decode-splits-uniform table "128:programs_per_sm=32,min_tokens_per_split=512" table
   ;;
 offlinebalance)
   # prepared in the forty-second session, untimed: `balance` (compute_num_kv_splits) splits a request only where it
@@ -259,15 +269,10 @@ offlinebalance)
   # lost 1.5-4.5%) and the long requests of a mixed batch still split. About 7 minutes
   timeout 120 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k "balanc or graph_path" 2>&1 \
       | tail -1 | tee "$OUT/balance-tests.log"
-  for e in table "128:balance=True,programs_per_sm=16" table "128:balance=True,programs_per_sm=32"; do
-    timeout 115 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
-        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 --decode-entry "$e" \
-        2>&1 | quiet | grep -E "ostinato T|129-256|65-128" | sed "s/^/[$e] /" | tee -a "$OUT/offline-balance.log"
-  done
-  timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 128:1024 256:1024 128:4096 --modes graph \
-      --no-launches --iters 50 --decode-entry table "128:balance=True,programs_per_sm=16" \
-      "128:balance=True,programs_per_sm=32" table --out "$OUT/decode-balance-uniform.json" 2>&1 | quiet \
-      | grep -E "x of the first|Error" | tee "$OUT/decode-balance-uniform.log"
+  offline_entries offline-balance table "128:balance=True,programs_per_sm=16" table \
+      "128:balance=True,programs_per_sm=32"
+  uniform_entries decode-balance-uniform table "128:balance=True,programs_per_sm=16" \
+      "128:balance=True,programs_per_sm=32" table
   ;;
 drawsplits)
   # prepared in the forty-second session: the plain T=0.6 draw took 15.6 us of Llama-3.2-1B's bs-32 step (thirty-fifth
