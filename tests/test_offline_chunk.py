@@ -39,3 +39,10 @@ def test_llm_takes_the_offline_chunk_unless_one_is_given(tiny_llama_path, monkey
     assert (llm.engine.runner.chunked_prefill_size, llm.args.chunked_prefill_size, asked) == (96, 96, ["cpu"])
     llm = LLM(tiny_llama_path, dtype="float32", device="cpu", max_total_tokens=512, chunked_prefill_size=40)
     assert llm.engine.runner.chunked_prefill_size == 40 and asked == ["cpu"]  # the user's chunk, the device not asked
+
+
+def test_a_bad_device_is_named_before_the_chunk_is_chosen():
+    from ostinato import LLM
+
+    with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
+        LLM("unused", device="tpu")

@@ -23,9 +23,10 @@ class LLM:
     """`LLM(model=...).generate(prompts, SamplingParams(...))` -> list[RequestOutput], in prompt order."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        if engine_args.get("chunked_prefill_size") is None:  # larger offline on a large GPU, as vLLM's LLM
-            engine_args["chunked_prefill_size"] = offline_chunked_prefill_size(engine_args.get("device", "auto"))
-        self.args = EngineArgs(model=model, **engine_args)
+        self.args = EngineArgs(model=model, **engine_args)  # validated first: a bad device is named as such
+        if self.args.chunked_prefill_size is None:  # larger offline on a large GPU, as vLLM's LLM
+            chunk = offline_chunked_prefill_size(self.args.device)
+            self.args = dataclasses.replace(self.args, chunked_prefill_size=chunk) if chunk else self.args
         self.source = load_model_source(self.args.model, self.args.load_format, self.args.trust_remote_code)
         self.tokenizer = None if self.args.skip_tokenizer_init else self.source.tokenizer
         self.engine = EngineCore(self.args, self.source)
