@@ -23,8 +23,8 @@ class EngineArgs:
     page_size: int = _arg(1, "tokens per KV page")
     kv_cache_dtype: str = _arg("auto", "auto (the model dtype) | fp8_e4m3 | fp8_e5m2")
     chunked_prefill_size: int | None = _arg(None, "most prompt tokens prefilled in one step (default 8192 GPU, "
-                                            "2048 CPU; the offline LLM class: 16384 on a GPU of 70 GiB or more, "
-                                            "A100s excepted)")
+                                            "2048 CPU; offline, as LLM, generate and chat run: 16384 on a GPU of "
+                                            "70 GiB or more, A100s excepted)")
     max_running_requests: int | None = _arg(None, "most requests running at once (default 256 GPU, 128 CPU)")
     attention_backend: str = _arg("auto", "auto (triton on GPU, torch on CPU) | triton | torch")
     cuda_graph_max_bs: int | None = _arg(None, "largest decode batch captured (default by GPU memory)")
