@@ -41,6 +41,7 @@
 #   bash benchmarks/gpu_suite.sh offlinebalance  the same with the 65-256-row entry balancing (only requests longer
 #                                          than the batch's mean split; programs_per_sm 16 / 32) against the table,
 #                                          in turns, then at one context for all, and the balance tests compiled
+#   bash benchmarks/gpu_suite.sh balance256  the same balancing at 129-256 rows only, against the table, in turns
 #   bash benchmarks/gpu_suite.sh drawsplits  the sampler's kernels with 1,024 / 2,048 target programs (fused_sample's
 #                                          _TARGET_PROGRAMS, 512 in the tree) beside the tree's, kernel us by profile
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
@@ -273,6 +274,20 @@ offlinebalance)
       "128:balance=True,programs_per_sm=32"
   uniform_entries decode-balance-uniform table "128:balance=True,programs_per_sm=16" \
       "128:balance=True,programs_per_sm=32" table
+  ;;
+balance256)
+  # forty-third session: `128:balance` (above) made the offline shape 69.0-69.3 -> 70.1-70.2% of the floor, its
+  # 129-256-row steps 3% faster, but its 65-128-row steps 3% slower and one-context batches 0.1-0.9% slower
+  # (offline-balance-h200-20261128-s43.log). Balancing at 129-256 rows only, its splits now counted in one launch
+  # (compute_num_kv_splits' kernel) where the torch ops took eight. About 6 minutes
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py -k "balanc or graph_path" 2>&1 \
+      | tail -1 | tee "$OUT/balance-tests.log"
+  offline_entries offline-balance256 table "256:balance=True,programs_per_sm=16" table \
+      "256:balance=True,programs_per_sm=32"
+  timeout 150 python benchmarks/bench_decode.py --models qwen3-0.6b --cases 256:1024 256:4096 200:2048 --modes graph \
+      --no-launches --iters 50 --decode-entry table "256:balance=True,programs_per_sm=16" \
+      "256:balance=True,programs_per_sm=32" table --out "$OUT/decode-balance256-uniform.json" 2>&1 | quiet \
+      | grep -E "x of the first|Error" | tee "$OUT/decode-balance256-uniform.log"
   ;;
 drawsplits)
   # prepared in the forty-second session: the plain T=0.6 draw took 15.6 us of Llama-3.2-1B's bs-32 step (thirty-fifth

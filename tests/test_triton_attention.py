@@ -493,18 +493,20 @@ def test_balanced_split_counts():
     from ostinato.attention.triton_ops.decode_attention import compute_num_kv_splits
 
     gen = torch.Generator().manual_seed(3)
-    for _ in range(20):
-        n, min_tokens, cap = int(torch.randint(1, 40, (1,), generator=gen)), 16, 4
-        lens = torch.randint(2, 3000, (n,), generator=gen, dtype=torch.int32)
-        pads = torch.ones(int(torch.randint(0, 8, (1,), generator=gen)), dtype=torch.int32)
-        out = torch.empty(n + len(pads), dtype=torch.int32)
-        compute_num_kv_splits(torch.cat([lens, pads]), out, min_tokens, cap, balance=True)
+    for i in range(20):  # seq_lens int32 or int64 (the kernel counts in int64), batches past 128 rows
+        n, min_tokens, cap = int(torch.randint(1, 250, (1,), generator=gen)), 16, 4
+        dtype = (torch.int32, torch.int64)[i % 2]
+        lens = torch.randint(2, 3000, (n,), generator=gen, dtype=dtype)
+        pads = torch.ones(int(torch.randint(0, 8, (1,), generator=gen)), dtype=dtype)
+        out = torch.empty(n + len(pads), dtype=torch.int32, device=TINY_DEVICE)
+        compute_num_kv_splits(torch.cat([lens, pads]).to(TINY_DEVICE), out, min_tokens, cap, balance=True)
         per = max(min_tokens, -(-int(lens.sum()) // n))
         assert out.tolist() == [min(cap, max(1, -(-t // per))) for t in lens.tolist()] + [1] * len(pads)
-    out = torch.empty(8, dtype=torch.int32)
-    compute_num_kv_splits(torch.full((8,), 1025, dtype=torch.int32), out, 16, 4, balance=True)
+    out = torch.empty(8, dtype=torch.int32, device=TINY_DEVICE)
+    same = torch.full((8,), 1025, dtype=torch.int32, device=TINY_DEVICE)
+    compute_num_kv_splits(same, out, 16, 4, balance=True)
     assert out.tolist() == [1] * 8
-    compute_num_kv_splits(torch.full((8,), 1025, dtype=torch.int32), out, 16, 4)
+    compute_num_kv_splits(same, out, 16, 4)
     assert out.tolist() == [4] * 8  # the plain rule: ceil(1025 / 16), capped
 
 

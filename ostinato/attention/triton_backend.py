@@ -59,8 +59,8 @@ class TritonAttentionBackend(AttentionBackend):
     # (a register cap for ptxas, so more one-warp programs fit an SM), and early_kv (decode_attention's: stage 1
     # reads its split's bounds and asks L2 for its first key block, an int: that many, before its PDL wait), and
     # balance (compute_num_kv_splits': a split at least the batch's mean length, so at one length for all a request
-    # keeps one split and only the longer ones split; counted once a step, by begin_graph_step in a captured one;
-    # in no entry yet, untimed). early_kv is on
+    # keeps one split and only the longer ones split; counted once a step, by begin_graph_step in a captured one:
+    # the bf16 head-dim-128 table's 256 entry). early_kv is on
     # where it measured faster (H100, `bench_decode.py ... --decode-entry "1:early_kv=True;...;256:early_kv=True"`
     # against OSTINATO_DECODE_EARLY_KV=0, decode-earlykv-*-h100-20261126-s17*.json, docs/gpu-notes.md); at bs 4-8,
     # Llama-3.2-1B's bs 128 and fp8 bs 256 it was slower (0.3-2.4%), and it is off where untimed. Four blocks at bs
@@ -177,6 +177,15 @@ class TritonAttentionBackend(AttentionBackend):
                      early_kv=True),
             32: dict(block_n=32, num_warps=1, num_stages=5, whole_blocks=True, early_kv=True),
             128: dict(block_n=32, num_warps=1, num_stages=3, whole_blocks=True),
+            # entry 128's kernel, balanced at 129-256 rows (on 132 SMs up to 2 splits, only for requests longer than
+            # the batch's mean): the offline shape's long requests no longer run on alone. H200, Qwen3-0.6B,
+            # offline nano-vllm shape at T=0.6, in turns (table / this / table / programs_per_sm 32): 69.1 / 70.7 /
+            # 69.5 / 70.8% of the floor, its 129-256-row steps 3.651 / 3.582 / 3.701 / 3.580 s. One context for
+            # all, level: bs 256 x 1024 / 4096 and 200 x 2048, the table's second pass -> this, 8.093 / 27.672 /
+            # 12.064 -> 8.081 / 27.656 / 12.024 ms (offline-balance256-h200-20261128-s43.log,
+            # decode-balance256-uniform-h200-20261128-s43.json). Balanced at 65-128 rows too, those steps were 3%
+            # slower and the one-context ones 0.1-0.9% (offline-balance-h200-20261128-s43.log)
+            256: dict(block_n=32, num_warps=1, num_stages=3, whole_blocks=True, balance=True, programs_per_sm=16),
         },
         (True, 128): {
             # fp16_vcvt at bs 8-127: 1-3% faster kernels at bs 8, 32 and 64 (bs 64 9.73 / 42.07 / 143.87 -> 9.63

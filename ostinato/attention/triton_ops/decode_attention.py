@@ -587,14 +587,26 @@ def compute_num_kv_splits(seq_lens: torch.Tensor, out: torch.Tensor, min_tokens_
     programs would otherwise run on alone after the rest (the offline shape's contexts run 100-2,048 tokens). The
     mean is over the rows longer than 1: a decoding request holds its prompt and the new token, while a graph's
     padded rows hold 1, so a padded replay splits as the eager pass of its real rows does."""
-    per_split: int | torch.Tensor = min_tokens_per_split
-    if balance:
-        real = seq_lens > 1
-        count = real.sum().clamp_(min=1)
-        mean = torch.div(torch.where(real, seq_lens, 0).sum() + count - 1, count, rounding_mode="floor")
-        per_split = mean.clamp_(min=min_tokens_per_split)
-    n = torch.div(seq_lens + (per_split - 1), per_split, rounding_mode="floor")
+    if balance:  # one launch, where the torch ops took eight (each a node of a captured step)
+        bs = seq_lens.shape[0]
+        assert seq_lens.is_contiguous() and out.is_contiguous() and out.shape[0] >= bs
+        _balanced_splits_kernel[(1,)](seq_lens, out, bs, min_tokens_per_split, max_kv_splits,
+                                      BLOCK=max(2, triton.next_power_of_2(bs)))
+        return
+    n = torch.div(seq_lens + (min_tokens_per_split - 1), min_tokens_per_split, rounding_mode="floor")
     out.copy_(n.clamp_(1, max_kv_splits))
+
+
+@triton.jit
+def _balanced_splits_kernel(Seq_lens, Out, bs, min_tokens, max_splits, BLOCK: tl.constexpr):
+    """compute_num_kv_splits with `balance`, the whole batch in one program (bs <= BLOCK)."""
+    offs = tl.arange(0, BLOCK)
+    lens = tl.load(Seq_lens + offs, mask=offs < bs, other=0).to(tl.int64)
+    real = lens > 1
+    count = tl.maximum(tl.sum(real.to(tl.int64), 0), 1)
+    per_split = tl.maximum((tl.sum(tl.where(real, lens, 0), 0) + count - 1) // count, min_tokens)
+    splits = tl.minimum(tl.maximum((lens + per_split - 1) // per_split, 1), max_splits)
+    tl.store(Out + offs, splits.to(Out.dtype.element_ty), mask=offs < bs)
 
 
 class NewTokens(NamedTuple):
