@@ -1,0 +1,132 @@
+"""Where a sampled decode step's extra time goes: the same batch generated greedy and at a temperature, each run
+under the torch profiler, and per decode step the wall time, the GPU's busy time (the union of its kernels'
+intervals) and the kernels' time by name. What a temperature adds on the GPU (the sampler's kernels) against what it
+adds to the wall says whether the rest is host time the GPU waits on.
+
+The forty-third session's offline run (bench_offline.py, Qwen3-0.6B, H200): T=0.6 took 0.16-0.29 ms a decode step
+more than greedy at every batch size, where the sampler graph alone times 0.02-0.13 ms (bench_fused_sample.py).
+At one batch held (every request the same length) T=0.6 added only its sampler kernels (bs 8 / 32 / 256: 0.025 /
+0.026 / 0.12 ms a step); with requests finishing at different steps (--output-len 32 224, bs 256) the wall minus
+the GPU's busy time was 0.037 / 0.10 s greedy and 0.060 / 0.233 s at T=0.6 (two passes each): host time on the
+steps where the batch changes (sample-step-*-probe-h200-20261128-s43.json). The runner's host ms a call and how
+often the sampling inputs were rebuilt are printed with each run.
+
+  python benchmarks/probe_sample_step.py --batch-sizes 32 256 --temperature 0 0.6 [--output-len 32 160] [--out F]
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from bench_offline import logged_steps
+from common import add_model_args
+from probe_extend_host import time_host_calls
+
+from ostinato import LLM, SamplingParams
+
+
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals (seconds)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """(name, start s, end s) of every GPU kernel in a profile, from its Chrome trace."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [(e["name"], e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6) for e in events
+            if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
+def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperature: float, vocab: int) -> dict:
+    """`out_len` (lo, hi): each request's max_tokens drawn in [lo, hi], so with lo < hi requests finish at different
+    steps and the batch changes as they do (the offline shape's churn)."""
+    rng = random.Random(bs)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(prompt_len)]} for _ in range(bs)]
+    params = [SamplingParams(temperature=temperature, max_tokens=rng.randint(*out_len), ignore_eos=True)
+              for _ in range(bs)]
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same shapes
+    llm.reset_prefix_cache()
+    host: dict[str, list] = defaultdict(list)
+    runner = llm.engine.runner
+    time_host_calls(runner, host)  # the runner's prepare / forward / sample host ms, each call
+    rebuilds = []
+    build = runner._sampling_tensors
+
+    def counted(reqs, *a, **k):  # whether the step's sampling inputs were built anew (a changed batch)
+        before = runner._last_sampling
+        out = build(reqs, *a, **k)
+        rebuilds.append(runner._last_sampling is not before)
+        return out
+    runner._sampling_tensors = counted
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof, logged_steps(llm) as log:
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    for name in ("prepare", "forward", "sample", "extend_path", "_sampling_tensors"):
+        runner.__dict__.pop(name, None)  # the class's methods again
+    spans = kernel_spans(prof)
+    decode = [sec for mode, *_, sec in log if mode == "decode"]
+    by_name: dict[str, float] = defaultdict(float)
+    for name, s, e in spans:
+        by_name[name] += e - s
+    steps = len(decode)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return {"batch_size": bs, "temperature": temperature, "wall_s": wall, "decode_steps": steps,
+            "decode_step_ms_median": 1e3 * sorted(decode)[steps // 2] if steps else None,
+            "decode_step_ms_mean": 1e3 * sum(decode) / steps if steps else None,
+            "gpu_busy_s": busy_seconds([(s, e) for _, s, e in spans]),
+            "kernel_sum_s": sum(by_name.values()), "kernels": len(spans),
+            "sampling_rebuilds": sum(rebuilds), "host_ms_mean": {k: round(sum(v) / len(v), 3) for k, v in host.items()
+                                                                 if k != "path" and v},
+            "top_kernels_ms_per_step": [(n[:90], round(1e3 * v / max(steps, 1), 4)) for n, v in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.6])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128], help="lo hi: each request's in [lo, hi]")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_running_requests=max(args.batch_sizes))
+    vocab = llm.engine.runner.vocab_size
+    rows = []
+    for bs in args.batch_sizes:
+        for temperature in args.temperature:
+            r = run(llm, bs, args.prompt_len, args.output_len, temperature, vocab)
+            rows.append(r)
+            print(f"bs {bs:>4} outputs {args.output_len} T={temperature}: wall {r['wall_s']:.3f} s, "
+                  f"{r['decode_steps']} decode steps, step {r['decode_step_ms_mean']:.3f} ms mean / "
+                  f"{r['decode_step_ms_median']:.3f} median, GPU busy {r['gpu_busy_s']:.3f} s, kernels {r['kernels']} "
+                  f"({r['kernel_sum_s']:.3f} s); host ms a call {r['host_ms_mean']}, sampling inputs built "
+                  f"{r['sampling_rebuilds']} times", flush=True)
+            for name, ms in r["top_kernels_ms_per_step"][:8]:
+                print(f"    {ms:8.4f} ms/step  {name}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "device": str(llm.engine.runner.device), "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
