@@ -25,20 +25,10 @@ from collections import defaultdict
 
 import torch
 from bench_offline import logged_steps
-from common import add_model_args
+from common import add_model_args, gpu_timeline
 from probe_extend_host import time_host_calls
 
 from ostinato import LLM, SamplingParams
-
-
-def busy_seconds(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of [start, end) intervals (seconds)."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
 
 
 def kernel_spans(prof) -> list[tuple[str, float, float]]:
@@ -92,7 +82,7 @@ def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperatur
     return {"batch_size": bs, "temperature": temperature, "wall_s": wall, "decode_steps": steps,
             "decode_step_ms_median": 1e3 * sorted(decode)[steps // 2] if steps else None,
             "decode_step_ms_mean": 1e3 * sum(decode) / steps if steps else None,
-            "gpu_busy_s": busy_seconds([(s, e) for _, s, e in spans]),
+            "gpu_busy_s": gpu_timeline([(s, e) for _, s, e in spans], 0.0, 0.0)["busy"],  # (busy: any span)
             "kernel_sum_s": sum(by_name.values()), "kernels": len(spans),
             "sampling_rebuilds": sum(rebuilds), "host_ms_mean": {k: round(sum(v) / len(v), 3) for k, v in host.items()
                                                                  if k != "path" and v},
