@@ -42,6 +42,8 @@
 #                                          than the batch's mean split; programs_per_sm 16 / 32) against the table,
 #                                          in turns, then at one context for all, and the balance tests compiled
 #   bash benchmarks/gpu_suite.sh balance256  the same balancing at 129-256 rows only, against the table, in turns
+#   bash benchmarks/gpu_suite.sh sampleprobe  what T=0.6 adds to a decode step as requests finish: GPU busy against
+#                                          the wall, the runner's host ms, sampling-input rebuilds, cProfile's hot calls
 #   bash benchmarks/gpu_suite.sh drawsplits  the sampler's kernels with 1,024 / 2,048 target programs (fused_sample's
 #                                          _TARGET_PROGRAMS, 512 in the tree) beside the tree's, kernel us by profile
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
@@ -288,6 +290,15 @@ balance256)
       --no-launches --iters 50 --decode-entry table "256:balance=True,programs_per_sm=16" \
       "256:balance=True,programs_per_sm=32" table --out "$OUT/decode-balance256-uniform.json" 2>&1 | quiet \
       | grep -E "x of the first|Error" | tee "$OUT/decode-balance256-uniform.log"
+  ;;
+sampleprobe)
+  # prepared in the forty-third session: with requests finishing at different steps, T=0.6 left the GPU idle for
+  # longer than greedy (sample-step-churn-probe-h200-20261128-s43.json); the runner's host ms a call, how often the
+  # sampling inputs were rebuilt, and each run once more under cProfile say where. About 2 minutes
+  timeout 240 python benchmarks/probe_sample_step.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+      --batch-sizes 256 --output-len 32 224 --temperature 0 0.6 0 0.6 --cprofile \
+      --out "$OUT/sample-step-host-probe.json" 2>&1 | grep -vE "USDT|UserWarning|self.profiler|warn_once" \
+      | tee "$OUT/sample-step-host-probe.log" | grep -E "^bs|host "
   ;;
 drawsplits)
   # prepared in the forty-second session: the plain T=0.6 draw took 15.6 us of Llama-3.2-1B's bs-32 step (thirty-fifth

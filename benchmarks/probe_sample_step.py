@@ -11,12 +11,15 @@ the GPU's busy time was 0.037 / 0.10 s greedy and 0.060 / 0.233 s at T=0.6 (two 
 steps where the batch changes (sample-step-*-probe-h200-20261128-s43.json). The runner's host ms a call and how
 often the sampling inputs were rebuilt are printed with each run.
 
-  python benchmarks/probe_sample_step.py --batch-sizes 32 256 --temperature 0 0.6 [--output-len 32 160] [--out F]
+  python benchmarks/probe_sample_step.py --batch-sizes 32 256 --temperature 0 0.6 [--output-len 32 160]
+      [--cprofile] [--out F]
 """
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import sys
 import tempfile
@@ -42,7 +45,8 @@ def kernel_spans(prof) -> list[tuple[str, float, float]]:
             if e.get("ph") == "X" and e.get("cat") == "kernel"]
 
 
-def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperature: float, vocab: int) -> dict:
+def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperature: float, vocab: int,
+        cprofile: bool = False) -> dict:
     """`out_len` (lo, hi): each request's max_tokens drawn in [lo, hi], so with lo < hi requests finish at different
     steps and the batch changes as they do (the offline shape's churn)."""
     rng = random.Random(bs)
@@ -72,6 +76,16 @@ def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperatur
         wall = time.perf_counter() - t
     for name in ("prepare", "forward", "sample", "extend_path", "_sampling_tensors"):
         runner.__dict__.pop(name, None)  # the class's methods again
+    hot = []
+    if cprofile:  # the same run again under cProfile, no torch profiler: the host's hot calls by own time
+        llm.reset_prefix_cache()
+        profile = cProfile.Profile()
+        profile.enable()
+        llm.generate(prompts, params, use_tqdm=False)
+        profile.disable()
+        stats = pstats.Stats(profile).stats
+        hot = [(f"{os.path.basename(f)}:{line}({fn})", calls, round(1e3 * own, 2))
+               for (f, line, fn), (_, calls, own, _, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:25]]
     spans = kernel_spans(prof)
     decode = [sec for mode, *_, sec in log if mode == "decode"]
     by_name: dict[str, float] = defaultdict(float)
@@ -86,7 +100,8 @@ def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperatur
             "kernel_sum_s": sum(by_name.values()), "kernels": len(spans),
             "sampling_rebuilds": sum(rebuilds), "host_ms_mean": {k: round(sum(v) / len(v), 3) for k, v in host.items()
                                                                  if k != "path" and v},
-            "top_kernels_ms_per_step": [(n[:90], round(1e3 * v / max(steps, 1), 4)) for n, v in top]}
+            "top_kernels_ms_per_step": [(n[:90], round(1e3 * v / max(steps, 1), 4)) for n, v in top],
+            "host_hot_calls_own_ms": hot}
 
 
 def main() -> None:
@@ -96,6 +111,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.6])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 128], help="lo hi: each request's in [lo, hi]")
+    ap.add_argument("--cprofile", action="store_true", help="each run once more under cProfile: host calls by own ms")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_running_requests=max(args.batch_sizes))
@@ -103,7 +119,7 @@ def main() -> None:
     rows = []
     for bs in args.batch_sizes:
         for temperature in args.temperature:
-            r = run(llm, bs, args.prompt_len, args.output_len, temperature, vocab)
+            r = run(llm, bs, args.prompt_len, args.output_len, temperature, vocab, args.cprofile)
             rows.append(r)
             print(f"bs {bs:>4} outputs {args.output_len} T={temperature}: wall {r['wall_s']:.3f} s, "
                   f"{r['decode_steps']} decode steps, step {r['decode_step_ms_mean']:.3f} ms mean / "
@@ -112,6 +128,8 @@ def main() -> None:
                   f"{r['sampling_rebuilds']} times", flush=True)
             for name, ms in r["top_kernels_ms_per_step"][:8]:
                 print(f"    {ms:8.4f} ms/step  {name}")
+            for name, calls, ms in r["host_hot_calls_own_ms"][:12]:
+                print(f"    host {ms:9.2f} ms own, {calls:>6} calls  {name}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "device": str(llm.engine.runner.device), "rows": rows}, f,
