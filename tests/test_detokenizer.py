@@ -1,5 +1,6 @@
 import importlib.util
 import random
+from dataclasses import dataclass
 
 import pytest
 
@@ -148,3 +149,54 @@ def test_stop_strings_respect_min_tokens(tok):
     ids = tok.encode("a b a b a b", add_special_tokens=False)
     d, _, stop, _ = run(tok, ids, SamplingParams(stop=["a"], min_tokens=2))
     assert stop == "a" and d.output_text == "a b "
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_deferred_decode_gives_the_incremental_text(tok, skip):
+    """incremental=False (the offline LLM's): pushes return no text and flush gives the whole text at once, the same
+    as the incremental detokenizer's and the full decode, on texts and on arbitrary ids (special tokens, invalid
+    UTF-8); a request with stop strings is still detokenized as it goes."""
+    from ostinato.engine.output_processor import OutputProcessor
+
+    rng = random.Random(2)
+    cases = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    cases += [[rng.randrange(len(tok)) if rng.random() > 0.1 else rng.randrange(3) for _ in range(40)]
+              for _ in range(20)]
+    params = SamplingParams(skip_special_tokens=skip)
+    for ids in cases:
+        d = IncrementalDetokenizer(tok, [], params, incremental=False)
+        assert all(d.push(ids[i : i + 3]) == ("", None) for i in range(0, len(ids), 3))
+        incremental, _, _, _ = run(tok, ids, params, [3])
+        assert d.flush() == (incremental.output_text, None)
+        assert d.output_text == incremental.output_text == tok.decode(ids, skip_special_tokens=skip)
+    ids = tok.encode(FOX, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["fox"]), incremental=False)
+    stops = [d.push([i])[1] for i in ids[: ids.index(tok.encode(" fox", add_special_tokens=False)[0]) + 1]]
+    assert stops[-1] == "fox" and d.output_text == "The quick brown "
+
+    # through the output processor, as LLM.generate runs it: the same finished states either way
+    @dataclass
+    class Out:
+        rid: str
+        new_token_ids: list
+        finish_reason: str | None = None
+        stop_reason: str | None = None
+        num_cached_tokens: int | None = None
+        prompt_logprobs: list | None = None
+        logprobs: list | None = None
+
+    finished = {}
+    for incremental_ in (True, False):
+        proc = OutputProcessor(tok, incremental=incremental_)
+        for i in range(8):
+            proc.add(str(i), [1, 2], SamplingParams(stop=["cö"] if i == 2 else None, skip_special_tokens=skip))
+        done = {}
+        for step in range(max(len(ids) for ids in cases[:8])):
+            outs = [Out(str(i), [ids[step]], "length" if step == len(ids) - 1 else None)
+                    for i, ids in enumerate(cases[:8]) if step < len(ids) and str(i) not in done]
+            states, _ = proc.process(outs)
+            done |= {s.rid: (s.text, s.finish_reason, s.stop_reason, s.token_ids) for s in states if s.finish_reason}
+        finished[incremental_] = done
+        assert proc.states == {}
+    assert finished[True] == finished[False] and len(finished[True]) == 8
+    assert finished[False]["2"][1:3] == ("stop", "cö")

@@ -26,8 +26,12 @@ def fast_decode(tokenizer: Any):
 
 
 class IncrementalDetokenizer:
+    """`incremental=False` (a caller that reads the text only once the request ends, as the offline `LLM` does): a
+    request without stop strings is decoded once, in `flush()`, and its pushes return no text; the same final
+    text, without a decode per step on the host thread that launches the GPU's steps."""
+
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
-                 decode: Any = None) -> None:
+                 decode: Any = None, incremental: bool = True) -> None:
         self.tokenizer = tokenizer
         self._decode_ids = decode or fast_decode(tokenizer)
         self.params = params
@@ -41,6 +45,7 @@ class IncrementalDetokenizer:
         # a tail that may still become a stop string is held back from deltas (not from output_text)
         hold = not params.include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1 if hold else 0
+        self._deferred = not incremental and not self.stop
 
     def push(self, new_token_ids: list[int]) -> tuple[str, str | None]:
         """Add sampled tokens; returns (text delta, the stop string if one just matched, else None).
@@ -50,6 +55,8 @@ class IncrementalDetokenizer:
         """
         assert self.stop_reason is None, "push after a stop string ended the text"
         self.token_ids.extend(new_token_ids)
+        if self._deferred:
+            return "", None
         old_len = len(self.output_text)
         self._decode(final=False)
         return self._finish_step(old_len, final=False)

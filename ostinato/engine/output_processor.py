@@ -79,14 +79,18 @@ def logprob_dict(tokenizer, token_id: int, lp: TokenLogprobs) -> dict[int, Logpr
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    """`incremental=False`: text only at the end (no `delta_text` before it) for requests without stop strings
+    (IncrementalDetokenizer's), for a caller that does not stream."""
+
+    def __init__(self, tokenizer, incremental: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.incremental = incremental
         self.states: dict[str, RequestState] = {}
         self._decode = fast_decode(tokenizer) if tokenizer else None
 
     def add(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decode) if self.tokenizer
-                 else None)
+        detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decode, self.incremental)
+                 if self.tokenizer else None)
         logprobs = [] if params.logprobs is not None else None
         self.states[rid] = RequestState(rid, prompt_token_ids, params, detok, [], logprobs=logprobs)
 

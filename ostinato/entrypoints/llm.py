@@ -146,7 +146,7 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int], Any]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
-        processor = OutputProcessor(self.tokenizer)
+        processor = OutputProcessor(self.tokenizer, incremental=False)  # text read at the end only
         results: dict[str, RequestOutput] = {}
         child_index: dict[str, tuple[str, int]] = {}
         for (text, ids, mm), sp in zip(encoded, params, strict=True):
