@@ -9,22 +9,11 @@ overlap's slack. CPU only; the tokenizer is the default model's (SmolLM2's, `pip
 import argparse
 import random
 import time
-from dataclasses import dataclass
 
+from ostinato.engine.engine_core import EngineCoreOutput
 from ostinato.engine.output_processor import OutputProcessor
 from ostinato.loader import load_model_source
 from ostinato.sampling_params import SamplingParams
-
-
-@dataclass
-class StepOutput:  # the fields of engine_core.EngineCoreOutput that OutputProcessor.process reads
-    rid: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-    num_cached_tokens: int | None = None
-    prompt_logprobs: list | None = None
-    logprobs: list | None = None
 
 
 def ms_a_step(tokenizer, rows: int, steps: int, incremental: bool, seed: int) -> float:
@@ -33,7 +22,7 @@ def ms_a_step(tokenizer, rows: int, steps: int, incremental: bool, seed: int) ->
     proc = OutputProcessor(tokenizer, incremental=incremental)
     for i in range(rows):
         proc.add(str(i), [1, 2, 3], SamplingParams(max_tokens=steps, ignore_eos=True))
-    outputs = [[StepOutput(str(i), [ids[i][s]], "length" if s == steps - 1 else None) for i in range(rows)]
+    outputs = [[EngineCoreOutput(str(i), [ids[i][s]], "length" if s == steps - 1 else None) for i in range(rows)]
                for s in range(steps)]  # built before the clock starts
     t = time.perf_counter()
     for step in outputs:

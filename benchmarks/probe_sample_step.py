@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="each run once more under cProfile: host calls by own ms")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not 1 <= args.output_len[0] <= args.output_len[1]:
+        ap.error(f"--output-len: lo hi with 1 <= lo <= hi, got {args.output_len}")
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_running_requests=max(args.batch_sizes))
     vocab = llm.engine.runner.vocab_size
     rows = []

@@ -1,6 +1,5 @@
 import importlib.util
 import random
-from dataclasses import dataclass
 
 import pytest
 
@@ -156,6 +155,7 @@ def test_deferred_decode_gives_the_incremental_text(tok, skip):
     """incremental=False (the offline LLM's): pushes return no text and flush gives the whole text at once, the same
     as the incremental detokenizer's and the full decode, on texts and on arbitrary ids (special tokens, invalid
     UTF-8); a request with stop strings is still detokenized as it goes."""
+    from ostinato.engine.engine_core import EngineCoreOutput
     from ostinato.engine.output_processor import OutputProcessor
 
     rng = random.Random(2)
@@ -175,16 +175,6 @@ def test_deferred_decode_gives_the_incremental_text(tok, skip):
     assert stops[-1] == "fox" and d.output_text == "The quick brown "
 
     # through the output processor, as LLM.generate runs it: the same finished states either way
-    @dataclass
-    class Out:
-        rid: str
-        new_token_ids: list
-        finish_reason: str | None = None
-        stop_reason: str | None = None
-        num_cached_tokens: int | None = None
-        prompt_logprobs: list | None = None
-        logprobs: list | None = None
-
     finished = {}
     for incremental_ in (True, False):
         proc = OutputProcessor(tok, incremental=incremental_)
@@ -192,7 +182,7 @@ def test_deferred_decode_gives_the_incremental_text(tok, skip):
             proc.add(str(i), [1, 2], SamplingParams(stop=["cö"] if i == 2 else None, skip_special_tokens=skip))
         done = {}
         for step in range(max(len(ids) for ids in cases[:8])):
-            outs = [Out(str(i), [ids[step]], "length" if step == len(ids) - 1 else None)
+            outs = [EngineCoreOutput(str(i), [ids[step]], "length" if step == len(ids) - 1 else None)
                     for i, ids in enumerate(cases[:8]) if step < len(ids) and str(i) not in done]
             states, _ = proc.process(outs)
             done |= {s.rid: (s.text, s.finish_reason, s.stop_reason, s.token_ids) for s in states if s.finish_reason}
