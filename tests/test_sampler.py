@@ -377,3 +377,53 @@ def test_logit_bias_is_added_before_sampling(device):
     assert torch.equal(got, want)
     assert got[0] != top[0] and got[1] == 5 and got[2] == top[2] and got[3] != top[3]
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 37])
+def test_sampling_inputs_match_each_rows_params(rows):
+    """from_params' columns and flags (built a field at a time in numpy, the columns in one host buffer) against each
+    row's own SamplingParams, on random mixed batches; every column 16-byte aligned at any batch size."""
+    import random
+
+    rng, v = random.Random(rows), 1000
+    for trial in range(20):
+        params = [SamplingParams(temperature=rng.choice([0.0, 1e-6, 0.6, 1.3]),
+                                 top_k=rng.choice([-1, 0, 1, 50, v, v + 5]),
+                                 top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
+                                 presence_penalty=rng.choice([0.0, 0.0, 0.5]),
+                                 repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+                                 logprobs=rng.choice([None, None, 2])) for _ in range(rows)]
+        seeds = [rng.choice([rng.getrandbits(40), -rng.getrandbits(63), 2**64 - rng.getrandbits(8)]) for _ in params]
+        steps = [rng.randrange(5000) for _ in params]
+        counts = [[rng.randrange(v) for _ in range(3)] for _ in params]
+        t = SamplingTensors.from_params(params, seeds, steps, v, "cpu", output_token_ids=counts,
+                                        prompt_token_ids=counts)
+        rand = [p for p in params if not p.is_greedy]
+        assert t.all_greedy == (not rand)
+        assert t.need_top_k == any(1 <= p.top_k < v for p in rand)
+        assert t.need_top_p == any(p.top_p < 1.0 for p in rand)
+        assert t.need_min_p == any(p.min_p > 0.0 for p in rand)
+        widths = [p.top_k if 1 <= p.top_k < v else v for p in rand if 1 <= p.top_k < v or p.top_p < 1.0]
+        assert t.sort_width == max(widths, default=v)
+        assert t.num_logprobs == ([p.logprobs for p in params] if any(p.logprobs for p in params) else None)
+        cols = {"temperatures": [p.temperature for p in params], "top_ps": [p.top_p for p in params],
+                "min_ps": [p.min_p for p in params], "top_ks": [p.top_k if 1 <= p.top_k < v else v for p in params],
+                "seeds": [(s + 2**63) % 2**64 - 2**63 for s in seeds], "steps": steps}
+        for name, want in cols.items():
+            got = getattr(t, name)
+            assert (got is None) == (not rand), name
+            if got is not None:
+                assert got.dtype == (torch.int64 if name in ("top_ks", "seeds", "steps") else torch.float32)
+                assert got.tolist() == torch.tensor(want, dtype=got.dtype).tolist(), (name, trial)
+        penalized = any(p.has_penalties for p in params)
+        repeated = any(p.repetition_penalty != 1.0 for p in params)
+        assert (t.presence_penalties is None) == (not penalized) and (t.output_counts is None) == (not penalized)
+        assert (t.repetition_penalties is None) == (not repeated)
+        if penalized:
+            assert t.presence_penalties.tolist() == [p.presence_penalty for p in params]
+            assert t.frequency_penalties.tolist() == [p.frequency_penalty for p in params]
+        if repeated:
+            assert t.repetition_penalties.tolist() == pytest.approx([p.repetition_penalty for p in params])
+        for name in (*cols, "presence_penalties", "frequency_penalties", "repetition_penalties"):
+            col = getattr(t, name)
+            assert col is None or (col.is_contiguous() and col.data_ptr() % 16 == 0), name

@@ -2,6 +2,7 @@
 logits and sampled token ids."""
 
 import dataclasses
+import functools
 import itertools
 import logging
 import operator
@@ -474,15 +475,12 @@ class ModelRunner:
                 else:
                     changes["steps"] = steps
             return dataclasses.replace(tensors, **changes) if changes else tensors
-        params = [r.params for r in reqs]
-        rows = None
-        if any(p.has_penalties for p in params):
-            rows = self.penalties.rows(slots, any(p.repetition_penalty != 1.0 for p in params))
         grammars = [getattr(r, "grammar", None) for r in reqs]  # structured outputs' matchers (engine requests)
-        constrained = any(g is not None for g in grammars)
+        constrained = grammars.count(None) < len(grammars)
         tensors = SamplingTensors.from_params(
-            params, [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs], self.vocab_size, self.device,
-            grammars=grammars if constrained else None, penalty_rows=rows,
+            [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs],
+            self.vocab_size, self.device, grammars=grammars if constrained else None,
+            penalty_rows=functools.partial(self.penalties.rows, slots),
         )
         self._last_sampling = None if constrained else (list(reqs), tensors)
         return tensors
