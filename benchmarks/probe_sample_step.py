@@ -45,6 +45,25 @@ def kernel_spans(prof) -> list[tuple[str, float, float]]:
             if e.get("ph") == "X" and e.get("cat") == "kernel"]
 
 
+def idle_by_boundary(spans: list[tuple[str, float, float]], top: int = 8) -> list[tuple[str, int, float]]:
+    """The GPU's idle time (no kernel running) summed by the boundary it fell at, "kernel before -> kernel after"
+    (names cut to 40 characters): (boundary, gaps, ms), largest first. Says whether a step's waits come before its
+    first layer (the host late to launch the step), between the decode and sampler graphs, or inside a graph."""
+    gaps: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    ordered = sorted(spans, key=lambda k: k[1])
+    if not ordered:
+        return []
+    last_name, run_end = ordered[0][0], ordered[0][2]
+    for name, s, e in ordered[1:]:
+        if s > run_end:
+            g = gaps[f"{last_name[:40]} -> {name[:40]}"]
+            g[0] += 1
+            g[1] += 1e3 * (s - run_end)
+        if e >= run_end:
+            last_name, run_end = name, e
+    return sorted(((k, n, round(ms, 3)) for k, (n, ms) in gaps.items()), key=lambda r: -r[2])[:top]
+
+
 def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperature: float, vocab: int,
         cprofile: bool = False) -> dict:
     """`out_len` (lo, hi): each request's max_tokens drawn in [lo, hi], so with lo < hi requests finish at different
@@ -61,10 +80,11 @@ def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperatur
     rebuilds = []
     build = runner._sampling_tensors
 
-    def counted(reqs, *a, **k):  # whether the step's sampling inputs were built anew (a changed batch)
-        before = runner._last_sampling
+    def counted(reqs, *a, **k):  # whether the step's sampling inputs were built anew (a changed batch), host ms
+        before, t = runner._last_sampling, time.perf_counter()
         out = build(reqs, *a, **k)
         rebuilds.append(runner._last_sampling is not before)
+        host["inputs built" if rebuilds[-1] else "inputs reused"].append(round(1e3 * (time.perf_counter() - t), 3))
         return out
     runner._sampling_tensors = counted
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -101,6 +121,7 @@ def run(llm: LLM, bs: int, prompt_len: int, out_len: tuple[int, int], temperatur
             "sampling_rebuilds": sum(rebuilds), "host_ms_mean": {k: round(sum(v) / len(v), 3) for k, v in host.items()
                                                                  if k != "path" and v},
             "top_kernels_ms_per_step": [(n[:90], round(1e3 * v / max(steps, 1), 4)) for n, v in top],
+            "idle_by_boundary_ms": idle_by_boundary(spans),
             "host_hot_calls_own_ms": hot}
 
 
@@ -130,6 +151,8 @@ def main() -> None:
                   f"{r['sampling_rebuilds']} times", flush=True)
             for name, ms in r["top_kernels_ms_per_step"][:8]:
                 print(f"    {ms:8.4f} ms/step  {name}")
+            for name, n, ms in r["idle_by_boundary_ms"]:
+                print(f"    idle {ms:9.3f} ms, {n:>6} gaps  {name}")
             for name, calls, ms in r["host_hot_calls_own_ms"][:12]:
                 print(f"    host {ms:9.2f} ms own, {calls:>6} calls  {name}")
     if args.out:
