@@ -44,6 +44,8 @@
 #   bash benchmarks/gpu_suite.sh balance256  the same balancing at 129-256 rows only, against the table, in turns
 #   bash benchmarks/gpu_suite.sh sampleprobe  what T=0.6 adds to a decode step as requests finish: GPU busy against
 #                                          the wall, the runner's host ms, sampling-input rebuilds, cProfile's hot calls
+#   bash benchmarks/gpu_suite.sh plaincapture  the plain draw's sampler graphs captured at start-up against lazily
+#                                          (the offline shape in turns, T=0.6 and greedy), and their GPU tests
 #   bash benchmarks/gpu_suite.sh drawsplits  the sampler's kernels with 1,024 / 2,048 target programs (fused_sample's
 #                                          _TARGET_PROGRAMS, 512 in the tree) beside the tree's, kernel us by profile
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
@@ -276,6 +278,23 @@ offlinebalance)
       "128:balance=True,programs_per_sm=32"
   uniform_entries decode-balance-uniform table "128:balance=True,programs_per_sm=16" \
       "128:balance=True,programs_per_sm=32" table
+  ;;
+plaincapture)
+  # prepared in the forty-fourth session, untimed: the plain draw's sampler graphs captured at start-up for every
+  # decode size (SampleGraphRunner.capture_plain). Captured lazily, each size a shrinking T=0.6 batch first met
+  # drained the GPU's queue mid-run, where greedy steps replay start-up graphs. The offline shape in turns with
+  # them dropped (--lazy-sampler-graphs: as before), T=0.6 then greedy each; first the GPU tests. About 6 minutes
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "plain_draw or sampler_graphs" 2>&1 \
+      | tail -1 | tee "$OUT/plaincapture-tests.log"
+  i=0
+  for arm in lazy start lazy start; do
+    i=$((i + 1)); flag=""; [ "$arm" = lazy ] && flag=--lazy-sampler-graphs
+    timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 $flag \
+        --out "$OUT/offline-plaincapture-$i-$arm.json" 2>&1 | quiet \
+        | grep -E "ostinato T|decode steps|129-256|65-128|plain draw" | sed "s/^/[$arm] /" \
+        | tee -a "$OUT/offline-plaincapture.log"
+  done
   ;;
 balance256)
   # forty-third session: `128:balance` (above) made the offline shape 69.0-69.3 -> 70.1-70.2% of the floor, its

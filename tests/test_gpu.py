@@ -208,6 +208,28 @@ def test_overlap_schedule_equals_waiting_for_every_step(gpu_llm):
     engine.check_memory_leak()
 
 
+def test_plain_draw_graphs_are_captured_at_start_up(gpu_llm):
+    """Every decode-graph size has the plain temperature draw's sampler graph from start-up, so a T > 0 batch
+    shrinking through the sizes captures none mid-run (each lazy capture drains the GPU's queue)."""
+    from ostinato.graphs.sample import SampleKey
+
+    runner = gpu_llm.engine.runner
+    keys = set(runner.sample_graph_runner.graphs)
+    assert {SampleKey(b, False, False, False) for b in runner.graph_runner.batch_sizes} <= keys
+    captured = []
+    capture = runner.sample_graph_runner._capture
+    runner.sample_graph_runner._capture = lambda key: captured.append(key) or capture(key)
+    try:
+        gen = torch.Generator().manual_seed(9)
+        prompts = [{"prompt_token_ids": torch.randint(0, runner.vocab_size, (40,), generator=gen).tolist()}
+                   for _ in range(20)]
+        gpu_llm.generate(prompts, [SamplingParams(temperature=0.6, max_tokens=2 + i, ignore_eos=True)
+                                   for i in range(20)], use_tqdm=False)
+    finally:
+        del runner.sample_graph_runner._capture
+    assert captured == []
+
+
 def test_sampler_graphs_draw_what_eager_sampling_draws(gpu_llm):
     """Sampled decode steps replayed from the sampler graphs (graphs/sample.py) against the same kernels launched
     eagerly: temperature, top_k, top_p, min_p and logprobs mixed, requests finishing at different steps (so the

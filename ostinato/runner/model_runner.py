@@ -175,6 +175,9 @@ class ModelRunner:
                 self.graph_runner.logits, self.vocab_size, fused_draw,
                 store=(self.next_tokens.tokens, self.graph_runner.req_pool_indices),
                 steps=self.graph_runner.sample_steps, penalties=self.penalties)
+            seconds = self.sample_graph_runner.capture_plain(self.graph_runner.batch_sizes)
+            logger.info("captured the plain draw's sampler graphs for batch sizes %s in %.2f s",
+                        self.graph_runner.batch_sizes, seconds)
         self.vit_graph_runner: VitGraphRunner | None = None  # vision-encoder graphs (CPU: the Graph stand-in)
         if args.enable_vit_cuda_graph and self.is_multimodal:
             self.vit_graph_runner = VitGraphRunner(self.model.visual, self.device, args.vit_cuda_graph_max_mb << 20,
