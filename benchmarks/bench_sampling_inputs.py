@@ -2,8 +2,10 @@
 decode batch changes), at a few batch sizes, greedy and at a temperature, with its parts: the Python and numpy
 work alone (built for the CPU), a pinned host buffer's allocation, and one small pinned copy to the device.
 
-The forty-fourth session's profiles (probe_sample_step.py, H200) put T=0.6's rebuild at 0.4-0.5 ms of host time
-against 0.1-0.15 greedy, on the steps where requests finish, where the GPU was already waiting on the host.
+In the engine (probe_sample_step.py, H200, forty-fourth session) a rebuild took 0.51-0.65 ms of host time at T=0.6
+and 0.14-0.16 greedy at 256 rows; with the inputs in one pinned copy, 0.39-0.59 and 0.095-0.107. This script, in turns
+with the tree before: from_params at 256 rows T=0.6 306-344 -> 192-198 us, greedy 128-138 -> 56-60
+(benchmarks/results/sampling-inputs-*-h200-20261128-s44.json).
 
   python benchmarks/bench_sampling_inputs.py --rows 32 256 [--iters 2000] [--out F]
 """

@@ -306,9 +306,10 @@ def _int64_seeds(seeds: list[int]) -> np.ndarray:
 
 def _put_columns(ints: list, floats: list, device: torch.device) -> list[Tensor]:
     """Columns of one length B (lists or arrays) as device tensors [B], int64 `ints` then float32 `floats`, in that
-    order, through one host buffer and one copy: a pinned buffer and a copy each cost 15-25 us of an H200 host's time
-    (a sampled step's inputs were six of each). Each column starts 16-byte aligned: Triton specializes kernels on
-    pointer alignment, and a column whose alignment changed with B would compile another variant mid-serving."""
+    order, through one pinned host buffer and one copy (a sampled step's inputs were six of each: with the numpy
+    passes, 256 rows at T=0.6 took 306-344 us of an H200 host's time, now 192-198; bench_sampling_inputs.py). Each
+    column starts 16-byte aligned: Triton specializes kernels on pointer alignment, and a column whose alignment
+    changed with B would compile another variant mid-serving."""
     b = len((ints or floats)[0])
     width = -(-b // 4) * 4  # 4 float32s or 2 int64s to 16 bytes
     split = 8 * width * len(ints)
