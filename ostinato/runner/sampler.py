@@ -332,8 +332,6 @@ def bias_entries(params: list[SamplingParams], put) -> tuple[Tensor, Tensor, Ten
     if not any(per_row):  # (a pass in C: a generator over 256 rows costs ~15 us a step)
         return None
     entries = [(row, token, bias) for row, b in enumerate(per_row) if b for token, bias in b.items()]
-    if not entries:
-        return None
     rows, tokens, biases = zip(*entries, strict=True)
     return put(list(rows), torch.int64), put(list(tokens), torch.int64), put(list(biases), torch.float32)
 
