@@ -65,19 +65,34 @@ from ostinato.sampling_params import SamplingParams
 CASES = [(1, 128), (8, 128), (32, 128), (64, 128), (128, 128), (256, 128), (1, 4096), (32, 4096)]
 
 
-def decode_batch(runner: ModelRunner, bs: int, ctx: int) -> tuple[ScheduledBatch, list[Request]]:
-    """`bs` requests whose first `ctx` tokens hold (random) KV, scheduled for one decode step."""
-    gen = torch.Generator().manual_seed(bs * 7919 + ctx)
+def context_lengths(bs: int, ctx: int | str) -> list[int]:
+    """Each row's context: `ctx` for all, or for "LO-HI" (a mixed batch, as an offline run's) lengths drawn
+    uniformly from LO..HI by a fixed seed, in that random order, or sorted with ":desc" / ":asc"."""
+    if isinstance(ctx, int):
+        return [ctx] * bs
+    span, _, order = ctx.partition(":")
+    lo, hi = map(int, span.split("-"))
+    gen = torch.Generator().manual_seed(bs * 7919 + lo * 31 + hi)
+    lens = torch.randint(lo, hi + 1, (bs,), generator=gen).tolist()
+    if order not in ("", "desc", "asc"):
+        raise ValueError(f"--cases: order {order!r}: expected desc or asc")
+    return sorted(lens, reverse=order == "desc") if order else lens
+
+
+def decode_batch(runner: ModelRunner, bs: int, ctx: int | str) -> tuple[ScheduledBatch, list[Request]]:
+    """`bs` requests whose first tokens (context_lengths) hold (random) KV, scheduled for one decode step."""
+    lens = context_lengths(bs, ctx)
+    gen = torch.Generator().manual_seed(bs * 7919 + sum(lens))
     reqs = []
-    for i in range(bs):
-        ids = torch.randint(0, runner.vocab_size, (ctx + 1,), generator=gen).tolist()
+    for i, n in enumerate(lens):
+        ids = torch.randint(0, runner.vocab_size, (n + 1,), generator=gen).tolist()
         r = Request(f"b{i}", ids, SamplingParams(temperature=0.0), seed=0)
         r.req_pool_idx = runner.req_to_token_pool.alloc()
-        runner.kv_manager.extend(r.req_pool_idx, 0, ctx)
-        r.kv_len = ctx
+        runner.kv_manager.extend(r.req_pool_idx, 0, n)
+        r.kv_len = n
         reqs.append(r)
-    locs = torch.cat([runner.kv_manager.extend(r.req_pool_idx, ctx, ctx + 1) for r in reqs])
-    return ScheduledBatch(ForwardMode.DECODE, reqs, [ctx] * bs, [1] * bs, locs, [True] * bs), reqs
+    locs = torch.cat([runner.kv_manager.extend(r.req_pool_idx, n, n + 1) for r, n in zip(reqs, lens, strict=True)])
+    return ScheduledBatch(ForwardMode.DECODE, reqs, lens, [1] * bs, locs, [True] * bs), reqs
 
 
 def time_steps(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: int,
@@ -270,7 +285,7 @@ def patch_gemm_tiles(spec: str) -> None:
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
                 page_size: int = 1, rope_store: str = "fused", use_pdl: str | None = None,
                 decode_entry: str = "table", gemm_tiles: str = "rule") -> tuple[list[dict], dict]:
-    need = max(bs * (ctx + page_size) for bs, ctx in CASES) + 1024
+    need = max(sum(n + page_size for n in context_lengths(bs, ctx)) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
                        enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs,
@@ -312,7 +327,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
     rows = []
     for bs, ctx in CASES:
         sched, reqs = decode_batch(runner, bs, ctx)
-        floor_ms = (runner.weight_bytes + bs * (ctx + 1) * kv_per_token + bs * state_per_req) / bw * 1e3
+        floor_ms = (runner.weight_bytes + sum(n + 1 for n in context_lengths(bs, ctx)) * kv_per_token
+                    + bs * state_per_req) / bw * 1e3
         if runner.mamba_pool is not None:  # states are zero-filled at alloc: time on random ones
             runner.mamba_pool.conv.normal_(0, 0.1)
             runner.mamba_pool.ssm.normal_(0, 0.1)
@@ -378,7 +394,8 @@ def main() -> None:
     ap.add_argument("--eager-iters", type=int, default=10, help="eager steps are ~10 ms and host-bound: fewer")
     ap.add_argument("--compile", action="store_true", help="--enable-torch-compile for the captured sizes")
     ap.add_argument("--compile-max-bs", type=int, default=32)
-    ap.add_argument("--cases", nargs="+", default=None, help="bs:context pairs, e.g. 1:128 32:128")
+    ap.add_argument("--cases", nargs="+", default=None, help="bs:context pairs, e.g. 1:128 32:128; a mixed "
+                    "batch as bs:LO-HI, its rows in random order, or bs:LO-HI:desc / :asc sorted by length")
     ap.add_argument("--profile", nargs="*", default=None, help="bs:context pairs to profile in graph mode")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="e.g. auto fp8_e4m3: one pass each")
     ap.add_argument("--page-size", nargs="+", type=int, default=[1], help="e.g. 1 16: one pass each")
@@ -403,7 +420,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cases:
-        CASES[:] = [tuple(int(x) for x in c.split(":")) for c in args.cases]
+        CASES[:] = [(int(b), int(c) if c.isdigit() else c) for b, c in (x.split(":", 1) for x in args.cases)]
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--lazy-sampler-graphs", action="store_true",
                     help="drop the sampler graphs captured at start-up, so each is captured when first met, as "
                          "before the forty-fourth session (A/B runs)")
+    ap.add_argument("--arrival-order", action="store_true",
+                    help="decode rows in arrival order, as before the forty-fifth session (Scheduler.longest_first "
+                         "off; A/B runs)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<device>.json)")
     args = ap.parse_args()
 
@@ -147,6 +150,7 @@ def main() -> None:
     device = runner.device
     if args.lazy_sampler_graphs and runner.sample_graph_runner is not None:
         runner.sample_graph_runner.graphs.clear()
+    llm.engine.scheduler.longest_first = not args.arrival_order
     prompts, outs = make_prompts(args, runner.vocab_size)
     batch = [{"prompt_token_ids": p} for p in prompts]
     timed = []
@@ -193,6 +197,7 @@ def main() -> None:
               "chunked_prefill_size": runner.chunked_prefill_size,
               "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
               "decode_entry": args.decode_entry, "lazy_sampler_graphs": args.lazy_sampler_graphs,
+              "arrival_order": args.arrival_order,
               "output_tokens": out_tokens, "copy_bandwidth_GBps": bw / 1e9,
               "weight_bytes": runner.weight_bytes, "kv_bytes_read": kv_reads, "decode_steps_floor": steps,
               "max_total_tokens": runner.max_total_tokens, "rows": rows}

@@ -46,6 +46,10 @@
 #                                          the wall, the runner's host ms, sampling-input rebuilds, cProfile's hot calls
 #   bash benchmarks/gpu_suite.sh plaincapture  the plain draw's sampler graphs captured at start-up against lazily
 #                                          (the offline shape in turns, T=0.6 and greedy), and their GPU tests
+#   bash benchmarks/gpu_suite.sh order     decode rows longest context first: mixed batches by row order (step
+#                                          level), the offline shape in turns with arrival order
+#   bash benchmarks/gpu_suite.sh longestfirst  engine GPU tests, the offline shape at the default, split entries
+#                                          on mixed batches sorted longest first
 #   bash benchmarks/gpu_suite.sh drawsplits  the sampler's kernels with 1,024 / 2,048 target programs (fused_sample's
 #                                          _TARGET_PROGRAMS, 512 in the tree) beside the tree's, kernel us by profile
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
@@ -295,6 +299,48 @@ plaincapture)
         | grep -E "ostinato T|decode steps|129-256|65-128|plain draw" | sed "s/^/[$arm] /" \
         | tee -a "$OUT/offline-plaincapture.log"
   done
+  ;;
+order)
+  # forty-fifth session: decode rows longest context first (the attention kernel's programs launch in row order),
+  # first at the step level on mixed batches (the same lengths in random order, sorted longest first, shortest
+  # first; every case in one process), then the offline shape in turns with arrival order (--arrival-order, as
+  # before; Scheduler.longest_first, now the default). About 6 minutes
+  timeout 200 python benchmarks/bench_decode.py --models qwen3-0.6b --modes graph --no-launches --iters 50 \
+      --cases 256:100-1500 256:100-1500:desc 256:100-1500:asc 192:100-1500 192:100-1500:desc 128:100-1500 \
+      128:100-1500:desc 256:100-1500 256:100-2000 256:100-2000:desc --out "$OUT/decode-order.json" 2>&1 | quiet \
+      | tail -14 | tee "$OUT/decode-order.log"
+  i=0
+  for arm in arrival longest arrival longest; do
+    i=$((i + 1)); flag=""; [ "$arm" = arrival ] && flag=--arrival-order
+    timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 $flag \
+        --out "$OUT/offline-order-$i-$arm.json" 2>&1 | quiet \
+        | grep -E "ostinato T|decode steps|129-256|65-128" | sed "s/^/[$arm] /" | tee -a "$OUT/offline-order.log"
+  done
+  ;;
+longestfirst)
+  # forty-fifth session, with decode rows longest context first by default: the engine-level GPU tests (in
+  # parallel, before any timing), the offline shape at the default in two processes, then the split entries at
+  # mixed batches sorted that way (balancing at 65-128 rows, none at 129-256, beside the table). About 7 minutes
+  logs=$(mktemp -d); k="gpu or cuda or GPU or Cuda or kernel"
+  t() { local n=$1; shift; timeout 170 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
+  (t models tests/test_gpu.py; t overlap tests/test_overlap.py) &  # three engines at once at most (tests, above)
+  (t prefix tests/test_gpu_prefix.py; t sampling_features tests/test_sampling_features_gpu.py) &
+  (t granite tests/test_granite_hybrid_gpu.py -k "$k"; t vlm tests/test_vlm.py tests/test_vit_graph_gpu.py -k "$k") &
+  wait
+  for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
+      | tee "$OUT/longestfirst-tests.log"
+  for i in 1 2; do
+    timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 \
+        --out "$OUT/offline-longestfirst-$i.json" 2>&1 | quiet | grep -E "ostinato T|decode steps|129-256|65-128" \
+        | tee -a "$OUT/offline-longestfirst.log"
+  done
+  timeout 240 python benchmarks/bench_decode.py --models qwen3-0.6b --modes graph --no-launches --iters 50 \
+      --cases 256:100-1500:desc 192:100-1500:desc 128:100-1500:desc 96:100-1500:desc 256:1024 128:1024 \
+      --decode-entry table "256:balance=False" "128:balance=True,programs_per_sm=16" table \
+      --out "$OUT/decode-longestfirst-entries.json" 2>&1 | quiet | grep -E "graph|x of the first" \
+      | tee "$OUT/decode-longestfirst-entries.log"
   ;;
 balance256)
   # forty-third session: `128:balance` (above) made the offline shape 69.0-69.3 -> 70.1-70.2% of the floor, its

@@ -77,3 +77,30 @@ def test_mixed_decoding_rows_do_not_rejoin_the_prefix_cache_each_step():
             mixed_steps += len(last_prefill) < len(batch.reqs)
         emit_random_tokens(sched, batch, rng)
     assert mixed_steps > 0
+
+
+def test_decode_rows_go_longest_context_first_and_keep_their_order():
+    """A decode batch lists its rows longest context first (the attention kernel's programs launch in row order),
+    and while no request joins or leaves, each step lists the same requests in the same order, so the runner
+    reuses the step's sampling inputs (ModelRunner._sampling_tensors compares the rows by identity)."""
+    rng = random.Random(11)
+    kv = KVManager(ReqToTokenPool(12, 512, "cpu"), TokenToKVPoolAllocator(4096, 1, "cpu"))
+    sched = Scheduler(kv, max_running_requests=12, chunked_prefill_size=64)
+    assert sched.longest_first
+    for i in range(12):  # arrival order unrelated to length
+        sched.add(Request(str(i), [rng.randrange(100) for _ in range(rng.randint(2, 200))],
+                          SamplingParams(max_tokens=rng.randint(3, 30)), seed=i))
+    decode_steps, unchanged, last = 0, 0, None
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        if batch.mode is ForwardMode.DECODE:
+            decode_steps += 1
+            assert batch.prefix_lens == sorted(batch.prefix_lens, reverse=True)
+            assert len(set(batch.prefix_lens)) > 1  # mixed lengths, so the order is not arrival order by chance
+            if last is not None and {id(r) for r in last} == {id(r) for r in batch.reqs}:
+                assert [id(r) for r in last] == [id(r) for r in batch.reqs]
+                unchanged += 1
+            last = batch.reqs
+        emit_random_tokens(sched, batch, rng)
+    assert decode_steps > 10 and unchanged > 5
+    kv.check_all_free()
