@@ -50,6 +50,7 @@
 #                                          level), the offline shape in turns with arrival order
 #   bash benchmarks/gpu_suite.sh longestfirst  engine GPU tests, the offline shape at the default, split entries
 #                                          on mixed batches sorted longest first
+#   bash benchmarks/gpu_suite.sh balance128  entry 128 balanced against the table: offline shape in turns, 48-128 rows
 #   bash benchmarks/gpu_suite.sh drawsplits  the sampler's kernels with 1,024 / 2,048 target programs (fused_sample's
 #                                          _TARGET_PROGRAMS, 512 in the tree) beside the tree's, kernel us by profile
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
@@ -341,6 +342,25 @@ longestfirst)
       --decode-entry table "256:balance=False" "128:balance=True,programs_per_sm=16" table \
       --out "$OUT/decode-longestfirst-entries.json" 2>&1 | quiet | grep -E "graph|x of the first" \
       | tee "$OUT/decode-longestfirst-entries.log"
+  ;;
+balance128)
+  # forty-fifth session: with rows longest first, balancing entry 128 (65-128 rows) took 2.3% / 7.1% off 128 / 96-row
+  # steps of 100-1,500-token contexts and cost 0.7% at 128 x 1024 (decode-longestfirst-entries-h200-20261128-s45):
+  # the offline shape in turns with the table (T=0.6 then greedy), then mixed and one-context batches of 48-128
+  # rows (48 and 64 take entry 32: controls). About 5 minutes
+  i=0
+  for entry in table "128:balance=True,programs_per_sm=16" table "128:balance=True,programs_per_sm=16"; do
+    i=$((i + 1))
+    timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
+        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 --decode-entry "$entry" \
+        --out "$OUT/offline-balance128-$i.json" 2>&1 | quiet | grep -E "ostinato T|decode steps|129-256|65-128|33-64" \
+        | sed "s/^/[$entry] /" | tee -a "$OUT/offline-balance128.log"
+  done
+  timeout 200 python benchmarks/bench_decode.py --models qwen3-0.6b --modes graph --no-launches --iters 50 \
+      --cases 128:100-1500:desc 96:100-1500:desc 64:100-1500:desc 48:100-1500:desc 128:1024 64:1024 128:4096 \
+      64:4096 --decode-entry table "128:balance=True,programs_per_sm=16" table \
+      --out "$OUT/decode-balance128.json" 2>&1 | quiet | grep -E "graph" | grep -v "x of the first" \
+      | tee "$OUT/decode-balance128.log"
   ;;
 balance256)
   # forty-third session: `128:balance` (above) made the offline shape 69.0-69.3 -> 70.1-70.2% of the floor, its
