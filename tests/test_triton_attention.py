@@ -525,31 +525,6 @@ def test_balancing_entry_matches_torch_eagerly_and_through_the_graph_path():
     check_graph_path(env, lens_a=[60, 5, 9], lens_b=[3, 40], pad_to=4, max_bs=6, atol=1e-4)
 
 
-@pytest.mark.parametrize("combine", [False, True])
-def test_request_major_grid_gives_the_same_bits(combine):
-    """An entry with `request_major` launches stage 1 over (heads, splits, rows): each request's splits side by
-    side. The same output bits as the default grid, with splits combined by stage 2 or in stage 1, eagerly and
-    through the graph path (the kernels count the splits from seq_lens there, against the grid's split size)."""
-    outs, graph_outs = [], []
-    for request_major in (False, True):
-        env = make_env(1, 4, 2, 16, seed=21, max_reqs=14)
-        env.tri.combine_min_bs = 1 if combine else 10**9
-        # early_kv: graph passes count each request's splits from its length, capped by the grid's split size
-        env.tri.decode_table = {bs: e | {"request_major": request_major, "early_kv": True, "min_tokens_per_split": 8}
-                                for bs, e in env.tri.decode_table.items()}
-        prefix = [0, 16, 79, 44, 5]  # 1, 3, 10, 6 and 1 splits of at least 8 tokens
-        rows = new_requests(env, prefix)
-        batch, (q, k, v) = decode_step(env, rows, prefix)  # the same random inputs in both envs (same seed)
-        outs.append(run_triton(env, batch, q, k, v))
-        assert env.tri.num_kv_splits.tolist() == [1, 3, 10, 6, 1]
-        check(env, batch, outs[-1], q, atol=1e-4)
-        steps = [decode_step(env, new_requests(env, lens), lens) for lens in ([60, 5, 9], [3, 40])]
-        graph_outs.append(graph_path(env, 6, steps, 4))
-        assert not env.tri.decode_counters.any()
-    assert torch.equal(outs[0], outs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*graph_outs, strict=True))
-
-
 # ---------------------------------------------------------------- CUDA at model shapes, bf16
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3": (16, 8, 128)}
 

@@ -256,17 +256,11 @@ def _decode_stage1_kernel(
     ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, FOLD: tl.constexpr = False,
     X=None, stride_x=0, x_cols=1, eps_x=0.0, X_NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1,
     KV_LINES: tl.constexpr = 0, KV_BLOCKS: tl.constexpr = 1, min_tokens=1, SPLITS_FROM_LEN: tl.constexpr = False,
-    OFFS32: tl.constexpr = False, REQ_MAJOR: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     kv_head = tl.program_id(0)  # a request's KV heads are neighbours in launch order (see decode_attention)
-    if REQ_MAJOR:  # grid (heads, splits, rows): a request's splits launch together
-        split = tl.program_id(1)
-        b = tl.program_id(2)
-        max_splits = tl.num_programs(1)
-    else:  # grid (heads, rows, splits): every request's first split, then every second one
-        b = tl.program_id(1)
-        split = tl.program_id(2)
-        max_splits = tl.num_programs(2)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
     # The loads that need only the program's ids go out before the first wait on any (the exit of a program past
     # the request's splits), so their round trips overlap; volatile ones, because the compiler would sink plain
     # loads past the exit. Loaded where first used, the rotary path had waited on five round trips in turn before
@@ -278,7 +272,7 @@ def _decode_stage1_kernel(
         tl.extra.cuda.gdc_wait()
     if SPLITS_FROM_LEN:
         seq_len = tl.load(Seq_lens + b, volatile=True)
-        num_splits = splits_for(seq_len, min_tokens, max_splits)
+        num_splits = splits_for(seq_len, min_tokens, tl.num_programs(2))
     else:
         num_splits = tl.load(Num_kv_splits + b)
         seq_len = tl.load(Seq_lens + b, volatile=True)
@@ -641,7 +635,7 @@ def decode_attention(
     v_cvt: bool = False, cvt_bits: bool = False, qk_fp8: bool = False, whole_blocks: bool = False,
     kv_group: bool = False, counters: torch.Tensor | None = None, maxnreg: int | None = None,
     new: NewTokens | None = None, fold: bool = False, early_kv: bool | int = False,
-    min_tokens_per_split: int | None = None, request_major: bool = False,
+    min_tokens_per_split: int | None = None,
 ) -> None:
     """q/out [bs, H, D]; k_buf/v_buf [slots, Hkv, D]; seq_lens int32/int64 and num_kv_splits int32 [bs], seq_lens >= 1.
 
@@ -679,9 +673,6 @@ def decode_attention(
     blocks). Only where the caller knows that none of those was written by the kernel just ahead of this one: a
     kernel that wrote one and then triggered (or ended) may not have flushed its writes yet.
     OSTINATO_DECODE_EARLY_KV=0 turns it off.
-
-    `request_major` (stage 1 without kv_group): the grid is (heads, splits, rows), so a request's splits launch
-    side by side, where by default every request's first split launches before any second one. The same bits.
 
     With OFFS32 (the default; OSTINATO_DECODE_OFFS32=0 turns it off) stage 1 computes K/V row offsets in int32
     where `int32_offsets(k_buf, v_buf)` (the fold and kv_group forms in int64 always).
@@ -752,8 +743,7 @@ def decode_attention(
             num_warps=num_warps, num_stages=num_stages,
         )
     else:
-        grid = (num_kv_heads, max_kv_splits, bs) if request_major else (num_kv_heads, bs, max_kv_splits)
-        _decode_stage1_kernel[grid](
+        _decode_stage1_kernel[(num_kv_heads, bs, max_kv_splits)](
             q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, k_scale, v_scale,
             scale * LOG2E,
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
@@ -767,7 +757,7 @@ def decode_attention(
             GROUP_P2=triton.next_power_of_2(group), FOLD=fold, num_warps=num_warps,
             num_stages=num_stages, OFFS32=OFFS32 and int32_offsets(k_buf, v_buf),
             KV_LINES=lines_for(head_dim * k_buf.element_size()) if pdl and early_kv and EARLY_KV else 0,
-            KV_BLOCKS=int(early_kv) or 1, REQ_MAJOR=bool(request_major),
+            KV_BLOCKS=int(early_kv) or 1,
         )
     if combine:
         return
