@@ -1,6 +1,7 @@
 """Presence/frequency penalties and logprobs: the batched sampler against straightforward per-row
 references on a toy vocabulary, and the engine's output against teacher-forced logits (transformers)."""
 
+import functools
 import math
 from collections import Counter
 from types import SimpleNamespace
@@ -109,7 +110,7 @@ def test_penalty_state_rows_follow_resets_and_counted_draws():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(4)) * 3
     params = [SamplingParams(temperature=0, repetition_penalty=1.4, presence_penalty=0.3), c.params]
     on_device = SamplingTensors.from_params(params, [0, 1], [1, 1], V, "cpu",
-                                            penalty_rows=state.rows(torch.tensor([2, 1]), True))
+                                            penalty_rows=functools.partial(state.rows, torch.tensor([2, 1])))
     from_lists = tensors(params, [[0], [2]], prompt_token_ids=[[4, 4, 9], [6, 10]])
     assert torch.equal(adjust_logits(logits, on_device), adjust_logits(logits, from_lists))
     # the KV pool is sized with the tables' bytes set aside: what they take once made

@@ -3,6 +3,7 @@ after batch, reading the decode graph's logits buffer; padded rows draw greedily
 follow the reference distribution. Without a GPU the kernels run in Triton's interpreter and the graph is the
 CPU stand-in (which re-runs the step over the same static buffers)."""
 
+import functools
 import os
 import shutil
 
@@ -140,7 +141,8 @@ def test_penalized_replays_draw_and_count_as_the_eager_step():
     params = [r.params for r in reqs]
     # the engine's tensors: the rows read in place by slot, made once for the batch, the steps moving
     make = [SamplingTensors.from_params(params, [3, 4, 5], [3, 1, 0], vocab, DEVICE,
-                                        penalty_rows=state.rows(rows[:3], True)) for state in (graphed, eager)]
+                                        penalty_rows=functools.partial(state.rows, rows[:3]))
+            for state in (graphed, eager)]
     for step in range(3):
         if step:
             _refill(logits, vocab, gen)
@@ -159,7 +161,7 @@ def test_penalized_replays_draw_and_count_as_the_eager_step():
     with_logprobs = SamplingTensors.from_params([*params[:2], SamplingParams(temperature=1.0, logprobs=2,
                                                                                presence_penalty=0.5)],
                                                 [3, 4, 5], [0, 0, 0], vocab, DEVICE,
-                                                penalty_rows=graphed.rows(rows[:3], True))
+                                                penalty_rows=functools.partial(graphed.rows, rows[:3]))
     assert not with_logprobs.graph_drawable
 
 

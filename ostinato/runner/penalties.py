@@ -83,9 +83,9 @@ class PenaltyState:
         self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def rows(self, slots: torch.Tensor, repetition: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """`SamplingTensors.from_params`' penalty_rows for a batch of these request slots: the counts, the prompt
-        marks (None unless some row has a repetition penalty) and the slots (the penalize kernel reads the rows
-        in place). A step may hold a penalized request before any has sampled (an earlier chunk of its prompt):
+        """With the slots bound (functools.partial), `SamplingTensors.from_params`' penalty_rows for a batch of these
+        request slots: the counts, the prompt marks (None unless some row has a repetition penalty) and the slots
+        (the penalize kernel reads the rows in place). A step may hold a penalized request before any has sampled (an earlier chunk of its prompt):
         the tables are made here too, and such a row's draw is dropped."""
         self._make(repetition)
         return self.counts, self.in_prompt if repetition else None, slots

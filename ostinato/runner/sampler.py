@@ -107,9 +107,9 @@ def gumbel_argmax(x: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
     return out
 
 
-# penalty state already on the device: (counts [R, V], prompt marks [R, V] or None, each row's R index [B]), or a
-# function of whether some row has a repetition penalty that gives them
-PenaltyRowsArg = tuple[Tensor, Tensor | None, Tensor] | Callable[[bool], tuple[Tensor, Tensor | None, Tensor]]
+# penalty state already on the device, asked for with whether some row has a repetition penalty: (counts [R, V],
+# prompt marks [R, V] or None, each row's R index [B]) (PenaltyState.rows)
+PenaltyRowsFor = Callable[[bool], tuple[Tensor, Tensor | None, Tensor]]
 
 
 @dataclass
@@ -193,13 +193,12 @@ class SamplingTensors:
         output_token_ids: Sequence[Sequence[int]] | None = None,
         grammars: Sequence[Any] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        penalty_rows: PenaltyRowsArg | None = None,
+        penalty_rows: PenaltyRowsFor | None = None,
     ) -> SamplingTensors:
         """When a row has a penalty: each row's generated tokens so far (`output_token_ids`) and, with a
         repetition penalty, its prompt (`prompt_token_ids`), or those already counted on the device
-        (`penalty_rows`: counts [R, V], bool prompt marks [R, V] or None, and the row of each, int64 [B]; the
-        engine's runner/penalties.py), or a function of whether some row has a repetition penalty that gives them
-        (called only when some row has a penalty).
+        (`penalty_rows`, called only when some row has a penalty, with whether one has a repetition penalty: counts
+        [R, V], bool prompt marks [R, V] or None, and the row of each, int64 [B]; the engine's runner/penalties.py).
         `grammars`: per row, the xgrammar matcher of a request with structured outputs, else None."""
         device = torch.device(device)
         # a list a field, then numpy or C-level any/count/max: a generator over 256 rows costs ~15 us
@@ -231,7 +230,7 @@ class SamplingTensors:
 
         counts = prompt_mask = count_rows = None
         if penalized and penalty_rows is not None:
-            counts, prompt_mask, count_rows = penalty_rows(repeats) if callable(penalty_rows) else penalty_rows
+            counts, prompt_mask, count_rows = penalty_rows(repeats)
             if repeats and prompt_mask is None:
                 raise ValueError("penalty_rows: a repetition penalty needs the rows' prompt marks")
         elif penalized:
