@@ -85,8 +85,8 @@ class PenaltyState:
     def rows(self, slots: torch.Tensor, repetition: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """With the slots bound (functools.partial), `SamplingTensors.from_params`' penalty_rows for a batch of these
         request slots: the counts, the prompt marks (None unless some row has a repetition penalty) and the slots
-        (the penalize kernel reads the rows in place). A step may hold a penalized request before any has sampled (an earlier chunk of its prompt):
-        the tables are made here too, and such a row's draw is dropped."""
+        (the penalize kernel reads the rows in place). A step may hold a penalized request before any has sampled
+        (an earlier chunk of its prompt): the tables are made here too, and such a row's draw is dropped."""
         self._make(repetition)
         return self.counts, self.in_prompt if repetition else None, slots
 
