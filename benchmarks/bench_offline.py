@@ -133,9 +133,6 @@ def main() -> None:
                     help='decode-kernel settings: "table", or "BS:key=value,..." changes (bench_decode.py\'s)')
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                     help="one run per temperature (nano-vllm's own bench samples at 0.6)")
-    ap.add_argument("--lazy-sampler-graphs", action="store_true",
-                    help="drop the sampler graphs captured at start-up, so each is captured when first met, as "
-                         "before the forty-fourth session (A/B runs)")
     ap.add_argument("--arrival-order", action="store_true",
                     help="decode rows in arrival order, as before the forty-fifth session (Scheduler.longest_first "
                          "off; A/B runs)")
@@ -148,8 +145,6 @@ def main() -> None:
               kv_cache_dtype=args.kv_cache_dtype, chunked_prefill_size=args.chunked_prefill_size)
     runner = llm.engine.runner
     device = runner.device
-    if args.lazy_sampler_graphs and runner.sample_graph_runner is not None:
-        runner.sample_graph_runner.graphs.clear()
     llm.engine.scheduler.longest_first = not args.arrival_order
     prompts, outs = make_prompts(args, runner.vocab_size)
     batch = [{"prompt_token_ids": p} for p in prompts]
@@ -196,7 +191,7 @@ def main() -> None:
               "model": args.model or "SmolLM2-135M-Instruct (default)", "dtype": str(runner.dtype),
               "chunked_prefill_size": runner.chunked_prefill_size,
               "num_seqs": args.num_seqs, "input_len": args.input_len, "output_len": args.output_len,
-              "decode_entry": args.decode_entry, "lazy_sampler_graphs": args.lazy_sampler_graphs,
+              "decode_entry": args.decode_entry,
               "arrival_order": args.arrival_order,
               "output_tokens": out_tokens, "copy_bandwidth_GBps": bw / 1e9,
               "weight_bytes": runner.weight_bytes, "kv_bytes_read": kv_reads, "decode_steps_floor": steps,

@@ -44,8 +44,9 @@
 #   bash benchmarks/gpu_suite.sh balance256  the same balancing at 129-256 rows only, against the table, in turns
 #   bash benchmarks/gpu_suite.sh sampleprobe  what T=0.6 adds to a decode step as requests finish: GPU busy against
 #                                          the wall, the runner's host ms, sampling-input rebuilds, cProfile's hot calls
-#   bash benchmarks/gpu_suite.sh plaincapture  the plain draw's sampler graphs captured at start-up against lazily
-#                                          (the offline shape in turns, T=0.6 and greedy), and their GPU tests
+#   bash benchmarks/gpu_suite.sh drawgraph  temperature-only steps drawn inside the decode graph: GPU tests, then
+#                                          #16's rows through LLM.generate in turns with a base tree (.ab/base)
+#   bash benchmarks/gpu_suite.sh drawoffline  the offline shape (T=0.6 and greedy) in turns with a base tree
 #   bash benchmarks/gpu_suite.sh order     decode rows longest context first: mixed batches by row order (step
 #                                          level), the offline shape in turns with arrival order
 #   bash benchmarks/gpu_suite.sh longestfirst  engine GPU tests, the offline shape at the default, split entries
@@ -285,21 +286,36 @@ offlinebalance)
   uniform_entries decode-balance-uniform table "128:balance=True,programs_per_sm=16" \
       "128:balance=True,programs_per_sm=32" table
   ;;
-plaincapture)
-  # prepared in the forty-fourth session, untimed: the plain draw's sampler graphs captured at start-up for every
-  # decode size (SampleGraphRunner.capture_plain). Captured lazily, each size a shrinking T=0.6 batch first met
-  # drained the GPU's queue mid-run, where greedy steps replay start-up graphs. The offline shape in turns with
-  # them dropped (--lazy-sampler-graphs: as before), T=0.6 then greedy each; first the GPU tests. About 6 minutes
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "plain_draw or sampler_graphs" 2>&1 \
-      | tail -1 | tee "$OUT/plaincapture-tests.log"
+drawgraph)
+  # forty-sixth session: a temperature-only decode step drawn by the decode graph's last kernels (no sampler graph
+  # after it). The GPU tests that cover it, then ms a token through LLM.generate (greedy, T=0.6), each model in
+  # turns with the tree in .ab/base (the session's start: PYTHONPATH puts it first). About 8 minutes
+  logs=$(mktemp -d)
+  t() { local n=$1; shift; timeout 200 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
+  (t models tests/test_gpu.py; t sampler tests/test_sampler.py tests/test_sample_graph.py) &
+  (t sampling_features tests/test_sampling_features_gpu.py; t overlap tests/test_overlap.py) &
+  (t fused tests/test_fused_sample.py -k "not warm_up") &
+  wait
+  for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
+      | tee "$OUT/drawgraph-tests.log"
+  for m in llama-3.2-1b qwen3-0.6b; do
+    for tree in base new; do
+      pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+      PYTHONPATH=$pp timeout 110 python benchmarks/bench_generate.py --models $m --batch-sizes 1 32 \
+          --temperature 0 0.6 --repeats 2 --out "$OUT/generate-drawgraph-$m-$tree.json" 2>&1 | quiet \
+          | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-drawgraph.log"
+    done
+  done
+  ;;
+drawoffline)
+  # forty-sixth session: the offline shape at T=0.6 then greedy, in turns with the tree in .ab/base. About 5 minutes
   i=0
-  for arm in lazy start lazy start; do
-    i=$((i + 1)); flag=""; [ "$arm" = lazy ] && flag=--lazy-sampler-graphs
-    timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
-        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 $flag \
-        --out "$OUT/offline-plaincapture-$i-$arm.json" 2>&1 | quiet \
-        | grep -E "ostinato T|decode steps|129-256|65-128|plain draw" | sed "s/^/[$arm] /" \
-        | tee -a "$OUT/offline-plaincapture.log"
+  for tree in new base new base; do
+    i=$((i + 1)); pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+    PYTHONPATH=$pp timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b \
+        --dtype bfloat16 --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 \
+        --out "$OUT/offline-drawgraph-$i-$tree.json" 2>&1 | quiet | grep -E "ostinato T|decode steps" \
+        | sed "s/^/[$tree] /" | tee -a "$OUT/offline-drawgraph.log"
   done
   ;;
 order)

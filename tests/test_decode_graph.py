@@ -117,7 +117,7 @@ def test_stand_in_replays_from_static_buffers(tiny_llm):
     sched, reqs = decode_batch(runner, seqs)
     batch = runner.prepare(sched)
     first = graphs.replay(batch).clone()
-    assert torch.equal(graphs.argmax[:2], first.argmax(-1))  # the greedy tokens come out of the replay too
+    assert torch.equal(graphs.token_ids[:2], first.argmax(-1))  # the greedy tokens come out of the replay too
     graphs.input_ids[0] = (graphs.input_ids[0] + 1) % 256  # what a stale buffer would hold
     graphs.graphs[2].replay()
     v = graphs.vocab_size
@@ -156,11 +156,12 @@ def test_prepare_loads_inputs_into_the_static_block(tiny_llm):
     release(runner, reqs)
 
 
-def generate_eager_then_graphed(llm, attach, max_tokens, lens=(5, 33, 18, 60, 2, 41)):
-    """Greedy tokens of random prompts of `lens` tokens, eagerly, then with the graph runner `attach(runner)` returns
-    (after setting it on the runner); also the batches that runner replayed. Leaves no KV behind."""
+def generate_eager_then_graphed(llm, attach, max_tokens, lens=(5, 33, 18, 60, 2, 41), sp=None):
+    """Tokens of random prompts of `lens` tokens (greedy, or by `sp`: SamplingParams or a list a prompt), eagerly,
+    then with the graph runner `attach(runner)` returns (after setting it on the runner); also the batches that
+    runner replayed. Leaves no KV behind."""
     prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,)).tolist()} for n in lens]
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sp = sp or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     graphs = attach(llm.engine.runner)
     replayed = []
@@ -180,6 +181,29 @@ def test_generate_through_graphs_equals_eager(tiny_llm):
     assert graphed == eager
     sizes = [b.batch_size for b in replayed]
     assert sizes and max(sizes) == 6  # decode batches went through the graphs (6 pads to 8)
+
+
+def test_sampled_generate_through_graphs_equals_eager(tiny_llm, monkeypatch):
+    """Seeded sampling gives the same tokens eagerly and through the decode graphs: a temperature-only batch (greedy
+    rows beside) is drawn by the graph itself (`load_draw` given its temperatures: no sampler after it), and a batch
+    where a row has top_k takes the graph's argmax and the sampler after it (given no temperatures)."""
+    loads = []
+
+    def attach(runner):
+        runner.graph_runner = graphs = DecodeGraphRunner(runner)
+        load = graphs.load_draw
+        monkeypatch.setattr(graphs, "load_draw", lambda t, s: loads.append(t is not None) or load(t, s))
+        return graphs
+
+    temps = (0.8, 0.0, 1.3, 0.5, 0.0, 2.0)
+    plain = [SamplingParams(temperature=t, seed=17 + i, max_tokens=12, ignore_eos=True) for i, t in enumerate(temps)]
+    for params, drawn in ((plain, True), ([*plain[:5], SamplingParams(temperature=0.9, top_k=5, seed=3,
+                                                                       max_tokens=12, ignore_eos=True)], False)):
+        tiny_llm.engine.runner.graph_runner = None
+        loads.clear()
+        eager, graphed, replayed = generate_eager_then_graphed(tiny_llm, attach, max_tokens=12, sp=params)
+        assert graphed == eager
+        assert len(set(map(tuple, eager))) == len(eager) and replayed and loads and set(loads) == {drawn}
 
 
 def test_disable_padding_runs_exact_sizes_only(tmp_path):

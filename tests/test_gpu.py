@@ -70,7 +70,7 @@ def test_replay_gives_the_eager_tokens(gpu_llm):
         runner.graph_runner = graphs
         replayed = graphs.replay(batch).clone()
         assert torch.equal(eager.argmax(-1), replayed.argmax(-1)), f"bs {bs}: tokens differ"
-        assert torch.equal(graphs.argmax[:bs], replayed.argmax(-1)), f"bs {bs}: the graph's argmax differs"
+        assert torch.equal(graphs.token_ids[:bs], replayed.argmax(-1)), f"bs {bs}: the graph's argmax differs"
         torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)
         release(runner, reqs)
 
@@ -208,26 +208,33 @@ def test_overlap_schedule_equals_waiting_for_every_step(gpu_llm):
     engine.check_memory_leak()
 
 
-def test_plain_draw_graphs_are_captured_at_start_up(gpu_llm):
-    """Every decode-graph size has the plain temperature draw's sampler graph from start-up, so a T > 0 batch
-    shrinking through the sizes captures none mid-run (each lazy capture drains the GPU's queue)."""
-    from ostinato.graphs.sample import SampleKey
+def test_decode_graph_draws_temperature_only_steps(gpu_llm, monkeypatch):
+    """Temperature-only decode steps (greedy rows beside, logprobs on some rows) are drawn inside the decode graph:
+    no sampler graph replays. Their tokens and logprobs equal the sampler graph's draws from the same graph's logits
+    (`SamplingTensors.plain_draw` off: the graph takes the argmax and the sampler graph draws after it), with the
+    batch shrinking as its requests finish."""
+    from ostinato.runner.sampler import SamplingTensors
 
     runner = gpu_llm.engine.runner
-    keys = set(runner.sample_graph_runner.graphs)
-    assert {SampleKey(b, False, False, False) for b in runner.graph_runner.batch_sizes} <= keys
-    captured = []
-    capture = runner.sample_graph_runner._capture
-    runner.sample_graph_runner._capture = lambda key: captured.append(key) or capture(key)
-    try:
-        gen = torch.Generator().manual_seed(9)
-        prompts = [{"prompt_token_ids": torch.randint(0, runner.vocab_size, (40,), generator=gen).tolist()}
-                   for _ in range(20)]
-        gpu_llm.generate(prompts, [SamplingParams(temperature=0.6, max_tokens=2 + i, ignore_eos=True)
-                                   for i in range(20)], use_tqdm=False)
-    finally:
-        del runner.sample_graph_runner._capture
-    assert captured == []
+    sampler_graphs = runner.sample_graph_runner
+    gen = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(0, runner.vocab_size, (int(n),), generator=gen).tolist()}
+               for n in torch.randint(5, 200, (20,), generator=gen)]
+    params = [SamplingParams(temperature=0.3 + 0.1 * i, seed=i, max_tokens=4 + i, ignore_eos=True,
+                             logprobs=2 if i % 5 == 1 else None) if i % 4 else
+              SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
+    replays = []
+    replay = sampler_graphs.replay
+    monkeypatch.setattr(sampler_graphs, "replay", lambda *a, **k: replays.append(a[0]) or replay(*a, **k))
+    in_graph = gpu_llm.generate(prompts, params, use_tqdm=False)
+    assert replays == []
+    monkeypatch.setattr(SamplingTensors, "plain_draw", property(lambda self: False))
+    after_graph = gpu_llm.generate(prompts, params, use_tqdm=False)
+    assert len(set(replays)) > 3, "the sampler graphs drew the steps, at several batch sizes"
+    for i, (a, b) in enumerate(zip(in_graph, after_graph, strict=True)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"request {i}"
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs, f"request {i}"
+    gpu_llm.engine.check_memory_leak()
 
 
 def test_sampler_graphs_draw_what_eager_sampling_draws(gpu_llm):

@@ -83,36 +83,6 @@ def test_replays_draw_what_the_torch_sampler_draws():
     assert set(runner.graphs) == {SampleKey(4, True, True, True), SampleKey(2, False, False, False)}
 
 
-def test_plain_draws_captured_at_start_up_replay_without_a_capture(monkeypatch):
-    """`capture_plain` (the engine calls it at start-up with the decode graphs' sizes) holds the plain draw's graph
-    at each size, so a batch shrinking through them captures nothing mid-run; those replays draw what the torch
-    sampler draws, and other keys are still captured when first met."""
-    vocab, n = 500, 8
-    gen = torch.Generator().manual_seed(3)
-    logits = _buffer(n, vocab, gen)
-    tokens = torch.full((n + 1,), -7, dtype=torch.int64, device=DEVICE)
-    rows = torch.full((n,), n, dtype=torch.int64, device=DEVICE)
-    runner = SampleGraphRunner(logits, vocab, fused_draw, store=(tokens, rows))
-    runner.capture_plain([1, 2, 4, 8])
-    assert set(runner.graphs) == {SampleKey(b, False, False, False) for b in (1, 2, 4, 8)}
-    assert int(tokens[:n].ne(-7).sum()) == 0, "the captures' stores go to the sink row only"
-    captured = []
-    capture = runner._capture
-    monkeypatch.setattr(runner, "_capture", lambda key: captured.append(key) or capture(key))
-    for bs, padded in ((7, 8), (3, 4), (2, 2), (1, 1)):  # a batch shrinking as its requests finish
-        params = [SamplingParams(temperature=0.5 + 0.1 * i) for i in range(bs)]
-        t = SamplingTensors.from_params(params, list(range(bs)), [4] * bs, vocab, DEVICE)
-        rows[:bs] = torch.arange(bs, device=DEVICE)
-        rows[bs:] = n
-        _refill(logits, vocab, gen)
-        drawn = runner.replay(padded, *t.fused_args()).clone()
-        assert torch.equal(drawn.cpu(), sample_torch(logits[:bs, :vocab], t).cpu()), bs
-    assert captured == []
-    t = SamplingTensors.from_params([SamplingParams(temperature=0.7, top_k=9)], [1], [0], vocab, DEVICE)
-    runner.replay(1, *t.fused_args())
-    assert captured == [SampleKey(1, False, True, False)]
-
-
 def test_penalized_replays_draw_and_count_as_the_eager_step():
     """A penalized step replayed from a sampler graph: the logits penalized by request row from the penalty state,
     the draw, and the drawn ids counted into the state, as the eager step does them (`sample_tensors` and

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from ostinato.runner.sampler import ARGMAX_CHUNK, SamplingTensors, chunked_argmax, hash_uniform, padded_vocab, sample
+from ostinato.layers.gumbel import hash_uniform
+from ostinato.runner.sampler import ARGMAX_CHUNK, SamplingTensors, chunked_argmax, padded_vocab, sample
 from ostinato.sampling_params import SamplingParams
 
 # the CPU runs the torch sampler; CUDA runs the fused kernels (runner/fused_sample.py) through the same tests
@@ -85,6 +86,44 @@ def test_chunked_argmax_matches_torch(vocab):
     wide = torch.randn(b, vocab + 5, generator=gen)
     wide[:, :vocab] = logits
     assert torch.equal(chunked_argmax(wide[:, :vocab]), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab,block", [(1000, 64), (3 * 64 + 17, 64), (128_256, 2048)])
+def test_decode_graph_draw_is_the_samplers_plain_draw(vocab, block):
+    """The decode graph's draw (`triton_ops/argmax.draw_rows`; Triton's interpreter on the CPU, and its torch twin
+    `sampling_ops.chunked_draw`) gives every row the token the sampler gives a temperature-only row (`sample`, the
+    torch reference) and greedy rows their argmax: temperatures low to high, near-flat rows where the noise decides,
+    seeds past 32 bits and negative, -inf padding columns never drawn, rows of a wider buffer, into a given output
+    and scattered to the rows' slots."""
+    from ostinato.layers.sampling_ops import chunked_draw
+    from ostinato.layers.triton_ops.argmax import draw_rows
+    from ostinato.sampling_params import GREEDY_EPS
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(vocab + block)
+    temps = [0.0, 0.3, 1.0, 1.7, 0.0, 0.6, 2.5, 0.05]
+    b = len(temps)
+    logits = torch.randn(b, vocab, generator=gen) * torch.tensor([4.0, 0.05, 2.0, 0.1, 1.0, 3.0, 0.02, 8.0])[:, None]
+    logits[4, : vocab // 3] = float("-inf")
+    params = [SamplingParams(temperature=t) for t in temps]
+    seeds = [-(2**62) + 977 * i if i % 2 else 2**40 + i for i in range(b)]
+    steps = torch.randint(0, 2**33, (b,), generator=gen).tolist()
+    t = SamplingTensors.from_params(params, seeds, steps, vocab, "cpu")
+    want = sample(logits, t)
+    assert 2 < len(set(want.tolist())) and not torch.equal(want, logits.argmax(-1)), "the noise decides some rows"
+    wide = torch.full((b, vocab + 29), float("-inf"))
+    wide[:, :vocab] = logits
+    index = torch.randperm(2 * b, generator=gen)[:b]
+    expect_dest = torch.full((2 * b,), -7)
+    expect_dest[index] = want
+    twin_out, twin_dest = torch.full((b + 1,), -1), torch.full((2 * b,), -7)
+    chunked_draw(wide, t.temperatures, t.seeds, t.steps, GREEDY_EPS, twin_out[1:], scatter=(twin_dest, index))
+    assert torch.equal(twin_out[1:], want) and twin_out[0] == -1 and torch.equal(twin_dest, expect_dest)
+    dev_out = torch.full((b + 1,), -1, dtype=torch.int64, device=device)
+    dev_dest = torch.full((2 * b,), -7, dtype=torch.int64, device=device)
+    draw_rows(wide.to(device), t.temperatures.to(device), t.seeds.to(device), t.steps.to(device), GREEDY_EPS,
+              dev_out[1:], block=block, scatter=(dev_dest, index.to(device)))
+    assert torch.equal(dev_out[1:].cpu(), want) and dev_out[0] == -1 and torch.equal(dev_dest.cpu(), expect_dest)
 
 
 def test_precomputed_argmax_is_used_only_for_greedy_rows():
@@ -278,23 +317,23 @@ def test_gumbel_argmax_draws_what_the_hash_formula_draws(device, b, v, monkeypat
     """The sampler's Gumbel-max (`gumbel_argmax`: the noise made a block of rows at a time in int32, in place) draws
     what x - log(-log(hash_uniform(...))) draws, and its uniforms are hash_uniform's bit for bit: seeds past 32 bits
     and negative, steps past 2**32, blocks that split the batch unevenly."""
-    import ostinato.runner.sampler as sampler_mod
+    import ostinato.layers.gumbel as gumbel
 
-    monkeypatch.setattr(sampler_mod, "GUMBEL_CHUNK", 4 * v)  # 4 rows a block off CUDA
+    monkeypatch.setattr(gumbel, "GUMBEL_CHUNK", 4 * v)  # 4 rows a block off CUDA
     gen = torch.Generator().manual_seed(b * v)
     seeds = torch.randint(-(2**63), 2**63 - 1, (b,), generator=gen, dtype=torch.int64).to(device)
     steps = torch.randint(0, 2**40, (b,), generator=gen, dtype=torch.int64).to(device)
     ref_u = hash_uniform(seeds, steps, torch.arange(v, device=device))
-    keys = sampler_mod._as_int32(sampler_mod._mix32(sampler_mod._mix32(sampler_mod._mix32(
+    keys = gumbel._as_int32(gumbel._mix32(gumbel._mix32(gumbel._mix32(
         (seeds & 0xFFFFFFFF) ^ 0x3C6EF372) ^ ((seeds >> 32) & 0xFFFFFFFF)) ^ (steps & 0xFFFFFFFF)))
     h = torch.empty(b, v, dtype=torch.int32, device=device)
-    u = sampler_mod._uniforms_(torch.empty(b, v, device=device), h, torch.empty_like(h),
-                               sampler_mod._id_hashes(v, torch.device(device)), keys)
+    u = gumbel._uniforms_(torch.empty(b, v, device=device), h, torch.empty_like(h),
+                               gumbel._id_hashes(v, torch.device(device)), keys)
     assert torch.equal(u, ref_u)
     for scale in (0.05, 3.0):  # near-flat rows: the noise decides
         x = (torch.randn(b, v, generator=gen) * scale).to(device)
         expect = (x - (-ref_u.log()).log()).argmax(dim=-1)
-        assert torch.equal(sampler_mod.gumbel_argmax(x, seeds, steps), expect)
+        assert torch.equal(gumbel.gumbel_argmax(x, seeds, steps), expect)
 
 
 def test_top_p_cut_from_a_sorted_head_equals_the_full_sort(monkeypatch):

@@ -8,8 +8,10 @@ smaller graphs reuse the memory of larger ones in the process-wide pool.
 
 The step is the whole decode step on the device, the bookkeeping included: it records each row's new
 KV slot in req_to_token and resolves pending inputs (NextTokenBuffer.begin_decode_, one kernel), and its
-argmax kernel also stores each row's greedy token in the next-token buffer. A greedy step then needs no
-stream operation outside the graph but the input copies and the tokens' copy to the host.
+last kernels pick each row's token and store it in the next-token buffer: the argmax, or for a row given a
+temperature (`load_draw`) the sampler's plain Gumbel-max draw. A greedy or temperature-only step then needs
+no stream operation outside the graph but the input copies and the tokens' copy to the host; min_p, top_k,
+top_p and penalties are drawn after it by a sampler graph (graphs/sample.py), over this graph's argmax.
 """
 
 import bisect
@@ -24,7 +26,8 @@ from ostinato.attention.op import forward_context
 from ostinato.graphs.compile import recompile_limit_for
 from ostinato.graphs.graph import Graph, capture_graphs
 from ostinato.graphs.protocol import GraphHost
-from ostinato.layers.sampling_ops import chunked_argmax, padded_vocab
+from ostinato.layers.sampling_ops import chunked_draw, padded_vocab
+from ostinato.sampling_params import GREEDY_EPS
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +83,17 @@ class DecodeGraphRunner:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         # hybrid models: each row's Mamba state slot; padded rows use the pool's sink slot
         self.mamba_slots = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev) if runner.mamba_pool else None
+        # What the step's draw reads: each row's temperature (below GREEDY_EPS: the argmax; padded rows 0) and
+        # seed, loaded by `load_draw` when the batch's sampling inputs change; the step index is sample_steps.
+        self.temperatures = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._draw_loaded: torch.Tensor | None = None  # the temperatures tensor now in the buffer (None: all 0)
         # Static outputs, written by every replay: float32 logits in a vocabulary padded to whole argmax
-        # chunks (the padding columns stay -inf), and their argmax for greedy rows.
+        # chunks (the padding columns stay -inf), and each row's token (the argmax, or the draw where loaded).
         self.vocab_size = runner.vocab_size
         self.logits = torch.full((n, padded_vocab(runner.vocab_size)), float("-inf"), dtype=torch.float32,
                                  device=dev)
-        self.argmax = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.token_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         runner.backend.init_cuda_graph_state(self.max_bs)
 
         self.graphs: dict[int, Graph] = {}
@@ -119,8 +127,9 @@ class DecodeGraphRunner:
             with forward_context(backend, batch, layers):
                 hidden = forward(batch.input_ids, batch.positions)
             model.compute_logits(hidden, out=self.logits[:bs, : self.vocab_size])
-            # greedy rows' tokens stored here; ModelRunner.sample stores over them where it draws others
-            chunked_argmax(self.logits[:bs], out=self.argmax[:bs], scatter=(next_tokens.tokens, batch.req_pool_indices))
+            # the tokens stored here; ModelRunner.sample stores over them where a sampler graph draws others
+            chunked_draw(self.logits[:bs], self.temperatures[:bs], self.seeds[:bs], self.sample_steps[:bs],
+                         GREEDY_EPS, out=self.token_ids[:bs], scatter=(next_tokens.tokens, batch.req_pool_indices))
 
         return step
 
@@ -171,6 +180,20 @@ class DecodeGraphRunner:
         self.ints.copy_(block, non_blocking=True)
         return self.ints[:, :bs]
 
+    def load_draw(self, temperatures: torch.Tensor | None, seeds: torch.Tensor | None) -> None:
+        """What the next replays draw with: each row's temperature and seed ([bs] each, on the device; rows past bs
+        are set greedy), or None: every row greedy. Loaded only when `temperatures` is another object than the
+        one loaded last (a runner's sampling inputs keep theirs while the batch keeps its requests). Draws also
+        read each row's step index, which `load_inputs` writes every step: a drawing replay needs it."""
+        if temperatures is self._draw_loaded:
+            return
+        self.temperatures.zero_()
+        if temperatures is not None:
+            bs = temperatures.shape[0]
+            self.temperatures[:bs] = temperatures
+            self.seeds[:bs] = seeds
+        self._draw_loaded = temperatures
+
     def padded_size(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
@@ -187,12 +210,14 @@ class DecodeGraphRunner:
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] for a decode batch, a view of the static output (valid until the next replay);
-        `self.argmax[:bs]` then holds their argmax."""
+        `self.token_ids[:bs]` then holds each row's token: the argmax, or the draw where `load_draw` gave the row a
+        temperature."""
         bs = batch.batch_size
         padded = self.padded_size(bs)
         assert batch.decode_ints is not None, "decode batches come from ModelRunner.prepare"
         loaded = batch.decode_ints.data_ptr() == self.ints.data_ptr()  # by load_inputs, padding included
         if not loaded:
+            assert self._draw_loaded is None, "a drawing replay reads its step indices from load_inputs' block"
             self.ints[:4, :bs] = batch.decode_ints
         self.out_cache_loc[:bs] = batch.out_cache_loc
         if self.mamba_slots is not None:

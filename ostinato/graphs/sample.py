@@ -14,7 +14,6 @@ row, draws from them, and adds the drawn ids to the state's counts, where eagerl
 into the state's sink row, so capturing a graph counts nothing twice.
 """
 
-import time
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
@@ -112,20 +111,6 @@ class SampleGraphRunner:
         has_k, has_p = cut_phases if top_ks is not None else (False, False)
         return self._replay(SampleKey(padded, min_ps is not None, has_k, has_p, penalties is not None,
                                       penalties is not None and penalties.repetition is not None))[:bs]
-
-    @torch.inference_mode()  # as a lazy capture runs (within ModelRunner.sample)
-    def capture_plain(self, sizes: list[int]) -> float:
-        """Capture the plain draw's graph (a temperature and nothing else: no min_p, cut or penalty, as OpenAI's and
-        vLLM's defaults sample) for each of these padded sizes now, at start-up, largest first; returns the seconds
-        taken. Captured lazily instead, each size a shrinking batch first met drained the GPU's queue mid-run
-        (`warmed_capture` synchronizes), where a greedy step replays graphs captured at start-up. The capture is the
-        lazy one's (warm-up on the current stream: see graph.warm_up_stream), with greedy static inputs."""
-        start = time.perf_counter()
-        for bs in sorted(sizes, reverse=True):
-            key = SampleKey(bs, False, False, False)
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(key)
-        return time.perf_counter() - start
 
     def _replay(self, key: SampleKey) -> Tensor:
         graph = self.graphs.get(key)

@@ -3,6 +3,8 @@
 import torch
 from torch import Tensor
 
+from ostinato.layers.gumbel import gumbel_argmax
+
 ARGMAX_CHUNK = 1024
 
 
@@ -34,6 +36,27 @@ def chunked_argmax(x: Tensor, out: Tensor | None = None, scatter: tuple[Tensor, 
     if scatter is not None:
         scatter[0][scatter[1]] = ids
     return ids if out is None else out.copy_(ids)
+
+
+def chunked_draw(x: Tensor, temperatures: Tensor, seeds: Tensor, steps: Tensor, greedy_eps: float, out: Tensor,
+                 scatter: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Row b's token into out[b] (int64 [B]): chunked_argmax's where temperatures[b] < greedy_eps, else the Gumbel-max
+    draw from x[b] / temperatures[b] with (seeds[b], steps[b])'s noise, the token the sampler's plain draw gives
+    (no min_p, top_k, top_p or penalty). x is float32 [B, V] with unit column stride. On CUDA chunked_argmax's two
+    launches with the noise added in the first (`triton_ops/argmax.draw_rows`); elsewhere the torch sampler's ops,
+    its twin. With `scatter` = (dest, index), also dest[index[b]] = row b's token."""
+    if x.is_cuda:
+        from ostinato.layers.triton_ops.argmax import draw_rows
+
+        return draw_rows(x, temperatures, seeds, steps, greedy_eps, out, scatter=scatter)
+    ids = chunked_argmax(x)
+    greedy = temperatures < greedy_eps
+    if not bool(greedy.all()):  # (a host sync: this twin runs on the CPU only)
+        sampled = gumbel_argmax(x / torch.where(greedy, 1.0, temperatures)[:, None], seeds, steps)
+        ids = torch.where(greedy, ids, sampled)
+    if scatter is not None:
+        scatter[0][scatter[1]] = ids
+    return out.copy_(ids)
 
 
 def penalize(logits: Tensor, counts: Tensor, rows: Tensor | None, frequency: Tensor, presence: Tensor,

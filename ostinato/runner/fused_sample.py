@@ -27,26 +27,7 @@ import triton
 import triton.language as tl
 
 from ostinato.layers.triton_ops.argmax import pick_rows
-
-_MUL = tl.constexpr(0x045D9F3B)
-
-
-@triton.jit
-def _mix32(x):
-    x = ((x >> 16) ^ x) * _MUL
-    x = ((x >> 16) ^ x) * _MUL
-    return (x >> 16) ^ x
-
-
-@triton.jit
-def _row_key(Seeds, Steps, row):
-    """The row's noise key, as hash_uniform: mix(mix(mix(seed_lo ^ c) ^ seed_hi) ^ step_lo)."""
-    seed = tl.load(Seeds + row)
-    step = tl.load(Steps + row)
-    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    key = _mix32(_mix32(seed_lo ^ 0x3C6EF372) ^ seed_hi)
-    return _mix32(key ^ (step & 0xFFFFFFFF).to(tl.uint32))
+from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
 
 
 @triton.jit(do_not_specialize=["split_len", "num_splits"])  # kernels per batch size: one per SPLITS_POW2 only
@@ -87,7 +68,7 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
     temp = tl.load(Temps + row)
     greedy = temp < greedy_eps
     div = tl.where(greedy, 1.0, temp)
-    key = _row_key(Seeds, Steps, row)
+    key = row_key(Seeds, Steps, row)
     log_min_p = float("-inf")
     x_max = 0.0
     if HAS_MIN_P:
@@ -112,9 +93,7 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
             x = tl.where((x - x_max) >= log_min_p, x, float("-inf"))
         if HAS_CUT:
             x = tl.where(x >= cut, x, float("-inf"))  # greedy rows' cut is -inf
-        h = _mix32(_mix32(offs.to(tl.uint32)) ^ key)
-        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-        val = tl.where(greedy, x, x - tl.log(-tl.log(u)))
+        val = tl.where(greedy, x, gumbel_perturbed(x, offs, key))
         val = tl.where(valid, val, float("-inf"))
         # strictly greater keeps the earliest index per lane; lanes are merged below with ties to the lowest
         take = val > best_val

@@ -156,6 +156,7 @@ class ModelRunner:
             self.kv_cache.alt_stream = torch.cuda.Stream(self.device)
         self.graph_runner: DecodeGraphRunner | None = None
         self._argmax: torch.Tensor | None = None  # argmax of the last forward's logits, when a graph computed it
+        self._graph_drawn: torch.Tensor | None = None  # the last forward's tokens, when its decode graph drew them
         self.extend_graph_runner: ExtendGraphRunner | None = None
         self.encoder_stats = EncoderStats()
         self.is_multimodal = getattr(self.model, "is_multimodal", False)
@@ -175,9 +176,6 @@ class ModelRunner:
                 self.graph_runner.logits, self.vocab_size, fused_draw,
                 store=(self.next_tokens.tokens, self.graph_runner.req_pool_indices),
                 steps=self.graph_runner.sample_steps, penalties=self.penalties)
-            seconds = self.sample_graph_runner.capture_plain(self.graph_runner.batch_sizes)
-            logger.info("captured the plain draw's sampler graphs for batch sizes %s in %.2f s",
-                        self.graph_runner.batch_sizes, seconds)
         self.vit_graph_runner: VitGraphRunner | None = None  # vision-encoder graphs (CPU: the Graph stand-in)
         if args.enable_vit_cuda_graph and self.is_multimodal:
             self.vit_graph_runner = VitGraphRunner(self.model.visual, self.device, args.vit_cuda_graph_max_mb << 20,
@@ -423,10 +421,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, sampling: SamplingTensors | None = None) -> torch.Tensor:
         """Logits [bs, vocab] (float32) at each request's last token. With `batch.prompt_lp`, the step runs
-        eagerly and also leaves the prompt tokens' logprobs in `self._prompt_lp`."""
-        self._argmax = None
+        eagerly and also leaves the prompt tokens' logprobs in `self._prompt_lp`. `sampling`: the step's sampling
+        inputs; a decode graph draws a temperature-only step itself (`SamplingTensors.plain_draw`)."""
+        self._argmax = self._graph_drawn = None
         self._prompt_lp = None
         if self._host_copies is not None:  # the last step's outputs (a graph's static argmax) read by their copies
             torch.cuda.current_stream(self.device).wait_event(self._host_copies)
@@ -434,8 +433,14 @@ class ModelRunner:
         if self.mamba_pool is not None and batch.mamba_slots is None:
             batch.mamba_slots = self.req_to_token_pool.mamba_slots(batch.req_pool_indices)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            draw = sampling is not None and sampling.plain_draw
+            self.graph_runner.load_draw(sampling.temperatures if draw else None, sampling.seeds if draw else None)
             logits = self.graph_runner.replay(batch)  # the graph resolves pending input ids itself
-            self._argmax = self.graph_runner.argmax[: batch.batch_size]
+            tokens = self.graph_runner.token_ids[: batch.batch_size]
+            if draw:
+                self._graph_drawn = tokens
+            else:
+                self._argmax = tokens
             return logits
         path = self.extend_path(batch) if batch.prompt_lp is None else "eager"
         if path == "extend_graph":
@@ -506,12 +511,15 @@ class ModelRunner:
         return "eager"
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sched: ScheduledBatch, batch: ForwardBatch) -> SampledTensors:
+    def sample(self, logits: torch.Tensor, sched: ScheduledBatch, batch: ForwardBatch,
+               tensors: SamplingTensors | None = None) -> SampledTensors:
         """Token ids (and the logprobs asked for) per scheduled request, stored in `next_tokens` and on their
-        way to the host; a penalized step's tokens are counted into the penalty state on the device."""
+        way to the host; a penalized step's tokens are counted into the penalty state on the device. `tensors`:
+        the step's sampling inputs, as `forward` was given them (else made here)."""
         reqs = sched.reqs
-        tensors = self._sampling_tensors(reqs, batch.sample_steps, batch.req_pool_indices)
-        drawn = None
+        if tensors is None:
+            tensors = self.sampling_tensors(sched, batch)
+        drawn = self._graph_drawn  # a decode graph's draw, stored by its replay
         if (self._argmax is not None and self.sample_graph_runner is not None and tensors.fused_ok
                 and tensors.graph_drawable):  # the decode graph's logits, penalized there if asked, drawn from
             drawn = self.sample_graph_runner.replay(self.graph_runner.padded_size(len(reqs)), *tensors.fused_args(),
@@ -529,11 +537,16 @@ class ModelRunner:
         self._host_copies = sampled.done
         return sampled
 
+    def sampling_tensors(self, sched: ScheduledBatch, batch: ForwardBatch) -> SamplingTensors:
+        """The scheduled step's sampling inputs (its prepared `batch` gives the step indices and request slots)."""
+        return self._sampling_tensors(sched.reqs, batch.sample_steps, batch.req_pool_indices)
+
     def step(self, sched: ScheduledBatch) -> SampledTensors:
-        """Launch one scheduled step: inputs, forward, sampling. Returns without waiting for the GPU;
-        `.result()` on the return value waits and gives the tokens."""
+        """Launch one scheduled step: inputs, sampling inputs, forward, sampling. Returns without waiting for the
+        GPU; `.result()` on the return value waits and gives the tokens."""
         batch = self.prepare(sched)
-        return self.sample(self.forward(batch), sched, batch)
+        tensors = self.sampling_tensors(sched, batch)
+        return self.sample(self.forward(batch, tensors), sched, batch, tensors)
 
 
 def _even_columns(rows: list[list[int]]) -> list[list[int]]:

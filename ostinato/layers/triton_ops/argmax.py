@@ -1,5 +1,7 @@
 """Greedy decoding's argmax over a logits row, in two Triton launches with fixed grids: per (row, chunk of
 BLOCK columns) the chunk's maximum and its first index, then per row the first chunk holding the row's maximum.
+`draw_rows` is the same two launches with each sampled row's Gumbel noise added in the first (the fused sampler's
+plain draw, bit for bit), so a decode graph draws a temperature-only step where it took the argmax.
 torch's reduction ran one thread block per row (33 us for one 128k row on an H200), and its chunked form
 (`layers/sampling_ops.chunked_argmax` on the CPU, the twin) took three kernels and 14 us of a decode step.
 Ties go to the lowest index, as torch.argmax's do."""
@@ -8,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
+
 
 @triton.jit
 def _chunk_argmax_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, BLOCK: tl.constexpr):
@@ -15,6 +19,23 @@ def _chunk_argmax_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, B
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
+    m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(vals_ptr + row * n_chunks + c, m)
+    tl.store(idx_ptr + row * n_chunks + c, c * BLOCK + i)
+
+
+@triton.jit
+def _chunk_draw_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, temps_ptr, seeds_ptr, steps_ptr,
+                       greedy_eps, BLOCK: tl.constexpr):
+    """_chunk_argmax_kernel over x / temperature + Gumbel noise for a row whose temperature is >= greedy_eps; a
+    greedy row's program skips the noise (and the seed and step loads)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
+    temp = tl.load(temps_ptr + row)
+    if temp >= greedy_eps:
+        x = gumbel_perturbed(x / temp, offs, row_key(seeds_ptr, steps_ptr, row))
     m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(vals_ptr + row * n_chunks + c, m)
     tl.store(idx_ptr + row * n_chunks + c, c * BLOCK + i)
@@ -45,6 +66,23 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 2
     out = torch.empty(b, dtype=torch.int64, device=x.device) if out is None else out
     if b:
         _chunk_argmax_kernel[(b, chunks)](x, x.stride(0), n, vals, idx, chunks, BLOCK=block, num_warps=4)
+    return pick_rows(vals, idx, out, scatter)
+
+
+def draw_rows(x: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+              greedy_eps: float, out: torch.Tensor, block: int = 2048,
+              scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Row b's token into out[b] (int64 [B]): the argmax of x[b] where temperatures[b] < greedy_eps, else the
+    Gumbel-max draw from x[b] / temperatures[b] with the noise of (seeds[b], steps[b]); x float32 [B, V] with unit
+    column stride (columns of -inf are never drawn). With `scatter` = (dest, index) also dest[index[b]] = out[b]."""
+    b, n = x.shape
+    assert x.dtype == torch.float32 and x.stride(-1) == 1
+    chunks = triton.cdiv(n, block)
+    vals = torch.empty(b, chunks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(b, chunks, dtype=torch.int32, device=x.device)
+    if b:
+        _chunk_draw_kernel[(b, chunks)](x, x.stride(0), n, vals, idx, chunks, temperatures, seeds, steps, greedy_eps,
+                                        BLOCK=block, num_warps=4)
     return pick_rows(vals, idx, out, scatter)
 
 
