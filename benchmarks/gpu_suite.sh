@@ -290,20 +290,26 @@ drawgraph)
   # forty-sixth session: a temperature-only decode step drawn by the decode graph's last kernels (no sampler graph
   # after it). The GPU tests that cover it, then ms a token through LLM.generate (greedy, T=0.6), each model in
   # turns with the tree in .ab/base (the session's start: PYTHONPATH puts it first). About 8 minutes
+  # (TREES="base new ..." to set the turns; NO_TESTS=1 to skip the tests)
   logs=$(mktemp -d)
   t() { local n=$1; shift; timeout 200 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
-  (t models tests/test_gpu.py; t sampler tests/test_sampler.py tests/test_sample_graph.py) &
-  (t sampling_features tests/test_sampling_features_gpu.py; t overlap tests/test_overlap.py) &
-  (t fused tests/test_fused_sample.py -k "not warm_up") &
-  wait
-  for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
-      | tee "$OUT/drawgraph-tests.log"
+  if [ -z "${NO_TESTS:-}" ]; then
+    (t models tests/test_gpu.py; t sampler tests/test_sampler.py tests/test_sample_graph.py) &
+    (t sampling_features tests/test_sampling_features_gpu.py; t overlap tests/test_overlap.py) &
+    (t fused tests/test_fused_sample.py -k "not warm_up") &
+    wait
+    for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
+        | tee "$OUT/drawgraph-tests.log"
+  fi
+  i=0
   for m in llama-3.2-1b qwen3-0.6b; do
-    for tree in base new; do
-      pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
-      PYTHONPATH=$pp timeout 110 python benchmarks/bench_generate.py --models $m --batch-sizes 1 32 \
-          --temperature 0 0.6 --repeats 2 --out "$OUT/generate-drawgraph-$m-$tree.json" 2>&1 | quiet \
-          | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-drawgraph.log"
+    for tree in ${TREES:-base new}; do
+      i=$((i + 1)); pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+      PYTHONPATH=$pp timeout 200 python benchmarks/bench_generate.py --models $m --batch-sizes 1 32 \
+          --temperature 0 0.6 --repeats 2 --out "$OUT/generate-drawgraph-$i-$m-$tree.json" > "$logs/g$i.log" 2>&1
+      echo "rc $?" >> "$logs/g$i.log"
+      quiet < "$logs/g$i.log" | grep -E "ms/token|Error|^rc [1-9]" | sed "s/^/[$tree] /" \
+          | tee -a "$OUT/generate-drawgraph.log"
     done
   done
   ;;
