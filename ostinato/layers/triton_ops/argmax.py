@@ -14,28 +14,18 @@ from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
 
 
 @triton.jit
-def _chunk_argmax_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, BLOCK: tl.constexpr):
+def _chunk_best_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, temps_ptr, seeds_ptr, steps_ptr,
+                       greedy_eps, BLOCK: tl.constexpr, DRAW: tl.constexpr):
+    """Per (row, chunk): the chunk's maximum and its first index. DRAW: of x / temperature + Gumbel noise for a row
+    whose temperature is >= greedy_eps (a greedy row's program skips the noise, and the seed and step loads)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
-    m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(vals_ptr + row * n_chunks + c, m)
-    tl.store(idx_ptr + row * n_chunks + c, c * BLOCK + i)
-
-
-@triton.jit
-def _chunk_draw_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, temps_ptr, seeds_ptr, steps_ptr,
-                       greedy_eps, BLOCK: tl.constexpr):
-    """_chunk_argmax_kernel over x / temperature + Gumbel noise for a row whose temperature is >= greedy_eps; a
-    greedy row's program skips the noise (and the seed and step loads)."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
-    temp = tl.load(temps_ptr + row)
-    if temp >= greedy_eps:
-        x = gumbel_perturbed(x / temp, offs, row_key(seeds_ptr, steps_ptr, row))
+    if DRAW:
+        temp = tl.load(temps_ptr + row)
+        if temp >= greedy_eps:
+            x = gumbel_perturbed(x / temp, offs, row_key(seeds_ptr, steps_ptr, row))
     m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(vals_ptr + row * n_chunks + c, m)
     tl.store(idx_ptr + row * n_chunks + c, c * BLOCK + i)
@@ -58,15 +48,8 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 2
                 scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """argmax over the last dim of x [B, V] (float, unit column stride; rows may be strided) -> int64 [B], into
     `out` when given; with `scatter` = (dest, index) also dest[index[b]] = the argmax of row b."""
-    b, n = x.shape
-    assert x.stride(-1) == 1
-    chunks = triton.cdiv(n, block)
-    vals = torch.empty(b, chunks, dtype=torch.float32, device=x.device)
-    idx = torch.empty(b, chunks, dtype=torch.int32, device=x.device)
-    out = torch.empty(b, dtype=torch.int64, device=x.device) if out is None else out
-    if b:
-        _chunk_argmax_kernel[(b, chunks)](x, x.stride(0), n, vals, idx, chunks, BLOCK=block, num_warps=4)
-    return pick_rows(vals, idx, out, scatter)
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device) if out is None else out
+    return _best_rows(x, None, out, block, scatter)
 
 
 def draw_rows(x: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
@@ -75,14 +58,23 @@ def draw_rows(x: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, 
     """Row b's token into out[b] (int64 [B]): the argmax of x[b] where temperatures[b] < greedy_eps, else the
     Gumbel-max draw from x[b] / temperatures[b] with the noise of (seeds[b], steps[b]); x float32 [B, V] with unit
     column stride (columns of -inf are never drawn). With `scatter` = (dest, index) also dest[index[b]] = out[b]."""
+    assert x.dtype == torch.float32
+    return _best_rows(x, (temperatures, seeds, steps, greedy_eps), out, block, scatter)
+
+
+def _best_rows(x: torch.Tensor, draw: tuple | None, out: torch.Tensor, block: int,
+               scatter: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The two launches: per (row, chunk) the best (drawn with `draw` = (temperatures, seeds, steps, greedy_eps),
+    else the maximum), then per row the first chunk holding the row's best."""
     b, n = x.shape
-    assert x.dtype == torch.float32 and x.stride(-1) == 1
+    assert x.stride(-1) == 1
     chunks = triton.cdiv(n, block)
     vals = torch.empty(b, chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(b, chunks, dtype=torch.int32, device=x.device)
     if b:
-        _chunk_draw_kernel[(b, chunks)](x, x.stride(0), n, vals, idx, chunks, temperatures, seeds, steps, greedy_eps,
-                                        BLOCK=block, num_warps=4)
+        temps, seeds, steps, eps = draw if draw is not None else (x, x, x, 0.0)  # (unread without DRAW)
+        _chunk_best_kernel[(b, chunks)](x, x.stride(0), n, vals, idx, chunks, temps, seeds, steps, eps, BLOCK=block,
+                                        DRAW=draw is not None, num_warps=4)
     return pick_rows(vals, idx, out, scatter)
 
 
