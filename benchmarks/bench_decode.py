@@ -110,10 +110,11 @@ def time_steps(runner: ModelRunner, sched: ScheduledBatch, graph: bool, iters: i
         t = time.perf_counter()
         for s, e in events:
             batch = runner.prepare(sched)
+            tensors = runner.sampling_tensors(sched, batch)  # as ModelRunner.step: before the forward
             s.record()
-            logits = runner.forward(batch)
+            logits = runner.forward(batch, tensors)
             e.record()
-            sampled = runner.sample(logits, sched, batch)
+            sampled = runner.sample(logits, sched, batch, tensors)
             if overlap:
                 sampled, in_flight = in_flight, sampled
             if sampled is not None:

@@ -31,8 +31,10 @@ class EngineArgs:
     cuda_graph_bs: list[int] | None = _arg(None, "decode batch sizes to capture (overrides cuda_graph_max_bs)")
     disable_cuda_graph: bool = _arg(False, "run decode eagerly")
     disable_cuda_graph_padding: bool = _arg(False, "replay only batches whose size was captured exactly")
-    disable_sampler_cuda_graph: bool = _arg(False, "sample decode steps with the fused kernels launched one by one "
-                                            "(by default a graph per batch size and filter set replays them)")
+    disable_sampler_cuda_graph: bool = _arg(False, "sample decode steps that have min_p, top_k, top_p or penalties "
+                                            "with the fused kernels launched one by one (by default a graph per "
+                                            "batch size and filter set replays them; a temperature-only step is "
+                                            "drawn inside the decode graph either way)")
     sampler_warm_up: str = _arg("all", "GPU: the sampler kernels compiled at start-up. all: a draw with every min_p / "
                                 "top_k / top_p combination at every batch-size class (270 kernels for Llama-3.2-1B: "
                                 "~31 s over 8 worker processes with an empty Triton cache, ~2 s from it, H200). "
