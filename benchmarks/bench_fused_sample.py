@@ -6,6 +6,8 @@ python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256
     [--baseline PATH ...]   # also time other copies of fused_sample.py (e.g. the last commit's), in turns
     [--profile]             # and each replay's kernels, from torch.profiler
     [--scale 3 0.3]         # logits' spread: how often the unrestricted draw survives the cut
+    [--decode-draw]         # also the decode graph's draw of a temperature-only step (argmax.draw_rows) and its
+                            # greedy argmax (argmax_rows), replayed: the draw's cost over greedy's
 """
 
 import argparse
@@ -14,8 +16,9 @@ import sys
 import time
 
 import torch
-from common import RESULTS, device_tag, load_file_module, write_report
+from common import RESULTS, copy_bandwidth, device_tag, load_file_module, write_report
 
+from ostinato.layers.triton_ops.argmax import argmax_rows, draw_rows
 from ostinato.runner.fused_sample import fused_sample
 
 SETTINGS = [(None, None), (200, None), (None, 0.9), (50, 0.9)]  # (top_k, top_p)
@@ -54,9 +57,12 @@ def main() -> None:
     ap.add_argument("--scale", type=float, nargs="+", default=[3.0],
                     help="logits ~ N(0, scale^2), one pass each: at T=0.6 a scale of 3 puts most of the mass on a few "
                          "hundred tokens (the unrestricted draw survives top_k 200), 0.3 spreads it (it rarely does)")
+    ap.add_argument("--decode-draw", action="store_true",
+                    help="also time the decode graph's draw (draw_rows at T=0.6) and argmax (argmax_rows), replayed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev, v, rows = torch.device("cuda"), args.vocab, []
+    bandwidth = copy_bandwidth(dev) if args.decode_draw else 0.0
     impls = {"tree": fused_sample}
     for i, path in enumerate(args.baseline):
         name = os.path.splitext(os.path.basename(path))[0].lstrip(".")
@@ -66,6 +72,21 @@ def main() -> None:
         temps = torch.full((b,), 0.6, device=dev)
         seeds = torch.arange(b, device=dev)
         steps = torch.zeros(b, dtype=torch.int64, device=dev)
+        if args.decode_draw:
+            out = torch.empty(b, dtype=torch.int64, device=dev)
+            calls = (("argmax", lambda x=logits, o=out: argmax_rows(x, o)),
+                     ("draw", lambda x=logits, t=temps, s=seeds, n=steps, o=out: draw_rows(x, t, s, n, 1e-5, o)))
+            for name, step in calls:
+                step()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # 20 calls a replay: the GPU's time, not the host's replay
+                    for _ in range(20):
+                        step()
+                graph.replay()
+                rows.append(dict(impl=f"decode-{name}", batch_size=b, scale=scale,
+                                 graph_ms=timed(graph.replay, 20) / 20, floor_ms=b * v * 4 / bandwidth * 1e3))
+                print(f"decode-{name:6} scale {scale} bs {b:3}: graph {rows[-1]['graph_ms'] * 1e3:.1f} us "
+                      f"(logits read once: {rows[-1]['floor_ms'] * 1e3:.1f} us)", flush=True)
         for top_k, top_p in SETTINGS:
             cut = top_k is not None or top_p is not None
             tk = torch.full((b,), top_k or v, dtype=torch.int64, device=dev) if cut else None

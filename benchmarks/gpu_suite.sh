@@ -47,6 +47,8 @@
 #   bash benchmarks/gpu_suite.sh drawgraph  temperature-only steps drawn inside the decode graph: GPU tests, then
 #                                          #16's rows through LLM.generate in turns with a base tree (.ab/base)
 #   bash benchmarks/gpu_suite.sh drawoffline  the offline shape (T=0.6 and greedy) in turns with a base tree
+#   bash benchmarks/gpu_suite.sh fastnoise  the Gumbel noise on the approximate log2: GPU tests, the draw and the fused
+#                                          sampler alone and the offline shape, in turns with a base tree (.ab/base)
 #   bash benchmarks/gpu_suite.sh order     decode rows longest context first: mixed batches by row order (step
 #                                          level), the offline shape in turns with arrival order
 #   bash benchmarks/gpu_suite.sh longestfirst  engine GPU tests, the offline shape at the default, split entries
@@ -312,6 +314,41 @@ drawgraph)
           | tee -a "$OUT/generate-drawgraph.log"
     done
   done
+  ;;
+fastnoise)
+  # forty-seventh session: the Gumbel noise's logarithms as the hardware's approximate log2 (a series for -log(u)
+  # near u = 1). The GPU tests of the draw and the sampler first (test_sampler.py holds the noise's accuracy at every
+  # uniform, compiled), then the draw and the fused sampler alone (replayed graphs, Qwen3-0.6B's vocabulary) and the
+  # offline shape at T=0.6 then greedy, each in turns with the tree in .ab/base. About 8 minutes (NO_TESTS=1: skip
+  # the tests; PARTS="kernels offline" to pick)
+  logs=$(mktemp -d)
+  t() { local n=$1; shift; timeout 200 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
+  if [ -z "${NO_TESTS:-}" ]; then
+    (t models tests/test_gpu.py; t sampler tests/test_sampler.py tests/test_sample_graph.py) &
+    (t sampling_features tests/test_sampling_features_gpu.py; t overlap tests/test_overlap.py) &
+    (t fused tests/test_fused_sample.py -k "not warm_up") &
+    wait
+    for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
+        | tee "$OUT/fastnoise-tests.log"
+  fi
+  for tree in new base; do
+    pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+    case " ${PARTS:-kernels offline} " in *" kernels "*)
+      PYTHONPATH=$pp timeout 120 python benchmarks/bench_fused_sample.py --vocab 151936 --batch-sizes 1 32 256 \
+          --scale 3 0.3 --decode-draw --out "$OUT/fused-sample-$tree.json" 2>&1 | quiet | sed "s/^/[$tree] /" \
+          | tee -a "$OUT/fused-sample.log";;
+    esac
+  done
+  i=0
+  case " ${PARTS:-kernels offline} " in *" offline "*)
+    for tree in new base; do
+      i=$((i + 1)); pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+      PYTHONPATH=$pp timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b \
+          --dtype bfloat16 --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 \
+          --out "$OUT/offline-fastnoise-$i-$tree.json" 2>&1 | quiet | grep -E "ostinato T|decode steps" \
+          | sed "s/^/[$tree] /" | tee -a "$OUT/offline-fastnoise.log"
+    done;;
+  esac
   ;;
 drawoffline)
   # forty-sixth session: the offline shape at T=0.6 then greedy, in turns with the tree in .ab/base. About 5 minutes

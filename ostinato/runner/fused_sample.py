@@ -3,7 +3,8 @@
 It draws what `sampler.sample_torch` draws: Gumbel-max over logits / temperature with the same counter-based
 noise (`hash_uniform`'s hash, computed in uint32 arithmetic), after the same min_p filter; greedy rows take the
 first index of the maximum. (Exactly so in Triton's interpreter. Compiled for CUDA, Triton's fp32 `/` is
-div.full.f32, up to 2 ulp from torch's, so a draw decided within an ulp or two can differ.) A step reads the
+div.full.f32, up to 2 ulp from torch's, and the noise's logarithms are the hardware's approximate log2
+(`triton_ops/gumbel.py`: within 4e-6 of float64's noise), so a draw decided within that can differ.) A step reads the
 logits once (twice with min_p: the row maximum first) instead of the eager path's ~25 elementwise passes over
 [B, V]. top_k and top_p become one logit cut per row, found without sorting, each pass spread over the row's
 splits: the same cut `sample_torch` reads off its sorted row. top_k's is a select over the floats' order keys,
