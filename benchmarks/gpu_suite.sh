@@ -54,7 +54,7 @@
 #   bash benchmarks/gpu_suite.sh longestfirst  engine GPU tests, the offline shape at the default, split entries
 #                                          on mixed batches sorted longest first
 #   bash benchmarks/gpu_suite.sh balance128  entry 128 balanced against the table: offline shape in turns, 48-128 rows
-#   bash benchmarks/gpu_suite.sh profile256  a sorted mixed 256-row step kernel by kernel (prepared, not yet run)
+#   bash benchmarks/gpu_suite.sh profile256  a sorted mixed 256-row step kernel by kernel (first run: forty-seventh session)
 #   bash benchmarks/gpu_suite.sh drawsplits  the sampler's kernels with 1,024 / 2,048 target programs (fused_sample's
 #                                          _TARGET_PROGRAMS, 512 in the tree) beside the tree's, kernel us by profile
 #   bash benchmarks/gpu_suite.sh offline   the offline nano-vllm shape (greedy and T=0.6, fp8 KV) and start-up
@@ -423,7 +423,7 @@ balance128)
       | tee "$OUT/decode-balance128.log"
   ;;
 profile256)
-  # prepared in the forty-fifth session, not yet run: where a sorted mixed 256-row step's time goes over its bytes
+  # prepared in the forty-fifth session, first run in the forty-seventh: where a sorted mixed 256-row step's time goes over its bytes
   # (the offline shape's 129-256-row steps: about 1.07 ms a step over a 4.94 ms floor at the new default), kernel
   # by kernel, beside one context for all. About 2 minutes
   timeout 200 python benchmarks/bench_decode.py --models qwen3-0.6b --modes graph --no-launches --iters 50 \
