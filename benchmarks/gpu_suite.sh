@@ -70,6 +70,17 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 part=${1:-tests}
 # (a progress bar ends its updates in \r: a row printed after one would share its line and be dropped with it)
 quiet() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|Generating|Capturing|Compiling"; }
+# the GPU tests of the decode graph's draw and the samplers, in three parallel groups; a line each into $OUT/$2
+sampler_gpu_tests() {
+  local logs=$1
+  t() { local n=$1; shift; timeout 200 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
+  (t models tests/test_gpu.py; t sampler tests/test_sampler.py tests/test_sample_graph.py) &
+  (t sampling_features tests/test_sampling_features_gpu.py; t overlap tests/test_overlap.py) &
+  (t fused tests/test_fused_sample.py -k "not warm_up") &
+  wait
+  for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
+      | tee "$OUT/$2"
+}
 # a group's whole output goes to $OUT/<name>.full.log as it comes (a call cut short still brings back what ran),
 # and its last lines to $OUT/<name>.log and the terminal
 keep() { tee "$OUT/$1.full.log" | tail -"$2" | tee "$OUT/$1.log"; }
@@ -294,15 +305,7 @@ drawgraph)
   # turns with the tree in .ab/base (the session's start: PYTHONPATH puts it first). About 8 minutes
   # (TREES="base new ..." to set the turns; NO_TESTS=1 to skip the tests)
   logs=$(mktemp -d)
-  t() { local n=$1; shift; timeout 200 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
-  if [ -z "${NO_TESTS:-}" ]; then
-    (t models tests/test_gpu.py; t sampler tests/test_sampler.py tests/test_sample_graph.py) &
-    (t sampling_features tests/test_sampling_features_gpu.py; t overlap tests/test_overlap.py) &
-    (t fused tests/test_fused_sample.py -k "not warm_up") &
-    wait
-    for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
-        | tee "$OUT/drawgraph-tests.log"
-  fi
+  [ -z "${NO_TESTS:-}" ] && sampler_gpu_tests "$logs" drawgraph-tests.log
   i=0
   for m in llama-3.2-1b qwen3-0.6b; do
     for tree in ${TREES:-base new}; do
@@ -321,16 +324,7 @@ fastnoise)
   # uniform, compiled), then the draw and the fused sampler alone (replayed graphs, Qwen3-0.6B's vocabulary) and the
   # offline shape at T=0.6 then greedy, each in turns with the tree in .ab/base. About 8 minutes (NO_TESTS=1: skip
   # the tests; PARTS="kernels offline" to pick)
-  logs=$(mktemp -d)
-  t() { local n=$1; shift; timeout 200 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
-  if [ -z "${NO_TESTS:-}" ]; then
-    (t models tests/test_gpu.py; t sampler tests/test_sampler.py tests/test_sample_graph.py) &
-    (t sampling_features tests/test_sampling_features_gpu.py; t overlap tests/test_overlap.py) &
-    (t fused tests/test_fused_sample.py -k "not warm_up") &
-    wait
-    for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
-        | tee "$OUT/fastnoise-tests.log"
-  fi
+  [ -z "${NO_TESTS:-}" ] && sampler_gpu_tests "$(mktemp -d)" fastnoise-tests.log
   for tree in new base; do
     pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
     case " ${PARTS:-kernels offline} " in *" kernels "*)
