@@ -351,8 +351,8 @@ def test_gumbel_noise_formula_is_log_neg_log_at_every_uniform():
     and in Triton (`triton_ops/gumbel.log_neg_log`: the interpreter's log2 on the CPU, the hardware's approximate one
     compiled for CUDA), equals float64 log(-log(u)) at every one of the hash's 2**23 uniforms, the tails included
     (u = 2**-24, where -log(u) = 16.6, and u = 1 - 2**-24, where it is 2**-24): within 2e-6 (about an fp32 ulp of
-    the largest values) on the CPU, 4e-6 compiled. A wrong series coefficient breaks it; on a GPU so does the
-    approximate log2 used near u = 1, whose absolute error (~2**-22) is there as large as -log(u)."""
+    the largest values) on the CPU, 4e-6 compiled. A wrong series coefficient breaks it (1/3 -> 0.3 did); on a GPU
+    so would the approximate log2 used near u = 1, whose absolute error (~2**-22) is there as large as -log(u)."""
     import ostinato.layers.gumbel as gumbel
 
     u = (torch.arange(2**23, dtype=torch.float32) + 0.5) * 2.0**-23

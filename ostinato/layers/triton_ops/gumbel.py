@@ -1,7 +1,7 @@
 """The Gumbel noise in Triton, the formula of `layers/gumbel.py` (the hash bit for bit, in uint32 arithmetic):
 shared by the fused sampler (runner/fused_sample.py) and the decode graph's draw (argmax.py).
 
-The noise's two logarithms are the draw's cost: Triton's `tl.log` is libdevice's accurate logf, about 40
+The noise's two logarithms are the draw's cost: Triton's `tl.log` is libdevice's accurate logf, about 25
 instructions, and a column needs two. Compiled for CUDA they are the hardware's lg2.approx (libdevice's
 fast_log2f, one MUFU op; absolute error about 2**-22 on its result), which halves the draw's instructions
 (chunk kernel on sm_90: 1,504 -> 848 SASS instructions a thread, 16 columns). Under Triton's interpreter, which
