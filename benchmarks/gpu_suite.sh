@@ -49,6 +49,8 @@
 #   bash benchmarks/gpu_suite.sh drawoffline  the offline shape (T=0.6 and greedy) in turns with a base tree
 #   bash benchmarks/gpu_suite.sh fastnoise  the Gumbel noise on the approximate log2: GPU tests, the draw and the fused
 #                                          sampler alone and the offline shape, in turns with a base tree (.ab/base)
+#   bash benchmarks/gpu_suite.sh secondbest  each row's second best draw checked too: the sampler's GPU tests, the
+#                                          sampler alone in turns with the last commit's, top_p 0.9 at bs 32
 #   bash benchmarks/gpu_suite.sh order     decode rows longest context first: mixed batches by row order (step
 #                                          level), the offline shape in turns with arrival order
 #   bash benchmarks/gpu_suite.sh longestfirst  engine GPU tests, the offline shape at the default, split entries
@@ -343,6 +345,25 @@ fastnoise)
           | sed "s/^/[$tree] /" | tee -a "$OUT/offline-fastnoise.log"
     done;;
   esac
+  ;;
+secondbest)
+  # forty-seventh session: rejection first also checks each row's second best draw, which decides a row whose first
+  # falls outside its top_k / top_p without the search. The sampler's GPU tests, then the sampler alone in turns
+  # with the last commit's fused_sample.py (carried as .ab/fused_sample_head.py), then top_p 0.9 through
+  # LLM.generate at bs 32 (greedy beside it). About 4 minutes
+  logs=$(mktemp -d)
+  t() { local n=$1; shift; timeout 170 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
+  (t fused tests/test_fused_sample.py -k "not warm_up") &
+  (t sampler tests/test_sampler.py tests/test_sample_graph.py) &
+  wait
+  for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
+      | tee "$OUT/secondbest-tests.log"
+  timeout 100 python benchmarks/bench_fused_sample.py --vocab 151936 --batch-sizes 32 256 --scale 3 0.3 \
+      --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-secondbest.json" 2>&1 | quiet \
+      | grep -E "top_k|Error" | tee "$OUT/fused-sample-secondbest.log"
+  timeout 100 python benchmarks/bench_generate.py --models llama-3.2-1b --batch-sizes 32 --temperature 0 0.6 \
+      --top-p 0.9 --repeats 2 --out "$OUT/generate-secondbest-topp.json" 2>&1 | quiet | grep -E "ms/token|Error" \
+      | tee "$OUT/generate-secondbest-topp.log"
   ;;
 drawoffline)
   # forty-sixth session: the offline shape at T=0.6 then greedy, in turns with the tree in .ab/base. About 5 minutes

@@ -3,6 +3,7 @@
 Without a GPU the kernel runs in Triton's interpreter at small vocabularies; with one, at real ones too.
 """
 
+import math
 import os
 import shutil
 
@@ -110,6 +111,81 @@ def test_unrestricted_draw_kept_or_searched(kinds, monkeypatch, search_form):
     real = fused_sample._cuts
     monkeypatch.setattr(fused_sample, "_cuts", lambda *a, **kw: torch.full_like(real(*a, **kw), float("nan")))
     assert torch.equal(sample_fused(logits, t).cpu()[kept], want[kept])
+
+
+@pytest.mark.parametrize("kinds, layout", [("top_k", "splits"), ("top_p", "splits"), ("both", "splits"),
+                                            ("top_p", "lanes")])
+def test_second_best_draw_decides_a_row_whose_first_is_cut(kinds, layout, monkeypatch):
+    """Rejection first also checks each row's second best draw: where the unrestricted draw j1 is certainly outside
+    the row's top_k / top_p and the second j2 is inside, j2 is the draw under the cut (the same noise), with no
+    search. Rows built from the noise itself (rows 0-3): all logits 0 but j2's, a little above, and j1's, a little
+    below, so the filters keep j2 first and drop j1 (top_k 1, or top_p 0.5, or both), and the perturbed order still
+    puts j1 first and j2 second; j2 in j1's split and in another ("splits"), or, with one split a row, in j1's
+    lane of the kernel's block and in another ("lanes": a lane's second best). Beside them rows whose j1 stands
+    (4, 5), rows that need the search (6, 7), and a row (8) whose j1 is kept but, with top_k and top_p both, fails
+    the safe check (mass 0.88 above it, 0.95 at or above it, top_p 0.9 of top_k 3's 1.0): its j2 (the row's top logit)
+    passes, yet the row must be searched. Every row draws what the torch sampler draws; with every cut poisoned the
+    rows that j1 or j2 decide still do, and without the second's check (OSTINATO_SAMPLER_SECOND=0's form) the j2
+    rows do not."""
+    from ostinato.layers.gumbel import hash_uniform, log_neg_log_
+    from ostinato.runner import fused_sample
+
+    vocab, b = 2 * 2048 + 21, 9
+    if layout == "lanes":
+        monkeypatch.setattr(fused_sample, "_TARGET_PROGRAMS", 1)
+    split_len, num_splits = fused_sample.split_plan(b, vocab)
+    assert (num_splits > 1) == (layout == "splits")
+    block = fused_sample._BLOCK
+
+    def part(column: int) -> int:
+        """The column's split, or with one split a row its lane of the kernel's block."""
+        return column // split_len if layout == "splits" else column % block
+    temp = 0.7
+
+    def noise(seed: int) -> torch.Tensor:
+        return -log_neg_log_(hash_uniform(torch.tensor([seed]), torch.tensor([11]), torch.arange(vocab))[0])
+
+    def seed_where(start: int, ok) -> tuple[int, list[int], list[float]]:
+        seed = start
+        while True:
+            seed += 1
+            top = noise(seed).topk(3)
+            if ok(top.indices.tolist(), top.values.tolist()):
+                return seed, top.indices.tolist(), top.values.tolist()
+
+    cut = {"top_k": dict(top_k=1), "top_p": dict(top_p=0.5), "both": dict(top_k=1, top_p=0.9)}[kinds]
+    tight = {"top_k": dict(top_k=1), "top_p": dict(top_p=0.01), "both": dict(top_k=1, top_p=0.9)}[kinds]
+    safe = {"top_k": dict(top_k=3), "top_p": dict(top_p=0.9), "both": dict(top_k=3, top_p=0.9)}[kinds]
+    gen = torch.Generator().manual_seed(len(kinds) + 200)
+    logits = torch.randn(b, vocab, generator=gen) * 0.05  # rows 6, 7: flat, tight cuts: searched
+    logits[4:6, 99] += 14.0  # peaked: j1 = 99, inside any cut
+    seeds = [500 + row for row in range(b)]
+    for row in range(4):  # two rows with j2 in j1's split, two with j2 in another
+        seeds[row], (j1, j2, _), (g1, g2, g3) = seed_where(1000 + 10_000 * row, lambda i, v, row=row: (
+            (part(i[0]) == part(i[1])) == (row < 2) and v[0] - v[1] > 1e-2 and v[1] - v[2] > 1e-2))
+        logits[row] = 0.0
+        logits[row, j2] = (g1 - g2) / 4 * temp
+        logits[row, j1] = -(g1 - g2) / 4 * temp
+    seeds[8], (j1, j2, c), (g1, g2, _) = seed_where(5000, lambda i, v: v[0] - v[1] > 2.8)
+    logits[8] = -30.0 * temp
+    logits[8, j2], logits[8, j1], logits[8, c] = 0.0, math.log(0.07 / 0.88) * temp, math.log(0.05 / 0.88) * temp
+    params = [SamplingParams(temperature=temp, **(cut if row < 4 else tight if row in (6, 7) else safe))
+              for row in range(b)]
+    steps = [11] * b
+    t = SamplingTensors.from_params(params, seeds, steps, vocab, DEVICE)
+    free = SamplingTensors.from_params([SamplingParams(temperature=temp)] * b, seeds, steps, vocab, DEVICE)
+    logits = logits.to(DEVICE)
+    want = sample_torch(logits, t).cpu()
+    first = want == sample_torch(logits, free).cpu()  # j1 stands
+    assert first[4:6].all() and first[8] and not first[:4].any() and not first[6:8].all()
+    assert torch.equal(sample_fused(logits, t).cpu(), want)
+    real = fused_sample._cuts
+    monkeypatch.setattr(fused_sample, "_cuts", lambda *a, **kw: torch.full_like(real(*a, **kw), float("nan")))
+    decided = torch.tensor([True] * 6 + [False, False, kinds != "both"])  # by j1 or j2 without a search
+    assert torch.equal(sample_fused(logits, t).cpu()[decided], want[decided])
+    monkeypatch.setattr(fused_sample, "SECOND_BEST", False)
+    alone = sample_fused(logits, t).cpu()
+    assert torch.equal(alone[4:6], want[4:6]) and not torch.equal(alone[:4], want[:4])
 
 
 def _snapped(sorted_row: torch.Tensor, cut: torch.Tensor) -> float:

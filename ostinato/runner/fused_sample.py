@@ -54,17 +54,19 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
                          BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, TopKs=None, TopPs=None, Mass=None,
                          Count=None, b=0, HAS_K: tl.constexpr = False, HAS_P: tl.constexpr = False,
                          NWAY: tl.constexpr = 16, CHECKED: tl.constexpr = False, MaxOut=None,
-                         STORE_MAX: tl.constexpr = False):
+                         STORE_MAX: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False,
+                         OutVal2=None, OutIdx2=None, KEEP_SECOND: tl.constexpr = False):
     """Per (row, split): the best Gumbel-perturbed logit among the split's allowed columns and its first index.
     Greedy rows use no noise and no filter (their best is the argmax). CHECKED (the draw under the cuts, after
     the unrestricted one): a row whose unrestricted draw stands returns at once, its bests left as they are.
     STORE_MAX (no min_p, no cut): also MaxOut[row, split] = the split's max of logits / temperature, as
-    `_split_max_kernel` takes it."""
+    `_split_max_kernel` takes it. KEEP_SECOND (the unrestricted draw): also each split's second best, in (value
+    descending, index ascending) order, into OutVal2 / OutIdx2."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if CHECKED:
         if _accepted(Mass, Count, row, b, num_splits, tl.load(Temps + row) >= greedy_eps, tl.load(TopKs + row),
-                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2):
+                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2, Count2, Second, SECOND):
             return
     temp = tl.load(Temps + row)
     greedy = temp < greedy_eps
@@ -83,6 +85,8 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
     hi = tl.minimum(lo + split_len, vocab_size)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 2147483647, tl.int32)
+    second_val = tl.full([BLOCK], float("-inf"), tl.float32)
+    second_idx = tl.full([BLOCK], 2147483647, tl.int32)
     x_top = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -98,12 +102,23 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
         val = tl.where(valid, val, float("-inf"))
         # strictly greater keeps the earliest index per lane; lanes are merged below with ties to the lowest
         take = val > best_val
+        if KEEP_SECOND:  # a lane's columns come in index order: its second is the best of those its best beat or passed
+            runner_up = ~take & (val > second_val)
+            second_val = tl.where(take, best_val, tl.where(runner_up, val, second_val))
+            second_idx = tl.where(take, best_idx, tl.where(runner_up, offs, second_idx))
         best_val = tl.where(take, val, best_val)
         best_idx = tl.where(take, offs, best_idx)
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
     tl.store(OutVal + row * num_splits + split, top)
     tl.store(OutIdx + row * num_splits + split, tl.where(idx == 2147483647, lo, idx).to(tl.int64))
+    if KEEP_SECOND:  # the split's second: the best lane's second beside every other lane's best
+        own = best_idx == idx
+        val2 = tl.where(own, second_val, best_val)
+        top2 = tl.max(val2, axis=0)
+        idx2 = tl.min(tl.where(val2 == top2, tl.where(own, second_idx, best_idx), 2147483647), axis=0)
+        tl.store(OutVal2 + row * num_splits + split, top2)
+        tl.store(OutIdx2 + row * num_splits + split, tl.where(idx2 == 2147483647, lo, idx2).to(tl.int64))
     if STORE_MAX:
         tl.store(MaxOut + row * num_splits + split, tl.max(x_top, axis=0))
 
@@ -335,7 +350,7 @@ def _descend(prefix, w, wide, floor_u, bin, pass_idx, top_block):
 @triton.jit
 def _top_k_row(Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps,
                HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_P: tl.constexpr,
-               CHECKED: tl.constexpr):
+               CHECKED: tl.constexpr, Count2, Second, SECOND: tl.constexpr):
     """(temperature, max of logits / temperature, log min_p, k, whether the row's select runs, the maximum's block
     of 2**20 keys) of a row: it runs for a sampling row with k under the vocabulary whose unrestricted draw (CHECKED)
     did not stand."""
@@ -345,7 +360,7 @@ def _top_k_row(Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_sp
     active = samples & (top_k < vocab_size)
     if CHECKED:
         active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
-                                     vocab_size, True, HAS_P, NWAY, SPLITS_POW2)
+                                     vocab_size, True, HAS_P, NWAY, SPLITS_POW2, Count2, Second, SECOND)
     top_block = (_radix_key(_order_key(x_max)) >> _BLOCK_BITS).to(tl.int32)
     return temp, x_max, log_min_p, top_k, active, top_block
 
@@ -401,7 +416,8 @@ def _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, pref
 def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, Cursor, vocab_size,
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
                        BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, NWAY: tl.constexpr = 16,
-                       Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False):
+                       Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
+                       Count2=None, Second=None, SECOND: tl.constexpr = False):
     """Pass `pass_idx` of top_k's select for (row, split): histogram the keys in the row's range into
     Hist[pass_idx, row] (atomic adds), or, the pass after the range's count fell to TOP_K_GATHER, copy those keys to
     Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
@@ -410,7 +426,7 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     split = tl.program_id(1)
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
         Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P, NWAY,
-        SPLITS_POW2, HAS_P, CHECKED)
+        SPLITS_POW2, HAS_P, CHECKED, Count2, Second, SECOND)
     if active:
         prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block,
                                                                     FIRST)
@@ -460,13 +476,13 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
 def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, CutK, vocab_size, num_splits, b,
                           greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
                           NWAY: tl.constexpr = 16, Mass=None, Count=None, HAS_P: tl.constexpr = False,
-                          CHECKED: tl.constexpr = False):
+                          CHECKED: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False):
     """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
     the select's passes, finished over the keys a pass gathered where one did."""
     row = tl.program_id(0).to(tl.int64)
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
         Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P, NWAY,
-        SPLITS_POW2, HAS_P, CHECKED)
+        SPLITS_POW2, HAS_P, CHECKED, Count2, Second, SECOND)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     if active:
         prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, _TOP_K_PASSES, top_k,
@@ -497,58 +513,126 @@ def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Den
 @triton.jit(do_not_specialize=["split_len", "num_splits"])
 def _accept_part_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Vals, Idx, Mass, Count, vocab_size, split_len,
                         num_splits, greedy_eps, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Vals2=None, Idx2=None,
+                        Count2=None, Second=None, SECOND: tl.constexpr = False):
     """Per (row, split) of a sampling row, from the unrestricted draw's split bests (Vals, Idx): the count of
     kept columns whose key exceeds key(x[j*]) (HAS_K), and the masses at or above the keys [floor, key(x[j*]),
-    key(x[j*]) + 1, ...] as the top_p search sums them (HAS_P)."""
+    key(x[j*]) + 1, ...] as the top_p search sums them (HAS_P). SECOND: the same for the row's second best draw j2
+    (`_row_candidates`, from the splits' seconds Vals2 / Idx2) into Count2 and Mass's lanes 3 and 4 (its key, its
+    key + 1), and Second[row] = whether the row has a second (split 0 stores it)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     if samples:
-        s = tl.arange(0, SPLITS_POW2)
-        vals = tl.load(Vals + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
-        idx = tl.load(Idx + row * num_splits + s, mask=s < num_splits, other=2**62)
-        best = tl.min(tl.where(vals == tl.max(vals, axis=0), idx, 2**62), axis=0)  # pick_rows' choice
+        best, second, second_val, _ = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2, SECOND)
         key_j = _order_key(tl.load(Logits + row * stride_l + best) / temp)
+        key_j2 = key_j
+        if SECOND:
+            has_second = second_val > float("-inf")
+            key_j2 = tl.where(has_second, _order_key(tl.load(Logits + row * stride_l + second) / temp), key_j)
+            if split == 0:
+                tl.store(Second + row, has_second.to(tl.int32))
         lo_col = split * split_len
         hi_col = tl.minimum(lo_col + split_len, vocab_size)
         row_ptr = Logits + row * stride_l
         if HAS_K:
             n = tl.zeros([BLOCK], tl.int32)
+            n2 = tl.zeros([BLOCK], tl.int32)
             for start in range(lo_col, hi_col, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 _, key, kept = _kept_keys(row_ptr, offs, offs < hi_col, temp, x_max, log_min_p, _NEG_INF_KEY,
                                           HAS_MIN_P)
                 n += (kept & (key > key_j)).to(tl.int32)
+                if SECOND:
+                    n2 += (kept & (key > key_j2)).to(tl.int32)
             tl.store(Count + row * num_splits + split, tl.sum(n, axis=0))
+            if SECOND:
+                tl.store(Count2 + row * num_splits + split, tl.sum(n2, axis=0))
         if HAS_P:
             j = tl.arange(0, NWAY)
             cand = tl.where(j == 0, _NEG_INF_KEY, tl.where(j == 1, key_j, key_j + 1))
+            if SECOND:
+                cand = tl.where(j == 3, key_j2, tl.where(j == 4, key_j2 + 1, cand))
             mass = _mass_at_or_above(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, _NEG_INF_KEY, cand,
                                      HAS_MIN_P, NWAY, BLOCK)
             tl.store(Mass + (row * num_splits + split) * NWAY + j, mass)
 
 
 @triton.jit
-def _accepted(Mass, Count, row, b, num_splits, samples, top_k, top_p, vocab_size, HAS_K: tl.constexpr,
-              HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
-    """Whether the row's unrestricted draw stands: a greedy row, or j* kept by its top_k and top_p. With both, top_p's
-    goal is taken as top_p x the mass at or above j*'s key, at most top_k's mass: accepting on it is safe."""
-    ok = samples | ~samples  # a true scalar tensor; greedy rows' parts were never written and are not used
+def _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2: tl.constexpr, SECOND: tl.constexpr):
+    """(j1, j2, j2's perturbed value (-inf: the row has no second), j2's split) of a row: its unrestricted draw j1
+    (pick_rows' choice over the splits' bests) and, with SECOND, its second best in (value descending, index
+    ascending) order, from the splits' bests with j1's split's second in place of j1."""
+    s = tl.arange(0, SPLITS_POW2)
+    live = s < num_splits
+    vals = tl.load(Vals + row * num_splits + s, mask=live, other=float("-inf"))
+    idx = tl.load(Idx + row * num_splits + s, mask=live, other=2**62)
+    top = tl.max(vals, axis=0)
+    j1 = tl.min(tl.where(vals == top, idx, 2**62), axis=0)
+    j2 = j1
+    top2 = tl.full([], float("-inf"), tl.float32)
+    s2 = tl.zeros([], tl.int32)
+    if SECOND:
+        own = idx == j1
+        vals2 = tl.where(own, tl.load(Vals2 + row * num_splits + s, mask=live, other=float("-inf")), vals)
+        idx2 = tl.where(own, tl.load(Idx2 + row * num_splits + s, mask=live, other=2**62), idx)
+        top2 = tl.max(vals2, axis=0)
+        j2 = tl.min(tl.where(vals2 == top2, idx2, 2**62), axis=0)
+        s2 = tl.min(tl.where((vals2 == top2) & (idx2 == j2), s, SPLITS_POW2), axis=0)
+    return j1, j2, top2, s2
+
+
+@triton.jit
+def _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_K: tl.constexpr,
+                 HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2, Second,
+                 SECOND: tl.constexpr):
+    """(whether j1 is kept by the row's top_k and top_p, whether j2 decides the row) of a sampling row, from the
+    acceptance pass's sums. j1 is kept iff fewer than k kept columns have a larger key and the mass above its key is
+    under top_p x the mass top_k keeps; with both filters that mass is taken as the mass at or above j1's key, at
+    most top_k's: accepting on it is safe, refusing is not exact. The restricted draw is the first column in
+    (perturbed value, index) order that the filters keep, so j2 decides the row when j1 is certainly out (its
+    top_k count fails; or, where the row has no top_k, its exact top_p check) and j2 is kept (the same checks)."""
+    ok = top_p == top_p  # a true scalar
+    ok2 = ok
+    out = ~ok
+    k_on = ~ok
     if HAS_K:
+        k_on = top_k < vocab_size
         s = tl.arange(0, SPLITS_POW2)
         above = tl.sum(tl.load(Count + row * num_splits + s, mask=s < num_splits, other=0), axis=0)
-        ok = ok & ((top_k >= vocab_size) | (above < top_k))
+        ok = ok & (~k_on | (above < top_k))
+        if SECOND:
+            out = out | (k_on & (above >= top_k))
+            above2 = tl.sum(tl.load(Count2 + row * num_splits + s, mask=s < num_splits, other=0), axis=0)
+            ok2 = ok2 & (~k_on | (above2 < top_k))
     if HAS_P:
         j = tl.arange(0, NWAY)
         mass = _summed(Mass, 0, row, b, num_splits, NWAY, SPLITS_POW2)
-        base = tl.sum(tl.where(j == 0, mass, 0.0), axis=0)  # every kept column's, as the search's goal sums it
-        if HAS_K:
-            base = tl.where(top_k < vocab_size, tl.sum(tl.where(j == 1, mass, 0.0), axis=0), base)
-        above = tl.sum(tl.where(j == 2, mass, 0.0), axis=0)
-        ok = ok & ((top_p >= 1.0) | (above < top_p * base))
-    return ok | ~samples
+        total = tl.sum(tl.where(j == 0, mass, 0.0), axis=0)  # every kept column's, as the search's goal sums it
+        base = tl.where(k_on, tl.sum(tl.where(j == 1, mass, 0.0), axis=0), total)
+        p_ok = (top_p >= 1.0) | (tl.sum(tl.where(j == 2, mass, 0.0), axis=0) < top_p * base)
+        ok = ok & p_ok
+        if SECOND:
+            out = out | (~k_on & ~p_ok)
+            base2 = tl.where(k_on, tl.sum(tl.where(j == 3, mass, 0.0), axis=0), total)
+            ok2 = ok2 & ((top_p >= 1.0) | (tl.sum(tl.where(j == 4, mass, 0.0), axis=0) < top_p * base2))
+    if SECOND:
+        ok2 = ok2 & out & (tl.load(Second + row) != 0)
+    else:
+        ok2 = ~ok2
+    return ok, ok2
+
+
+@triton.jit
+def _accepted(Mass, Count, row, b, num_splits, samples, top_k, top_p, vocab_size, HAS_K: tl.constexpr,
+              HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2=None, Second=None,
+              SECOND: tl.constexpr = False):
+    """Whether the row needs no cut: a greedy row, or one whose unrestricted draw j1 stands or whose second best
+    decides it (`_draw_checks`); greedy rows' parts were never written and are not used."""
+    ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_K, HAS_P, NWAY,
+                           SPLITS_POW2, Count2, Second, SECOND)
+    return ok | ok2 | ~samples
 
 
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits", "b"])
@@ -556,7 +640,8 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Mass=None, Count=None,
                        HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False, Gathered=None, GathN=None,
-                       Above=None, Resolved=None, GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False):
+                       Above=None, Resolved=None, GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False,
+                       Count2=None, Second=None, SECOND: tl.constexpr = False):
     """One pass of top_p's cut search for (row, split): the largest key at or above which the softmax mass reaches
     top_p x the mass top_k keeps. A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
@@ -587,7 +672,7 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
         goal = tl.load(Goal + row)
     if CHECKED:  # rows whose unrestricted draw stands need no cut
         active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, tl.load(TopKs + row), top_p,
-                                     vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2)
+                                     vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2, Count2, Second, SECOND)
     if GATHER_CAP:
         if pass_idx > _GATHER_PASS:  # rows the resolver finished
             active = active & (tl.load(Resolved + row * 2) == 0)
@@ -623,7 +708,7 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
                         vocab_size, num_splits, b, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
                         NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr,
                         RESOLVE_BLOCK: tl.constexpr, Mass=None, Count=None, HAS_P: tl.constexpr = False,
-                        CHECKED: tl.constexpr = False):
+                        CHECKED: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False):
     """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
     finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
     split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
@@ -635,7 +720,8 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
     goal = tl.load(Goal + row)
     if CHECKED:
         active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, tl.load(TopKs + row),
-                                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2)
+                                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2, Count2, Second,
+                                     SECOND)
     out = Resolved + row * 2
     if active:
         s = tl.arange(0, SPLITS_POW2)
@@ -669,13 +755,26 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
 
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
-                       NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0):
+                       NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0,
+                       TopKs=None, vocab_size=0, HAS_K: tl.constexpr = False, Vals=None, Idx=None, Vals2=None,
+                       Idx2=None, Mass=None, Count=None, Count2=None, Second=None, SECOND: tl.constexpr = False):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
-    value at which the renormalized mass reaches top_p."""
+    value at which the renormalized mass reaches top_p. SECOND: a row whose second best draw decides it
+    (`_draw_checks`) gets that draw as its split bests (-inf but in its split), which the pick reads, since the
+    checked draw leaves the rows that need no cut as they are."""
     row = tl.program_id(0).to(tl.int64)
     samples = tl.load(Temps + row) >= greedy_eps
     top_p = tl.load(TopPs + row)
+    if SECOND:
+        if samples:
+            ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, tl.load(TopKs + row), top_p, vocab_size, HAS_K,
+                                   HAS_P, NWAY, SPLITS_POW2, Count2, Second, SECOND)
+            if ok2 & ~ok:
+                _, j2, v2, s2 = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2, SECOND)
+                s = tl.arange(0, SPLITS_POW2)
+                tl.store(Vals + row * num_splits + s, tl.where(s == s2, v2, float("-inf")), mask=s < num_splits)
+                tl.store(Idx + row * num_splits + s2, j2)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     if samples:  # top_k's cut (-inf's key without top_k), or top_p's above it
         cut = tl.load(CutK + row)
@@ -688,6 +787,8 @@ def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, 
 
 _BLOCK = 2048
 REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0": every row searched (for A/B runs)
+# rejection first also checks each row's second best draw (`_draw_checks`); "0": the first alone (for A/B runs)
+SECOND_BEST = os.environ.get("OSTINATO_SAMPLER_SECOND", "1") != "0"
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
 _RESOLVE_BLOCK = 32 * _SEARCH_WARPS
@@ -746,17 +847,23 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     # the check's parts, each only where its search runs (else `vals`, unread)
     mass = torch.empty(b, num_splits, _NWAY, dtype=torch.float32, device=dev) if has_p else vals
     count = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k else vals
+    # the second best draw's: the splits' seconds, its top_k count, whether the row has one
+    vals2, idx2 = (torch.empty_like(vals), torch.empty_like(idx)) if SECOND_BEST else (vals, idx)
+    count2 = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k and SECOND_BEST else vals
+    second = torch.empty(b, dtype=torch.int32, device=dev)
+    second_args = dict(Count2=count2, Second=second, SECOND=SECOND_BEST)
     # the row maximum (min_p and the searches need it): with min_p a pass of its own, else taken by the first draw
     split_max = _split_max(logits, temperatures, min_ps, False, vocab_size, greedy_eps, split_len, num_splits)
     _split_sample_kernel[grid](*sample_args, split_max, split_max, *draw_args, HAS_CUT=False, MaxOut=split_max,
-                               STORE_MAX=min_ps is None, **sample_meta)
+                               STORE_MAX=min_ps is None, KEEP_SECOND=SECOND_BEST, OutVal2=vals2, OutIdx2=idx2,
+                               **sample_meta)
     _accept_part_kernel[grid](logits, logits.stride(0), temperatures, min_p_arg, split_max, vals, idx, mass, count,
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
                               HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
-                              num_warps=_SEARCH_WARPS)
-    check = dict(Mass=mass, Count=count, HAS_P=has_p, CHECKED=True)
+                              num_warps=_SEARCH_WARPS, Vals2=vals2, Idx2=idx2, **second_args)
+    check = dict(Mass=mass, Count=count, HAS_P=has_p, CHECKED=True, **second_args)
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
-                 split_len, num_splits, check)
+                 split_len, num_splits, check, draws=dict(Vals=vals, Idx=idx, Vals2=vals2, Idx2=idx2))
     _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, TopKs=top_ks, TopPs=top_ps,
                                b=b, HAS_K=has_k, NWAY=_NWAY, **check, **sample_meta)
     return pick_rows(vals, idx, out, scatter)
@@ -776,9 +883,11 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
 
 def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
           top_ps: torch.Tensor, split_max: torch.Tensor, vocab_size: int, greedy_eps: float,
-          cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None) -> torch.Tensor:
+          cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None,
+          draws: dict | None = None) -> torch.Tensor:
     """The cut search's launches: each row's cut, float32 [B]. `check` (the acceptance parts and flags): rows whose
-    unrestricted draw stands are not searched, and their cuts are left unset."""
+    unrestricted draw stands, or whose second best decides them, are not searched, and their cuts are left unset;
+    `draws` (the split bests and seconds): the finish gives a row its second where that decides it."""
     b = logits.shape[0]
     grid = (b, num_splits)
     dev = logits.device
@@ -821,9 +930,12 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
                                           greedy_eps, HAS_K=has_k, GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK,
                                           **meta)
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
+    second = {} if check is None or draws is None else dict(
+        TopKs=top_ks, vocab_size=vocab_size, HAS_K=has_k, Mass=check["Mass"], Count=check["Count"],
+        Count2=check["Count2"], Second=check["Second"], SECOND=check["SECOND"], **draws)
     _cut_finish_kernel[(b,)](temperatures, top_ps, state, part, goal, cut_k, cuts, num_splits, b, greedy_eps,
                              HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2, Resolved=gather.get("Resolved"),
-                             GATHER_CAP=cap, num_warps=1)
+                             GATHER_CAP=cap, num_warps=1, **second)
     return cuts
 
 
