@@ -525,7 +525,7 @@ def _accept_part_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Vals, Idx, Mas
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     if samples:
-        best, second, second_val, _ = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2, SECOND)
+        best, second, second_val, second_split = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2, SECOND)
         key_j = _order_key(tl.load(Logits + row * stride_l + best) / temp)
         key_j2 = key_j
         if SECOND:
