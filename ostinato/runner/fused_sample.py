@@ -525,7 +525,8 @@ def _accept_part_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Vals, Idx, Mas
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     if samples:
-        best, second, second_val, second_split = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2, SECOND)
+        best, second, second_val, second_split = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits,
+                                                                 SPLITS_POW2, SECOND)
         key_j = _order_key(tl.load(Logits + row * stride_l + best) / temp)
         key_j2 = key_j
         if SECOND:
@@ -787,8 +788,9 @@ def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, 
 
 _BLOCK = 2048
 REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0": every row searched (for A/B runs)
-# rejection first also checks each row's second best draw (`_draw_checks`); "0": the first alone (for A/B runs)
-SECOND_BEST = os.environ.get("OSTINATO_SAMPLER_SECOND", "1") != "0"
+# rejection first also checks each row's second best draw (`_draw_checks`) where "1". Off by default: tested on the
+# CPU (Triton's interpreter) and compiled for sm_90, not yet run on a GPU (docs/gpu-notes.md, forty-seventh session)
+SECOND_BEST = os.environ.get("OSTINATO_SAMPLER_SECOND", "0") == "1"
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
 _RESOLVE_BLOCK = 32 * _SEARCH_WARPS

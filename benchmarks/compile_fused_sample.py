@@ -1,0 +1,60 @@
+"""Compile the fused sampler's kernels (runner/fused_sample.py) for sm_90 on a CPU, at the settings a captured step
+launches them with: the errors only a compiled kernel meets (Triton's interpreter runs the Python and checks no
+types: a loop-carried variable whose type changes, say) show here, before a GPU call.
+
+PYTHONPATH=/tmp/t36 python benchmarks/compile_fused_sample.py   # Triton 3.6 (the GPU image's) with its ptxas:
+                                                                 # pip install --no-deps --target /tmp/t36 triton==3.6.0
+"""
+
+import sys
+
+from sass_decode_attention import compile_sm90
+
+import ostinato.runner.fused_sample as fs
+
+# pointer arguments by dtype (a kernel's capitalized arguments; the rest are float32)
+I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "TopKs", "Seeds", "Steps"}
+I32 = {"Count", "Count2", "Second", "Hist", "Dense", "Gathered", "GathN", "Cursor"}
+PLAIN_INTS = ("pass_idx", "b", "split_len", "num_splits", "vocab_size", "stride_l")
+ROW = dict(HAS_MIN_P=False, SPLITS_POW2=16, NWAY=16)
+CHECK = dict(HAS_P=True, CHECKED=True)
+CASES = [
+    (fs._split_sample_kernel, dict(HAS_CUT=False, BLOCK=2048, STORE_MAX=True, KEEP_SECOND=True, **ROW)),
+    (fs._split_sample_kernel, dict(HAS_CUT=True, BLOCK=2048, HAS_K=True, SECOND=True, **CHECK, **ROW)),
+    (fs._accept_part_kernel, dict(HAS_K=True, HAS_P=True, SECOND=True, BLOCK=1024, **ROW)),
+    (fs._accept_part_kernel, dict(HAS_K=False, HAS_P=True, SECOND=True, BLOCK=1024, **ROW)),
+    (fs._top_k_pass_kernel, dict(BLOCK=2048, FIRST=True, SECOND=True, num_warps=4, **CHECK, **ROW)),
+    (fs._top_k_pass_kernel, dict(BLOCK=2048, FIRST=False, SECOND=True, num_warps=4, **CHECK, **ROW)),
+    (fs._top_k_resolve_kernel, dict(BLOCK=1024, SECOND=True, **CHECK, **ROW)),
+    (fs._top_p_pass_kernel, dict(HAS_K=True, BLOCK=1024, SECOND=True, GATHER_CAP=128, IS_GATHER=True, **CHECK, **ROW)),
+    (fs._top_p_pass_kernel, dict(HAS_K=False, BLOCK=1024, SECOND=True, **CHECK, **ROW)),
+    (fs._cut_resolve_kernel, dict(HAS_K=True, GATHER_CAP=128, RESOLVE_BLOCK=256, SECOND=True, **CHECK, **ROW)),
+    (fs._cut_finish_kernel, dict(HAS_P=True, HAS_K=True, GATHER_CAP=128, SECOND=True, num_warps=1, **ROW)),
+    (fs._cut_finish_kernel, dict(HAS_P=True, HAS_K=False, num_warps=1, **ROW)),
+]
+
+
+def compile_case(fn, settings: dict):
+    """The kernel compiled for sm_90 with `settings` for its constexprs (their defaults elsewhere)."""
+    consts = {p.name: settings.get(p.name, p.default) for p in fn.params if p.is_constexpr}
+    ptrs = {p.name: "*i64" if p.name in I64 else "*i32" if p.name in I32 else "*fp32"
+            for p in fn.params if not p.is_constexpr and p.name[0].isupper()}
+    return compile_sm90(fn, consts, ptrs, floats=("greedy_eps",), plain_ints=PLAIN_INTS,
+                        num_warps=settings.get("num_warps", 8))
+
+
+def main() -> int:
+    failed = 0
+    for fn, settings in CASES:
+        flags = {k: v for k, v in settings.items() if isinstance(v, bool) and v}
+        try:
+            compile_case(fn, settings)
+            print(f"ok    {fn.fn.__name__} {sorted(flags)}")
+        except Exception as e:  # noqa: BLE001 (every failure is reported, then the exit status)
+            failed += 1
+            print(f"FAIL  {fn.fn.__name__} {sorted(flags)}: {e!r}"[:600])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
