@@ -349,7 +349,7 @@ fastnoise)
 secondbest)
   # forty-seventh session: rejection first also checks each row's second best draw, which decides a row whose first
   # falls outside its top_k / top_p without the search (OSTINATO_SAMPLER_SECOND=1; not yet passed on a GPU: its
-  # first run met a compile error, since fixed; `python benchmarks/compile_fused_sample.py` on the CPU with Triton
+  # first run met a compile error, since fixed; `python benchmarks/compile_sampling_sm90.py` on the CPU with Triton
   # 3.6 compiles every kernel for sm_90 first). The sampler's GPU tests with it on, then the sampler alone in turns
   # with fused_sample.py as at 595f907 (`git show 595f907:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`,
   # carried), then top_p 0.9 through LLM.generate at bs 32 (greedy beside it) with it on and off. About 5 minutes

@@ -1,8 +1,9 @@
-"""Compile the fused sampler's kernels (runner/fused_sample.py) for sm_90 on a CPU, at the settings a captured step
-launches them with: the errors only a compiled kernel meets (Triton's interpreter runs the Python and checks no
-types: a loop-carried variable whose type changes, say) show here, before a GPU call.
+"""Compile the sampling kernels for sm_90 on a CPU: the fused sampler's (runner/fused_sample.py), at the settings a
+captured step launches them with, and the decode graph's argmax and draw (layers/triton_ops/argmax.py). The errors
+only a compiled kernel meets (Triton's interpreter runs the Python and checks no types: a loop-carried variable
+whose type changes, say) show here, before a GPU call; `tests/test_compile_sm90.py` runs it in the CPU suite.
 
-PYTHONPATH=/tmp/t36 python benchmarks/compile_fused_sample.py   # Triton 3.6 (the GPU image's) with its ptxas:
+PYTHONPATH=/tmp/t36 python benchmarks/compile_sampling_sm90.py   # Triton 3.6 (the GPU image's) with its ptxas:
                                                                  # pip install --no-deps --target /tmp/t36 triton==3.6.0
 """
 
@@ -10,12 +11,14 @@ import sys
 
 from sass_decode_attention import compile_sm90
 
+import ostinato.layers.triton_ops.argmax as am
 import ostinato.runner.fused_sample as fs
 
-# pointer arguments by dtype (a kernel's capitalized arguments; the rest are float32)
-I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "TopKs", "Seeds", "Steps"}
-I32 = {"Count", "Count2", "Second", "Hist", "Dense", "Gathered", "GathN", "Cursor"}
-PLAIN_INTS = ("pass_idx", "b", "split_len", "num_splits", "vocab_size", "stride_l")
+# pointer arguments (capitalized, or named *_ptr) by dtype; the rest are float32
+I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "TopKs", "Seeds", "Steps", "seeds_ptr",
+       "steps_ptr", "out_ptr", "dest_ptr", "index_ptr"}
+I32 = {"Count", "Count2", "Second", "Hist", "Dense", "Gathered", "GathN", "Cursor", "idx_ptr"}
+PLAIN_INTS = ("pass_idx", "b", "split_len", "num_splits", "vocab_size", "stride_l", "n_cols", "n_chunks")
 ROW = dict(HAS_MIN_P=False, SPLITS_POW2=16, NWAY=16)
 CHECK = dict(HAS_P=True, CHECKED=True)
 CASES = [
@@ -31,6 +34,9 @@ CASES = [
     (fs._cut_resolve_kernel, dict(HAS_K=True, GATHER_CAP=128, RESOLVE_BLOCK=256, SECOND=True, **CHECK, **ROW)),
     (fs._cut_finish_kernel, dict(HAS_P=True, HAS_K=True, GATHER_CAP=128, SECOND=True, num_warps=1, **ROW)),
     (fs._cut_finish_kernel, dict(HAS_P=True, HAS_K=False, num_warps=1, **ROW)),
+    (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=True, num_warps=4)),
+    (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=False, num_warps=4)),
+    (am._rows_argmax_kernel, dict(BLOCK_C=128, SCATTER=True, num_warps=1)),
 ]
 
 
@@ -38,7 +44,7 @@ def compile_case(fn, settings: dict):
     """The kernel compiled for sm_90 with `settings` for its constexprs (their defaults elsewhere)."""
     consts = {p.name: settings.get(p.name, p.default) for p in fn.params if p.is_constexpr}
     ptrs = {p.name: "*i64" if p.name in I64 else "*i32" if p.name in I32 else "*fp32"
-            for p in fn.params if not p.is_constexpr and p.name[0].isupper()}
+            for p in fn.params if not p.is_constexpr and (p.name[0].isupper() or p.name.endswith("_ptr"))}
     return compile_sm90(fn, consts, ptrs, floats=("greedy_eps",), plain_ints=PLAIN_INTS,
                         num_warps=settings.get("num_warps", 8))
 
