@@ -852,7 +852,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     # the second best draw's: the splits' seconds, its top_k count, whether the row has one
     vals2, idx2 = (torch.empty_like(vals), torch.empty_like(idx)) if SECOND_BEST else (vals, idx)
     count2 = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k and SECOND_BEST else vals
-    second = torch.empty(b, dtype=torch.int32, device=dev)
+    second = torch.empty(b, dtype=torch.int32, device=dev) if SECOND_BEST else vals
     second_args = dict(Count2=count2, Second=second, SECOND=SECOND_BEST)
     # the row maximum (min_p and the searches need it): with min_p a pass of its own, else taken by the first draw
     split_max = _split_max(logits, temperatures, min_ps, False, vocab_size, greedy_eps, split_len, num_splits)
