@@ -864,8 +864,11 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
                               HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
                               num_warps=_SEARCH_WARPS, Vals2=vals2, Idx2=idx2, **second_args)
     check = dict(Mass=mass, Count=count, HAS_P=has_p, CHECKED=True, **second_args)
+    # the finish places a row's second where it decides the row (only with the check on)
+    finish = dict(TopKs=top_ks, vocab_size=vocab_size, HAS_K=has_k, Mass=mass, Count=count, Vals=vals, Idx=idx,
+                  Vals2=vals2, Idx2=idx2, **second_args) if SECOND_BEST else {}
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
-                 split_len, num_splits, check, draws=dict(Vals=vals, Idx=idx, Vals2=vals2, Idx2=idx2))
+                 split_len, num_splits, check, finish)
     _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, TopKs=top_ks, TopPs=top_ps,
                                b=b, HAS_K=has_k, NWAY=_NWAY, **check, **sample_meta)
     return pick_rows(vals, idx, out, scatter)
@@ -886,10 +889,11 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
 def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
           top_ps: torch.Tensor, split_max: torch.Tensor, vocab_size: int, greedy_eps: float,
           cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None,
-          draws: dict | None = None) -> torch.Tensor:
+          finish: dict | None = None) -> torch.Tensor:
     """The cut search's launches: each row's cut, float32 [B]. `check` (the acceptance parts and flags): rows whose
     unrestricted draw stands, or whose second best decides them, are not searched, and their cuts are left unset;
-    `draws` (the split bests and seconds): the finish gives a row its second where that decides it."""
+    `finish` (the second best draw's arguments of `_cut_finish_kernel`): it gives a row its second where that
+    decides it."""
     b = logits.shape[0]
     grid = (b, num_splits)
     dev = logits.device
@@ -932,12 +936,9 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
                                           greedy_eps, HAS_K=has_k, GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK,
                                           **meta)
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
-    second = {} if check is None or draws is None else dict(
-        TopKs=top_ks, vocab_size=vocab_size, HAS_K=has_k, Mass=check["Mass"], Count=check["Count"],
-        Count2=check["Count2"], Second=check["Second"], SECOND=check["SECOND"], **draws)
     _cut_finish_kernel[(b,)](temperatures, top_ps, state, part, goal, cut_k, cuts, num_splits, b, greedy_eps,
                              HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2, Resolved=gather.get("Resolved"),
-                             GATHER_CAP=cap, num_warps=1, **second)
+                             GATHER_CAP=cap, num_warps=1, **(finish or {}))
     return cuts
 
 
