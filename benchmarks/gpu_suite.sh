@@ -51,6 +51,7 @@
 #                                          sampler alone and the offline shape, in turns with a base tree (.ab/base)
 #   bash benchmarks/gpu_suite.sh secondbest  each row's second best draw checked too: the sampler's GPU tests, the
 #                                          sampler alone in turns with the last commit's, top_p 0.9 at bs 32
+#   bash benchmarks/gpu_suite.sh secondauto  top_p 0.9 at bs 32 with the second best's check by default against never
 #   bash benchmarks/gpu_suite.sh hop       one GEMV-to-GEMV hand-off by its form: launch, PDL, a persistent kernel's
 #                                          flag, with and without the next weights loaded first (CUDA C++; not yet run)
 #   bash benchmarks/gpu_suite.sh order     decode rows longest context first: mixed batches by row order (step
@@ -378,8 +379,18 @@ hop)
   # benchmarks/hop_latency.cu, CUDA C++ built here with nvcc. About 1 minute
   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/hop_latency benchmarks/hop_latency.cu 2>&1 \
       | tee "$OUT/hop-latency-build.log"
-  for args in "1024 112" "2048 64" "1024 16"; do
+  for args in "1024 112" "2048 64" "1024 16" "1024 112 20 1" "2048 64 20 1"; do
     timeout 60 /tmp/hop_latency $args 20 2>&1 | tee -a "$OUT/hop-latency.log"; echo "rc $?" >> "$OUT/hop-latency.log"
+  done
+  ;;
+secondauto)
+  # forty-eighth session: the second best's check by default where top_p is the batch's one filter
+  # (OSTINATO_SAMPLER_SECOND unset: "auto") against never ("0"), top_p 0.9 through LLM.generate at bs 32 (greedy
+  # beside it), in turns, one process each. About 5 minutes
+  for second in auto 0 auto 0; do
+    OSTINATO_SAMPLER_SECOND=$second timeout 170 python benchmarks/bench_generate.py --models llama-3.2-1b \
+        --batch-sizes 32 --temperature 0 0.6 --top-p 0.9 --repeats 2 --out "$OUT/generate-secondauto-$second.json" \
+        2>&1 | quiet | grep -E "ms/token|Error" | sed "s/^/[second $second] /" | tee -a "$OUT/generate-secondauto.log"
   done
   ;;
 drawoffline)

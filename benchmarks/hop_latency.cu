@@ -1,6 +1,7 @@
 // What one GEMV-to-GEMV hand-off costs on the GPU, by the form of the hand-off: the question a decode megakernel
 // turns on (#16's bs-1 rows, docs/gpu-notes.md). A chain of N square GEMVs y = W_p x (bf16 weights, fp32
-// activations, distinct weights per step, so they stream from HBM) runs four ways:
+// activations staged in each block's shared memory, distinct weights per step, so they stream from HBM) runs four
+// ways:
 //   launch      one kernel a GEMV, captured in a CUDA graph (each waits for the last to complete);
 //   pdl         the same with Programmatic Dependent Launch: a kernel loads its weight rows into registers, then
 //               waits for the previous grid (griddepcontrol.wait) and lets the next one in (the engine's
@@ -13,7 +14,8 @@
 // agree (the same sums in the same order), which the program checks.
 //
 // nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/hop_latency benchmarks/hop_latency.cu
-// /tmp/hop_latency [dim=1024] [gemvs=112] [reps=20]     # Qwen3-0.6B-sized: 1024 x 1024, 28 layers x 4
+// /tmp/hop_latency [dim=1024] [gemvs=112] [reps=20] [same=0]  # Qwen3-0.6B-sized: 1024 x 1024, 28 layers x 4
+// (same=1: every GEMV reads the first W, which stays in L2, so what is left is the hand-off and the body's latency)
 #include <cuda/atomic>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -52,17 +54,25 @@ __device__ __forceinline__ RowChunks load_row(const __nv_bfloat16* __restrict__ 
   return r;
 }
 
-// The row's dot with x (fp32, in L2: the last GEMV's output), summed in a fixed order: lanes' chunks, then a
-// butterfly over the warp.
-__device__ __forceinline__ float row_dot(const RowChunks& r, const float* x, int dim, int lane) {
+// x (fp32, dim floats, in L2: the last GEMV's output) into the block's shared memory, one read a block (a read a
+// warp would make every SM's warps queue on the same few L2 lines).
+__device__ __forceinline__ void stage_x(const float* x, float* xs, int dim) {
+  for (int i = threadIdx.x * 4; i < dim; i += kThreads * 4)
+    *reinterpret_cast<float4*>(xs + i) = __ldcg(reinterpret_cast<const float4*>(x + i));
+  __syncthreads();
+}
+
+// The row's dot with x (staged in shared memory), summed in a fixed order: lanes' chunks, then a butterfly over
+// the warp.
+__device__ __forceinline__ float row_dot(const RowChunks& r, const float* xs, int dim, int lane) {
   float acc = 0.f;
 #pragma unroll
   for (int c = 0; c < kMaxChunks; ++c) {
     int base = (c * 32 + lane) * 8;
     if (base < dim) {
       const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(&r.w[c]);
-      float4 x0 = __ldcg(reinterpret_cast<const float4*>(x + base));
-      float4 x1 = __ldcg(reinterpret_cast<const float4*>(x + base + 4));
+      float4 x0 = *reinterpret_cast<const float4*>(xs + base);
+      float4 x1 = *reinterpret_cast<const float4*>(xs + base + 4);
       acc += __bfloat162float(w[0]) * x0.x + __bfloat162float(w[1]) * x0.y + __bfloat162float(w[2]) * x0.z +
              __bfloat162float(w[3]) * x0.w + __bfloat162float(w[4]) * x1.x + __bfloat162float(w[5]) * x1.y +
              __bfloat162float(w[6]) * x1.z + __bfloat162float(w[7]) * x1.w;
@@ -83,19 +93,19 @@ constexpr int kHeld = 2;  // rows a warp holds in registers across a wait (the r
 
 // y's rows of this warp: the held ones first, then the rest loaded as they go.
 __device__ __forceinline__ void store_rows(const RowChunks (&held)[kHeld], const __nv_bfloat16* __restrict__ w,
-                                           const float* x, float* y, int dim, int per, int warp, int lane) {
+                                           const float* xs, float* y, int dim, int per, int warp, int lane) {
 #pragma unroll
   for (int i = 0; i < kHeld; ++i) {
     int row = (i * kWarps + warp) * gridDim.x + blockIdx.x;
     if (i < per && row < dim) {
-      float v = row_dot(held[i], x, dim, lane);
+      float v = row_dot(held[i], xs, dim, lane);
       if (lane == 0) y[row] = v;
     }
   }
   for (int i = kHeld; i < per; ++i) {
     int row = (i * kWarps + warp) * gridDim.x + blockIdx.x;
     if (row >= dim) break;
-    float v = row_dot(load_row(w + (size_t)row * dim, dim, lane), x, dim, lane);
+    float v = row_dot(load_row(w + (size_t)row * dim, dim, lane), xs, dim, lane);
     if (lane == 0) y[row] = v;
   }
 }
@@ -104,6 +114,7 @@ __device__ __forceinline__ void store_rows(const RowChunks (&held)[kHeld], const
 template <bool PDL>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const __nv_bfloat16* __restrict__ w, const float* x,
                                                         float* y, int dim) {
+  __shared__ __align__(16) float xs[kMaxChunks * 8 * 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int per = rows_per_warp(dim, gridDim.x);
   // a warp's first kHeld rows are held in registers across the wait (unrolled: static indices)
@@ -117,20 +128,22 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const __nv_bfloat16* __r
     cudaGridDependencySynchronize();
     cudaTriggerProgrammaticLaunchCompletion();
   }
-  store_rows(held, w, x, y, dim, per, warp, lane);
+  stage_x(x, xs, dim);
+  store_rows(held, w, xs, y, dim, per, warp, lane);
 }
 
 // Every GEMV in one kernel; counts[p] reaches gridDim.x * (rep + 1) once GEMV p of repetition rep is stored.
 template <bool AHEAD>
 __global__ void __launch_bounds__(kThreads) chain_kernel(const __nv_bfloat16* __restrict__ w, float* buf0,
                                                          float* buf1, unsigned* counts, int dim, int gemvs,
-                                                         unsigned rep, unsigned* stuck) {
+                                                         size_t w_stride, unsigned rep, unsigned* stuck) {
+  __shared__ __align__(16) float xs[kMaxChunks * 8 * 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int per = rows_per_warp(dim, gridDim.x);
   const unsigned goal = gridDim.x * (rep + 1);
   RowChunks held[kHeld];
   for (int p = 0; p < gemvs; ++p) {
-    const __nv_bfloat16* wp = w + (size_t)p * dim * dim;
+    const __nv_bfloat16* wp = w + p * w_stride;
     const float* x = (p & 1) ? buf1 : buf0;
     float* y = (p & 1) ? buf0 : buf1;
 #pragma unroll
@@ -158,8 +171,9 @@ __global__ void __launch_bounds__(kThreads) chain_kernel(const __nv_bfloat16* __
         if (i < per && row < dim) held[i] = load_row(wp + (size_t)row * dim, dim, lane);
       }
     }
-    store_rows(held, wp, x, y, dim, per, warp, lane);
-    __syncthreads();  // the block's rows stored before its count goes up
+    stage_x(x, xs, dim);
+    store_rows(held, wp, xs, y, dim, per, warp, lane);
+    __syncthreads();  // the block's rows stored (and xs read) before its count goes up
     if (threadIdx.x == 0) {
       cuda::atomic_ref<unsigned, cuda::thread_scope_device> c(counts[p]);
       c.fetch_add(1u, cuda::memory_order_release);
@@ -187,6 +201,9 @@ int main(int argc, char** argv) {
   const int dim = argc > 1 ? std::atoi(argv[1]) : 1024;
   const int gemvs = argc > 2 ? std::atoi(argv[2]) : 112;
   const int reps = argc > 3 ? std::atoi(argv[3]) : 20;
+  const bool same = argc > 4 && std::atoi(argv[4]) != 0;  // every GEMV reads one W (in L2): the hand-off alone
+  const size_t w_stride = same ? 0 : (size_t)dim * dim;
+  constexpr int kWarmups = 5;
   if (dim % 8 || dim > kMaxChunks * 8 * 32 || gemvs < 2 || gemvs % 2) {
     std::fprintf(stderr, "dim: a multiple of 8 up to %d; gemvs: even, >= 2\n", kMaxChunks * 8 * 32);
     return 2;
@@ -231,8 +248,8 @@ int main(int argc, char** argv) {
   std::vector<std::vector<float>> finals;
   auto report = [&](const char* name, double ms_per_chain) {
     double us = ms_per_chain * 1e3 / gemvs;
-    std::printf("%-10s dim %5d gemvs %4d: %7.3f us a GEMV (weights at the copy rate %.3f us, %.2f TB/s)\n", name,
-                dim, gemvs, us, floor_us, (double)dim * dim * 2 / (us * 1e-6) / 1e12);
+    std::printf("%-10s dim %5d gemvs %4d%s: %7.3f us a GEMV (weights at the copy rate %.3f us, %.2f TB/s)\n", name,
+                dim, gemvs, same ? " one W" : "", us, floor_us, (double)dim * dim * 2 / (us * 1e-6) / 1e12);
     std::vector<float> out(dim);
     CHECK(cudaMemcpy(out.data(), buf0, dim * sizeof(float), cudaMemcpyDeviceToHost));  // gemvs even: buf0
     finals.push_back(out);
@@ -247,7 +264,7 @@ int main(int argc, char** argv) {
     for (int p = 0; p < gemvs; ++p) {
       const float* x = (p & 1) ? buf1 : buf0;
       float* y = (p & 1) ? buf0 : buf1;
-      const __nv_bfloat16* wp = w + (size_t)p * dim * dim;
+      const __nv_bfloat16* wp = w + p * w_stride;
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = dim3(grid);
       cfg.blockDim = dim3(kThreads);
@@ -264,7 +281,7 @@ int main(int argc, char** argv) {
     }
     CHECK(cudaStreamEndCapture(s, &g));
     CHECK(cudaGraphInstantiate(&ge, g, 0));
-    CHECK(cudaGraphLaunch(ge, s));  // warm-up
+    for (int r = 0; r < kWarmups; ++r) CHECK(cudaGraphLaunch(ge, s));
     CHECK(cudaEventRecord(e0, s));
     for (int r = 0; r < reps; ++r) CHECK(cudaGraphLaunch(ge, s));
     CHECK(cudaEventRecord(e1, s));
@@ -280,14 +297,14 @@ int main(int argc, char** argv) {
     auto run = [&](unsigned rep) {
       CHECK(cudaMemcpyAsync(buf0, x0, dim * sizeof(float), cudaMemcpyDeviceToDevice, s));
       if (ahead)
-        chain_kernel<true><<<grid, kThreads, 0, s>>>(w, buf0, buf1, counts, dim, gemvs, rep, stuck);
+        chain_kernel<true><<<grid, kThreads, 0, s>>>(w, buf0, buf1, counts, dim, gemvs, w_stride, rep, stuck);
       else
-        chain_kernel<false><<<grid, kThreads, 0, s>>>(w, buf0, buf1, counts, dim, gemvs, rep, stuck);
+        chain_kernel<false><<<grid, kThreads, 0, s>>>(w, buf0, buf1, counts, dim, gemvs, w_stride, rep, stuck);
       CHECK(cudaGetLastError());
     };
-    run(0);  // warm-up
+    for (int r = 0; r < kWarmups; ++r) run(r);
     CHECK(cudaEventRecord(e0, s));
-    for (int r = 1; r <= reps; ++r) run(r);
+    for (int r = kWarmups; r < kWarmups + reps; ++r) run(r);
     CHECK(cudaEventRecord(e1, s));
     CHECK(cudaStreamSynchronize(s));
     report(ahead ? "flag_ahead" : "flag", elapsed_ms(e0, e1) / reps);

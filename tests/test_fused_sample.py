@@ -125,12 +125,12 @@ def test_second_best_draw_decides_a_row_whose_first_is_cut(kinds, layout, monkey
     (4, 5), rows that need the search (6, 7), and a row (8) whose j1 is kept but, with top_k and top_p both, fails
     the safe check (mass 0.88 above it, 0.95 at or above it, top_p 0.9 of top_k 3's 1.0): its j2 (the row's top logit)
     passes, yet the row must be searched. Every row draws what the torch sampler draws; with every cut poisoned the
-    rows that j1 or j2 decide still do, and without the second's check (the default, OSTINATO_SAMPLER_SECOND unset)
+    rows that j1 or j2 decide still do, and without the second's check (OSTINATO_SAMPLER_SECOND=0)
     the j2 rows do not."""
     from ostinato.layers.gumbel import hash_uniform, log_neg_log_
     from ostinato.runner import fused_sample
 
-    monkeypatch.setattr(fused_sample, "SECOND_BEST", True)  # (off by default until it has run on a GPU)
+    monkeypatch.setattr(fused_sample, "SECOND_BEST", "1")  # (by default only where top_p is the one filter)
     vocab, b = 2 * 2048 + 21, 9
     if layout == "lanes":
         monkeypatch.setattr(fused_sample, "_TARGET_PROGRAMS", 1)
@@ -184,9 +184,11 @@ def test_second_best_draw_decides_a_row_whose_first_is_cut(kinds, layout, monkey
     monkeypatch.setattr(fused_sample, "_cuts", lambda *a, **kw: torch.full_like(real(*a, **kw), float("nan")))
     decided = torch.tensor([True] * 6 + [False, False, kinds != "both"])  # by j1 or j2 without a search
     assert torch.equal(sample_fused(logits, t).cpu()[decided], want[decided])
-    monkeypatch.setattr(fused_sample, "SECOND_BEST", False)
+    monkeypatch.setattr(fused_sample, "SECOND_BEST", "0")
     alone = sample_fused(logits, t).cpu()
     assert torch.equal(alone[4:6], want[4:6]) and not torch.equal(alone[:4], want[:4])
+    monkeypatch.setattr(fused_sample, "SECOND_BEST", "auto")  # the default: the check where top_p is the one filter
+    assert torch.equal(sample_fused(logits, t).cpu()[:4], want[:4]) == (kinds == "top_p")
 
 
 def _snapped(sorted_row: torch.Tensor, cut: torch.Tensor) -> float:

@@ -788,9 +788,9 @@ def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, 
 
 _BLOCK = 2048
 REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0": every row searched (for A/B runs)
-# rejection first also checks each row's second best draw (`_draw_checks`) where "1". Off by default: tested on the
-# CPU (Triton's interpreter) and compiled for sm_90, not yet run on a GPU (docs/gpu-notes.md, forty-seventh session)
-SECOND_BEST = os.environ.get("OSTINATO_SAMPLER_SECOND", "0") == "1"
+# rejection first also checks each row's second best draw (`_draw_checks`): "1" always, "0" never, by default
+# ("auto") where the batch has top_p and no top_k (`_second_best_pays`)
+SECOND_BEST = os.environ.get("OSTINATO_SAMPLER_SECOND", "auto")
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
 _RESOLVE_BLOCK = 32 * _SEARCH_WARPS
@@ -846,18 +846,19 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     # rejection first (see _accept_part_kernel): the unrestricted draw, the check of each row's j*, then the cut
     # search and the draw under the cuts for the rows whose j* failed
     has_k, has_p = cut_phases
+    second_best = _second_best_pays(has_k, has_p)
     # the check's parts, each only where its search runs (else `vals`, unread)
     mass = torch.empty(b, num_splits, _NWAY, dtype=torch.float32, device=dev) if has_p else vals
     count = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k else vals
     # the second best draw's: the splits' seconds, its top_k count, whether the row has one
-    vals2, idx2 = (torch.empty_like(vals), torch.empty_like(idx)) if SECOND_BEST else (vals, idx)
-    count2 = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k and SECOND_BEST else vals
-    second = torch.empty(b, dtype=torch.int32, device=dev) if SECOND_BEST else vals
-    second_args = dict(Count2=count2, Second=second, SECOND=SECOND_BEST)
+    vals2, idx2 = (torch.empty_like(vals), torch.empty_like(idx)) if second_best else (vals, idx)
+    count2 = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k and second_best else vals
+    second = torch.empty(b, dtype=torch.int32, device=dev) if second_best else vals
+    second_args = dict(Count2=count2, Second=second, SECOND=second_best)
     # the row maximum (min_p and the searches need it): with min_p a pass of its own, else taken by the first draw
     split_max = _split_max(logits, temperatures, min_ps, False, vocab_size, greedy_eps, split_len, num_splits)
     _split_sample_kernel[grid](*sample_args, split_max, split_max, *draw_args, HAS_CUT=False, MaxOut=split_max,
-                               STORE_MAX=min_ps is None, KEEP_SECOND=SECOND_BEST, OutVal2=vals2, OutIdx2=idx2,
+                               STORE_MAX=min_ps is None, KEEP_SECOND=second_best, OutVal2=vals2, OutIdx2=idx2,
                                **sample_meta)
     _accept_part_kernel[grid](logits, logits.stride(0), temperatures, min_p_arg, split_max, vals, idx, mass, count,
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
@@ -866,12 +867,22 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     check = dict(Mass=mass, Count=count, HAS_P=has_p, CHECKED=True, **second_args)
     # the finish places a row's second where it decides the row (only with the check on)
     finish = dict(TopKs=top_ks, vocab_size=vocab_size, HAS_K=has_k, Mass=mass, Count=count, Vals=vals, Idx=idx,
-                  Vals2=vals2, Idx2=idx2, **second_args) if SECOND_BEST else {}
+                  Vals2=vals2, Idx2=idx2, **second_args) if second_best else {}
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
                  split_len, num_splits, check, finish)
     _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, TopKs=top_ks, TopPs=top_ps,
                                b=b, HAS_K=has_k, NWAY=_NWAY, **check, **sample_meta)
     return pick_rows(vals, idx, out, scatter)
+
+
+def _second_best_pays(has_k: bool, has_p: bool) -> bool:
+    """Whether rejection first also checks each row's second best draw. It pays where top_p is the only filter:
+    j2's mass check then is exact and decides most rows whose j1 is cut, so their search is skipped. With top_k
+    its count is a second pass over the row, which cost more than the searches it saved on the H200 (top_k 200 at
+    256 rows, top_k 50 with top_p 0.9 at 32 and 256; docs/gpu-notes.md, forty-eighth session)."""
+    if SECOND_BEST in ("0", "1"):
+        return SECOND_BEST == "1"
+    return has_p and not has_k
 
 
 def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, search: bool,
