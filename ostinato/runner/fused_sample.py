@@ -877,9 +877,10 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
 
 def _second_best_pays(has_k: bool, has_p: bool) -> bool:
     """Whether rejection first also checks each row's second best draw. It pays where top_p is the only filter:
-    j2's mass check then is exact and decides most rows whose j1 is cut, so their search is skipped. With top_k
-    its count is a second pass over the row, which cost more than the searches it saved on the H200 (top_k 200 at
-    256 rows, top_k 50 with top_p 0.9 at 32 and 256; docs/gpu-notes.md, forty-eighth session)."""
+    j2's mass check then is exact and decides most rows whose j1 is cut, so their search is skipped. Where the
+    batch has top_k it cost more than it saved on the H200 (the draw keeping every row's second, a second count in
+    the check's pass): with top_k 200 at 256 rows, at 32 rows of flat logits, and with top_k 50 and top_p 0.9
+    (docs/gpu-notes.md, forty-eighth session)."""
     if SECOND_BEST in ("0", "1"):
         return SECOND_BEST == "1"
     return has_p and not has_k
