@@ -353,9 +353,9 @@ secondbest)
   # forty-seventh session: rejection first also checks each row's second best draw, which decides a row whose first
   # falls outside its top_k / top_p without the search (forced on: OSTINATO_SAMPLER_SECOND=1; passed on the H200 in
   # the forty-eighth session, now on by default where top_p is the batch's one filter). The sampler's GPU tests with
-  # it on, then the sampler alone in turns
-  # with fused_sample.py as at 595f907 (`git show 595f907:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`,
-  # carried), then top_p 0.9 through LLM.generate at bs 32 (greedy beside it) with it on and off. About 5 minutes
+  # it on, then the sampler alone in turns with fused_sample.py as at 595f907 (`git show
+  # 595f907:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`, carried), then top_p 0.9 through
+  # LLM.generate at bs 32 (greedy beside it) with it on and off. About 5 minutes
   logs=$(mktemp -d)
   t() { local n=$1; shift; timeout 170 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
   export OSTINATO_SAMPLER_SECOND=1

@@ -791,6 +791,8 @@ REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0
 # rejection first also checks each row's second best draw (`_draw_checks`): "1" always, "0" never, by default
 # ("auto") where the batch has top_p and no top_k (`_second_best_pays`)
 SECOND_BEST = os.environ.get("OSTINATO_SAMPLER_SECOND", "auto")
+if SECOND_BEST not in ("0", "1", "auto"):
+    raise ValueError(f"OSTINATO_SAMPLER_SECOND must be 0, 1 or auto, got {SECOND_BEST!r}")
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
 _RESOLVE_BLOCK = 32 * _SEARCH_WARPS
