@@ -14,7 +14,7 @@ import sys
 
 import torch
 from bench_decode import decode_batch, time_steps
-from common import RESULTS, capture, device_tag, write_report
+from common import RESULTS, capture, device_tag, mean_replay_us, write_report
 
 from ostinato.config import EngineArgs
 from ostinato.graphs.decode import DecodeGraphRunner
@@ -48,18 +48,10 @@ def store_only(bs: int, kv: str, mode: str, iters: int, layers: int = 16, kv_hea
         for layer in range(layers):
             backend.store_kv(layer, loc, k, v)
 
-    graph = capture(step)
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    us = mean_replay_us(capture(step), iters)
     ref = cache.read_kv(layers - 1, loc, torch.float32)  # every mode stores the same values
     assert torch.allclose(ref[1], v.float(), rtol=0.07 if kv != "auto" else 0.0, atol=0.02 if kv != "auto" else 0)
-    return start.elapsed_time(end) / iters * 1e3
+    return us
 
 
 def decode_step(model: str, kv: str, cases: list[tuple[int, int]], iters: int) -> list[dict]:

@@ -14,18 +14,7 @@ import argparse
 import json
 
 import torch
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, iters: int = 200) -> float:
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+from common import mean_replay_us
 
 
 def main() -> None:
@@ -70,12 +59,12 @@ def main() -> None:
         torch.cuda.synchronize()
         ran = counter.item() == 1
         result.update(body_skipped_when_false=skipped, body_ran_when_true=ran, kernels=args.kernels,
-                      plain_us=replay_us(plain))
+                      plain_us=mean_replay_us(plain))
         pred.fill_(False)
-        result["if_false_us"] = replay_us(conditional)
+        result["if_false_us"] = mean_replay_us(conditional)
         pred.fill_(True)
-        result["if_true_us"] = replay_us(conditional)
-        result["one_kernel_us"] = replay_us(outside)
+        result["if_true_us"] = mean_replay_us(conditional)
+        result["one_kernel_us"] = mean_replay_us(outside)
         print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
