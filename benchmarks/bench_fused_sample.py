@@ -16,7 +16,7 @@ import sys
 import time
 
 import torch
-from common import RESULTS, copy_bandwidth, device_tag, load_file_module, write_report
+from common import RESULTS, capture, copy_bandwidth, device_tag, load_file_module, write_report
 
 from ostinato.layers.triton_ops.argmax import argmax_rows, draw_rows
 from ostinato.runner.fused_sample import fused_sample
@@ -77,11 +77,7 @@ def main() -> None:
             calls = (("argmax", lambda x=logits, o=out: argmax_rows(x, o)),
                      ("draw", lambda x=logits, t=temps, s=seeds, n=steps, o=out: draw_rows(x, t, s, n, 1e-5, o)))
             for name, step in calls:
-                step()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):  # 20 calls a replay: the GPU's time, not the host's replay
-                    for _ in range(20):
-                        step()
+                graph = capture(step, 20)  # 20 calls a replay: the GPU's time, not the host's replay
                 graph.replay()
                 rows.append(dict(impl=f"decode-{name}", batch_size=b, scale=scale,
                                  graph_ms=timed(graph.replay, 20) / 20, floor_ms=b * v * 4 / bandwidth * 1e3))

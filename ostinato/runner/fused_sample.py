@@ -619,10 +619,8 @@ def _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_
             base2 = tl.where(k_on, tl.sum(tl.where(j == 3, mass, 0.0), axis=0), total)
             ok2 = ok2 & ((top_p >= 1.0) | (tl.sum(tl.where(j == 4, mass, 0.0), axis=0) < top_p * base2))
     if SECOND:
-        ok2 = ok2 & out & (tl.load(Second + row) != 0)
-    else:
-        ok2 = ~ok2
-    return ok, ok2
+        ok2 = ok2 & (tl.load(Second + row) != 0)
+    return ok, ok2 & out  # (without SECOND `out` stays false)
 
 
 @triton.jit
