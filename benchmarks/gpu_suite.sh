@@ -52,6 +52,10 @@
 #   bash benchmarks/gpu_suite.sh secondbest  each row's second best draw checked too: the sampler's GPU tests, the
 #                                          sampler alone in turns with the last commit's, top_p 0.9 at bs 32
 #   bash benchmarks/gpu_suite.sh secondauto  top_p 0.9 at bs 32 with the second best's check by default against never
+#   bash benchmarks/gpu_suite.sh filterprofile  the sampler's kernels at bs 32 by profile, top_k 200 end to end
+#                                          with the second best's check by default and forced on
+#   bash benchmarks/gpu_suite.sh samplerpdl  the sampling GPU tests, the sampler alone against .ab/fused_sample_head.py
+#   bash benchmarks/gpu_suite.sh filtersab  top_k / top_p end to end at bs 32 against the tree in .ab/base
 #   bash benchmarks/gpu_suite.sh hop       one GEMV-to-GEMV hand-off by its form: launch, PDL, a persistent kernel's
 #                                          flag, with and without the next weights loaded first (CUDA C++)
 #   bash benchmarks/gpu_suite.sh order     decode rows longest context first: mixed batches by row order (step
@@ -371,6 +375,44 @@ secondbest)
     OSTINATO_SAMPLER_SECOND=$second timeout 170 python benchmarks/bench_generate.py --models llama-3.2-1b \
         --batch-sizes 32 --temperature 0 0.6 --top-p 0.9 --repeats 2 --out "$OUT/generate-secondbest-$second.json" \
         2>&1 | quiet | grep -E "ms/token|Error" | sed "s/^/[second $second] /" | tee -a "$OUT/generate-secondbest.log"
+  done
+  ;;
+filterprofile)
+  # forty-ninth session: where the filters' cost at bs 32 goes: the sampler's kernels by profile at Llama's
+  # vocabulary, the second best's check by default (off with top_k) and forced on; then top_k 200 through
+  # LLM.generate at bs 32 (greedy beside it) with the check by default and forced on, in turns. About 7 minutes
+  for second in auto 1; do
+    OSTINATO_SAMPLER_SECOND=$second timeout 100 python benchmarks/bench_fused_sample.py --vocab 128256 \
+        --batch-sizes 32 --scale 3 0.3 --profile --out "$OUT/fused-sample-profile-$second.json" 2>&1 | quiet \
+        | grep -vE "^$" | sed "s/^/[second $second] /" | tee -a "$OUT/fused-sample-profile.log"
+  done
+  for second in auto 1 auto 1; do
+    OSTINATO_SAMPLER_SECOND=$second timeout 170 python benchmarks/bench_generate.py --models llama-3.2-1b \
+        --batch-sizes 32 --temperature 0 0.6 --top-k 200 --repeats 2 --out "$OUT/generate-topk-$second.json" \
+        2>&1 | quiet | grep -E "ms/token|Error" | sed "s/^/[second $second] /" | tee -a "$OUT/generate-topk.log"
+  done
+  ;;
+samplerpdl)
+  # forty-ninth session: the sampler's kernels and the decode graph's argmax / draw launched with PDL, the acceptance
+  # pass on 8 mass lanes. The sampling GPU tests, then the sampler alone in turns with the session's starting
+  # fused_sample.py (`git show 1ced655:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`, carried). About
+  # 5 minutes
+  [ -z "${NO_TESTS:-}" ] && sampler_gpu_tests "$(mktemp -d)" samplerpdl-tests.log
+  timeout 150 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 256 --scale 3 0.3 \
+      --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-pdl.json" 2>&1 | quiet \
+      | grep -E "top_k|Error" | tee "$OUT/fused-sample-pdl.log"
+  ;;
+filtersab)
+  # forty-ninth session: top_k 200 and top_p 0.9 through LLM.generate at bs 32 (greedy beside them), this tree
+  # against the session's starting tree (.ab/base, carried: `git archive 1ced655 ostinato | tar -x -C .ab/base`), in
+  # turns, one process each. About 6 minutes
+  for filt in "--top-k 200" "--top-p 0.9"; do
+    for tree in new base; do
+      pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+      PYTHONPATH=$pp timeout 170 python benchmarks/bench_generate.py --models llama-3.2-1b --batch-sizes 32 \
+          --temperature 0 0.6 $filt --repeats 2 --out "$OUT/generate-filters-$tree-${filt// /}.json" 2>&1 | quiet \
+          | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-filters-ab.log"
+    done
   done
   ;;
 hop)

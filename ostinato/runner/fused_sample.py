@@ -29,12 +29,15 @@ import triton.language as tl
 
 from ostinato.layers.triton_ops.argmax import pick_rows
 from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
+from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
+from ostinato.layers.triton_ops.pdl import wait_first
 
 
 @triton.jit(do_not_specialize=["split_len", "num_splits"])  # kernels per batch size: one per SPLITS_POW2 only
 def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_splits, greedy_eps,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Out[row, split] = max of logits / temperature over the split's columns."""
+    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp = tl.load(Temps + row)
@@ -53,20 +56,21 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
                          split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr,
                          BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, TopKs=None, TopPs=None, Mass=None,
                          Count=None, b=0, HAS_K: tl.constexpr = False, HAS_P: tl.constexpr = False,
-                         NWAY: tl.constexpr = 16, CHECKED: tl.constexpr = False, MaxOut=None,
+                         CHECKED: tl.constexpr = False, MaxOut=None,
                          STORE_MAX: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False,
-                         OutVal2=None, OutIdx2=None, KEEP_SECOND: tl.constexpr = False):
+                         OutVal2=None, OutIdx2=None, KEEP_SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
     """Per (row, split): the best Gumbel-perturbed logit among the split's allowed columns and its first index.
     Greedy rows use no noise and no filter (their best is the argmax). CHECKED (the draw under the cuts, after
     the unrestricted one): a row whose unrestricted draw stands returns at once, its bests left as they are.
     STORE_MAX (no min_p, no cut): also MaxOut[row, split] = the split's max of logits / temperature, as
     `_split_max_kernel` takes it. KEEP_SECOND (the unrestricted draw): also each split's second best, in (value
     descending, index ascending) order, into OutVal2 / OutIdx2."""
+    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if CHECKED:
         if _accepted(Mass, Count, row, b, num_splits, tl.load(Temps + row) >= greedy_eps, tl.load(TopKs + row),
-                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2, Count2, Second, SECOND):
+                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, SPLITS_POW2, Count2, Second, SECOND):
             return
     temp = tl.load(Temps + row)
     greedy = temp < greedy_eps
@@ -349,8 +353,8 @@ def _descend(prefix, w, wide, floor_u, bin, pass_idx, top_block):
 
 @triton.jit
 def _top_k_row(Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps,
-               HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_P: tl.constexpr,
-               CHECKED: tl.constexpr, Count2, Second, SECOND: tl.constexpr):
+               HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_P: tl.constexpr, CHECKED: tl.constexpr,
+               Count2, Second, SECOND: tl.constexpr):
     """(temperature, max of logits / temperature, log min_p, k, whether the row's select runs, the maximum's block
     of 2**20 keys) of a row: it runs for a sampling row with k under the vocabulary whose unrestricted draw (CHECKED)
     did not stand."""
@@ -360,7 +364,7 @@ def _top_k_row(Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_sp
     active = samples & (top_k < vocab_size)
     if CHECKED:
         active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
-                                     vocab_size, True, HAS_P, NWAY, SPLITS_POW2, Count2, Second, SECOND)
+                                     vocab_size, True, HAS_P, SPLITS_POW2, Count2, Second, SECOND)
     top_block = (_radix_key(_order_key(x_max)) >> _BLOCK_BITS).to(tl.int32)
     return temp, x_max, log_min_p, top_k, active, top_block
 
@@ -415,17 +419,18 @@ def _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, pref
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits", "b"])
 def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, Cursor, vocab_size,
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
-                       BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, NWAY: tl.constexpr = 16,
+                       BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr,
                        Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
-                       Count2=None, Second=None, SECOND: tl.constexpr = False):
+                       Count2=None, Second=None, SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
     """Pass `pass_idx` of top_k's select for (row, split): histogram the keys in the row's range into
     Hist[pass_idx, row] (atomic adds), or, the pass after the range's count fell to TOP_K_GATHER, copy those keys to
     Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
     stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0."""
+    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
-        Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P, NWAY,
+        Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P,
         SPLITS_POW2, HAS_P, CHECKED, Count2, Second, SECOND)
     if active:
         prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block,
@@ -475,13 +480,14 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, CutK, vocab_size, num_splits, b,
                           greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                          NWAY: tl.constexpr = 16, Mass=None, Count=None, HAS_P: tl.constexpr = False,
-                          CHECKED: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False):
+                          Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
+                          Count2=None, Second=None, SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
     """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
     the select's passes, finished over the keys a pass gathered where one did."""
+    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
-        Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P, NWAY,
+        Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P,
         SPLITS_POW2, HAS_P, CHECKED, Count2, Second, SECOND)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     if active:
@@ -502,6 +508,11 @@ def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Den
     tl.store(CutK + row, cut)
 
 
+# The acceptance pass's mass lanes a (row, split): the candidates it sums (the floor, j1's key and key + 1, j2's
+# two), padded to a power of two; the same sums as the search's NWAY lanes take, at half their compares.
+_MASS_LANES = tl.constexpr(8)
+
+
 # Rejection first (FlashInfer's sort-free sampling does the same): the row's unrestricted Gumbel-max draw j* is also
 # its draw under top_k / top_p whenever j* survives them, since the same noise picks the maximum of a subset that
 # holds it. j* survives top_k iff fewer than k kept columns have a larger order key, and top_p iff the mass above
@@ -513,13 +524,14 @@ def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Den
 @triton.jit(do_not_specialize=["split_len", "num_splits"])
 def _accept_part_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Vals, Idx, Mass, Count, vocab_size, split_len,
                         num_splits, greedy_eps, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Vals2=None, Idx2=None,
-                        Count2=None, Second=None, SECOND: tl.constexpr = False):
+                        BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Vals2=None, Idx2=None,
+                        Count2=None, Second=None, SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
     """Per (row, split) of a sampling row, from the unrestricted draw's split bests (Vals, Idx): the count of
     kept columns whose key exceeds key(x[j*]) (HAS_K), and the masses at or above the keys [floor, key(x[j*]),
     key(x[j*]) + 1, ...] as the top_p search sums them (HAS_P). SECOND: the same for the row's second best draw j2
     (`_row_candidates`, from the splits' seconds Vals2 / Idx2) into Count2 and Mass's lanes 3 and 4 (its key, its
     key + 1), and Second[row] = whether the row has a second (split 0 stores it)."""
+    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
@@ -551,13 +563,13 @@ def _accept_part_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Vals, Idx, Mas
             if SECOND:
                 tl.store(Count2 + row * num_splits + split, tl.sum(n2, axis=0))
         if HAS_P:
-            j = tl.arange(0, NWAY)
+            j = tl.arange(0, _MASS_LANES)
             cand = tl.where(j == 0, _NEG_INF_KEY, tl.where(j == 1, key_j, key_j + 1))
             if SECOND:
                 cand = tl.where(j == 3, key_j2, tl.where(j == 4, key_j2 + 1, cand))
             mass = _mass_at_or_above(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, _NEG_INF_KEY, cand,
-                                     HAS_MIN_P, NWAY, BLOCK)
-            tl.store(Mass + (row * num_splits + split) * NWAY + j, mass)
+                                     HAS_MIN_P, _MASS_LANES, BLOCK)
+            tl.store(Mass + (row * num_splits + split) * _MASS_LANES + j, mass)
 
 
 @triton.jit
@@ -586,8 +598,7 @@ def _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2: tl.con
 
 @triton.jit
 def _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_K: tl.constexpr,
-                 HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2, Second,
-                 SECOND: tl.constexpr):
+                 HAS_P: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2, Second, SECOND: tl.constexpr):
     """(whether j1 is kept by the row's top_k and top_p, whether j2 decides the row) of a sampling row, from the
     acceptance pass's sums. j1 is kept iff fewer than k kept columns have a larger key and the mass above its key is
     under top_p x the mass top_k keeps; with both filters that mass is taken as the mass at or above j1's key, at
@@ -608,8 +619,8 @@ def _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_
             above2 = tl.sum(tl.load(Count2 + row * num_splits + s, mask=s < num_splits, other=0), axis=0)
             ok2 = ok2 & (~k_on | (above2 < top_k))
     if HAS_P:
-        j = tl.arange(0, NWAY)
-        mass = _summed(Mass, 0, row, b, num_splits, NWAY, SPLITS_POW2)
+        j = tl.arange(0, _MASS_LANES)
+        mass = _summed(Mass, 0, row, b, num_splits, _MASS_LANES, SPLITS_POW2)
         total = tl.sum(tl.where(j == 0, mass, 0.0), axis=0)  # every kept column's, as the search's goal sums it
         base = tl.where(k_on, tl.sum(tl.where(j == 1, mass, 0.0), axis=0), total)
         p_ok = (top_p >= 1.0) | (tl.sum(tl.where(j == 2, mass, 0.0), axis=0) < top_p * base)
@@ -625,12 +636,11 @@ def _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_
 
 @triton.jit
 def _accepted(Mass, Count, row, b, num_splits, samples, top_k, top_p, vocab_size, HAS_K: tl.constexpr,
-              HAS_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2=None, Second=None,
-              SECOND: tl.constexpr = False):
+              HAS_P: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2=None, Second=None, SECOND: tl.constexpr = False):
     """Whether the row needs no cut: a greedy row, or one whose unrestricted draw j1 stands or whose second best
     decides it (`_draw_checks`); greedy rows' parts were never written and are not used."""
-    ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_K, HAS_P, NWAY,
-                           SPLITS_POW2, Count2, Second, SECOND)
+    ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_K, HAS_P, SPLITS_POW2,
+                           Count2, Second, SECOND)
     return ok | ok2 | ~samples
 
 
@@ -640,7 +650,7 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Mass=None, Count=None,
                        HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False, Gathered=None, GathN=None,
                        Above=None, Resolved=None, GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False,
-                       Count2=None, Second=None, SECOND: tl.constexpr = False):
+                       Count2=None, Second=None, SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
     """One pass of top_p's cut search for (row, split): the largest key at or above which the softmax mass reaches
     top_p x the mass top_k keeps. A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
@@ -649,6 +659,7 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     floor itself), so pass 1 sums it and stores the goal in Goal. GATHER_CAP: the search gathers (see
     GATHER_PASS); IS_GATHER: this is its GATHER_PASS, which also gathers its range's columns; the passes after it
     skip the rows the resolver finished."""
+    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
@@ -671,7 +682,7 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
         goal = tl.load(Goal + row)
     if CHECKED:  # rows whose unrestricted draw stands need no cut
         active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, tl.load(TopKs + row), top_p,
-                                     vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2, Count2, Second, SECOND)
+                                     vocab_size, HAS_K, HAS_P, SPLITS_POW2, Count2, Second, SECOND)
     if GATHER_CAP:
         if pass_idx > _GATHER_PASS:  # rows the resolver finished
             active = active & (tl.load(Resolved + row * 2) == 0)
@@ -707,11 +718,13 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
                         vocab_size, num_splits, b, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
                         NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr,
                         RESOLVE_BLOCK: tl.constexpr, Mass=None, Count=None, HAS_P: tl.constexpr = False,
-                        CHECKED: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False):
+                        CHECKED: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
     finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
     split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
     more columns in range than it could hold."""
+    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
@@ -719,7 +732,7 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
     goal = tl.load(Goal + row)
     if CHECKED:
         active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, tl.load(TopKs + row),
-                                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, NWAY, SPLITS_POW2, Count2, Second,
+                                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, SPLITS_POW2, Count2, Second,
                                      SECOND)
     out = Resolved + row * 2
     if active:
@@ -756,19 +769,21 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
 def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0,
                        TopKs=None, vocab_size=0, HAS_K: tl.constexpr = False, Vals=None, Idx=None, Vals2=None,
-                       Idx2=None, Mass=None, Count=None, Count2=None, Second=None, SECOND: tl.constexpr = False):
+                       Idx2=None, Mass=None, Count=None, Count2=None, Second=None, SECOND: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
     value at which the renormalized mass reaches top_p. SECOND: a row whose second best draw decides it
     (`_draw_checks`) gets that draw as its split bests (-inf but in its split), which the pick reads, since the
     checked draw leaves the rows that need no cut as they are."""
+    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     samples = tl.load(Temps + row) >= greedy_eps
     top_p = tl.load(TopPs + row)
     if SECOND:
         if samples:
             ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, tl.load(TopKs + row), top_p, vocab_size, HAS_K,
-                                   HAS_P, NWAY, SPLITS_POW2, Count2, Second, SECOND)
+                                   HAS_P, SPLITS_POW2, Count2, Second, SECOND)
             if ok2 & ~ok:
                 _, j2, v2, s2 = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2, SECOND)
                 s = tl.arange(0, SPLITS_POW2)
@@ -833,7 +848,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     vals = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
     idx = torch.empty(b, num_splits, dtype=torch.int64, device=dev)
     sample_args = (logits, logits.stride(0), temperatures, min_p_arg)
-    sample_meta = dict(HAS_MIN_P=min_ps is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8)
+    launch = _pdl_launch(logits)
+    sample_meta = dict(HAS_MIN_P=min_ps is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8, **launch)
     draw_args = (seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps)
     if top_ks is None or not REJECTION_FIRST:
         split_max = _split_max(logits, temperatures, min_ps, top_ks is not None and any(cut_phases), vocab_size,
@@ -848,7 +864,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     has_k, has_p = cut_phases
     second_best = _second_best_pays(has_k, has_p)
     # the check's parts, each only where its search runs (else `vals`, unread)
-    mass = torch.empty(b, num_splits, _NWAY, dtype=torch.float32, device=dev) if has_p else vals
+    mass = torch.empty(b, num_splits, _MASS_LANES, dtype=torch.float32, device=dev) if has_p else vals
     count = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k else vals
     # the second best draw's: the splits' seconds, its top_k count, whether the row has one
     vals2, idx2 = (torch.empty_like(vals), torch.empty_like(idx)) if second_best else (vals, idx)
@@ -862,8 +878,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
                                **sample_meta)
     _accept_part_kernel[grid](logits, logits.stride(0), temperatures, min_p_arg, split_max, vals, idx, mass, count,
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
-                              HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
-                              num_warps=_SEARCH_WARPS, Vals2=vals2, Idx2=idx2, **second_args)
+                              HAS_MIN_P=min_ps is not None, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
+                              num_warps=_SEARCH_WARPS, Vals2=vals2, Idx2=idx2, **second_args, **launch)
     check = dict(Mass=mass, Count=count, HAS_P=has_p, CHECKED=True, **second_args)
     # the finish places a row's second where it decides the row (only with the check on)
     finish = dict(TopKs=top_ks, vocab_size=vocab_size, HAS_K=has_k, Mass=mass, Count=count, Vals=vals, Idx=idx,
@@ -871,8 +887,14 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
                  split_len, num_splits, check, finish)
     _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, TopKs=top_ks, TopPs=top_ps,
-                               b=b, HAS_K=has_k, NWAY=_NWAY, **check, **sample_meta)
+                               b=b, HAS_K=has_k, **check, **sample_meta)
     return pick_rows(vals, idx, out, scatter)
+
+
+def _pdl_launch(logits: torch.Tensor) -> dict:
+    """A sampler kernel's PDL arguments (layers/triton_ops/pdl.py): every one waits, then releases, first thing."""
+    pdl = pdl_enabled(logits)
+    return dict(PDL=pdl, launch_pdl=pdl)
 
 
 def _second_best_pays(has_k: bool, has_p: bool) -> bool:
@@ -894,7 +916,7 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
     split_max = torch.empty(b, num_splits, dtype=torch.float32, device=logits.device)
     if min_ps is not None or search:
         _split_max_kernel[(b, num_splits)](logits, logits.stride(0), temperatures, split_max, vocab_size, split_len,
-                                           num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8)
+                                           num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8, **_pdl_launch(logits))
     return split_max
 
 
@@ -914,7 +936,8 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     cut_k = torch.empty(b, dtype=torch.int64, device=dev)  # top_k's cut: the floor of top_p's search
     min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
     row_args = (temperatures, min_p_arg, top_ks, top_ps, split_max)
-    meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, NWAY=_NWAY, num_warps=_SEARCH_WARPS, **(check or {}))
+    launch = _pdl_launch(logits)
+    meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, num_warps=_SEARCH_WARPS, **(check or {}), **launch)
     if has_k:
         counts = torch.zeros(TOP_K_PASSES * b * 256 + b, dtype=torch.int32, device=dev)  # Hist, then Cursor
         hist, cursor = counts[:-b], counts[-b:]
@@ -940,17 +963,17 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
             dense = torch.empty(b, pow2 * cap, dtype=torch.int32, device=dev)
         args = (logits, logits.stride(0), *row_args, state, part, goal, cut_k, vocab_size, split_len, num_splits, b)
         for pass_idx in range(PASSES):
-            _top_p_pass_kernel[grid](*args, pass_idx, greedy_eps, HAS_K=has_k, BLOCK=_SEARCH_BLOCK, **meta, **gather,
-                                     GATHER_CAP=cap, IS_GATHER=bool(cap) and pass_idx == GATHER_PASS)
+            _top_p_pass_kernel[grid](*args, pass_idx, greedy_eps, HAS_K=has_k, BLOCK=_SEARCH_BLOCK, NWAY=_NWAY, **meta,
+                                     **gather, GATHER_CAP=cap, IS_GATHER=bool(cap) and pass_idx == GATHER_PASS)
             if cap and pass_idx == GATHER_PASS:
                 _cut_resolve_kernel[(b,)](*row_args, state, goal, gather["Gathered"], gather["GathN"],
                                           gather["Above"], gather["Resolved"], dense, vocab_size, num_splits, b,
                                           greedy_eps, HAS_K=has_k, GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK,
-                                          **meta)
+                                          NWAY=_NWAY, **meta)
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
     _cut_finish_kernel[(b,)](temperatures, top_ps, state, part, goal, cut_k, cuts, num_splits, b, greedy_eps,
                              HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2, Resolved=gather.get("Resolved"),
-                             GATHER_CAP=cap, num_warps=1, **(finish or {}))
+                             GATHER_CAP=cap, num_warps=1, **(finish or {}), **launch)
     return cuts
 
 
