@@ -41,9 +41,7 @@ CASES = [
 
 
 def compile_case(fn, settings: dict):
-    """The kernel compiled for sm_90 with `settings` for its constexprs (their defaults elsewhere; PDL on, as on a
-    Hopper GPU)."""
-    settings = {"PDL": True, **settings}
+    """The kernel compiled for sm_90 with `settings` for its constexprs (their defaults elsewhere)."""
     consts = {p.name: settings.get(p.name, p.default) for p in fn.params if p.is_constexpr}
     ptrs = {p.name: "*i64" if p.name in I64 else "*i32" if p.name in I32 else "*fp32"
             for p in fn.params if not p.is_constexpr and (p.name[0].isupper() or p.name.endswith("_ptr"))}

@@ -29,15 +29,12 @@ import triton.language as tl
 
 from ostinato.layers.triton_ops.argmax import pick_rows
 from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
-from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
-from ostinato.layers.triton_ops.pdl import wait_first
 
 
 @triton.jit(do_not_specialize=["split_len", "num_splits"])  # kernels per batch size: one per SPLITS_POW2 only
 def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_splits, greedy_eps,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK: tl.constexpr):
     """Out[row, split] = max of logits / temperature over the split's columns."""
-    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp = tl.load(Temps + row)
@@ -58,14 +55,13 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
                          Count=None, b=0, HAS_K: tl.constexpr = False, HAS_P: tl.constexpr = False,
                          CHECKED: tl.constexpr = False, MaxOut=None,
                          STORE_MAX: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False,
-                         OutVal2=None, OutIdx2=None, KEEP_SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
+                         OutVal2=None, OutIdx2=None, KEEP_SECOND: tl.constexpr = False):
     """Per (row, split): the best Gumbel-perturbed logit among the split's allowed columns and its first index.
     Greedy rows use no noise and no filter (their best is the argmax). CHECKED (the draw under the cuts, after
     the unrestricted one): a row whose unrestricted draw stands returns at once, its bests left as they are.
     STORE_MAX (no min_p, no cut): also MaxOut[row, split] = the split's max of logits / temperature, as
     `_split_max_kernel` takes it. KEEP_SECOND (the unrestricted draw): also each split's second best, in (value
     descending, index ascending) order, into OutVal2 / OutIdx2."""
-    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if CHECKED:
@@ -421,12 +417,11 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
                        BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr,
                        Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
-                       Count2=None, Second=None, SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
+                       Count2=None, Second=None, SECOND: tl.constexpr = False):
     """Pass `pass_idx` of top_k's select for (row, split): histogram the keys in the row's range into
     Hist[pass_idx, row] (atomic adds), or, the pass after the range's count fell to TOP_K_GATHER, copy those keys to
     Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
     stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0."""
-    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
@@ -481,10 +476,9 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
 def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, CutK, vocab_size, num_splits, b,
                           greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
                           Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
-                          Count2=None, Second=None, SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
+                          Count2=None, Second=None, SECOND: tl.constexpr = False):
     """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
     the select's passes, finished over the keys a pass gathered where one did."""
-    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
         Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P,
@@ -525,13 +519,12 @@ _MASS_LANES = tl.constexpr(8)
 def _accept_part_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Vals, Idx, Mass, Count, vocab_size, split_len,
                         num_splits, greedy_eps, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
                         BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Vals2=None, Idx2=None,
-                        Count2=None, Second=None, SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
+                        Count2=None, Second=None, SECOND: tl.constexpr = False):
     """Per (row, split) of a sampling row, from the unrestricted draw's split bests (Vals, Idx): the count of
     kept columns whose key exceeds key(x[j*]) (HAS_K), and the masses at or above the keys [floor, key(x[j*]),
     key(x[j*]) + 1, ...] as the top_p search sums them (HAS_P). SECOND: the same for the row's second best draw j2
     (`_row_candidates`, from the splits' seconds Vals2 / Idx2) into Count2 and Mass's lanes 3 and 4 (its key, its
     key + 1), and Second[row] = whether the row has a second (split 0 stores it)."""
-    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
@@ -650,7 +643,7 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Mass=None, Count=None,
                        HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False, Gathered=None, GathN=None,
                        Above=None, Resolved=None, GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False,
-                       Count2=None, Second=None, SECOND: tl.constexpr = False, PDL: tl.constexpr = False):
+                       Count2=None, Second=None, SECOND: tl.constexpr = False):
     """One pass of top_p's cut search for (row, split): the largest key at or above which the softmax mass reaches
     top_p x the mass top_k keeps. A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
@@ -659,7 +652,6 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     floor itself), so pass 1 sums it and stores the goal in Goal. GATHER_CAP: the search gathers (see
     GATHER_PASS); IS_GATHER: this is its GATHER_PASS, which also gathers its range's columns; the passes after it
     skip the rows the resolver finished."""
-    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
@@ -718,13 +710,11 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
                         vocab_size, num_splits, b, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
                         NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr,
                         RESOLVE_BLOCK: tl.constexpr, Mass=None, Count=None, HAS_P: tl.constexpr = False,
-                        CHECKED: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        CHECKED: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False):
     """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
     finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
     split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
     more columns in range than it could hold."""
-    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
@@ -769,14 +759,12 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
 def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0,
                        TopKs=None, vocab_size=0, HAS_K: tl.constexpr = False, Vals=None, Idx=None, Vals2=None,
-                       Idx2=None, Mass=None, Count=None, Count2=None, Second=None, SECOND: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       Idx2=None, Mass=None, Count=None, Count2=None, Second=None, SECOND: tl.constexpr = False):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
     value at which the renormalized mass reaches top_p. SECOND: a row whose second best draw decides it
     (`_draw_checks`) gets that draw as its split bests (-inf but in its split), which the pick reads, since the
     checked draw leaves the rows that need no cut as they are."""
-    wait_first(PDL)
     row = tl.program_id(0).to(tl.int64)
     samples = tl.load(Temps + row) >= greedy_eps
     top_p = tl.load(TopPs + row)
@@ -848,8 +836,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     vals = torch.empty(b, num_splits, dtype=torch.float32, device=dev)
     idx = torch.empty(b, num_splits, dtype=torch.int64, device=dev)
     sample_args = (logits, logits.stride(0), temperatures, min_p_arg)
-    launch = _pdl_launch(logits)
-    sample_meta = dict(HAS_MIN_P=min_ps is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8, **launch)
+    sample_meta = dict(HAS_MIN_P=min_ps is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8)
     draw_args = (seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps)
     if top_ks is None or not REJECTION_FIRST:
         split_max = _split_max(logits, temperatures, min_ps, top_ks is not None and any(cut_phases), vocab_size,
@@ -879,7 +866,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     _accept_part_kernel[grid](logits, logits.stride(0), temperatures, min_p_arg, split_max, vals, idx, mass, count,
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
                               HAS_MIN_P=min_ps is not None, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
-                              num_warps=_SEARCH_WARPS, Vals2=vals2, Idx2=idx2, **second_args, **launch)
+                              num_warps=_SEARCH_WARPS, Vals2=vals2, Idx2=idx2, **second_args)
     check = dict(Mass=mass, Count=count, HAS_P=has_p, CHECKED=True, **second_args)
     # the finish places a row's second where it decides the row (only with the check on)
     finish = dict(TopKs=top_ks, vocab_size=vocab_size, HAS_K=has_k, Mass=mass, Count=count, Vals=vals, Idx=idx,
@@ -889,12 +876,6 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, TopKs=top_ks, TopPs=top_ps,
                                b=b, HAS_K=has_k, **check, **sample_meta)
     return pick_rows(vals, idx, out, scatter)
-
-
-def _pdl_launch(logits: torch.Tensor) -> dict:
-    """A sampler kernel's PDL arguments (layers/triton_ops/pdl.py): every one waits, then releases, first thing."""
-    pdl = pdl_enabled(logits)
-    return dict(PDL=pdl, launch_pdl=pdl)
 
 
 def _second_best_pays(has_k: bool, has_p: bool) -> bool:
@@ -916,7 +897,7 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
     split_max = torch.empty(b, num_splits, dtype=torch.float32, device=logits.device)
     if min_ps is not None or search:
         _split_max_kernel[(b, num_splits)](logits, logits.stride(0), temperatures, split_max, vocab_size, split_len,
-                                           num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8, **_pdl_launch(logits))
+                                           num_splits, greedy_eps, BLOCK=_BLOCK, num_warps=8)
     return split_max
 
 
@@ -936,8 +917,7 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     cut_k = torch.empty(b, dtype=torch.int64, device=dev)  # top_k's cut: the floor of top_p's search
     min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
     row_args = (temperatures, min_p_arg, top_ks, top_ps, split_max)
-    launch = _pdl_launch(logits)
-    meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, num_warps=_SEARCH_WARPS, **(check or {}), **launch)
+    meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, num_warps=_SEARCH_WARPS, **(check or {}))
     if has_k:
         counts = torch.zeros(TOP_K_PASSES * b * 256 + b, dtype=torch.int32, device=dev)  # Hist, then Cursor
         hist, cursor = counts[:-b], counts[-b:]
@@ -973,7 +953,7 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
     _cut_finish_kernel[(b,)](temperatures, top_ps, state, part, goal, cut_k, cuts, num_splits, b, greedy_eps,
                              HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2, Resolved=gather.get("Resolved"),
-                             GATHER_CAP=cap, num_warps=1, **(finish or {}), **launch)
+                             GATHER_CAP=cap, num_warps=1, **(finish or {}))
     return cuts
 
 

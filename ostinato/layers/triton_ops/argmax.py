@@ -11,16 +11,13 @@ import triton
 import triton.language as tl
 
 from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
-from ostinato.layers.triton_ops.pdl import enabled as pdl_enabled
-from ostinato.layers.triton_ops.pdl import wait_first
 
 
 @triton.jit
 def _chunk_best_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, temps_ptr, seeds_ptr, steps_ptr,
-                       greedy_eps, BLOCK: tl.constexpr, DRAW: tl.constexpr, PDL: tl.constexpr = False):
+                       greedy_eps, BLOCK: tl.constexpr, DRAW: tl.constexpr):
     """Per (row, chunk): the chunk's maximum and its first index. DRAW: of x / temperature + Gumbel noise for a row
     whose temperature is >= greedy_eps (a greedy row's program skips the noise, and the seed and step loads)."""
-    wait_first(PDL)  # layers/triton_ops/pdl.py
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -36,8 +33,7 @@ def _chunk_best_kernel(x_ptr, stride_x, n_cols, vals_ptr, idx_ptr, n_chunks, tem
 
 @triton.jit
 def _rows_argmax_kernel(vals_ptr, idx_ptr, n_chunks, out_ptr, dest_ptr, index_ptr, BLOCK_C: tl.constexpr,
-                        SCATTER: tl.constexpr, PDL: tl.constexpr = False):
-    wait_first(PDL)
+                        SCATTER: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     v = tl.load(vals_ptr + row * n_chunks + offs, mask=offs < n_chunks, other=float("-inf"))
@@ -77,9 +73,8 @@ def _best_rows(x: torch.Tensor, draw: tuple | None, out: torch.Tensor, block: in
     idx = torch.empty(b, chunks, dtype=torch.int32, device=x.device)
     if b:
         temps, seeds, steps, eps = draw if draw is not None else (x, x, x, 0.0)  # (unread without DRAW)
-        pdl = pdl_enabled(x)
         _chunk_best_kernel[(b, chunks)](x, x.stride(0), n, vals, idx, chunks, temps, seeds, steps, eps, BLOCK=block,
-                                        DRAW=draw is not None, num_warps=4, PDL=pdl, launch_pdl=pdl)
+                                        DRAW=draw is not None, num_warps=4)
     return pick_rows(vals, idx, out, scatter)
 
 
@@ -91,7 +86,6 @@ def pick_rows(vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
     assert vals.is_contiguous() and idx.is_contiguous() and idx.shape == vals.shape
     dest, index = scatter if scatter is not None else (out, out)
     if b:
-        pdl = pdl_enabled(vals)
         _rows_argmax_kernel[(b,)](vals, idx, s, out, dest, index, BLOCK_C=triton.next_power_of_2(s),
-                                  SCATTER=scatter is not None, num_warps=1, PDL=pdl, launch_pdl=pdl)
+                                  SCATTER=scatter is not None, num_warps=1)
     return out

@@ -28,9 +28,6 @@ The contract every kernel launched with `launch_pdl=True` keeps, under its `PDL:
   triggers before its wait, only the kernels before that one's predecessor are known to be complete. None of
   those readers follows a resident GEMV that triggers so (one-row o, gate_up and down read weights only before
   their waits; the one-row qkv, which decode stage 1 follows, triggers at its end: `trigger_at_end`).
-  The sampler's kernels (`runner/fused_sample.py`, and the decode graph's argmax and draw in `argmax.py`) never
-  trigger (`wait_first`): their programs exit as soon as their row needs nothing, and the next kernel's come in
-  as the grid finishes.
   The KV store kernels (`rope_store.py`, `kv_store.py`) trigger at their end too, for the split-KV decode
   kernel after them: placed early, its programs ran much slower at long contexts (H200, Llama-3.2-1B bs 32 x
   4096 2.088 -> 2.212 ms a step, Qwen3-0.6B 4.479 -> 5.110), placed late not (2.089, 4.474), while short
@@ -63,8 +60,6 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 ENABLED = os.environ.get("OSTINATO_PDL", "1") != "0"
 
@@ -77,12 +72,3 @@ def _supported(device_index: int) -> bool:
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels working on `t` launch with PDL: a CUDA tensor on Hopper or later, and not switched off."""
     return ENABLED and t.is_cuda and _supported(t.get_device())
-
-
-@triton.jit
-def wait_first(PDL: tl.constexpr):
-    """A kernel's first call under the contract above, with no early trigger: the next kernel's programs come in as
-    this grid's finish (the sampler's passes: released early, the next pass's programs took slots from a heavy
-    one's, 4-14 us slower at 32-256 rows; `docs/gpu-notes.md`, forty-ninth session)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
