@@ -90,6 +90,14 @@ sampler_gpu_tests() {
   for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
       | tee "$OUT/$2"
 }
+# Llama-3.2-1B bs 32 through LLM.generate, greedy beside T=0.6 with a filter, with OSTINATO_SAMPLER_SECOND=$1, its
+# rows tagged into $OUT/$2.log: bench_at_second SECOND NAME FILTER-ARGS...
+bench_at_second() {
+  local second=$1 name=$2; shift 2
+  OSTINATO_SAMPLER_SECOND=$second timeout 170 python benchmarks/bench_generate.py --models llama-3.2-1b \
+      --batch-sizes 32 --temperature 0 0.6 "$@" --repeats 2 --out "$OUT/$name-$second.json" 2>&1 | quiet \
+      | grep -E "ms/token|Error" | sed "s/^/[second $second] /" | tee -a "$OUT/$name.log"
+}
 # a group's whole output goes to $OUT/<name>.full.log as it comes (a call cut short still brings back what ran),
 # and its last lines to $OUT/<name>.log and the terminal
 keep() { tee "$OUT/$1.full.log" | tail -"$2" | tee "$OUT/$1.log"; }
@@ -372,9 +380,7 @@ secondbest)
       --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-secondbest.json" 2>&1 | quiet \
       | grep -E "top_k|Error" | tee "$OUT/fused-sample-secondbest.log"
   for second in 1 0; do
-    OSTINATO_SAMPLER_SECOND=$second timeout 170 python benchmarks/bench_generate.py --models llama-3.2-1b \
-        --batch-sizes 32 --temperature 0 0.6 --top-p 0.9 --repeats 2 --out "$OUT/generate-secondbest-$second.json" \
-        2>&1 | quiet | grep -E "ms/token|Error" | sed "s/^/[second $second] /" | tee -a "$OUT/generate-secondbest.log"
+    bench_at_second "$second" generate-secondbest --top-p 0.9
   done
   ;;
 filterprofile)
@@ -387,9 +393,7 @@ filterprofile)
         | grep -vE "^$" | sed "s/^/[second $second] /" | tee -a "$OUT/fused-sample-profile.log"
   done
   for second in auto 1 auto 1; do
-    OSTINATO_SAMPLER_SECOND=$second timeout 170 python benchmarks/bench_generate.py --models llama-3.2-1b \
-        --batch-sizes 32 --temperature 0 0.6 --top-k 200 --repeats 2 --out "$OUT/generate-topk-$second.json" \
-        2>&1 | quiet | grep -E "ms/token|Error" | sed "s/^/[second $second] /" | tee -a "$OUT/generate-topk.log"
+    bench_at_second "$second" generate-topk --top-k 200
   done
   ;;
 samplerpdl)
@@ -430,9 +434,7 @@ secondauto)
   # (OSTINATO_SAMPLER_SECOND unset: "auto") against never ("0"), top_p 0.9 through LLM.generate at bs 32 (greedy
   # beside it), in turns, one process each. About 5 minutes
   for second in auto 0 auto 0; do
-    OSTINATO_SAMPLER_SECOND=$second timeout 170 python benchmarks/bench_generate.py --models llama-3.2-1b \
-        --batch-sizes 32 --temperature 0 0.6 --top-p 0.9 --repeats 2 --out "$OUT/generate-secondauto-$second.json" \
-        2>&1 | quiet | grep -E "ms/token|Error" | sed "s/^/[second $second] /" | tee -a "$OUT/generate-secondauto.log"
+    bench_at_second "$second" generate-secondauto --top-p 0.9
   done
   ;;
 drawoffline)
