@@ -399,8 +399,8 @@ filterprofile)
 samplerpdl)
   # forty-ninth session: the sampler's kernels and the decode graph's argmax / draw launched with PDL (5858f7e; the
   # PDL part reverted after filtersab), the acceptance pass on 8 mass lanes (kept). The sampling GPU tests, then the
-  # sampler alone in turns with the session's starting fused_sample.py (`git show 1ced655:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`, carried). About
-  # 5 minutes
+  # sampler alone in turns with the session's starting fused_sample.py (carried: `git show
+  # 1ced655:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`). About 5 minutes
   [ -z "${NO_TESTS:-}" ] && sampler_gpu_tests "$(mktemp -d)" samplerpdl-tests.log
   timeout 150 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 256 --scale 3 0.3 \
       --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-pdl.json" 2>&1 | quiet \

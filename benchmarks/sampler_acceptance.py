@@ -63,7 +63,7 @@ def dummy_logits(model: str, new_tokens: int, temperature: float, rows: int = 8)
     llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0),
                  use_tqdm=False)
     llm.shutdown()
-    return torch.cat(kept[1:])  # (the first step is the prefill's last positions: kept too, as decode rows)
+    return torch.cat(kept[1:])  # (the first call samples the prompts' last positions, in the prefill: left out)
 
 
 def kept_fraction(x: torch.Tensor, top_k: int | None, top_p: float, draws: int) -> float:

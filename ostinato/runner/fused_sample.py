@@ -503,8 +503,10 @@ def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Den
 
 
 # The acceptance pass's mass lanes a (row, split): the candidates it sums (the floor, j1's key and key + 1, j2's
-# two), padded to a power of two; the same sums as the search's NWAY lanes take, at half their compares.
-_MASS_LANES = tl.constexpr(8)
+# two), padded to a power of two. Each lane's sum is the one a search lane would take for its candidate; 16 lanes,
+# as the search has, cost top_p's acceptance three times top_k's (docs/gpu-notes.md, forty-ninth session).
+MASS_LANES = 8
+_MASS_LANES = tl.constexpr(MASS_LANES)
 
 
 # Rejection first (FlashInfer's sort-free sampling does the same): the row's unrestricted Gumbel-max draw j* is also
@@ -851,7 +853,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     has_k, has_p = cut_phases
     second_best = _second_best_pays(has_k, has_p)
     # the check's parts, each only where its search runs (else `vals`, unread)
-    mass = torch.empty(b, num_splits, _MASS_LANES, dtype=torch.float32, device=dev) if has_p else vals
+    mass = torch.empty(b, num_splits, MASS_LANES, dtype=torch.float32, device=dev) if has_p else vals
     count = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k else vals
     # the second best draw's: the splits' seconds, its top_k count, whether the row has one
     vals2, idx2 = (torch.empty_like(vals), torch.empty_like(idx)) if second_best else (vals, idx)
