@@ -17,23 +17,25 @@ import ostinato.runner.fused_sample as fs
 # pointer arguments (capitalized, or named *_ptr) by dtype; the rest are float32
 I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "TopKs", "Seeds", "Steps", "seeds_ptr",
        "steps_ptr", "out_ptr", "dest_ptr", "index_ptr"}
-I32 = {"Count", "Count2", "Second", "Hist", "Dense", "Gathered", "GathN", "Cursor", "idx_ptr"}
+I32 = {"Count", "Count2", "Second", "Search", "Hist", "Dense", "Gathered", "GathN", "Cursor", "idx_ptr"}
 PLAIN_INTS = ("pass_idx", "b", "split_len", "num_splits", "vocab_size", "stride_l", "n_cols", "n_chunks")
 ROW = dict(HAS_MIN_P=False, SPLITS_POW2=16, NWAY=16)
-CHECK = dict(HAS_P=True, CHECKED=True)
+CHECK = dict(CHECKED=True)
 CASES = [
     (fs._split_sample_kernel, dict(HAS_CUT=False, BLOCK=2048, STORE_MAX=True, KEEP_SECOND=True, **ROW)),
-    (fs._split_sample_kernel, dict(HAS_CUT=True, BLOCK=2048, HAS_K=True, SECOND=True, **CHECK, **ROW)),
+    (fs._split_sample_kernel, dict(HAS_CUT=True, BLOCK=2048, **CHECK, **ROW)),
     (fs._accept_part_kernel, dict(HAS_K=True, HAS_P=True, SECOND=True, BLOCK=1024, **ROW)),
     (fs._accept_part_kernel, dict(HAS_K=False, HAS_P=True, SECOND=True, BLOCK=1024, **ROW)),
-    (fs._top_k_pass_kernel, dict(BLOCK=2048, FIRST=True, SECOND=True, num_warps=4, **CHECK, **ROW)),
-    (fs._top_k_pass_kernel, dict(BLOCK=2048, FIRST=False, SECOND=True, num_warps=4, **CHECK, **ROW)),
-    (fs._top_k_resolve_kernel, dict(BLOCK=1024, SECOND=True, **CHECK, **ROW)),
-    (fs._top_p_pass_kernel, dict(HAS_K=True, BLOCK=1024, SECOND=True, GATHER_CAP=128, IS_GATHER=True, **CHECK, **ROW)),
-    (fs._top_p_pass_kernel, dict(HAS_K=False, BLOCK=1024, SECOND=True, **CHECK, **ROW)),
-    (fs._cut_resolve_kernel, dict(HAS_K=True, GATHER_CAP=128, RESOLVE_BLOCK=256, SECOND=True, **CHECK, **ROW)),
-    (fs._cut_finish_kernel, dict(HAS_P=True, HAS_K=True, GATHER_CAP=128, SECOND=True, num_warps=1, **ROW)),
-    (fs._cut_finish_kernel, dict(HAS_P=True, HAS_K=False, num_warps=1, **ROW)),
+    (fs._verdict_kernel, dict(HAS_K=True, HAS_P=True, SECOND=True, num_warps=1, **ROW)),
+    (fs._verdict_kernel, dict(HAS_K=False, HAS_P=True, SECOND=False, num_warps=1, **ROW)),
+    (fs._top_k_pass_kernel, dict(BLOCK=2048, FIRST=True, num_warps=4, **CHECK, **ROW)),
+    (fs._top_k_pass_kernel, dict(BLOCK=2048, FIRST=False, num_warps=4, **CHECK, **ROW)),
+    (fs._top_k_resolve_kernel, dict(BLOCK=1024, **CHECK, **ROW)),
+    (fs._top_p_pass_kernel, dict(HAS_K=True, BLOCK=1024, GATHER_CAP=128, IS_GATHER=True, **CHECK, **ROW)),
+    (fs._top_p_pass_kernel, dict(HAS_K=False, BLOCK=1024, **CHECK, **ROW)),
+    (fs._cut_resolve_kernel, dict(HAS_K=True, GATHER_CAP=128, RESOLVE_BLOCK=256, **CHECK, **ROW)),
+    (fs._cut_finish_kernel, dict(HAS_P=True, GATHER_CAP=128, num_warps=1, **CHECK, **ROW)),
+    (fs._cut_finish_kernel, dict(HAS_P=True, num_warps=1, **ROW)),
     (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=True, num_warps=4)),
     (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=False, num_warps=4)),
     (am._rows_argmax_kernel, dict(BLOCK_C=128, SCATTER=True, num_warps=1)),

@@ -56,6 +56,9 @@
 #                                          with the second best's check by default and forced on
 #   bash benchmarks/gpu_suite.sh samplerpdl  the sampling GPU tests, the sampler alone against .ab/fused_sample_head.py
 #   bash benchmarks/gpu_suite.sh filtersab  top_k / top_p end to end at bs 32 against the tree in .ab/base
+#   bash benchmarks/gpu_suite.sh verdict  the sampling GPU tests, the empty-launch probe, the sampler alone against
+#                                         .ab/fused_sample_head.py
+#   bash benchmarks/gpu_suite.sh verdictprofile  the sampler's kernels at 256 rows by profile, against the head's
 #   bash benchmarks/gpu_suite.sh hop       one GEMV-to-GEMV hand-off by its form: launch, PDL, a persistent kernel's
 #                                          flag, with and without the next weights loaded first (CUDA C++)
 #   bash benchmarks/gpu_suite.sh order     decode rows longest context first: mixed batches by row order (step
@@ -405,6 +408,26 @@ samplerpdl)
   timeout 150 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 256 --scale 3 0.3 \
       --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-pdl.json" 2>&1 | quiet \
       | grep -E "top_k|Error" | tee "$OUT/fused-sample-pdl.log"
+  ;;
+verdict)
+  # fiftieth session: one program a row writes each row's verdict (whether it needs its cut) after the acceptance
+  # pass, and the search's kernels and the draw under the cut read it first and exit. The sampling GPU tests, the
+  # empty-launch probe (benchmarks/probe_empty_launch.py), then the sampler alone in turns with the session's starting
+  # fused_sample.py (carried: `git show 88a4b2a:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`). About
+  # 6 minutes (NO_TESTS=1: skip the tests)
+  [ -z "${NO_TESTS:-}" ] && sampler_gpu_tests "$(mktemp -d)" verdict-tests.log
+  (cd benchmarks && timeout 100 python probe_empty_launch.py --out "$OUT/probe-empty-launch-verdict.json" 2>&1 \
+      | quiet | tee "$OUT/probe-empty-launch-verdict.log")
+  timeout 150 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 256 --scale 3 0.3 \
+      --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-verdict.json" 2>&1 | quiet \
+      | grep -E "top_k|Error" | tee "$OUT/fused-sample-verdict.log"
+  ;;
+verdictprofile)
+  # fiftieth session: the sampler's kernels by profile at 256 rows of peaked logits (where top_p measured 568 -> 672 us
+  # with the verdict), the session's starting fused_sample.py beside the tree. About 1 minute
+  timeout 150 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 256 --scale 3 --profile \
+      --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-profile-verdict.json" 2>&1 | quiet \
+      | grep -vE "^$" | tee "$OUT/fused-sample-profile-verdict.log"
   ;;
 filtersab)
   # forty-ninth session: top_k 200 and top_p 0.9 through LLM.generate at bs 32 (greedy beside them), this tree

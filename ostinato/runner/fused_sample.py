@@ -14,8 +14,8 @@ finishes over those (`_top_k_resolve_kernel`), so most rows are read twice. top_
 order keys weighted by softmax mass (`_top_p_pass_kernel`; from 8 rows, its fifth pass gathers its range for
 `_cut_resolve_kernel` likewise). The search runs only for rows that need it: the row's unrestricted draw is taken
 first, and where it survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw
-under the cut too. Fixed grids, no host sync: capturable in a CUDA graph (rows that need no search exit those
-launches at once).
+under the cut too; one program per row then writes each row's verdict (`_verdict_kernel`), and the search's
+programs of rows that need no cut read it and exit. Fixed grids, no host sync: capturable in a CUDA graph.
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
 the GPU and its CPU interpreter when the kernel is decorated).
@@ -51,22 +51,19 @@ def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_s
 @triton.jit(do_not_specialize=["split_len", "num_splits", "b"])
 def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, Steps, OutVal, OutIdx, vocab_size,
                          split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr,
-                         BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, TopKs=None, TopPs=None, Mass=None,
-                         Count=None, b=0, HAS_K: tl.constexpr = False, HAS_P: tl.constexpr = False,
-                         CHECKED: tl.constexpr = False, MaxOut=None,
-                         STORE_MAX: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False,
-                         OutVal2=None, OutIdx2=None, KEEP_SECOND: tl.constexpr = False):
+                         BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Search=None, CHECKED: tl.constexpr = False,
+                         MaxOut=None, STORE_MAX: tl.constexpr = False, OutVal2=None, OutIdx2=None,
+                         KEEP_SECOND: tl.constexpr = False):
     """Per (row, split): the best Gumbel-perturbed logit among the split's allowed columns and its first index.
     Greedy rows use no noise and no filter (their best is the argmax). CHECKED (the draw under the cuts, after
-    the unrestricted one): a row whose unrestricted draw stands returns at once, its bests left as they are.
+    the unrestricted one): a row that needs no cut (Search[row] 0) returns at once, its bests left as they are.
     STORE_MAX (no min_p, no cut): also MaxOut[row, split] = the split's max of logits / temperature, as
     `_split_max_kernel` takes it. KEEP_SECOND (the unrestricted draw): also each split's second best, in (value
     descending, index ascending) order, into OutVal2 / OutIdx2."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if CHECKED:
-        if _accepted(Mass, Count, row, b, num_splits, tl.load(Temps + row) >= greedy_eps, tl.load(TopKs + row),
-                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, SPLITS_POW2, Count2, Second, SECOND):
+        if tl.load(Search + row) == 0:
             return
     temp = tl.load(Temps + row)
     greedy = temp < greedy_eps
@@ -348,19 +345,14 @@ def _descend(prefix, w, wide, floor_u, bin, pass_idx, top_block):
 
 
 @triton.jit
-def _top_k_row(Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps,
-               HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_P: tl.constexpr, CHECKED: tl.constexpr,
-               Count2, Second, SECOND: tl.constexpr):
+def _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits, vocab_size, greedy_eps, HAS_MIN_P: tl.constexpr,
+               SPLITS_POW2: tl.constexpr):
     """(temperature, max of logits / temperature, log min_p, k, whether the row's select runs, the maximum's block
-    of 2**20 keys) of a row: it runs for a sampling row with k under the vocabulary whose unrestricted draw (CHECKED)
-    did not stand."""
+    of 2**20 keys) of a row: it runs for a sampling row with k under the vocabulary."""
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     top_k = tl.load(TopKs + row)
     active = samples & (top_k < vocab_size)
-    if CHECKED:
-        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, top_k, tl.load(TopPs + row),
-                                     vocab_size, True, HAS_P, SPLITS_POW2, Count2, Second, SECOND)
     top_block = (_radix_key(_order_key(x_max)) >> _BLOCK_BITS).to(tl.int32)
     return temp, x_max, log_min_p, top_k, active, top_block
 
@@ -415,18 +407,20 @@ def _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, pref
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits", "b"])
 def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, Cursor, vocab_size,
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
-                       BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr,
-                       Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
-                       Count2=None, Second=None, SECOND: tl.constexpr = False):
+                       BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, Search=None,
+                       CHECKED: tl.constexpr = False):
     """Pass `pass_idx` of top_k's select for (row, split): histogram the keys in the row's range into
     Hist[pass_idx, row] (atomic adds), or, the pass after the range's count fell to TOP_K_GATHER, copy those keys to
     Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
-    stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0."""
+    stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0. CHECKED: rows that
+    need no cut (Search[row] 0) exit at once."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
-        Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P,
-        SPLITS_POW2, HAS_P, CHECKED, Count2, Second, SECOND)
+    if CHECKED:
+        if tl.load(Search + row) == 0:
+            return
+    temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
+                                                                  vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     if active:
         prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block,
                                                                     FIRST)
@@ -475,14 +469,16 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, CutK, vocab_size, num_splits, b,
                           greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                          Mass=None, Count=None, HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False,
-                          Count2=None, Second=None, SECOND: tl.constexpr = False):
+                          Search=None, CHECKED: tl.constexpr = False):
     """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
-    the select's passes, finished over the keys a pass gathered where one did."""
+    the select's passes, finished over the keys a pass gathered where one did. CHECKED: rows that need no cut
+    (Search[row] 0) are left unset."""
     row = tl.program_id(0).to(tl.int64)
-    temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(
-        Temps, MinPs, TopKs, TopPs, SplitMax, Mass, Count, row, b, num_splits, vocab_size, greedy_eps, HAS_MIN_P,
-        SPLITS_POW2, HAS_P, CHECKED, Count2, Second, SECOND)
+    if CHECKED:
+        if tl.load(Search + row) == 0:
+            return
+    temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
+                                                                  vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     if active:
         prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, _TOP_K_PASSES, top_k,
@@ -629,23 +625,36 @@ def _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_
     return ok, ok2 & out  # (without SECOND `out` stays false)
 
 
-@triton.jit
-def _accepted(Mass, Count, row, b, num_splits, samples, top_k, top_p, vocab_size, HAS_K: tl.constexpr,
-              HAS_P: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2=None, Second=None, SECOND: tl.constexpr = False):
-    """Whether the row needs no cut: a greedy row, or one whose unrestricted draw j1 stands or whose second best
-    decides it (`_draw_checks`); greedy rows' parts were never written and are not used."""
-    ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_K, HAS_P, SPLITS_POW2,
-                           Count2, Second, SECOND)
-    return ok | ok2 | ~samples
+@triton.jit(do_not_specialize=["num_splits", "b"])
+def _verdict_kernel(Temps, TopKs, TopPs, Mass, Count, Search, vocab_size, num_splits, b, greedy_eps,
+                    HAS_K: tl.constexpr, HAS_P: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2=None, Second=None,
+                    SECOND: tl.constexpr = False, Vals=None, Idx=None, Vals2=None, Idx2=None):
+    """Search[row] = 1 where the row needs its cut: a sampling row whose unrestricted draw j1 fails its top_k /
+    top_p and whose second best does not decide it (`_draw_checks`), else 0. Every later kernel of the step reads
+    that flag first and exits on 0: a program that took the verdict from the acceptance sums itself cost 1-3 us
+    more a launch, even where no row was searched (docs/gpu-notes.md, fiftieth session). Greedy rows' sums were
+    never written: their checks are read unconditionally (every load at once, none waiting on the temperature's)
+    and masked. SECOND: a row whose second best draw decides it gets that draw as its split bests (-inf but in its
+    split), which the pick reads, since the draw under the cut leaves it as it is."""
+    row = tl.program_id(0).to(tl.int64)
+    samples = tl.load(Temps + row) >= greedy_eps
+    ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, tl.load(TopKs + row), tl.load(TopPs + row), vocab_size,
+                           HAS_K, HAS_P, SPLITS_POW2, Count2, Second, SECOND)
+    if SECOND:
+        _, j2, v2, s2 = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2, SECOND)
+        if samples & ok2 & ~ok:
+            s = tl.arange(0, SPLITS_POW2)
+            tl.store(Vals + row * num_splits + s, tl.where(s == s2, v2, float("-inf")), mask=s < num_splits)
+            tl.store(Idx + row * num_splits + s2, j2)
+    tl.store(Search + row, (samples & ~ok & ~ok2).to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits", "b"])
 def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                       NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Mass=None, Count=None,
-                       HAS_P: tl.constexpr = False, CHECKED: tl.constexpr = False, Gathered=None, GathN=None,
-                       Above=None, Resolved=None, GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False,
-                       Count2=None, Second=None, SECOND: tl.constexpr = False):
+                       NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Search=None,
+                       CHECKED: tl.constexpr = False, Gathered=None, GathN=None, Above=None, Resolved=None,
+                       GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False):
     """One pass of top_p's cut search for (row, split): the largest key at or above which the softmax mass reaches
     top_p x the mass top_k keeps. A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
@@ -653,9 +662,12 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     -inf's key there); the goal needs the mass above that floor, which is pass 0's sum for its first candidate (the
     floor itself), so pass 1 sums it and stores the goal in Goal. GATHER_CAP: the search gathers (see
     GATHER_PASS); IS_GATHER: this is its GATHER_PASS, which also gathers its range's columns; the passes after it
-    skip the rows the resolver finished."""
+    skip the rows the resolver finished. CHECKED: rows that need no cut (Search[row] 0) exit at once."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    if CHECKED:
+        if tl.load(Search + row) == 0:
+            return
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     top_p = tl.load(TopPs + row)
@@ -674,9 +686,6 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
             tl.store(Goal + row, goal)
     elif pass_idx > 1:
         goal = tl.load(Goal + row)
-    if CHECKED:  # rows whose unrestricted draw stands need no cut
-        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, tl.load(TopKs + row), top_p,
-                                     vocab_size, HAS_K, HAS_P, SPLITS_POW2, Count2, Second, SECOND)
     if GATHER_CAP:
         if pass_idx > _GATHER_PASS:  # rows the resolver finished
             active = active & (tl.load(Resolved + row * 2) == 0)
@@ -711,21 +720,19 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
 def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved, Dense,
                         vocab_size, num_splits, b, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
                         NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr,
-                        RESOLVE_BLOCK: tl.constexpr, Mass=None, Count=None, HAS_P: tl.constexpr = False,
-                        CHECKED: tl.constexpr = False, Count2=None, Second=None, SECOND: tl.constexpr = False):
+                        RESOLVE_BLOCK: tl.constexpr, Search=None, CHECKED: tl.constexpr = False):
     """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
     finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
     split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
-    more columns in range than it could hold."""
+    more columns in range than it could hold. CHECKED: rows that need no cut (Search[row] 0) exit at once."""
     row = tl.program_id(0).to(tl.int64)
+    if CHECKED:
+        if tl.load(Search + row) == 0:
+            return
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     active = samples & (tl.load(TopPs + row) < 1.0)
     goal = tl.load(Goal + row)
-    if CHECKED:
-        active = active & ~_accepted(Mass, Count, row, b, num_splits, samples, tl.load(TopKs + row),
-                                     tl.load(TopPs + row), vocab_size, HAS_K, HAS_P, SPLITS_POW2, Count2, Second,
-                                     SECOND)
     out = Resolved + row * 2
     if active:
         s = tl.arange(0, SPLITS_POW2)
@@ -760,25 +767,17 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0,
-                       TopKs=None, vocab_size=0, HAS_K: tl.constexpr = False, Vals=None, Idx=None, Vals2=None,
-                       Idx2=None, Mass=None, Count=None, Count2=None, Second=None, SECOND: tl.constexpr = False):
+                       Search=None, CHECKED: tl.constexpr = False):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
-    value at which the renormalized mass reaches top_p. SECOND: a row whose second best draw decides it
-    (`_draw_checks`) gets that draw as its split bests (-inf but in its split), which the pick reads, since the
-    checked draw leaves the rows that need no cut as they are."""
+    value at which the renormalized mass reaches top_p. CHECKED: rows that need no cut (Search[row] 0) are left
+    unset."""
     row = tl.program_id(0).to(tl.int64)
+    if CHECKED:
+        if tl.load(Search + row) == 0:
+            return
     samples = tl.load(Temps + row) >= greedy_eps
     top_p = tl.load(TopPs + row)
-    if SECOND:
-        if samples:
-            ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, tl.load(TopKs + row), top_p, vocab_size, HAS_K,
-                                   HAS_P, SPLITS_POW2, Count2, Second, SECOND)
-            if ok2 & ~ok:
-                _, j2, v2, s2 = _row_candidates(Vals, Idx, Vals2, Idx2, row, num_splits, SPLITS_POW2, SECOND)
-                s = tl.arange(0, SPLITS_POW2)
-                tl.store(Vals + row * num_splits + s, tl.where(s == s2, v2, float("-inf")), mask=s < num_splits)
-                tl.store(Idx + row * num_splits + s2, j2)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     if samples:  # top_k's cut (-inf's key without top_k), or top_p's above it
         cut = tl.load(CutK + row)
@@ -814,9 +813,9 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     `vocab_size` are ignored. `min_ps` None: no row filters by min_p; `top_ks` / `top_ps` None: no row has
     top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none),
     and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped). With them the
-    unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p, then the cut
-    search for the rows whose draw failed (TOP_K_PASSES and PASSES launches over (row, split) programs, a resolve
-    and a finish over one program per row), then their draw under the cut.
+    unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p and one that
+    writes each row's verdict, then the cut search for the rows whose draw failed (TOP_K_PASSES and PASSES launches
+    over (row, split) programs, a resolve and a finish over one program per row), then their draw under the cut.
 
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
@@ -869,14 +868,14 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
                               HAS_MIN_P=min_ps is not None, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
                               num_warps=_SEARCH_WARPS, Vals2=vals2, Idx2=idx2, **second_args)
-    check = dict(Mass=mass, Count=count, HAS_P=has_p, CHECKED=True, **second_args)
-    # the finish places a row's second where it decides the row (only with the check on)
-    finish = dict(TopKs=top_ks, vocab_size=vocab_size, HAS_K=has_k, Mass=mass, Count=count, Vals=vals, Idx=idx,
-                  Vals2=vals2, Idx2=idx2, **second_args) if second_best else {}
+    search = torch.empty(b, dtype=torch.int32, device=dev)  # whether the row needs its cut: every later kernel's
+    _verdict_kernel[(b,)](temperatures, top_ks, top_ps, mass, count, search, vocab_size, num_splits, b, greedy_eps,
+                          HAS_K=has_k, HAS_P=has_p, SPLITS_POW2=pow2, Vals=vals, Idx=idx, Vals2=vals2, Idx2=idx2,
+                          num_warps=1, **second_args)
+    check = dict(Search=search, CHECKED=True)
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
-                 split_len, num_splits, check, finish)
-    _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, TopKs=top_ks, TopPs=top_ps,
-                               b=b, HAS_K=has_k, **check, **sample_meta)
+                 split_len, num_splits, check)
+    _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, **check, **sample_meta)
     return pick_rows(vals, idx, out, scatter)
 
 
@@ -905,12 +904,9 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
 
 def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
           top_ps: torch.Tensor, split_max: torch.Tensor, vocab_size: int, greedy_eps: float,
-          cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None,
-          finish: dict | None = None) -> torch.Tensor:
-    """The cut search's launches: each row's cut, float32 [B]. `check` (the acceptance parts and flags): rows whose
-    unrestricted draw stands, or whose second best decides them, are not searched, and their cuts are left unset;
-    `finish` (the second best draw's arguments of `_cut_finish_kernel`): it gives a row its second where that
-    decides it."""
+          cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None) -> torch.Tensor:
+    """The cut search's launches: each row's cut, float32 [B]. `check` (Search, `_verdict_kernel`'s flags, with
+    CHECKED): rows that need no cut are not searched, and their cuts are left unset."""
     b = logits.shape[0]
     grid = (b, num_splits)
     dev = logits.device
@@ -955,7 +951,7 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
     _cut_finish_kernel[(b,)](temperatures, top_ps, state, part, goal, cut_k, cuts, num_splits, b, greedy_eps,
                              HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2, Resolved=gather.get("Resolved"),
-                             GATHER_CAP=cap, num_warps=1, **(finish or {}))
+                             GATHER_CAP=cap, num_warps=1, **(check or {}))
     return cuts
 
 
