@@ -17,7 +17,7 @@ import ostinato.runner.fused_sample as fs
 # pointer arguments (capitalized, or named *_ptr) by dtype; the rest are float32
 I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "TopKs", "Seeds", "Steps", "seeds_ptr",
        "steps_ptr", "out_ptr", "dest_ptr", "index_ptr"}
-I32 = {"Count", "Count2", "Second", "Search", "Hist", "Dense", "Gathered", "GathN", "Cursor", "idx_ptr"}
+I32 = {"Count", "Count2", "Second", "Order", "Hist", "Dense", "Gathered", "GathN", "Cursor", "idx_ptr"}
 PLAIN_INTS = ("pass_idx", "b", "split_len", "num_splits", "vocab_size", "stride_l", "n_cols", "n_chunks")
 ROW = dict(HAS_MIN_P=False, SPLITS_POW2=16, NWAY=16)
 CHECK = dict(CHECKED=True)

@@ -6,8 +6,8 @@ that is the launch and its waves of programs (then only fewer launches help) or 
 row's inputs and the acceptance sums before it can exit (then a per-row flag read first helps) decides the next
 change. Times, as graphs of CALLS launches each, us a launch:
 Every tensor is allocated before the capture (an allocation that fills would add its own kernel to each launch).
-- the engine's own kernels with every row inactive (T=0.6 rows whose verdict, Search, is 0: every program exits),
-  at the shapes a 32-row step launches them, and the verdict kernel itself;
+- the engine's own kernels with every row inactive (T=0.6 rows, and `_verdict_kernel`'s list empty: every program
+  exits), at the shapes a 32-row step launches them, and the verdict kernel itself;
 - a stand-in kernel over the same grid that reads one int32 flag a row and exits, with a light body and with a
   body as heavy in registers as a top_p pass (a [16, 1024] accumulator), at 8, 4 and 1 warps and over one program
   a row.
@@ -71,10 +71,10 @@ def main() -> None:
     count, count2 = torch.zeros(b, num_splits, **i32), torch.zeros(b, num_splits, **i32)
     second = torch.ones(b, **i32)
     vals, idx = torch.randn(b, num_splits, **f32), torch.zeros(b, num_splits, **i64)
-    vals2, idx2, verdicts = vals.clone(), idx.clone(), torch.empty(b, **i32)
+    vals2, idx2, listed = vals.clone(), idx.clone(), torch.zeros(b + 1, **i32)
     seeds, steps = torch.arange(b, **i64), torch.zeros(b, **i64)
-    search = torch.zeros(b, **i32)  # no row needs its cut
-    check = dict(Search=search, CHECKED=True)
+    order = torch.zeros(b + 1, **i32)  # no row needs its cut
+    check = dict(Order=order, CHECKED=True)
     row_args = (temps, temps, top_ks, top_ps, split_max)
     state = torch.zeros(b, 2, 2, **i64)
     part = torch.rand(2, b, num_splits, fs._NWAY, **f32)
@@ -87,7 +87,7 @@ def main() -> None:
     select = torch.zeros(2, b, 8, **i64)
     k_dense = torch.empty(b, fs.TOP_K_GATHER, **i32)
     meta = dict(HAS_MIN_P=False, SPLITS_POW2=pow2, num_warps=fs._SEARCH_WARPS, **check)
-    grid = (b, num_splits)
+    grid = (num_splits, b)  # over (split, list entry), as the checked kernels run
     p_args = (logits, logits.stride(0), *row_args, state, part, goal, cut_k, vocab, split_len, num_splits, b)
 
     def top_p_pass(pass_idx: int):
@@ -117,8 +117,9 @@ def main() -> None:
             logits, logits.stride(0), temps, temps, split_max, cuts, seeds, steps, vals, idx, vocab, split_len,
             num_splits, 1e-5, HAS_MIN_P=False, HAS_CUT=True, BLOCK=fs._BLOCK,
             SPLITS_POW2=pow2, num_warps=8, **check),
+        # top_p 1.0 and top_k = vocab: every row's draw stands, so nothing is listed (no count grows over replays)
         "verdict (one program a row, 1 warp)": lambda: fs._verdict_kernel[(b,)](
-            temps, top_ks, top_ps, mass, count, verdicts, vocab, num_splits, b, 1e-5, HAS_K=False, HAS_P=True,
+            temps, top_ks, top_ps, mass, count, listed, vocab, num_splits, b, 1e-5, HAS_K=False, HAS_P=True,
             SPLITS_POW2=pow2, Count2=count2, Second=second, SECOND=True, Vals=vals, Idx=idx, Vals2=vals2, Idx2=idx2,
             num_warps=1),
     }

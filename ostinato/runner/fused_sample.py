@@ -14,8 +14,9 @@ finishes over those (`_top_k_resolve_kernel`), so most rows are read twice. top_
 order keys weighted by softmax mass (`_top_p_pass_kernel`; from 8 rows, its fifth pass gathers its range for
 `_cut_resolve_kernel` likewise). The search runs only for rows that need it: the row's unrestricted draw is taken
 first, and where it survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw
-under the cut too; one program per row then writes each row's verdict (`_verdict_kernel`), and the search's
-programs of rows that need no cut read it and exit. Fixed grids, no host sync: capturable in a CUDA graph.
+under the cut too; one program per row then lists the rows that need their cut (`_verdict_kernel`), and the
+search's launches run over that list (their programs past its end exit at once). Fixed grids, no host sync:
+capturable in a CUDA graph.
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
 the GPU and its CPU interpreter when the kernel is decorated).
@@ -51,20 +52,25 @@ def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_s
 @triton.jit(do_not_specialize=["split_len", "num_splits", "b"])
 def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, Steps, OutVal, OutIdx, vocab_size,
                          split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr,
-                         BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Search=None, CHECKED: tl.constexpr = False,
+                         BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Order=None, CHECKED: tl.constexpr = False,
                          MaxOut=None, STORE_MAX: tl.constexpr = False, OutVal2=None, OutIdx2=None,
                          KEEP_SECOND: tl.constexpr = False):
     """Per (row, split): the best Gumbel-perturbed logit among the split's allowed columns and its first index.
     Greedy rows use no noise and no filter (their best is the argmax). CHECKED (the draw under the cuts, after
-    the unrestricted one): a row that needs no cut (Search[row] 0) returns at once, its bests left as they are.
+    the unrestricted one): only the rows that need their cut (grid (splits, B) over `_verdict_kernel`'s list), the
+    others' bests left as they are.
     STORE_MAX (no min_p, no cut): also MaxOut[row, split] = the split's max of logits / temperature, as
     `_split_max_kernel` takes it. KEEP_SECOND (the unrestricted draw): also each split's second best, in (value
     descending, index ascending) order, into OutVal2 / OutIdx2."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    if CHECKED:
-        if tl.load(Search + row) == 0:
+    if CHECKED:  # program (split, i): the i-th row in `_verdict_kernel`'s list of those that need their cut
+        split = tl.program_id(0)
+        i = tl.program_id(1)
+        if i >= tl.load(Order):
             return
+        row = tl.load(Order + 1 + i).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
     temp = tl.load(Temps + row)
     greedy = temp < greedy_eps
     div = tl.where(greedy, 1.0, temp)
@@ -407,18 +413,22 @@ def _count_bins(row_ptr, lo_col, hi_col, temp, x_max, log_min_p, top_block, pref
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits", "b"])
 def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, Cursor, vocab_size,
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
-                       BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, Search=None,
+                       BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, Order=None,
                        CHECKED: tl.constexpr = False):
     """Pass `pass_idx` of top_k's select for (row, split): histogram the keys in the row's range into
     Hist[pass_idx, row] (atomic adds), or, the pass after the range's count fell to TOP_K_GATHER, copy those keys to
     Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
-    stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0. CHECKED: rows that
-    need no cut (Search[row] 0) exit at once."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    if CHECKED:
-        if tl.load(Search + row) == 0:
+    stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0. CHECKED: only the rows
+    that need their cut (grid (splits, B) over `_verdict_kernel`'s list)."""
+    if CHECKED:  # program (split, i): the i-th row in `_verdict_kernel`'s list of those that need their cut
+        split = tl.program_id(0)
+        i = tl.program_id(1)
+        if i >= tl.load(Order):
             return
+        row = tl.load(Order + 1 + i).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
                                                                   vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     if active:
@@ -469,14 +479,15 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, CutK, vocab_size, num_splits, b,
                           greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                          Search=None, CHECKED: tl.constexpr = False):
+                          Order=None, CHECKED: tl.constexpr = False):
     """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
-    the select's passes, finished over the keys a pass gathered where one did. CHECKED: rows that need no cut
-    (Search[row] 0) are left unset."""
+    the select's passes, finished over the keys a pass gathered where one did. CHECKED: only the rows that need
+    their cut (`_verdict_kernel`'s list); the others' are left unset."""
     row = tl.program_id(0).to(tl.int64)
-    if CHECKED:
-        if tl.load(Search + row) == 0:
+    if CHECKED:  # program i: the i-th row in `_verdict_kernel`'s list of those that need their cut
+        if row >= tl.load(Order):
             return
+        row = tl.load(Order + 1 + row).to(tl.int64)
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
                                                                   vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
@@ -516,15 +527,18 @@ _MASS_LANES = tl.constexpr(MASS_LANES)
 @triton.jit(do_not_specialize=["split_len", "num_splits"])
 def _accept_part_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Vals, Idx, Mass, Count, vocab_size, split_len,
                         num_splits, greedy_eps, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                        BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Vals2=None, Idx2=None,
+                        BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Order=None, Vals2=None, Idx2=None,
                         Count2=None, Second=None, SECOND: tl.constexpr = False):
     """Per (row, split) of a sampling row, from the unrestricted draw's split bests (Vals, Idx): the count of
     kept columns whose key exceeds key(x[j*]) (HAS_K), and the masses at or above the keys [floor, key(x[j*]),
     key(x[j*]) + 1, ...] as the top_p search sums them (HAS_P). SECOND: the same for the row's second best draw j2
     (`_row_candidates`, from the splits' seconds Vals2 / Idx2) into Count2 and Mass's lanes 3 and 4 (its key, its
-    key + 1), and Second[row] = whether the row has a second (split 0 stores it)."""
+    key + 1), and Second[row] = whether the row has a second (split 0 stores it). Program (0, 0) zeroes Order[0],
+    the count of `_verdict_kernel`'s list."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    if (row == 0) & (split == 0):
+        tl.store(Order, 0)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     if samples:
@@ -626,16 +640,21 @@ def _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_
 
 
 @triton.jit(do_not_specialize=["num_splits", "b"])
-def _verdict_kernel(Temps, TopKs, TopPs, Mass, Count, Search, vocab_size, num_splits, b, greedy_eps,
+def _verdict_kernel(Temps, TopKs, TopPs, Mass, Count, Order, vocab_size, num_splits, b, greedy_eps,
                     HAS_K: tl.constexpr, HAS_P: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2=None, Second=None,
                     SECOND: tl.constexpr = False, Vals=None, Idx=None, Vals2=None, Idx2=None):
-    """Search[row] = 1 where the row needs its cut: a sampling row whose unrestricted draw j1 fails its top_k /
-    top_p and whose second best does not decide it (`_draw_checks`), else 0. Every later kernel of the step reads
-    that flag first and exits on 0: a program that took the verdict from the acceptance sums itself cost 1-3 us
-    more a launch, even where no row was searched (docs/gpu-notes.md, fiftieth session). Greedy rows' sums were
-    never written: their checks are read unconditionally (every load at once, none waiting on the temperature's)
-    and masked. SECOND: a row whose second best draw decides it gets that draw as its split bests (-inf but in its
-    split), which the pick reads, since the draw under the cut leaves it as it is."""
+    """The list of rows that need their cut: sampling rows whose unrestricted draw j1 fails their top_k / top_p and
+    whose second best does not decide them (`_draw_checks`). Order[0] counts them (zeroed by the acceptance pass)
+    and Order[1:] holds them, in no fixed order (atomic adds). Every later kernel of the step runs its program i on
+    the list's i-th row, and a program past the count exits after that one read:
+    - a program that took its row's verdict from the acceptance sums itself cost 1-3 us more a launch, even where
+      no row was searched;
+    - programs indexed by row put the searched rows' long programs among the empty ones (at 256 rows of peaked
+      logits, top_p's passes took 312 us with those sums and 419 us with a flag a row); the list's come first.
+    (docs/gpu-notes.md, fiftieth session.) Greedy rows' sums were never written: their checks are read
+    unconditionally (every load at once, none waiting on the temperature's) and masked. SECOND: a row whose second
+    best draw decides it gets that draw as its split bests (-inf but in its split), which the pick reads, since the
+    draw under the cut leaves it as it is."""
     row = tl.program_id(0).to(tl.int64)
     samples = tl.load(Temps + row) >= greedy_eps
     ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, tl.load(TopKs + row), tl.load(TopPs + row), vocab_size,
@@ -646,13 +665,14 @@ def _verdict_kernel(Temps, TopKs, TopPs, Mass, Count, Search, vocab_size, num_sp
             s = tl.arange(0, SPLITS_POW2)
             tl.store(Vals + row * num_splits + s, tl.where(s == s2, v2, float("-inf")), mask=s < num_splits)
             tl.store(Idx + row * num_splits + s2, j2)
-    tl.store(Search + row, (samples & ~ok & ~ok2).to(tl.int32))
+    if samples & ~ok & ~ok2:
+        tl.store(Order + 1 + tl.atomic_add(Order, 1), row.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["pass_idx", "split_len", "num_splits", "b"])
 def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                       NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Search=None,
+                       NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Order=None,
                        CHECKED: tl.constexpr = False, Gathered=None, GathN=None, Above=None, Resolved=None,
                        GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False):
     """One pass of top_p's cut search for (row, split): the largest key at or above which the softmax mass reaches
@@ -662,12 +682,17 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     -inf's key there); the goal needs the mass above that floor, which is pass 0's sum for its first candidate (the
     floor itself), so pass 1 sums it and stores the goal in Goal. GATHER_CAP: the search gathers (see
     GATHER_PASS); IS_GATHER: this is its GATHER_PASS, which also gathers its range's columns; the passes after it
-    skip the rows the resolver finished. CHECKED: rows that need no cut (Search[row] 0) exit at once."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    if CHECKED:
-        if tl.load(Search + row) == 0:
+    skip the rows the resolver finished. CHECKED: only the rows that need their cut (grid (splits, B) over
+    `_verdict_kernel`'s list)."""
+    if CHECKED:  # program (split, i): the i-th row in `_verdict_kernel`'s list of those that need their cut
+        split = tl.program_id(0)
+        i = tl.program_id(1)
+        if i >= tl.load(Order):
             return
+        row = tl.load(Order + 1 + i).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     top_p = tl.load(TopPs + row)
@@ -720,15 +745,17 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
 def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved, Dense,
                         vocab_size, num_splits, b, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
                         NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr,
-                        RESOLVE_BLOCK: tl.constexpr, Search=None, CHECKED: tl.constexpr = False):
+                        RESOLVE_BLOCK: tl.constexpr, Order=None, CHECKED: tl.constexpr = False):
     """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
     finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
     split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
-    more columns in range than it could hold. CHECKED: rows that need no cut (Search[row] 0) exit at once."""
+    more columns in range than it could hold. CHECKED: only the rows that need their cut (`_verdict_kernel`'s
+    list)."""
     row = tl.program_id(0).to(tl.int64)
-    if CHECKED:
-        if tl.load(Search + row) == 0:
+    if CHECKED:  # program i: the i-th row in `_verdict_kernel`'s list of those that need their cut
+        if row >= tl.load(Order):
             return
+        row = tl.load(Order + 1 + row).to(tl.int64)
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     active = samples & (tl.load(TopPs + row) < 1.0)
@@ -767,15 +794,16 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0,
-                       Search=None, CHECKED: tl.constexpr = False):
+                       Order=None, CHECKED: tl.constexpr = False):
     """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
-    value at which the renormalized mass reaches top_p. CHECKED: rows that need no cut (Search[row] 0) are left
-    unset."""
+    value at which the renormalized mass reaches top_p. CHECKED: only the rows that need their cut
+    (`_verdict_kernel`'s list); the others' are left unset."""
     row = tl.program_id(0).to(tl.int64)
-    if CHECKED:
-        if tl.load(Search + row) == 0:
+    if CHECKED:  # program i: the i-th row in `_verdict_kernel`'s list of those that need their cut
+        if row >= tl.load(Order):
             return
+        row = tl.load(Order + 1 + row).to(tl.int64)
     samples = tl.load(Temps + row) >= greedy_eps
     top_p = tl.load(TopPs + row)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
@@ -859,6 +887,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     count2 = torch.empty(b, num_splits, dtype=torch.int32, device=dev) if has_k and second_best else vals
     second = torch.empty(b, dtype=torch.int32, device=dev) if second_best else vals
     second_args = dict(Count2=count2, Second=second, SECOND=second_best)
+    order = torch.empty(b + 1, dtype=torch.int32, device=dev)  # the rows that need their cut (_verdict_kernel)
     # the row maximum (min_p and the searches need it): with min_p a pass of its own, else taken by the first draw
     split_max = _split_max(logits, temperatures, min_ps, False, vocab_size, greedy_eps, split_len, num_splits)
     _split_sample_kernel[grid](*sample_args, split_max, split_max, *draw_args, HAS_CUT=False, MaxOut=split_max,
@@ -867,15 +896,15 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     _accept_part_kernel[grid](logits, logits.stride(0), temperatures, min_p_arg, split_max, vals, idx, mass, count,
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
                               HAS_MIN_P=min_ps is not None, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
-                              num_warps=_SEARCH_WARPS, Vals2=vals2, Idx2=idx2, **second_args)
-    search = torch.empty(b, dtype=torch.int32, device=dev)  # whether the row needs its cut: every later kernel's
-    _verdict_kernel[(b,)](temperatures, top_ks, top_ps, mass, count, search, vocab_size, num_splits, b, greedy_eps,
+                              num_warps=_SEARCH_WARPS, Order=order, Vals2=vals2, Idx2=idx2, **second_args)
+    _verdict_kernel[(b,)](temperatures, top_ks, top_ps, mass, count, order, vocab_size, num_splits, b, greedy_eps,
                           HAS_K=has_k, HAS_P=has_p, SPLITS_POW2=pow2, Vals=vals, Idx=idx, Vals2=vals2, Idx2=idx2,
                           num_warps=1, **second_args)
-    check = dict(Search=search, CHECKED=True)
+    check = dict(Order=order, CHECKED=True)
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
                  split_len, num_splits, check)
-    _split_sample_kernel[grid](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, **check, **sample_meta)
+    _split_sample_kernel[(num_splits, b)](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, **check,
+                                          **sample_meta)
     return pick_rows(vals, idx, out, scatter)
 
 
@@ -905,10 +934,10 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
 def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
           top_ps: torch.Tensor, split_max: torch.Tensor, vocab_size: int, greedy_eps: float,
           cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None) -> torch.Tensor:
-    """The cut search's launches: each row's cut, float32 [B]. `check` (Search, `_verdict_kernel`'s flags, with
-    CHECKED): rows that need no cut are not searched, and their cuts are left unset."""
+    """The cut search's launches: each row's cut, float32 [B]. `check` (Order, `_verdict_kernel`'s list, with
+    CHECKED): only the listed rows are searched (grids over (split, list entry)); the others' cuts are left unset."""
     b = logits.shape[0]
-    grid = (b, num_splits)
+    grid = (num_splits, b) if check else (b, num_splits)
     dev = logits.device
     pow2 = triton.next_power_of_2(num_splits)
     has_k, has_p = cut_phases
