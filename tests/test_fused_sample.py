@@ -377,6 +377,39 @@ def test_top_p_resolver_finishes_rows_from_their_gathered_keys(kinds, monkeypatc
     assert short[3] != full[3]  # the tied row needed the passes
 
 
+def test_search_runs_over_the_verdicts_list_in_any_order(search_form):
+    """With rejection first the search's launches run over `_verdict_kernel`'s list of the rows that need their cut
+    (program i on its i-th row, splits side by side), which atomic adds fill in no fixed order on a GPU (the
+    interpreter's programs run in row order). Given a list out of row order, with a stale row past its count, the
+    listed rows get the cuts a search of every row gives, and the others' are left as they were."""
+    from ostinato.runner import fused_sample
+
+    vocab, b = 2 * 2048 + 21, 6
+    gen = torch.Generator().manual_seed(31)
+    logits = (torch.randn(b, vocab, generator=gen) * 2).to(DEVICE)
+    temps = torch.tensor([0.7, 1.0, 0.5, 0.9, 1.2, 0.6], device=DEVICE)
+    ks = torch.tensor([700, vocab, 40, 2000, 5, vocab], device=DEVICE)
+    ps = torch.tensor([0.8, 0.3, 1.0, 0.5, 0.9, 0.95], device=DEVICE)
+    full = fused_sample.row_cuts(logits, temps, None, ks, ps, vocab, 1e-5).cpu()
+    plan = fused_sample.split_plan(b, vocab)
+    split_max = fused_sample._split_max(logits, temps, None, True, vocab, 1e-5, *plan)
+    listed = [4, 1, 5, 0]
+    order = torch.tensor([len(listed), *listed, 2], dtype=torch.int32, device=DEVICE)  # row 2: stale, past the count
+    real = fused_sample.torch.empty
+
+    def unset(*shape, **kw):  # every buffer starts as NaN / -1, so a row the search skips shows as one
+        out = real(*shape, **kw)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-1)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused_sample.torch, "empty", unset)
+        cuts = fused_sample._cuts(logits, temps, None, ks, ps, split_max, vocab, 1e-5, (True, True), *plan,
+                                  dict(Order=order, CHECKED=True)).cpu()
+    assert torch.equal(cuts[listed], full[listed]), (cuts, full)
+    assert cuts[[2, 3]].isnan().all(), cuts  # not listed: the finish left them unset
+    assert full[listed].isfinite().all()
+
+
 def test_all_greedy_steps_skip_the_kernels():
     t = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 2, [1, 2], [0, 0], 1000, DEVICE)
     assert not t.fused_ok
