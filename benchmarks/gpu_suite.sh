@@ -410,11 +410,11 @@ samplerpdl)
       | grep -E "top_k|Error" | tee "$OUT/fused-sample-pdl.log"
   ;;
 verdict)
-  # fiftieth session: one program a row writes each row's verdict (whether it needs its cut) after the acceptance
-  # pass, and the search's kernels and the draw under the cut read it first and exit. The sampling GPU tests, the
-  # empty-launch probe (benchmarks/probe_empty_launch.py), then the sampler alone in turns with the session's starting
-  # fused_sample.py (carried: `git show 88a4b2a:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`). About
-  # 6 minutes (NO_TESTS=1: skip the tests)
+  # fiftieth session: one program a row takes each row's verdict after the acceptance pass (6dc2c79: a flag a row,
+  # read first by every later kernel; cf0ce81: a list of the rows that need their cut, which the later kernels run
+  # over, splits side by side). The sampling GPU tests, the empty-launch probe (benchmarks/probe_empty_launch.py),
+  # then the sampler alone in turns with the session's starting fused_sample.py (carried: `git show
+  # 88a4b2a:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`). About 6 minutes (NO_TESTS=1: skip the tests)
   [ -z "${NO_TESTS:-}" ] && sampler_gpu_tests "$(mktemp -d)" verdict-tests.log
   (cd benchmarks && timeout 100 python probe_empty_launch.py --out "$OUT/probe-empty-launch-verdict.json" 2>&1 \
       | quiet | tee "$OUT/probe-empty-launch-verdict.log")

@@ -701,7 +701,7 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
         floor_key = tl.load(CutK + row)
     else:
         floor_key = tl.full([], _NEG_INF_KEY, tl.int64)
-        if (pass_idx == 0) & (split == 0):  # every row's: the finish kernel reads it for rows without top_p too
+        if (pass_idx == 0) & (split == 0):  # every searched row's: the finish reads it for rows without top_p too
             tl.store(CutK + row, floor_key)
     goal = 0.0
     if pass_idx == 1:
@@ -842,8 +842,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none),
     and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped). With them the
     unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p and one that
-    writes each row's verdict, then the cut search for the rows whose draw failed (TOP_K_PASSES and PASSES launches
-    over (row, split) programs, a resolve and a finish over one program per row), then their draw under the cut.
+    lists the rows whose draw failed, then the cut search over that list (TOP_K_PASSES and PASSES launches over
+    (split, list entry) programs, a resolve and a finish over one program per entry), then their draw under the cut.
 
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
