@@ -32,6 +32,31 @@ from ostinato.layers.triton_ops.argmax import pick_rows
 from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
 
 
+@triton.jit
+def _program_row_split(Order, CHECKED: tl.constexpr):
+    """(row, split, whether the program has a row) of a program of a (row, split) launch: program (row, split), or
+    with CHECKED program (split, i) on the i-th row of `_verdict_kernel`'s list (Order: its count, then its rows), the
+    splits of a listed row side by side; a program past the count has none and exits after that one read."""
+    if CHECKED:
+        i = tl.program_id(1)
+        listed = i < tl.load(Order)
+        return tl.load(Order + 1 + i, mask=listed, other=0).to(tl.int64), tl.program_id(0), listed
+    else:
+        return tl.program_id(0).to(tl.int64), tl.program_id(1), True
+
+
+@triton.jit
+def _program_row(Order, CHECKED: tl.constexpr):
+    """(row, whether the program has a row) of a program of a one-program-a-row launch: program row, or with CHECKED
+    program i on the i-th row of `_verdict_kernel`'s list."""
+    i = tl.program_id(0)
+    if CHECKED:
+        listed = i < tl.load(Order)
+        return tl.load(Order + 1 + i, mask=listed, other=0).to(tl.int64), listed
+    else:
+        return i.to(tl.int64), True
+
+
 @triton.jit(do_not_specialize=["split_len", "num_splits"])  # kernels per batch size: one per SPLITS_POW2 only
 def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_splits, greedy_eps,
                       BLOCK: tl.constexpr):
@@ -62,15 +87,9 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
     STORE_MAX (no min_p, no cut): also MaxOut[row, split] = the split's max of logits / temperature, as
     `_split_max_kernel` takes it. KEEP_SECOND (the unrestricted draw): also each split's second best, in (value
     descending, index ascending) order, into OutVal2 / OutIdx2."""
-    if CHECKED:  # program (split, i): the i-th row in `_verdict_kernel`'s list of those that need their cut
-        split = tl.program_id(0)
-        i = tl.program_id(1)
-        if i >= tl.load(Order):
-            return
-        row = tl.load(Order + 1 + i).to(tl.int64)
-    else:
-        row = tl.program_id(0).to(tl.int64)
-        split = tl.program_id(1)
+    row, split, listed = _program_row_split(Order, CHECKED)
+    if listed == 0:
+        return
     temp = tl.load(Temps + row)
     greedy = temp < greedy_eps
     div = tl.where(greedy, 1.0, temp)
@@ -420,15 +439,9 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
     stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0. CHECKED: only the rows
     that need their cut (grid (splits, B) over `_verdict_kernel`'s list)."""
-    if CHECKED:  # program (split, i): the i-th row in `_verdict_kernel`'s list of those that need their cut
-        split = tl.program_id(0)
-        i = tl.program_id(1)
-        if i >= tl.load(Order):
-            return
-        row = tl.load(Order + 1 + i).to(tl.int64)
-    else:
-        row = tl.program_id(0).to(tl.int64)
-        split = tl.program_id(1)
+    row, split, listed = _program_row_split(Order, CHECKED)
+    if listed == 0:
+        return
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
                                                                   vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     if active:
@@ -483,11 +496,9 @@ def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Den
     """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
     the select's passes, finished over the keys a pass gathered where one did. CHECKED: only the rows that need
     their cut (`_verdict_kernel`'s list); the others' are left unset."""
-    row = tl.program_id(0).to(tl.int64)
-    if CHECKED:  # program i: the i-th row in `_verdict_kernel`'s list of those that need their cut
-        if row >= tl.load(Order):
-            return
-        row = tl.load(Order + 1 + row).to(tl.int64)
+    row, listed = _program_row(Order, CHECKED)
+    if listed == 0:
+        return
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
                                                                   vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
@@ -684,15 +695,9 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     GATHER_PASS); IS_GATHER: this is its GATHER_PASS, which also gathers its range's columns; the passes after it
     skip the rows the resolver finished. CHECKED: only the rows that need their cut (grid (splits, B) over
     `_verdict_kernel`'s list)."""
-    if CHECKED:  # program (split, i): the i-th row in `_verdict_kernel`'s list of those that need their cut
-        split = tl.program_id(0)
-        i = tl.program_id(1)
-        if i >= tl.load(Order):
-            return
-        row = tl.load(Order + 1 + i).to(tl.int64)
-    else:
-        row = tl.program_id(0).to(tl.int64)
-        split = tl.program_id(1)
+    row, split, listed = _program_row_split(Order, CHECKED)
+    if listed == 0:
+        return
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     top_p = tl.load(TopPs + row)
@@ -751,11 +756,9 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
     split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
     more columns in range than it could hold. CHECKED: only the rows that need their cut (`_verdict_kernel`'s
     list)."""
-    row = tl.program_id(0).to(tl.int64)
-    if CHECKED:  # program i: the i-th row in `_verdict_kernel`'s list of those that need their cut
-        if row >= tl.load(Order):
-            return
-        row = tl.load(Order + 1 + row).to(tl.int64)
+    row, listed = _program_row(Order, CHECKED)
+    if listed == 0:
+        return
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     active = samples & (tl.load(TopPs + row) < 1.0)
@@ -799,11 +802,9 @@ def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, 
     value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
     value at which the renormalized mass reaches top_p. CHECKED: only the rows that need their cut
     (`_verdict_kernel`'s list); the others' are left unset."""
-    row = tl.program_id(0).to(tl.int64)
-    if CHECKED:  # program i: the i-th row in `_verdict_kernel`'s list of those that need their cut
-        if row >= tl.load(Order):
-            return
-        row = tl.load(Order + 1 + row).to(tl.int64)
+    row, listed = _program_row(Order, CHECKED)
+    if listed == 0:
+        return
     samples = tl.load(Temps + row) >= greedy_eps
     top_p = tl.load(TopPs + row)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
