@@ -33,7 +33,7 @@ CASES = [
     (fs._top_k_resolve_kernel, dict(BLOCK=1024, **CHECK, **ROW)),
     (fs._top_p_pass_kernel, dict(HAS_K=True, BLOCK=1024, GATHER_CAP=128, IS_GATHER=True, **CHECK, **ROW)),
     (fs._top_p_pass_kernel, dict(HAS_K=False, BLOCK=1024, **CHECK, **ROW)),
-    (fs._cut_resolve_kernel, dict(HAS_K=True, GATHER_CAP=128, RESOLVE_BLOCK=256, **CHECK, **ROW)),
+    (fs._cut_resolve_kernel, dict(GATHER_CAP=128, RESOLVE_BLOCK=256, **CHECK, **ROW)),
     (fs._cut_finish_kernel, dict(HAS_P=True, GATHER_CAP=128, num_warps=1, **CHECK, **ROW)),
     (fs._cut_finish_kernel, dict(HAS_P=True, num_warps=1, **ROW)),
     (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=True, num_warps=4)),

@@ -108,8 +108,8 @@ def main() -> None:
         "top_p pass 6 (empty)": top_p_pass(6),
         "top_k pass 2 (empty)": top_k_pass(2),
         "cut resolve (one program a row, empty)": lambda: fs._cut_resolve_kernel[(b,)](
-            *row_args, state, goal, gathered, gath_n, above, resolved, dense, vocab, num_splits, b, 1e-5, HAS_K=False,
-            GATHER_CAP=max(cap, 1), RESOLVE_BLOCK=fs._RESOLVE_BLOCK, NWAY=fs._NWAY, **meta),
+            *row_args, state, goal, gathered, gath_n, above, resolved, dense, num_splits, 1e-5, GATHER_CAP=max(cap, 1),
+            RESOLVE_BLOCK=fs._RESOLVE_BLOCK, NWAY=fs._NWAY, **meta),
         "cut finish (one program a row, 1 warp)": lambda: fs._cut_finish_kernel[(b,)](
             temps, top_ps, state, part, goal, cut_k, cuts, num_splits, b, 1e-5, HAS_P=True, NWAY=fs._NWAY,
             SPLITS_POW2=pow2, Resolved=resolved, GATHER_CAP=cap, num_warps=1, **check),

@@ -74,7 +74,7 @@ def _split_max_kernel(Logits, stride_l, Temps, Out, vocab_size, split_len, num_s
     tl.store(Out + row * num_splits + split, tl.max(m, axis=0))
 
 
-@triton.jit(do_not_specialize=["split_len", "num_splits", "b"])
+@triton.jit(do_not_specialize=["split_len", "num_splits"])
 def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, Steps, OutVal, OutIdx, vocab_size,
                          split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr,
                          BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Order=None, CHECKED: tl.constexpr = False,
@@ -746,11 +746,11 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
         tl.store(Part + ((slot * b + row) * num_splits + split) * NWAY + tl.arange(0, NWAY), acc)
 
 
-@triton.jit(do_not_specialize=["num_splits", "b"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved, Dense,
-                        vocab_size, num_splits, b, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr,
-                        RESOLVE_BLOCK: tl.constexpr, Order=None, CHECKED: tl.constexpr = False):
+                        num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr,
+                        SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr, RESOLVE_BLOCK: tl.constexpr, Order=None,
+                        CHECKED: tl.constexpr = False):
     """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
     finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
     split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
@@ -975,9 +975,8 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
                                      **gather, GATHER_CAP=cap, IS_GATHER=bool(cap) and pass_idx == GATHER_PASS)
             if cap and pass_idx == GATHER_PASS:
                 _cut_resolve_kernel[(b,)](*row_args, state, goal, gather["Gathered"], gather["GathN"],
-                                          gather["Above"], gather["Resolved"], dense, vocab_size, num_splits, b,
-                                          greedy_eps, HAS_K=has_k, GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK,
-                                          NWAY=_NWAY, **meta)
+                                          gather["Above"], gather["Resolved"], dense, num_splits, greedy_eps,
+                                          GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK, NWAY=_NWAY, **meta)
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
     _cut_finish_kernel[(b,)](temperatures, top_ps, state, part, goal, cut_k, cuts, num_splits, b, greedy_eps,
                              HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2, Resolved=gather.get("Resolved"),
