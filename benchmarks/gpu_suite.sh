@@ -422,6 +422,13 @@ verdict)
       --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-verdict.json" 2>&1 | quiet \
       | grep -E "top_k|Error" | tee "$OUT/fused-sample-verdict.log"
   ;;
+ifnode)
+  # fifty-first session: what a CUDA graph IF node (benchmarks/graph_if_node.run_if) costs skipped and taken, beside
+  # the plain launches it would skip (benchmarks/probe_graph_if_node.py). Its first run also had the sampler's cut
+  # search under one (tried, not kept: the ifnode-* results and docs/gpu-notes.md). About 1 minute
+  (cd benchmarks && timeout 100 python probe_graph_if_node.py --out "$OUT/probe-graph-if-node.json" 2>&1 \
+      | quiet | tee "$OUT/probe-graph-if-node.log")
+  ;;
 verdictprofile)
   # fiftieth session: the sampler's kernels by profile at 256 rows of peaked logits (where top_p measured 568 -> 672 us
   # with the verdict), the session's starting fused_sample.py beside the tree. About 1 minute

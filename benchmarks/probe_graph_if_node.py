@@ -1,71 +1,80 @@
-"""Whether this torch can put part of a CUDA graph under a device-side IF (a conditional node, CUDA 12.4+), and what
-skipping kernels that way saves.
+"""What skipping captured kernels under a device-side IF (a conditional node, CUDA 12.4+) saves, through the
+`graph_if_node.run_if` beside it (torch 2.11 cannot capture one itself).
 
 The question behind it (#16, filters at bs 32): with top_p the cut search's launches (eight passes, a resolve, a
 finish, the draw under the cut) stay in the sampler graph and run empty in a step where every row's draw stands.
-An IF node on "some row is searched" would skip them. This times N small kernels (an add over a Qwen3-vocabulary
-[32, 151936] float32 row block's first column) captured plainly, and the same N inside an IF node whose predicate
-is a device scalar, replayed with it false and true; and checks the IF body ran exactly when the predicate held.
+This times N small kernels (an add over a [32, 1] column) captured plainly, and the same N under `run_if` with the
+flag 0 and 1, for each N of --kernels (the set kernel and the IF node included), and an empty block (what the IF
+node costs by itself); and checks that the block ran exactly when the flag was positive and that the work after it
+saw the block's result.
 
-    python benchmarks/probe_graph_if_node.py [--kernels 11] [--out F.json]
+    python benchmarks/probe_graph_if_node.py [--kernels 1 12 24] [--out F.json]
 """
 
 import argparse
 import json
 
+import graph_if_node as conditional
 import torch
 from common import mean_replay_us
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", type=int, default=11)
+    ap.add_argument("--kernels", type=int, nargs="+", default=[1, 12, 24])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    device = torch.device("cuda")
     result = {"torch": torch.__version__, "cuda": torch.version.cuda,
-              "if_node": hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph")
-              and hasattr(torch._C._CUDAGraph, "begin_capture_to_if_node")}
+              "torch_if_node": hasattr(torch._C._CUDAGraph, "begin_capture_to_if_node"),
+              "run_if": conditional.available(device), "kernels": args.kernels}
     print(result)
-    if result["if_node"]:
-        col = torch.randn(32, 1, device="cuda")
-        counter = torch.zeros(1, device="cuda")
-        pred = torch.zeros((), dtype=torch.bool, device="cuda")
+    col = torch.randn(32, 1, device=device)
+    counter = torch.zeros(1, device=device)
+    seen = torch.zeros(1, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
 
-        def body() -> None:
-            for _ in range(args.kernels):
-                col.add_(1e-3)
-            counter.add_(1)  # how often the body ran
+    def body(n: int) -> None:
+        for _ in range(n):
+            col.add_(1e-3)
+        if n:
+            counter.add_(1)  # how often the block ran
 
+    def capture(under_if: bool, n: int) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        body(n)  # warm-up outside the capture (and the set kernel compiled)
+        with conditional.run_if(flag):
+            pass
         torch.cuda.synchronize()
-        plain, conditional, outside = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        body()  # warm up outside capture
-        with torch.cuda.graph(plain):
-            body()
-        with torch.cuda.graph(conditional):
-            graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-            graph.begin_capture_to_if_node(pred)
-            body()
-            graph.end_capture_to_conditional_node()
-        with torch.cuda.graph(outside):  # the predicate's own cost: one kernel, as the IF graph's caller would add
-            pred.copy_(counter[0] < 0)
+        with torch.cuda.graph(graph):
+            if under_if:
+                with conditional.run_if(flag):
+                    body(n)
+            else:
+                body(n)
+            seen.copy_(counter)  # after the block: must see its add
+        return graph
+
+    gated = capture(True, args.kernels[-1])
+    checks = {}
+    for value in (0, 3, -1, 1):
+        flag.fill_(value)
+        before = counter.item()
+        gated.replay()
         torch.cuda.synchronize()
-        counter.zero_()
-        pred.fill_(False)
-        conditional.replay()
-        torch.cuda.synchronize()
-        skipped = counter.item() == 0
-        pred.fill_(True)
-        conditional.replay()
-        torch.cuda.synchronize()
-        ran = counter.item() == 1
-        result.update(body_skipped_when_false=skipped, body_ran_when_true=ran, kernels=args.kernels,
-                      plain_us=mean_replay_us(plain))
-        pred.fill_(False)
-        result["if_false_us"] = mean_replay_us(conditional)
-        pred.fill_(True)
-        result["if_true_us"] = mean_replay_us(conditional)
-        result["one_kernel_us"] = mean_replay_us(outside)
-        print(json.dumps(result, indent=1))
+        checks[str(value)] = {"ran": counter.item() - before, "seen_after": seen.item() == counter.item()}
+    result["checks"] = checks
+    result["correct"] = all(c["ran"] == (1 if int(v) > 0 else 0) and c["seen_after"] for v, c in checks.items())
+    flag.fill_(0)
+    result["empty_if_us"] = mean_replay_us(capture(True, 0))
+    result["none_us"] = mean_replay_us(capture(False, 0))  # the copy after the block alone
+    for n in args.kernels:
+        plain, gated = capture(False, n), capture(True, n)
+        flag.fill_(0)
+        result[f"{n}"] = dict(plain_us=mean_replay_us(plain), if_false_us=mean_replay_us(gated))
+        flag.fill_(1)
+        result[f"{n}"]["if_true_us"] = mean_replay_us(gated)
+    print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
