@@ -17,8 +17,8 @@ import ostinato.runner.fused_sample as fs
 # pointer arguments (capitalized, or named *_ptr) by dtype; the rest are float32
 I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "TopKs", "Seeds", "Steps", "seeds_ptr",
        "steps_ptr", "out_ptr", "dest_ptr", "index_ptr"}
-I32 = {"Count", "Count2", "Second", "Order", "Hist", "Dense", "Gathered", "GathN", "Cursor", "idx_ptr"}
-PLAIN_INTS = ("pass_idx", "b", "split_len", "num_splits", "vocab_size", "stride_l", "n_cols", "n_chunks")
+I32 = {"Count", "Count2", "Second", "Order", "Hist", "Dense", "Gathered", "GathN", "Cursor", "Bar", "idx_ptr"}
+PLAIN_INTS = ("pass_idx", "passes", "b", "split_len", "num_splits", "vocab_size", "stride_l", "n_cols", "n_chunks")
 ROW = dict(HAS_MIN_P=False, SPLITS_POW2=16, NWAY=16)
 CHECK = dict(CHECKED=True)
 CASES = [
@@ -28,6 +28,7 @@ CASES = [
     (fs._accept_part_kernel, dict(HAS_K=False, HAS_P=True, SECOND=True, BLOCK=1024, **ROW)),
     (fs._verdict_kernel, dict(HAS_K=True, HAS_P=True, SECOND=True, num_warps=1, **ROW)),
     (fs._verdict_kernel, dict(HAS_K=False, HAS_P=True, SECOND=False, num_warps=1, **ROW)),
+    (fs._verdict_kernel, dict(HAS_K=False, HAS_P=True, SECOND=True, ZERO_BAR=True, num_warps=1, **ROW)),
     (fs._top_k_pass_kernel, dict(BLOCK=2048, FIRST=True, num_warps=4, **CHECK, **ROW)),
     (fs._top_k_pass_kernel, dict(BLOCK=2048, FIRST=False, num_warps=4, **CHECK, **ROW)),
     (fs._top_k_resolve_kernel, dict(BLOCK=1024, **CHECK, **ROW)),
@@ -36,6 +37,8 @@ CASES = [
     (fs._cut_resolve_kernel, dict(GATHER_CAP=128, RESOLVE_BLOCK=256, **CHECK, **ROW)),
     (fs._cut_finish_kernel, dict(HAS_P=True, GATHER_CAP=128, num_warps=1, **CHECK, **ROW)),
     (fs._cut_finish_kernel, dict(HAS_P=True, num_warps=1, **ROW)),
+    (fs._top_p_search_kernel, dict(HAS_K=False, BLOCK=1024, DRAW_BLOCK=2048, GATHER_CAP=128, RESOLVE_BLOCK=256, **ROW)),
+    (fs._top_p_search_kernel, dict(HAS_K=True, BLOCK=1024, DRAW_BLOCK=2048, **ROW)),
     (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=True, num_warps=4)),
     (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=False, num_warps=4)),
     (am._rows_argmax_kernel, dict(BLOCK_C=128, SCATTER=True, num_warps=1)),

@@ -422,6 +422,37 @@ verdict)
       --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-verdict.json" 2>&1 | quiet \
       | grep -E "top_k|Error" | tee "$OUT/fused-sample-verdict.log"
   ;;
+persistent)
+  # fifty-first session: top_p's cut search and its draw under the cut as one launch whose programs wait for each
+  # other between passes (fused_sample._top_p_search_kernel; by default where top_p is the batch's one filter, up to
+  # 32 rows). The sampler's GPU tests in one process, the sampler alone with the kernel everywhere
+  # (OSTINATO_SAMPLER_PERSISTENT=1) in turns with the session's starting fused_sample.py (carried: `git show
+  # 8f3d059:ostinato/runner/fused_sample.py > .ab/fused_sample_head.py`), then top_p 0.9 through LLM.generate at bs 1
+  # and 32 (greedy beside it), this tree against the session's starting tree (.ab/base, carried: `git archive
+  # 8f3d059 ostinato | tar -x -C .ab/base`), one process each. About 9 minutes (NO_TESTS=1: 6)
+  [ -z "${NO_TESTS:-}" ] && timeout 240 python -m pytest -q -p no:cacheprovider tests/test_fused_sample.py \
+      tests/test_sample_graph.py tests/test_sampler.py -k "not warm_up" 2>&1 | tail -4 \
+      | tee "$OUT/persistent-tests.log"
+  OSTINATO_SAMPLER_PERSISTENT=1 timeout 150 python benchmarks/bench_fused_sample.py --vocab 128256 \
+      --batch-sizes 1 32 256 --scale 3 0.3 --baseline .ab/fused_sample_head.py \
+      --out "$OUT/fused-sample-persistent-always.json" 2>&1 | quiet | grep -E "top_p|Error" \
+      | tee "$OUT/fused-sample-persistent-always.log"
+  for tree in new base; do
+    pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+    PYTHONPATH=$pp timeout 130 python benchmarks/bench_generate.py --models llama-3.2-1b --batch-sizes 1 32 \
+        --temperature 0 0.6 --top-p 0.9 --repeats 2 --out "$OUT/generate-persistent-$tree.json" 2>&1 | quiet \
+        | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-persistent-ab.log"
+  done
+  ;;
+persistentab)
+  # fifty-first session: top_p 0.9 through LLM.generate at bs 1 and 32 (greedy beside it) with the one-launch search
+  # by default and off (OSTINATO_SAMPLER_PERSISTENT unset / 0), in turns, one process each. About 5 minutes
+  for p in auto 0 auto 0; do
+    OSTINATO_SAMPLER_PERSISTENT=$p timeout 100 python benchmarks/bench_generate.py --models llama-3.2-1b \
+        --batch-sizes 1 32 --temperature 0 0.6 --top-p 0.9 --repeats 1 --out "$OUT/generate-persistentab-$p.json" \
+        2>&1 | quiet | grep -E "ms/token|Error" | sed "s/^/[persistent $p] /" | tee -a "$OUT/generate-persistentab.log"
+  done
+  ;;
 ifnode)
   # fifty-first session: what a CUDA graph IF node (benchmarks/graph_if_node.run_if) costs skipped and taken, beside
   # the plain launches it would skip (benchmarks/probe_graph_if_node.py). Its first run also had the sampler's cut

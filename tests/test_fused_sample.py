@@ -64,6 +64,30 @@ def test_fused_equals_torch_sampler(vocab, min_p, cut):
     assert fused.max().item() < vocab
 
 
+@pytest.mark.parametrize("b", [5, 12])  # under GATHER_MIN_BATCH: eight passes; from it: the gather and the resolve
+@pytest.mark.parametrize("min_p", [False, True])
+def test_one_launch_search_draws_what_the_torch_sampler_draws(b, min_p, monkeypatch):
+    """top_p's search and the draw under the cut as one launch (`_top_p_search_kernel`: the passes, the resolve and
+    the draw with the row's programs waiting for each other between them), against the torch sampler. On the CPU
+    with one split a row (the interpreter runs a launch's programs one after another, and a row's one program never
+    waits for another); on a GPU at the real vocabularies too, where it is the default."""
+    from ostinato.runner import fused_sample
+
+    monkeypatch.setattr(fused_sample, "PERSISTENT", "1")
+    taken = []
+    real = fused_sample._persistent_search
+    monkeypatch.setattr(fused_sample, "_persistent_search", lambda *a: taken.append(real(*a)) or taken[-1])
+    for vocab in [700] + ([151_936] if GPU else []):
+        gen = torch.Generator().manual_seed(vocab + b + min_p)
+        params = _params(gen, b, min_p, True)
+        seeds = torch.randint(-(2**62), 2**62, (b,), generator=gen).tolist()
+        steps = torch.randint(0, 5000, (b,), generator=gen).tolist()
+        logits = (torch.randn(b, vocab, generator=gen) * 2.5).to(DEVICE)
+        t = SamplingTensors.from_params(params, seeds, steps, vocab, DEVICE)
+        assert torch.equal(sample_fused(logits, t).cpu(), sample_torch(logits, t).cpu()), vocab
+    assert taken and all(taken), taken
+
+
 @pytest.mark.parametrize("kinds", ["top_k", "top_p", "both"])
 def test_cut_search_over_many_splits(kinds, search_form):
     """The cut search spread over a row's splits (5 here): batches with top_k rows only, top_p rows only (a
@@ -108,6 +132,7 @@ def test_unrestricted_draw_kept_or_searched(kinds, monkeypatch, search_form):
     # the rows whose draw survived never read a cut: with every cut poisoned they draw the same
     from ostinato.runner import fused_sample
 
+    monkeypatch.setattr(fused_sample, "PERSISTENT", "0")  # the search's launches, whose cuts are poisoned below
     real = fused_sample._cuts
     monkeypatch.setattr(fused_sample, "_cuts", lambda *a, **kw: torch.full_like(real(*a, **kw), float("nan")))
     assert torch.equal(sample_fused(logits, t).cpu()[kept], want[kept])
@@ -180,6 +205,7 @@ def test_second_best_draw_decides_a_row_whose_first_is_cut(kinds, layout, monkey
     first = want == sample_torch(logits, free).cpu()  # j1 stands
     assert first[4:6].all() and first[8] and not first[:4].any() and not first[6:8].all()
     assert torch.equal(sample_fused(logits, t).cpu(), want)
+    monkeypatch.setattr(fused_sample, "PERSISTENT", "0")  # the search's launches, whose cuts are poisoned below
     real = fused_sample._cuts
     monkeypatch.setattr(fused_sample, "_cuts", lambda *a, **kw: torch.full_like(real(*a, **kw), float("nan")))
     decided = torch.tensor([True] * 6 + [False, False, kinds != "both"])  # by j1 or j2 without a search

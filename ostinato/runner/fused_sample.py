@@ -15,8 +15,9 @@ order keys weighted by softmax mass (`_top_p_pass_kernel`; from 8 rows, its fift
 `_cut_resolve_kernel` likewise). The search runs only for rows that need it: the row's unrestricted draw is taken
 first, and where it survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw
 under the cut too; one program per row then lists the rows that need their cut (`_verdict_kernel`), and the
-search's launches run over that list (their programs past its end exit at once). Fixed grids, no host sync:
-capturable in a CUDA graph.
+search's launches run over that list (their programs past its end exit at once); where top_p is a small batch's one
+filter, top_p's search and the draw under the cut are one launch whose programs wait for each other between passes
+(`_top_p_search_kernel`). Fixed grids, no host sync: capturable in a CUDA graph.
 
 Import this module only for CUDA tensors or under TRITON_INTERPRET=1 (Triton fixes the choice between
 the GPU and its CPU interpreter when the kernel is decorated).
@@ -90,6 +91,20 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
     row, split, listed = _program_row_split(Order, CHECKED)
     if listed == 0:
         return
+    cut = float("-inf")
+    if HAS_CUT:
+        cut = tl.load(Cuts + row)
+    _split_draw(row, split, Logits, stride_l, Temps, MinPs, SplitMax, cut, Seeds, Steps, OutVal, OutIdx, vocab_size,
+                split_len, num_splits, greedy_eps, HAS_MIN_P, HAS_CUT, BLOCK, SPLITS_POW2, MaxOut, STORE_MAX, OutVal2,
+                OutIdx2, KEEP_SECOND)
+
+
+@triton.jit
+def _split_draw(row, split, Logits, stride_l, Temps, MinPs, SplitMax, cut, Seeds, Steps, OutVal, OutIdx, vocab_size,
+                split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, HAS_CUT: tl.constexpr, BLOCK: tl.constexpr,
+                SPLITS_POW2: tl.constexpr, MaxOut=None, STORE_MAX: tl.constexpr = False, OutVal2=None, OutIdx2=None,
+                KEEP_SECOND: tl.constexpr = False):
+    """`_split_sample_kernel`'s draw for (row, split), under `cut` (a logit / temperature) where HAS_CUT."""
     temp = tl.load(Temps + row)
     greedy = temp < greedy_eps
     div = tl.where(greedy, 1.0, temp)
@@ -100,9 +115,6 @@ def _split_sample_kernel(Logits, stride_l, Temps, MinPs, SplitMax, Cuts, Seeds, 
         s = tl.arange(0, SPLITS_POW2)
         x_max = tl.max(tl.load(SplitMax + row * num_splits + s, mask=s < num_splits, other=float("-inf")), axis=0)
         log_min_p = tl.where(greedy, float("-inf"), tl.log(tl.load(MinPs + row)))  # greedy rows: no filter
-    cut = float("-inf")
-    if HAS_CUT:
-        cut = tl.load(Cuts + row)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, vocab_size)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -263,32 +275,43 @@ def _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P: t
 
 
 @triton.jit
-def _summed(Part, slot, row, b, num_splits, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
-    """The previous pass's counts of a row, summed over its splits in order."""
+def _shared_load(ptr, mask=None, other=None, CG: tl.constexpr = False):
+    """A load of what other programs wrote; CG (in `_top_p_search_kernel`, where they wrote it in the same launch):
+    from L2 (".cg"), past this SM's L1, which may hold an earlier pass's lines."""
+    if CG:
+        return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
+    else:
+        return tl.load(ptr, mask=mask, other=other)
+
+
+@triton.jit
+def _summed(Part, slot, row, b, num_splits, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, CG: tl.constexpr = False):
+    """The previous pass's counts of a row, summed over its splits in order. CG: read from L2 (`_shared_load`)."""
     s = tl.arange(0, SPLITS_POW2)
     j = tl.arange(0, NWAY)
-    part = tl.load(Part + ((slot * b + row) * num_splits + s[:, None]) * NWAY + j[None, :],
-                   mask=(s < num_splits)[:, None], other=0.0)
+    part = _shared_load(Part + ((slot * b + row) * num_splits + s[:, None]) * NWAY + j[None, :],
+                        mask=(s < num_splits)[:, None], other=0.0, CG=CG)
     return tl.sum(part, axis=0)
 
 
 @triton.jit
-def _last_range(State, Part, slot, row, b, num_splits, goal, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr):
+def _last_range(State, Part, slot, row, b, num_splits, goal, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                CG: tl.constexpr = False):
     """The key range after the pass that wrote `slot`: its range narrowed by its counts."""
-    lo = tl.load(State + (row * 2 + slot) * 2)
-    hi = tl.load(State + (row * 2 + slot) * 2 + 1)
-    return _narrow(lo, hi, _summed(Part, slot, row, b, num_splits, NWAY, SPLITS_POW2), goal, NWAY)
+    lo = _shared_load(State + (row * 2 + slot) * 2, CG=CG)
+    hi = _shared_load(State + (row * 2 + slot) * 2 + 1, CG=CG)
+    return _narrow(lo, hi, _summed(Part, slot, row, b, num_splits, NWAY, SPLITS_POW2, CG), goal, NWAY)
 
 
 @triton.jit
 def _search_cut(State, Part, Resolved, row, b, num_splits, goal, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                GATHER_CAP: tl.constexpr):
-    """top_p's cut (an order key): the resolver's where it finished the row (`_cut_resolve_kernel`; Resolved [B, 2]:
+                GATHER_CAP: tl.constexpr, CG: tl.constexpr = False):
+    """top_p's cut (an order key): the resolver's where it finished the row (`_cut_resolve`; Resolved [B, 2]:
     [whether it did, its cut]), else the last pass's range narrowed by its masses."""
-    cut, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
+    cut, _ = _last_range(State, Part, (_PASSES - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2, CG)
     if GATHER_CAP:
-        if tl.load(Resolved + row * 2) != 0:
-            cut = tl.load(Resolved + row * 2 + 1)
+        if _shared_load(Resolved + row * 2, CG=CG) != 0:
+            cut = _shared_load(Resolved + row * 2 + 1, CG=CG)
     return cut
 
 
@@ -653,7 +676,8 @@ def _draw_checks(Mass, Count, row, b, num_splits, top_k, top_p, vocab_size, HAS_
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _verdict_kernel(Temps, TopKs, TopPs, Mass, Count, Order, vocab_size, num_splits, b, greedy_eps,
                     HAS_K: tl.constexpr, HAS_P: tl.constexpr, SPLITS_POW2: tl.constexpr, Count2=None, Second=None,
-                    SECOND: tl.constexpr = False, Vals=None, Idx=None, Vals2=None, Idx2=None):
+                    SECOND: tl.constexpr = False, Vals=None, Idx=None, Vals2=None, Idx2=None, Bar=None,
+                    ZERO_BAR: tl.constexpr = False):
     """The list of rows that need their cut: sampling rows whose unrestricted draw j1 fails their top_k / top_p and
     whose second best does not decide them (`_draw_checks`). Order[0] counts them (zeroed by the acceptance pass)
     and Order[1:] holds them, in no fixed order (atomic adds). Every later kernel of the step runs its program i on
@@ -665,8 +689,10 @@ def _verdict_kernel(Temps, TopKs, TopPs, Mass, Count, Order, vocab_size, num_spl
     (docs/gpu-notes.md, fiftieth session.) Greedy rows' sums were never written: their checks are read
     unconditionally (every load at once, none waiting on the temperature's) and masked. SECOND: a row whose second
     best draw decides it gets that draw as its split bests (-inf but in its split), which the pick reads, since the
-    draw under the cut leaves it as it is."""
+    draw under the cut leaves it as it is. ZERO_BAR: also zeroes the row's barrier count (`_top_p_search_kernel`)."""
     row = tl.program_id(0).to(tl.int64)
+    if ZERO_BAR:
+        tl.store(Bar + row, 0)
     samples = tl.load(Temps + row) >= greedy_eps
     ok, ok2 = _draw_checks(Mass, Count, row, b, num_splits, tl.load(TopKs + row), tl.load(TopPs + row), vocab_size,
                            HAS_K, HAS_P, SPLITS_POW2, Count2, Second, SECOND)
@@ -686,18 +712,29 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
                        NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Order=None,
                        CHECKED: tl.constexpr = False, Gathered=None, GathN=None, Above=None, Resolved=None,
                        GATHER_CAP: tl.constexpr = 0, IS_GATHER: tl.constexpr = False):
-    """One pass of top_p's cut search for (row, split): the largest key at or above which the softmax mass reaches
-    top_p x the mass top_k keeps. A pass takes its key range from the last one (State and Part at slot
+    """One pass of top_p's cut search for (row, split) (`_top_p_pass`). CHECKED: only the rows that need their cut
+    (grid (splits, B) over `_verdict_kernel`'s list)."""
+    row, split, listed = _program_row_split(Order, CHECKED)
+    if listed == 0:
+        return
+    _top_p_pass(row, split, Logits, stride_l, Temps, MinPs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
+                split_len, num_splits, b, pass_idx, greedy_eps, HAS_K, HAS_MIN_P, NWAY, BLOCK, SPLITS_POW2, Gathered,
+                GathN, Above, Resolved, GATHER_CAP, IS_GATHER)
+
+
+@triton.jit
+def _top_p_pass(row, split, Logits, stride_l, Temps, MinPs, TopPs, SplitMax, State, Part, Goal, CutK, vocab_size,
+                split_len, num_splits, b, pass_idx, greedy_eps, HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                NWAY: tl.constexpr, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Gathered, GathN, Above, Resolved,
+                GATHER_CAP: tl.constexpr, IS_GATHER: tl.constexpr, CG: tl.constexpr = False):
+    """Pass `pass_idx` of top_p's cut search for (row, split): the largest key at or above which the softmax mass
+    reaches top_p x the mass top_k keeps. A pass takes its key range from the last one (State and Part at slot
     (pass_idx - 1) % 2; pass 0 starts at [floor, key(row max)]), stores it at slot pass_idx % 2 (split 0) and its
     masses beside it. The floor is top_k's cut (CutK, from `_top_k_resolve_kernel`; without top_k pass 0 stores
     -inf's key there); the goal needs the mass above that floor, which is pass 0's sum for its first candidate (the
     floor itself), so pass 1 sums it and stores the goal in Goal. GATHER_CAP: the search gathers (see
     GATHER_PASS); IS_GATHER: this is its GATHER_PASS, which also gathers its range's columns; the passes after it
-    skip the rows the resolver finished. CHECKED: only the rows that need their cut (grid (splits, B) over
-    `_verdict_kernel`'s list)."""
-    row, split, listed = _program_row_split(Order, CHECKED)
-    if listed == 0:
-        return
+    skip the rows the resolver finished. CG: `_shared_load`'s."""
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     top_p = tl.load(TopPs + row)
@@ -711,20 +748,20 @@ def _top_p_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     goal = 0.0
     if pass_idx == 1:
         goal = top_p * tl.sum(tl.where(tl.arange(0, NWAY) == 0, _summed(Part, 0, row, b, num_splits, NWAY,
-                                                                            SPLITS_POW2), 0.0), axis=0)
+                                                                            SPLITS_POW2, CG), 0.0), axis=0)
         if split == 0:
             tl.store(Goal + row, goal)
     elif pass_idx > 1:
-        goal = tl.load(Goal + row)
+        goal = _shared_load(Goal + row, CG=CG)
     if GATHER_CAP:
         if pass_idx > _GATHER_PASS:  # rows the resolver finished
-            active = active & (tl.load(Resolved + row * 2) == 0)
+            active = active & (_shared_load(Resolved + row * 2, CG=CG) == 0)
     if active:
         if pass_idx == 0:
             lo = floor_key
             hi = _order_key(x_max).to(tl.int64)
         else:
-            lo, hi = _last_range(State, Part, (pass_idx - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2)
+            lo, hi = _last_range(State, Part, (pass_idx - 1) % 2, row, b, num_splits, goal, NWAY, SPLITS_POW2, CG)
         slot = pass_idx % 2
         if split == 0:
             tl.store(State + (row * 2 + slot) * 2, lo)
@@ -751,22 +788,31 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
                         num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr,
                         SPLITS_POW2: tl.constexpr, GATHER_CAP: tl.constexpr, RESOLVE_BLOCK: tl.constexpr, Order=None,
                         CHECKED: tl.constexpr = False):
-    """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
-    finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
-    split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
-    more columns in range than it could hold. CHECKED: only the rows that need their cut (`_verdict_kernel`'s
-    list)."""
+    """A row's top_p search finished from its gathered keys (`_cut_resolve`). CHECKED: only the rows that need their
+    cut (`_verdict_kernel`'s list)."""
     row, listed = _program_row(Order, CHECKED)
     if listed == 0:
         return
+    _cut_resolve(row, Temps, MinPs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved, Dense, num_splits,
+                 greedy_eps, HAS_MIN_P, NWAY, SPLITS_POW2, GATHER_CAP, RESOLVE_BLOCK)
+
+
+@triton.jit
+def _cut_resolve(row, Temps, MinPs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved, Dense, num_splits,
+                 greedy_eps, HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                 GATHER_CAP: tl.constexpr, RESOLVE_BLOCK: tl.constexpr, CG: tl.constexpr = False):
+    """A row's top_p search finished from its gathered keys: the narrowings of the passes after GATHER_PASS and the
+    finish, with each candidate's mass = the columns' above the gathered range (summed by the gather pass, split by
+    split) + the gathered columns' at or above it. Stores Resolved[row] = [1, cut], or [0, -] where a split had
+    more columns in range than it could hold. CG: `_shared_load`'s."""
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     active = samples & (tl.load(TopPs + row) < 1.0)
-    goal = tl.load(Goal + row)
+    goal = _shared_load(Goal + row, CG=CG)
     out = Resolved + row * 2
     if active:
         s = tl.arange(0, SPLITS_POW2)
-        n = tl.load(GathN + row * num_splits + s, mask=s < num_splits, other=0)
+        n = _shared_load(GathN + row * num_splits + s, mask=s < num_splits, other=0, CG=CG)
         fits = tl.max(n, axis=0) <= GATHER_CAP
         tl.store(out, fits.to(tl.int64))
         if fits:
@@ -774,14 +820,16 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
             # narrowings read as many keys as were gathered, not GATHER_CAP a split
             c = tl.arange(0, GATHER_CAP)
             held = (s < num_splits)[:, None] & (c[None, :] < n[:, None])
-            keys = tl.load(Gathered + (row * num_splits + s[:, None]) * GATHER_CAP + c[None, :], mask=held)
+            keys = _shared_load(Gathered + (row * num_splits + s[:, None]) * GATHER_CAP + c[None, :], mask=held,
+                                CG=CG)
             dense = Dense + row * (SPLITS_POW2 * GATHER_CAP)
             tl.store(dense + (tl.cumsum(n, axis=0) - n)[:, None] + c[None, :], keys, mask=held)
             tl.debug_barrier()  # the block's stores before its loads below
             total = tl.sum(n, axis=0)
-            above = tl.sum(tl.load(Above + row * num_splits + s, mask=s < num_splits, other=0.0), axis=0)
-            lo = tl.load(State + (row * 2 + _GATHER_PASS % 2) * 2)
-            hi = tl.load(State + (row * 2 + _GATHER_PASS % 2) * 2 + 1)
+            above = tl.sum(_shared_load(Above + row * num_splits + s, mask=s < num_splits, other=0.0, CG=CG),
+                           axis=0)
+            lo = _shared_load(State + (row * 2 + _GATHER_PASS % 2) * 2, CG=CG)
+            hi = _shared_load(State + (row * 2 + _GATHER_PASS % 2) * 2 + 1, CG=CG)
             for _ in tl.static_range(_PASSES - _GATHER_PASS):
                 cand = _candidates(lo, hi, NWAY).to(tl.int32)
                 acc = tl.zeros([NWAY, RESOLVE_BLOCK], tl.float32)
@@ -798,23 +846,101 @@ def _cut_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Goal, Gathe
 def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0,
                        Order=None, CHECKED: tl.constexpr = False):
-    """Cuts[row]: the logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the
-    value `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted
-    value at which the renormalized mass reaches top_p. CHECKED: only the rows that need their cut
-    (`_verdict_kernel`'s list); the others' are left unset."""
+    """Cuts[row] (`_row_cut`). CHECKED: only the rows that need their cut (`_verdict_kernel`'s list); the others' are
+    left unset."""
     row, listed = _program_row(Order, CHECKED)
     if listed == 0:
         return
+    tl.store(Cuts + row, _row_cut(row, Temps, TopPs, State, Part, Goal, CutK, num_splits, b, greedy_eps, HAS_P, NWAY,
+                                  SPLITS_POW2, Resolved, GATHER_CAP))
+
+
+@triton.jit
+def _row_cut(row, Temps, TopPs, State, Part, Goal, CutK, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
+             NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved, GATHER_CAP: tl.constexpr,
+             CG: tl.constexpr = False):
+    """The logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the value
+    `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted value at
+    which the renormalized mass reaches top_p. CG: `_shared_load`'s."""
     samples = tl.load(Temps + row) >= greedy_eps
     top_p = tl.load(TopPs + row)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     if samples:  # top_k's cut (-inf's key without top_k), or top_p's above it
-        cut = tl.load(CutK + row)
+        cut = _shared_load(CutK + row, CG=CG)
         if HAS_P:
             if top_p < 1.0:
-                cut = _search_cut(State, Part, Resolved, row, b, num_splits, tl.load(Goal + row), NWAY, SPLITS_POW2,
-                                  GATHER_CAP)
-    tl.store(Cuts + row, _key_value(cut.to(tl.int32)))
+                cut = _search_cut(State, Part, Resolved, row, b, num_splits, _shared_load(Goal + row, CG=CG),
+                                  NWAY, SPLITS_POW2, GATHER_CAP, CG)
+    return _key_value(cut.to(tl.int32))
+
+
+@triton.jit
+def _row_barrier(Bar, passed, num_splits):
+    """The programs of one row (its splits) wait here for each other, between two steps of `_top_p_search_kernel`:
+    each adds one to the row's count Bar (after all its threads' stores, with release order), then one thread polls
+    it (acquire order) until every split has added its (passed + 1)-th. Needs a row's programs resident at once:
+    each SM holds one (174-255 registers a thread: one at most), a row has no more splits than the GPU has SMs
+    (`_persistent_search`), and the programs of the rows listed before it, which the GPU places first, never wait
+    for a later row's. -> passed + 1"""
+    tl.debug_barrier()
+    tl.atomic_add(Bar, 1, sem="release", scope="gpu")
+    goal = num_splits * (passed + 1)
+    seen = tl.atomic_add(Bar, 0, sem="acquire", scope="gpu")
+    while seen < goal:
+        seen = tl.atomic_add(Bar, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    return passed + 1
+
+
+@triton.jit(do_not_specialize=["split_len", "num_splits", "b", "passes"])
+def _top_p_search_kernel(Logits, stride_l, Temps, MinPs, TopPs, SplitMax, State, Part, Goal, CutK, Seeds, Steps,
+                         OutVal, OutIdx, Bar, Order, vocab_size, split_len, num_splits, b, passes, greedy_eps,
+                         HAS_K: tl.constexpr, HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, BLOCK: tl.constexpr,
+                         DRAW_BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Gathered=None, GathN=None, Above=None,
+                         Resolved=None, Dense=None, GATHER_CAP: tl.constexpr = 0, RESOLVE_BLOCK: tl.constexpr = 256):
+    """top_p's whole cut search and the draw under the cut in one launch, over `_verdict_kernel`'s list (grid
+    (splits, B), a listed row's splits side by side): each listed row's programs run the passes (`_top_p_pass`), the
+    resolve (split 0, `_cut_resolve`) and the passes after it (where the resolve did not finish the row) one after
+    another, waiting for each other at the row's barrier (`_row_barrier`; Bar[row] zeroed by `_verdict_kernel`)
+    where separate launches would wait for the last one to end. Then each takes the row's cut (`_row_cut`) and draws
+    its split under it. A step that lists no row costs one launch of programs that read the count and exit, where the
+    separate launches cost ten or eleven (docs/gpu-notes.md, fifty-first session). Reads of what the row's other
+    programs wrote go to L2 (`_shared_load`)."""
+    row, split, listed = _program_row_split(Order, True)
+    if listed == 0:
+        return
+    bar = Bar + row
+    passed = 0
+    for pass_idx in range(0, passes):  # PASSES, a runtime bound: one copy of a pass's code (two with the gather)
+        if GATHER_CAP:
+            if pass_idx == _GATHER_PASS:
+                _top_p_pass(row, split, Logits, stride_l, Temps, MinPs, TopPs, SplitMax, State, Part, Goal, CutK,
+                            vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, HAS_K, HAS_MIN_P, NWAY, BLOCK,
+                            SPLITS_POW2, Gathered, GathN, Above, Resolved, GATHER_CAP, True, True)
+                passed = _row_barrier(bar, passed, num_splits)
+                if split == 0:
+                    _cut_resolve(row, Temps, MinPs, TopPs, SplitMax, State, Goal, Gathered, GathN, Above, Resolved,
+                                 Dense, num_splits, greedy_eps, HAS_MIN_P, NWAY, SPLITS_POW2, GATHER_CAP,
+                                 RESOLVE_BLOCK, True)
+                passed = _row_barrier(bar, passed, num_splits)
+            else:
+                run = pass_idx < _GATHER_PASS
+                if pass_idx > _GATHER_PASS:  # where the resolve did not finish the row (the same for all its programs)
+                    run = _shared_load(Resolved + row * 2, CG=True) == 0
+                if run:
+                    _top_p_pass(row, split, Logits, stride_l, Temps, MinPs, TopPs, SplitMax, State, Part, Goal, CutK,
+                                vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, HAS_K, HAS_MIN_P, NWAY,
+                                BLOCK, SPLITS_POW2, Gathered, GathN, Above, Resolved, GATHER_CAP, False, True)
+                    passed = _row_barrier(bar, passed, num_splits)
+        else:
+            _top_p_pass(row, split, Logits, stride_l, Temps, MinPs, TopPs, SplitMax, State, Part, Goal, CutK,
+                        vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, HAS_K, HAS_MIN_P, NWAY, BLOCK,
+                        SPLITS_POW2, Gathered, GathN, Above, Resolved, GATHER_CAP, False, True)
+            passed = _row_barrier(bar, passed, num_splits)
+    cut = _row_cut(row, Temps, TopPs, State, Part, Goal, CutK, num_splits, b, greedy_eps, True, NWAY, SPLITS_POW2,
+                   Resolved, GATHER_CAP, True)
+    _split_draw(row, split, Logits, stride_l, Temps, MinPs, SplitMax, cut, Seeds, Steps, OutVal, OutIdx, vocab_size,
+                split_len, num_splits, greedy_eps, HAS_MIN_P, True, DRAW_BLOCK, SPLITS_POW2)
 
 
 _BLOCK = 2048
@@ -824,6 +950,11 @@ REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0
 SECOND_BEST = os.environ.get("OSTINATO_SAMPLER_SECOND", "auto")
 if SECOND_BEST not in ("0", "1", "auto"):
     raise ValueError(f"OSTINATO_SAMPLER_SECOND must be 0, 1 or auto, got {SECOND_BEST!r}")
+# top_p's search and its draw as one launch (`_persistent_search`): "auto" (on CUDA), "0" never, "1" (for tests)
+PERSISTENT = os.environ.get("OSTINATO_SAMPLER_PERSISTENT", "auto")
+if PERSISTENT not in ("0", "1", "auto"):
+    raise ValueError(f"OSTINATO_SAMPLER_PERSISTENT must be 0, 1 or auto, got {PERSISTENT!r}")
+PERSISTENT_MAX_BATCH = 32
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
 _RESOLVE_BLOCK = 32 * _SEARCH_WARPS
@@ -898,10 +1029,27 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
                               HAS_MIN_P=min_ps is not None, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
                               num_warps=_SEARCH_WARPS, Order=order, Vals2=vals2, Idx2=idx2, **second_args)
+    persistent = has_p and _persistent_search(dev, num_splits, b, has_k)
+    bar = torch.empty(b, dtype=torch.int32, device=dev) if persistent else order  # (unread without it)
     _verdict_kernel[(b,)](temperatures, top_ks, top_ps, mass, count, order, vocab_size, num_splits, b, greedy_eps,
                           HAS_K=has_k, HAS_P=has_p, SPLITS_POW2=pow2, Vals=vals, Idx=idx, Vals2=vals2, Idx2=idx2,
-                          num_warps=1, **second_args)
+                          num_warps=1, Bar=bar, ZERO_BAR=persistent, **second_args)
     check = dict(Order=order, CHECKED=True)
+    if persistent:  # top_k's search (its own launches), then top_p's and the draw under the cut in one
+        grid_check = (num_splits, b)
+        row_args = (temperatures, min_p_arg, top_ks, top_ps, split_max)
+        meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, num_warps=_SEARCH_WARPS, **check)
+        cut_k = torch.empty(b, dtype=torch.int64, device=dev)
+        if has_k:
+            _top_k_search(logits, row_args, cut_k, vocab_size, greedy_eps, split_len, num_splits, grid_check, meta)
+        state, part, goal, gather, dense, cap = _top_p_buffers(b, num_splits, dev)
+        _top_p_search_kernel[grid_check](logits, logits.stride(0), temperatures, min_p_arg, top_ps, split_max, state,
+                                         part, goal, cut_k, seeds, steps, vals, idx, bar, order, vocab_size,
+                                         split_len, num_splits, b, PASSES, greedy_eps, HAS_K=has_k,
+                                         HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK,
+                                         DRAW_BLOCK=_BLOCK, SPLITS_POW2=pow2, **gather, Dense=dense, GATHER_CAP=cap,
+                                         RESOLVE_BLOCK=_RESOLVE_BLOCK, num_warps=_SEARCH_WARPS)
+        return pick_rows(vals, idx, out, scatter)
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
                  split_len, num_splits, check)
     _split_sample_kernel[(num_splits, b)](*sample_args, split_max, cuts, *draw_args, HAS_CUT=True, **check,
@@ -932,6 +1080,60 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
     return split_max
 
 
+def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k: bool) -> bool:
+    """Whether rejection first runs top_p's search and the draw under the cut as one launch (`_top_p_search_kernel`;
+    OSTINATO_SAMPLER_PERSISTENT "0": never, "1": always, and in Triton's interpreter, which runs a launch's programs
+    one after another, with one split a row, whose one program never waits for another). By default ("auto", on
+    CUDA) where top_p is the batch's one filter and it has at most PERSISTENT_MAX_BATCH rows: there most steps list
+    few rows or none, and one launch gained (H200, Llama-3.2-1B's vocabulary, top_p 0.9: bs 1 25 -> 15 us, bs 32 45
+    -> 33); where many rows are searched it lost, its programs one an SM where a pass's are two (top_k 50 with top_p
+    0.9: bs 32 168 -> 219 us, bs 256 1,055 -> 1,413; top_p at 256 peaked rows 527 -> 653; docs/gpu-notes.md,
+    fifty-first session)."""
+    if PERSISTENT == "0":
+        return False
+    if device.type != "cuda":
+        return PERSISTENT == "1" and num_splits == 1
+    if num_splits > torch.cuda.get_device_properties(device).multi_processor_count:
+        return False  # a row's programs, one an SM, could not all be resident (`_row_barrier`)
+    return PERSISTENT == "1" or (not has_k and batch <= PERSISTENT_MAX_BATCH)
+
+
+def _top_k_search(logits: torch.Tensor, row_args: tuple, cut_k: torch.Tensor, vocab_size: int, greedy_eps: float,
+                  split_len: int, num_splits: int, grid: tuple[int, int], meta: dict) -> None:
+    """top_k's select: TOP_K_PASSES histogram passes over `grid` and one resolve per row, into cut_k."""
+    b = logits.shape[0]
+    dev = logits.device
+    counts = torch.zeros(TOP_K_PASSES * b * 256 + b, dtype=torch.int32, device=dev)  # Hist, then Cursor
+    hist, cursor = counts[:-b], counts[-b:]
+    dense = torch.empty(b, TOP_K_GATHER, dtype=torch.int32, device=dev)
+    select = torch.empty(2, b, 8, dtype=torch.int64, device=dev)  # the select's state, by pass parity
+    for pass_idx in range(TOP_K_PASSES):
+        _top_k_pass_kernel[grid](logits, logits.stride(0), *row_args, select, hist, dense, cursor, vocab_size,
+                                 split_len, num_splits, b, pass_idx, greedy_eps, BLOCK=_RADIX_BLOCK,
+                                 FIRST=pass_idx == 0, **(meta | dict(num_warps=_RADIX_WARPS)))
+    _top_k_resolve_kernel[(b,)](*row_args, select, hist, dense, cut_k, vocab_size, num_splits, b, greedy_eps,
+                                BLOCK=_SEARCH_BLOCK, **meta)
+
+
+def _top_p_buffers(b: int, num_splits: int, dev: torch.device, gathers: bool = True) -> tuple:
+    """top_p's search state: (State: (lo, hi) of the last two passes, Part: their masses, Goal: top_p x the mass
+    above top_k's cut, the gather pass's buffers, the resolve's keys side by side, the gather capacity); the last
+    three none or 0 where the batch does not gather (or not `gathers`)."""
+    pow2 = triton.next_power_of_2(num_splits)
+    state = torch.empty(b, 2, 2, dtype=torch.int64, device=dev)
+    part = torch.empty(2, b, num_splits, _NWAY, dtype=torch.float32, device=dev)
+    goal = torch.empty(b, dtype=torch.float32, device=dev)
+    cap = gather_cap(b, num_splits) if gathers else 0
+    gather, dense = {}, None
+    if cap:
+        gather = dict(Gathered=torch.empty(b, num_splits, cap, dtype=torch.int32, device=dev),
+                      GathN=torch.empty(b, num_splits, dtype=torch.int32, device=dev),
+                      Above=torch.empty(b, num_splits, dtype=torch.float32, device=dev),
+                      Resolved=torch.empty(b, 2, dtype=torch.int64, device=dev))
+        dense = torch.empty(b, pow2 * cap, dtype=torch.int32, device=dev)
+    return state, part, goal, gather, dense, cap
+
+
 def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
           top_ps: torch.Tensor, split_max: torch.Tensor, vocab_size: int, greedy_eps: float,
           cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None) -> torch.Tensor:
@@ -947,28 +1149,9 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     row_args = (temperatures, min_p_arg, top_ks, top_ps, split_max)
     meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, num_warps=_SEARCH_WARPS, **(check or {}))
     if has_k:
-        counts = torch.zeros(TOP_K_PASSES * b * 256 + b, dtype=torch.int32, device=dev)  # Hist, then Cursor
-        hist, cursor = counts[:-b], counts[-b:]
-        dense = torch.empty(b, TOP_K_GATHER, dtype=torch.int32, device=dev)
-        select = torch.empty(2, b, 8, dtype=torch.int64, device=dev)  # the select's state, by pass parity
-        for pass_idx in range(TOP_K_PASSES):
-            _top_k_pass_kernel[grid](logits, logits.stride(0), *row_args, select, hist, dense, cursor, vocab_size,
-                                     split_len, num_splits, b, pass_idx, greedy_eps, BLOCK=_RADIX_BLOCK,
-                                     FIRST=pass_idx == 0, **(meta | dict(num_warps=_RADIX_WARPS)))
-        _top_k_resolve_kernel[(b,)](*row_args, select, hist, dense, cut_k, vocab_size, num_splits, b, greedy_eps,
-                                    BLOCK=_SEARCH_BLOCK, **meta)
-    state = torch.empty(b, 2, 2, dtype=torch.int64, device=dev)  # (lo, hi) of the last two passes
-    part = torch.empty(2, b, num_splits, _NWAY, dtype=torch.float32, device=dev)
-    goal = torch.empty(b, dtype=torch.float32, device=dev)  # top_p x the mass above top_k's cut
-    cap = gather_cap(b, num_splits) if has_p else 0
-    gather = {}
+        _top_k_search(logits, row_args, cut_k, vocab_size, greedy_eps, split_len, num_splits, grid, meta)
+    state, part, goal, gather, dense, cap = _top_p_buffers(b, num_splits, dev, gathers=has_p)
     if has_p:
-        if cap:
-            gather = dict(Gathered=torch.empty(b, num_splits, cap, dtype=torch.int32, device=dev),
-                          GathN=torch.empty(b, num_splits, dtype=torch.int32, device=dev),
-                          Above=torch.empty(b, num_splits, dtype=torch.float32, device=dev),
-                          Resolved=torch.empty(b, 2, dtype=torch.int64, device=dev))
-            dense = torch.empty(b, pow2 * cap, dtype=torch.int32, device=dev)
         args = (logits, logits.stride(0), *row_args, state, part, goal, cut_k, vocab_size, split_len, num_splits, b)
         for pass_idx in range(PASSES):
             _top_p_pass_kernel[grid](*args, pass_idx, greedy_eps, HAS_K=has_k, BLOCK=_SEARCH_BLOCK, NWAY=_NWAY, **meta,
