@@ -444,23 +444,25 @@ def test_all_greedy_steps_skip_the_kernels():
 @pytest.mark.parametrize("vocab", [700, 49_152, 100_352, 151_936])
 def test_warm_up_compiles_each_kernel_class_once(vocab):
     """The engine's start-up warm-up (`fused_sample.warm_up_batches`) takes the smallest batch size of every kernel
-    class up to the largest batch (a power of two of the split count and a top_p gather capacity): every batch
-    size then finds its kernels compiled."""
+    class up to the largest batch (a power of two of the split count, a top_p gather capacity, and whether top_p
+    alone runs as one launch): every batch size then finds its kernels compiled."""
     import triton
 
-    from ostinato.runner.fused_sample import gather_cap, split_plan, warm_up_batches
+    from ostinato.runner.fused_sample import PERSISTENT_MAX_BATCH, gather_cap, split_plan, warm_up_batches
 
     def key(b):
         n = split_plan(b, vocab)[1]
-        return triton.next_power_of_2(n), gather_cap(b, n)
+        return triton.next_power_of_2(n), gather_cap(b, n), b <= PERSISTENT_MAX_BATCH
 
     classes = {b: key(b) for b in range(1, 301)}
     batches = warm_up_batches(300, vocab)
     assert sorted({classes[b] for b in batches}) == sorted(set(classes.values()))
     assert len(batches) == len(set(classes.values()))
     assert all(classes[x] != classes[b] for b in batches for x in range(1, b))  # the first of its class
-    # the gather starts inside a split class at GATHER_MIN_BATCH rows: its own entry there
+    # the gather starts inside a split class at GATHER_MIN_BATCH rows: its own entry there; and the separate top_p
+    # launches past PERSISTENT_MAX_BATCH rows, whose kernels the batches up to it do not compile
     assert any(classes[b][1] == 0 for b in batches) and any(classes[b][1] > 0 for b in batches)
+    assert PERSISTENT_MAX_BATCH + 1 in batches
     for b in (1, 7, 64, 300):  # the plan covers the vocabulary in whole blocks
         split_len, n = split_plan(b, vocab)
         assert split_len % 2048 == 0 and (n - 1) * split_len < vocab <= n * split_len
@@ -486,8 +488,9 @@ def test_warm_up_leaves_nothing_to_compile():
     before = _compiled_kernels()
     gen = torch.Generator(device="cpu").manual_seed(0)
     for b in range(1, max_batch + 1):
-        for min_p, cut in ((False, False), (True, False), (False, True), (True, True)):
-            params = _params(gen, b, min_p, cut)
+        for min_p, cut in ((False, False), (True, False), (False, True), (True, True), (False, "top_p")):
+            # top_p alone: one launch up to PERSISTENT_MAX_BATCH rows, the separate launches past it
+            params = [SamplingParams(temperature=0.7, top_p=0.9)] * b if cut == "top_p" else _params(gen, b, min_p, cut)
             t = SamplingTensors.from_params(params, list(range(b)), [0] * b, vocab, DEVICE)
             if not t.fused_ok:  # every row greedy: the kernels do not run
                 continue

@@ -1085,9 +1085,9 @@ def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k:
     OSTINATO_SAMPLER_PERSISTENT "0": never, "1": always, and in Triton's interpreter, which runs a launch's programs
     one after another, with one split a row, whose one program never waits for another). By default ("auto", on
     CUDA) where top_p is the batch's one filter and it has at most PERSISTENT_MAX_BATCH rows: there most steps list
-    few rows or none, and one launch gained (H200, Llama-3.2-1B's vocabulary, top_p 0.9: bs 1 25 -> 15 us, bs 32 45
+    few rows or none, and one launch gained (H200, Llama-3.2-1B's vocabulary, top_p 0.9: bs 1 24 -> 15 us, bs 32 47
     -> 33); where many rows are searched it lost, its programs one an SM where a pass's are two (top_k 50 with top_p
-    0.9: bs 32 168 -> 219 us, bs 256 1,055 -> 1,413; top_p at 256 peaked rows 527 -> 653; docs/gpu-notes.md,
+    0.9: bs 32 169 -> 218 us, bs 256 1,044 -> 1,365; top_p at 256 peaked rows 526 -> 588; docs/gpu-notes.md,
     fifty-first session)."""
     if PERSISTENT == "0":
         return False
@@ -1206,13 +1206,15 @@ def split_plan(batch: int, vocab_size: int) -> tuple[int, int]:
 
 def warm_up_batches(max_batch: int, vocab_size: int) -> list[int]:
     """The smallest batch size of each set of kernels `fused_sample` compiles, up to max_batch: one per power of two
-    of its split count (SPLITS_POW2) and, within it, per top_p gather capacity (none below GATHER_MIN_BATCH rows).
+    of its split count (SPLITS_POW2) and, within it, per top_p gather capacity (none below GATHER_MIN_BATCH rows)
+    and on each side of PERSISTENT_MAX_BATCH (where top_p alone moves from one launch to the separate ones).
     Running these once compiles every kernel a serving engine would otherwise compile mid-stream as its batch
     changes (each a stall of all running requests: 0.1-0.3 s a kernel on an H200, seconds for a top_k search)."""
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[tuple[int, int, bool], int] = {}
     for b in range(1, max_batch + 1):
         num_splits = split_plan(b, vocab_size)[1]
-        seen.setdefault((triton.next_power_of_2(num_splits), gather_cap(b, num_splits)), b)
+        key = (triton.next_power_of_2(num_splits), gather_cap(b, num_splits), b <= PERSISTENT_MAX_BATCH)
+        seen.setdefault(key, b)
     return sorted(seen.values())
 
 
