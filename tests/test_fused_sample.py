@@ -88,6 +88,36 @@ def test_one_launch_search_draws_what_the_torch_sampler_draws(b, min_p, monkeypa
     assert taken and all(taken), taken
 
 
+@pytest.mark.skipif(GPU, reason="denormal logits (a GPU may flush them); the GPU runs the one launch at real splits")
+def test_one_launch_search_runs_the_passes_after_an_overfull_gather(monkeypatch):
+    """Rows whose top_p cut is a block of 3,000 tied columns (0.0): the gathered range holds more columns than the
+    gather keeps (2,048 at one split a row), so the resolve leaves the row and the passes after the gather finish it,
+    inside the one launch. Just below the block, 1,000 columns of negative denormals, whose order keys (-2 to -1001)
+    lie inside the gathered range: a search that stopped at the gather would keep them. Flat weights, the first
+    draw checked alone (no second best), so the rows whose draw falls below the block are searched; against the
+    torch sampler."""
+    from ostinato.runner import fused_sample
+
+    vocab, b = 4101, 32
+    monkeypatch.setattr(fused_sample, "PERSISTENT", "1")
+    monkeypatch.setattr(fused_sample, "SECOND_BEST", "0")
+    monkeypatch.setattr(fused_sample, "split_plan", lambda batch, v: (-(-v // 2048) * 2048, 1))
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(4))
+    row = torch.zeros(vocab)
+    row[order[:100]] = 1e-3  # above the block
+    row[order[100:1100]] = -torch.arange(1, 1001).to(torch.int32).view(torch.float32)  # -denormals: keys -2 .. -1001
+    row[order[1100]] = -1e-3
+    logits = row.expand(b, vocab).contiguous().to(DEVICE)
+    seeds, steps = [13 * i + 1 for i in range(b)], [7] * b
+    t = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_p=0.5)] * b, seeds, steps, vocab, DEVICE)
+    free = SamplingTensors.from_params([SamplingParams(temperature=1.0)] * b, seeds, steps, vocab, DEVICE)
+    want = sample_torch(logits, t).cpu()
+    searched = want != sample_torch(logits, free).cpu()
+    assert searched.any() and not searched.all(), searched
+    assert (row[want] >= 0.0).all()  # the cut is the block's value
+    assert torch.equal(sample_fused(logits, t).cpu(), want)
+
+
 @pytest.mark.parametrize("kinds", ["top_k", "top_p", "both"])
 def test_cut_search_over_many_splits(kinds, search_form):
     """The cut search spread over a row's splits (5 here): batches with top_k rows only, top_p rows only (a
