@@ -85,8 +85,8 @@ quiet() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|Generating|Capturing|C
 # the GPU tests of the decode graph's draw and the samplers, in three parallel groups; a line each into $OUT/$2
 sampler_gpu_tests() {
   local logs=$1
-  # (300 s a group: side by side, the fused group ran past 200 s once the one-launch search's test joined it,
-  # fifty-first session)
+  # (300 s a group: side by side, the fused and models groups ran past 200 s in the fifty-first session's third
+  # call, the one-launch search's test then at two large vocabularies)
   t() { local n=$1; shift; timeout 300 python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1; }
   (t models tests/test_gpu.py; t sampler tests/test_sampler.py tests/test_sample_graph.py) &
   (t sampling_features tests/test_sampling_features_gpu.py; t overlap tests/test_overlap.py) &
