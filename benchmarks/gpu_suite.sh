@@ -446,6 +446,19 @@ persistent)
         | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-persistent-ab.log"
   done
   ;;
+persistentregs)
+  # prepared in the fifty-first session, not run: the one-launch search (forced everywhere) with a 128-register cap
+  # (OSTINATO_SAMPLER_PERSISTENT_MAXNREG=128: two programs an SM instead of one; ptxas: no spills without the gather,
+  # about 110 bytes with it), against no cap, each beside the session's starting fused_sample.py (carried as for
+  # `persistent`). The question: does the cap take back the loss where many rows are searched (top_k 50 + top_p 0.9
+  # at bs 32 and 256, top_p at 256 peaked rows)? About 4 minutes
+  for regs in "" 128 "" 128; do
+    OSTINATO_SAMPLER_PERSISTENT=1 OSTINATO_SAMPLER_PERSISTENT_MAXNREG=$regs timeout 150 python \
+        benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 256 --scale 3 0.3 \
+        --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-persistent-regs${regs:-none}.json" 2>&1 | quiet \
+        | grep -E "top_p|Error" | sed "s/^/[maxnreg ${regs:-none}] /" | tee -a "$OUT/fused-sample-persistent-regs.log"
+  done
+  ;;
 persistentab)
   # fifty-first session: top_p 0.9 through LLM.generate at bs 1 and 32 (greedy beside it) with the one-launch search
   # by default and off (OSTINATO_SAMPLER_PERSISTENT unset / 0), in turns, one process each. About 5 minutes

@@ -955,6 +955,9 @@ PERSISTENT = os.environ.get("OSTINATO_SAMPLER_PERSISTENT", "auto")
 if PERSISTENT not in ("0", "1", "auto"):
     raise ValueError(f"OSTINATO_SAMPLER_PERSISTENT must be 0, 1 or auto, got {PERSISTENT!r}")
 PERSISTENT_MAX_BATCH = 32
+# a register cap for the one launch (OSTINATO_SAMPLER_PERSISTENT_MAXNREG, for A/B runs; unset: none): it compiles to
+# 178-255 registers a thread, one program an SM; at 128 it fits two, spilling about 110 bytes where it gathers
+_PERSISTENT_REGS = {"maxnreg": int(v)} if (v := os.environ.get("OSTINATO_SAMPLER_PERSISTENT_MAXNREG")) else {}
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
 _RESOLVE_BLOCK = 32 * _SEARCH_WARPS
@@ -1048,7 +1051,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
                                          split_len, num_splits, b, PASSES, greedy_eps, HAS_K=has_k,
                                          HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK,
                                          DRAW_BLOCK=_BLOCK, SPLITS_POW2=pow2, **gather, Dense=dense, GATHER_CAP=cap,
-                                         RESOLVE_BLOCK=_RESOLVE_BLOCK, num_warps=_SEARCH_WARPS)
+                                         RESOLVE_BLOCK=_RESOLVE_BLOCK, num_warps=_SEARCH_WARPS, **_PERSISTENT_REGS)
         return pick_rows(vals, idx, out, scatter)
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
                  split_len, num_splits, check)
