@@ -879,7 +879,7 @@ def _row_barrier(Bar, passed, num_splits):
     """The programs of one row (its splits) wait here for each other, between two steps of `_top_p_search_kernel`:
     each adds one to the row's count Bar (after all its threads' stores, with release order), then one thread polls
     it (acquire order) until every split has added its (passed + 1)-th. Needs a row's programs resident at once:
-    each SM holds one (174-255 registers a thread: one at most), a row has no more splits than the GPU has SMs
+    each SM holds one (178-255 registers a thread: one at most), a row has no more splits than the GPU has SMs
     (`_persistent_search`), and the programs of the rows listed before it, which the GPU places first, never wait
     for a later row's. -> passed + 1"""
     tl.debug_barrier()
