@@ -1089,7 +1089,7 @@ def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k:
     one after another, with one split a row, whose one program never waits for another). By default ("auto", on
     CUDA) where top_p is the batch's one filter and it has at most PERSISTENT_MAX_BATCH rows: there most steps list
     few rows or none, and one launch gained (H200, Llama-3.2-1B's vocabulary, top_p 0.9: bs 1 24 -> 15 us, bs 32 47
-    -> 33); where many rows are searched it lost, its programs one an SM where a pass's are two (top_k 50 with top_p
+    -> 33); where many rows are searched it lost, likely as its programs run one an SM (top_k 50 with top_p
     0.9: bs 32 169 -> 218 us, bs 256 1,044 -> 1,365; top_p at 256 peaked rows 526 -> 588; docs/gpu-notes.md,
     fifty-first session)."""
     if PERSISTENT == "0":
