@@ -88,6 +88,31 @@ def test_one_launch_search_draws_what_the_torch_sampler_draws(b, min_p, monkeypa
     assert taken and all(taken), taken
 
 
+def test_one_launch_where_top_p_alone_filters_a_small_batch_whose_splits_fit(monkeypatch):
+    """`_persistent_search`'s rule (the GPU's decision, with the device's SM count stubbed): by default top_p as the
+    batch's one filter, at most PERSISTENT_MAX_BATCH rows, no more splits than the SMs the process may use (an MPS
+    client's share counted); "0" never, "1" wherever the splits fit; on the CPU only when forced, one split a row."""
+    import types
+
+    from ostinato.runner import fused_sample
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    rule = fused_sample._persistent_search
+    cap = fused_sample.PERSISTENT_MAX_BATCH
+    assert rule(cuda, 63, 1, False) and rule(cuda, 16, cap, False)
+    assert not rule(cuda, 16, cap + 1, False) and not rule(cuda, 63, 1, True) and not rule(cuda, 133, 1, False)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")  # 33 SMs
+    assert not rule(cuda, 63, 1, False) and rule(cuda, 16, cap, False)
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    assert not rule(cpu, 1, 1, False)
+    monkeypatch.setattr(fused_sample, "PERSISTENT", "1")
+    assert rule(cuda, 16, 256, True) and not rule(cuda, 133, 1, False)
+    assert rule(cpu, 1, 4, False) and not rule(cpu, 2, 4, False)
+    monkeypatch.setattr(fused_sample, "PERSISTENT", "0")
+    assert not rule(cuda, 63, 1, False)
+
+
 @pytest.mark.skipif(GPU, reason="denormal logits (a GPU may flush them); the GPU runs the one launch at real splits")
 def test_one_launch_search_runs_the_passes_after_an_overfull_gather(monkeypatch):
     """Rows whose top_p cut is a block of 3,000 tied columns (0.0): the gathered range holds more columns than the

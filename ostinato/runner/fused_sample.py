@@ -1096,9 +1096,18 @@ def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k:
         return False
     if device.type != "cuda":
         return PERSISTENT == "1" and num_splits == 1
-    if num_splits > torch.cuda.get_device_properties(device).multi_processor_count:
+    if num_splits > usable_sms(device):
         return False  # a row's programs, one an SM, could not all be resident (`_row_barrier`)
     return PERSISTENT == "1" or (not has_k and batch <= PERSISTENT_MAX_BATCH)
+
+
+def usable_sms(device: torch.device) -> int:
+    """The SMs this process's kernels may use: the device's, scaled by an MPS client's
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE. (A share the MPS daemon sets without that variable is not seen: under one
+    smaller than a row's splits the one launch would hang; OSTINATO_SAMPLER_PERSISTENT=0 turns it off.)"""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    return int(sms * float(share) / 100) if share else sms
 
 
 def _top_k_search(logits: torch.Tensor, row_args: tuple, cut_k: torch.Tensor, vocab_size: int, greedy_eps: float,
