@@ -104,6 +104,8 @@ def test_one_launch_where_top_p_alone_filters_a_small_batch_whose_splits_fit(mon
     assert not rule(cuda, 16, cap + 1, False) and not rule(cuda, 63, 1, True) and not rule(cuda, 133, 1, False)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")  # 33 SMs
     assert not rule(cuda, 63, 1, False) and rule(cuda, 16, cap, False)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "most")  # unreadable: the one launch stays off
+    assert not rule(cuda, 16, cap, False)
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     assert not rule(cpu, 1, 1, False)
     monkeypatch.setattr(fused_sample, "PERSISTENT", "1")

@@ -957,7 +957,10 @@ if PERSISTENT not in ("0", "1", "auto"):
 PERSISTENT_MAX_BATCH = 32
 # a register cap for the one launch (OSTINATO_SAMPLER_PERSISTENT_MAXNREG, for A/B runs; unset: none): it compiles to
 # 178-255 registers a thread, one program an SM; at 128 it fits two, spilling about 110 bytes where it gathers
-_PERSISTENT_REGS = {"maxnreg": int(v)} if (v := os.environ.get("OSTINATO_SAMPLER_PERSISTENT_MAXNREG")) else {}
+_MAXNREG = os.environ.get("OSTINATO_SAMPLER_PERSISTENT_MAXNREG", "")
+if _MAXNREG and not (_MAXNREG.isdigit() and 24 <= int(_MAXNREG) <= 255):
+    raise ValueError(f"OSTINATO_SAMPLER_PERSISTENT_MAXNREG must be a register count of 24-255, got {_MAXNREG!r}")
+_PERSISTENT_REGS = {"maxnreg": int(_MAXNREG)} if _MAXNREG else {}
 _SEARCH_BLOCK = 1024
 _SEARCH_WARPS = 8
 _RESOLVE_BLOCK = 32 * _SEARCH_WARPS
@@ -1039,19 +1042,16 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
                           num_warps=1, Bar=bar, ZERO_BAR=persistent, **second_args)
     check = dict(Order=order, CHECKED=True)
     if persistent:  # top_k's search (its own launches), then top_p's and the draw under the cut in one
-        grid_check = (num_splits, b)
-        row_args = (temperatures, min_p_arg, top_ks, top_ps, split_max)
-        meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, num_warps=_SEARCH_WARPS, **check)
-        cut_k = torch.empty(b, dtype=torch.int64, device=dev)
-        if has_k:
-            _top_k_search(logits, row_args, cut_k, vocab_size, greedy_eps, split_len, num_splits, grid_check, meta)
+        row_args, meta = _search_inputs(temperatures, min_ps, top_ks, top_ps, split_max, num_splits, check)
+        cut_k = _top_k_cut(logits, row_args, meta, has_k, vocab_size, greedy_eps, split_len, num_splits,
+                           (num_splits, b))
         state, part, goal, gather, dense, cap = _top_p_buffers(b, num_splits, dev)
-        _top_p_search_kernel[grid_check](logits, logits.stride(0), temperatures, min_p_arg, top_ps, split_max, state,
-                                         part, goal, cut_k, seeds, steps, vals, idx, bar, order, vocab_size,
-                                         split_len, num_splits, b, PASSES, greedy_eps, HAS_K=has_k,
-                                         HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK,
-                                         DRAW_BLOCK=_BLOCK, SPLITS_POW2=pow2, **gather, Dense=dense, GATHER_CAP=cap,
-                                         RESOLVE_BLOCK=_RESOLVE_BLOCK, num_warps=_SEARCH_WARPS, **_PERSISTENT_REGS)
+        _top_p_search_kernel[(num_splits, b)](
+            logits, logits.stride(0), temperatures, min_p_arg, top_ps, split_max, state, part, goal, cut_k, seeds,
+            steps, vals, idx, bar, order, vocab_size, split_len, num_splits, b, PASSES, greedy_eps, HAS_K=has_k,
+            HAS_MIN_P=min_ps is not None, NWAY=_NWAY, BLOCK=_SEARCH_BLOCK, DRAW_BLOCK=_BLOCK, SPLITS_POW2=pow2,
+            **gather, Dense=dense, GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK, num_warps=_SEARCH_WARPS,
+            **_PERSISTENT_REGS)
         return pick_rows(vals, idx, out, scatter)
     cuts = _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases,
                  split_len, num_splits, check)
@@ -1107,14 +1107,33 @@ def usable_sms(device: torch.device) -> int:
     smaller than a row's splits the one launch would hang; OSTINATO_SAMPLER_PERSISTENT=0 turns it off.)"""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    return int(sms * float(share) / 100) if share else sms
+    if not share:
+        return sms
+    try:
+        return int(sms * float(share) / 100)
+    except ValueError:  # a share we cannot read: count none, so the one launch stays off
+        return 0
 
 
-def _top_k_search(logits: torch.Tensor, row_args: tuple, cut_k: torch.Tensor, vocab_size: int, greedy_eps: float,
-                  split_len: int, num_splits: int, grid: tuple[int, int], meta: dict) -> None:
-    """top_k's select: TOP_K_PASSES histogram passes over `grid` and one resolve per row, into cut_k."""
+def _search_inputs(temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
+                   top_ps: torch.Tensor, split_max: torch.Tensor, num_splits: int,
+                   check: dict | None) -> tuple[tuple, dict]:
+    """(the per-row inputs every search kernel takes first, their shared launch settings)."""
+    min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
+    meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=triton.next_power_of_2(num_splits),
+                num_warps=_SEARCH_WARPS, **(check or {}))
+    return (temperatures, min_p_arg, top_ks, top_ps, split_max), meta
+
+
+def _top_k_cut(logits: torch.Tensor, row_args: tuple, meta: dict, has_k: bool, vocab_size: int, greedy_eps: float,
+               split_len: int, num_splits: int, grid: tuple[int, int]) -> torch.Tensor:
+    """top_k's cut a row, int64 order keys [B] (the floor of top_p's search): with `has_k` top_k's select,
+    TOP_K_PASSES histogram passes over `grid` and one resolve per row; without, left for top_p's pass 0 to fill."""
     b = logits.shape[0]
     dev = logits.device
+    cut_k = torch.empty(b, dtype=torch.int64, device=dev)
+    if not has_k:
+        return cut_k
     counts = torch.zeros(TOP_K_PASSES * b * 256 + b, dtype=torch.int32, device=dev)  # Hist, then Cursor
     hist, cursor = counts[:-b], counts[-b:]
     dense = torch.empty(b, TOP_K_GATHER, dtype=torch.int32, device=dev)
@@ -1125,6 +1144,7 @@ def _top_k_search(logits: torch.Tensor, row_args: tuple, cut_k: torch.Tensor, vo
                                  FIRST=pass_idx == 0, **(meta | dict(num_warps=_RADIX_WARPS)))
     _top_k_resolve_kernel[(b,)](*row_args, select, hist, dense, cut_k, vocab_size, num_splits, b, greedy_eps,
                                 BLOCK=_SEARCH_BLOCK, **meta)
+    return cut_k
 
 
 def _top_p_buffers(b: int, num_splits: int, dev: torch.device, gathers: bool = True) -> tuple:
@@ -1156,12 +1176,8 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     dev = logits.device
     pow2 = triton.next_power_of_2(num_splits)
     has_k, has_p = cut_phases
-    cut_k = torch.empty(b, dtype=torch.int64, device=dev)  # top_k's cut: the floor of top_p's search
-    min_p_arg = min_ps if min_ps is not None else temperatures  # unread without min_p
-    row_args = (temperatures, min_p_arg, top_ks, top_ps, split_max)
-    meta = dict(HAS_MIN_P=min_ps is not None, SPLITS_POW2=pow2, num_warps=_SEARCH_WARPS, **(check or {}))
-    if has_k:
-        _top_k_search(logits, row_args, cut_k, vocab_size, greedy_eps, split_len, num_splits, grid, meta)
+    row_args, meta = _search_inputs(temperatures, min_ps, top_ks, top_ps, split_max, num_splits, check)
+    cut_k = _top_k_cut(logits, row_args, meta, has_k, vocab_size, greedy_eps, split_len, num_splits, grid)
     state, part, goal, gather, dense, cap = _top_p_buffers(b, num_splits, dev, gathers=has_p)
     if has_p:
         args = (logits, logits.stride(0), *row_args, state, part, goal, cut_k, vocab_size, split_len, num_splits, b)
