@@ -147,6 +147,7 @@ class ModelRunner:
         if args.enable_torch_compile:
             self.compiled_forward = torch.compile(self.model.forward, dynamic=False, fullgraph=True)
 
+        self.max_positions = want_len  # rows of the model's rotary table
         self._init_memory(want_len)
         self.backend = self._make_backend(self.req_to_token_pool, self.kv_cache)
         self.next_tokens = NextTokenBuffer(self.req_to_token_pool.size, self.device)
@@ -330,7 +331,10 @@ class ModelRunner:
         loc = kv.extend(slot, 0, n)
         backend = self._make_backend(req_pool, kv_cache, page_size=1)
         ids = torch.randint(0, self.vocab_size, (n,), device=self.device)
-        batch = ForwardBatch(ForwardMode.EXTEND, 1, ids, torch.arange(n, device=self.device),
+        # positions wrap at the rotary table's rows: a model whose max_model_len is under the chunk would read past
+        # the table (an illegal address on the GPU); the peak memory does not depend on them
+        positions = torch.arange(n, device=self.device) % self.max_positions
+        batch = ForwardBatch(ForwardMode.EXTEND, 1, ids, positions,
                              torch.tensor([slot], device=self.device), torch.tensor([n], dtype=torch.int32,
                                                                                      device=self.device),
                              loc, torch.tensor([n - 1], device=self.device), [n], [0], [n],
