@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.device_info import usable_sms
 from ostinato.layers.triton_ops.argmax import pick_rows
 from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
 
@@ -1099,20 +1100,6 @@ def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k:
     if num_splits > usable_sms(device):
         return False  # a row's programs, one an SM, could not all be resident (`_row_barrier`)
     return PERSISTENT == "1" or (not has_k and batch <= PERSISTENT_MAX_BATCH)
-
-
-def usable_sms(device: torch.device) -> int:
-    """The SMs this process's kernels may use: the device's, scaled by an MPS client's
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE. (A share the MPS daemon sets without that variable is not seen: under one
-    smaller than a row's splits the one launch would hang; OSTINATO_SAMPLER_PERSISTENT=0 turns it off.)"""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    if not share:
-        return sms
-    try:
-        return int(sms * float(share) / 100)
-    except ValueError:  # a share we cannot read: count none, so the one launch stays off
-        return 0
 
 
 def _search_inputs(temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
