@@ -51,6 +51,11 @@ class EngineArgs:
     enable_torch_compile: bool = _arg(False, "torch.compile the model for captured sizes <= torch_compile_max_bs")
     torch_compile_max_bs: int = _arg(32, "largest decode batch size compiled")
     enable_cudagraph_gc: bool = _arg(False, "keep the garbage collector running during capture")
+    decode_megakernel: str = _arg("off", "auto | on | off: run a captured decode step of one request as one "
+                                  "persistent kernel over every layer (Hopper GPUs, bf16 Llama / Qwen2 / Qwen3 with a "
+                                  "bf16 KV cache; built with nvcc at start-up). Experimental: on the H200 it is slower "
+                                  "than the layers' kernels today (docs/gpu-notes.md). auto: where supported; on: an "
+                                  "error where not")
     skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
     trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
@@ -111,6 +116,7 @@ class EngineArgs:
             ("piecewise_cuda_graph_compiler", self.piecewise_cuda_graph_compiler in ("eager", "inductor"),
              "one of eager, inductor"),
             ("schedule_policy", self.schedule_policy in ("lpm", "fcfs"), "one of lpm, fcfs"),
+            ("decode_megakernel", self.decode_megakernel in ("auto", "on", "off"), "one of auto, on, off"),
             ("sampler_warm_up", self.sampler_warm_up in ("none", "temperature", "all"),
              "one of none, temperature, all"),
             ("sampler_warm_up_workers", self.sampler_warm_up_workers is None or self.sampler_warm_up_workers >= 0,

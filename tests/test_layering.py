@@ -8,7 +8,7 @@ from pathlib import Path
 import ostinato
 
 LEVEL = {"entrypoints": 5, "engine": 4, "runner": 3, "graphs": 2, "attention": 1, "models": 1, "layers": 1,
-         "loader": 1, "distributed": 1, "multimodal": 1, "mem": 0}
+         "loader": 1, "distributed": 1, "multimodal": 1, "megakernel": 1, "mem": 0}
 
 
 def _imported_packages(path: Path) -> list[str]:

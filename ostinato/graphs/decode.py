@@ -120,12 +120,19 @@ class DecodeGraphRunner:
         next_tokens = self.runner.next_tokens
         table = self.runner.req_to_token_pool.req_to_token
 
+        megakernel = self.runner.decode_megakernel if bs == 1 else None
+
         def step() -> None:
             next_tokens.begin_decode_(batch.input_ids, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc,
                                       table)
             backend.begin_graph_step()
-            with forward_context(backend, batch, layers):
-                hidden = forward(batch.input_ids, batch.positions)
+            if megakernel is not None:  # every layer in one launch
+                x = megakernel(model.embed_tokens(batch.input_ids), batch.positions, batch.seq_lens,
+                               batch.req_pool_indices, batch.out_cache_loc, table)
+                hidden = model.norm(x)
+            else:
+                with forward_context(backend, batch, layers):
+                    hidden = forward(batch.input_ids, batch.positions)
             model.compute_logits(hidden, out=self.logits[:bs, : self.vocab_size])
             # the tokens stored here; ModelRunner.sample stores over them where a sampler graph draws others
             chunked_draw(self.logits[:bs], self.temperatures[:bs], self.seeds[:bs], self.sample_steps[:bs],

@@ -32,3 +32,6 @@ class GraphHost(Protocol):
     max_running_requests: int
     req_to_token_pool: ReqToTokenPool
     mamba_pool: Any  # a mem/ MambaPool for hybrid models (their padded rows read its sink slot), else None
+    # the one-launch decode step of one request (megakernel/decode_bs1.py), or None: (x_in, positions, seq_lens,
+    # req_rows, out_loc, req_to_token) -> the residual stream after the last layer
+    decode_megakernel: Any

@@ -28,6 +28,7 @@ from ostinato.layers.mamba_tables import GRAPH_MAX_REQS, step_bounds
 from ostinato.layers.sampling_ops import padded_vocab
 from ostinato.loader import ModelSource, dummy_init_
 from ostinato.loader.kv_scales import KVScaleFilter
+from ostinato.megakernel.decode_bs1 import DecodeBs1Megakernel
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.mem.kv_manager import KVManager
 from ostinato.mem.mamba_pool import SINK_SLOT, HybridReqToTokenPool
@@ -161,6 +162,7 @@ class ModelRunner:
         self.extend_graph_runner: ExtendGraphRunner | None = None
         self.encoder_stats = EncoderStats()
         self.is_multimodal = getattr(self.model, "is_multimodal", False)
+        self.decode_megakernel = self._make_decode_megakernel()
         if cuda and not args.disable_cuda_graph:
             self.graph_runner = DecodeGraphRunner(self)
             if self.extend_graph_max_tokens and not self.is_multimodal:  # image extends run eager
@@ -211,6 +213,27 @@ class ModelRunner:
         if not self.backend.supports_extend_graphs:
             return 0
         return min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
+
+    def _make_decode_megakernel(self) -> DecodeBs1Megakernel | None:
+        """The one-launch decode step for captured one-request steps (`--decode-megakernel`), or None."""
+        mode = self.args.decode_megakernel
+        if mode == "off":
+            return None
+        if self.device.type != "cuda" or self.args.disable_cuda_graph:
+            why = "it runs inside captured decode graphs on a CUDA device"
+        elif torch.cuda.get_device_capability(self.device) != (9, 0):
+            why = "it needs a Hopper GPU (sm_90)"
+        elif tp_size() > 1 or self.mamba_pool is not None or self.is_multimodal:
+            why = "tensor parallel, hybrid and vision models run the layers' own kernels"
+        else:
+            try:
+                return DecodeBs1Megakernel(self.model, self.kv_cache, self.device)
+            except (ValueError, RuntimeError) as e:  # unsupported shape, dtype or cache; no nvcc; a failed build
+                why = str(e)
+        if mode == "on":
+            raise ValueError(f"--decode-megakernel on: {why}")
+        logger.info("decode megakernel off: %s", why)
+        return None
 
     def _make_backend(self, req_pool: ReqToTokenPool, kv_cache: MHATokenToKVPool,
                       page_size: int | None = None) -> AttentionBackend:

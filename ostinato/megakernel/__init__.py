@@ -1,0 +1,9 @@
+"""A decode step of one request as one persistent CUDA kernel (Hopper), for Llama-family models.
+
+At one request a decode step reads every weight once and does little else, yet a chain of ~12 launches a layer
+leaves HBM idle at each hand-off (2-3 us a boundary under PDL, docs/gpu-notes.md). Here a block an SM runs all the
+layers: a producer warp streams the block's share of each weight matrix through a shared-memory ring by bulk
+copies, ahead of the data dependencies, while the consumer warps run each operation once the one before it is
+counted complete across the grid. `decode_bs1.cu` is the kernel, `build.py` compiles it with nvcc, `decode_bs1.py`
+launches it, `reference.py` is its torch twin (what the CPU tests check), `weights.py` what it reads and supports.
+"""

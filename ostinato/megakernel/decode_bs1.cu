@@ -1,0 +1,834 @@
+// One-launch decode step for one request: every decoder layer of a Llama-family model (Llama, Qwen2, Qwen3) in a
+// single persistent kernel, a block an SM (ostinato/megakernel/__init__.py says why and when it runs).
+//
+// A block is 8 consumer warps and one producer warp. The producer streams the block's share of every weight
+// matrix, layer after layer, into a ring of shared-memory slots by bulk copies (cp.async.bulk, completion on an
+// mbarrier a slot); it never waits for activations, only for a free slot, so HBM keeps streaming while the
+// consumers wait on the step's data dependencies. The consumers run the layer as five operations:
+//   QKV   rows of W_qkv . rms(h)                  -> qkv (fp32)        then count QKV += 1
+//   ATTN  (kv head, split) items: q/k norm, rotary, the new K/V stored, softmax over the split's keys; the last
+//         split of a head to finish merges the head's splits       -> attn (fp32)       then count ATTN += 1
+//   O     rows of W_o . attn, added to the residual stream h       then count O += 1
+//   GU    gate rows and up rows of W_gu . rms(h) -> act = silu(gate) * up                 then count GU += 1
+//   DOWN  rows of W_down . act, added to h (the last layer also writes x_out, bf16)       then count DOWN += 1
+// Each operation waits for the one before it to be counted complete by every block (or every kv head), by one
+// thread's gpu-scope acquire poll. Counts only grow: a launch reads the epoch (launches so far) and waits for
+// (epoch + 1) x the target, compared modulo 2^32; the last block to leave advances the epoch. So no memset a step.
+// Every row of every output is computed by one warp (or one block's warps) in a fixed order: the result does not
+// depend on timing. Activations the kernel produces are read with ld.global.cg (L2), never from L1.
+//
+// Layouts: weights row-major [out, in] bf16, contiguous, 16-byte aligned; W_qkv's rows q, k, v; W_gu's rows gate
+// then up; the input and post-attention norms' weights already folded into W_qkv and W_gu (layers/norm_linear.py).
+// KV cache bf16 [slot, kv head, head dim] (token-major); req_to_token int32 [rows, stride]; cos_sin float32
+// [positions, head dim] (cos halves then sin halves, NeoX rotation).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kWarps = 8;                     // consumer warps
+constexpr int kConsumers = kWarps * 32;
+constexpr int kThreads = kConsumers + 32;     // + the producer warp
+constexpr int kSlotBytes = 16384;
+constexpr int kMaxSlots = 16;
+constexpr int kCountStride = 32;              // counters a layer: QKV, ATTN, O, GU, DOWN, then one a kv head
+constexpr int kGateMax = 512;                 // rows a block holds: gate outputs until their up rows come, or the
+                                              // residual stream's rows that O and DOWN add to
+constexpr int kMinSplitTokens = 32;           // cached keys a split takes at least (fewer splits at short contexts)
+
+enum Count { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4, kHead = 5 };
+enum Op { kOpQkv = 0, kOpO = 1, kOpGate = 2, kOpUp = 3, kOpDown = 4 };
+// trace stamps a layer: an operation's dependency met, its first weight tile in, its end (QKV 0-2, O 6-8, GU 9-11,
+// DOWN 12-14); attention 3-5: its wait met, its split done, the item done (merged or not)
+// 16-20: ns a block's consumers waited on weight tiles in QKV, O, gate, up, DOWN
+constexpr int kTraceSlots = 24;
+constexpr int kNoWaits = 1;  // flags: no operation waits for the one before (the weight stream alone, for timing)
+
+struct Layer {
+  const __nv_bfloat16* w_qkv;
+  const __nv_bfloat16* w_o;
+  const __nv_bfloat16* w_gu;
+  const __nv_bfloat16* w_down;
+  const __nv_bfloat16* b_qkv;   // or null
+  const __nv_bfloat16* q_norm;  // or null (no per-head q/k norm)
+  const __nv_bfloat16* k_norm;
+  __nv_bfloat16* k_cache;
+  __nv_bfloat16* v_cache;
+};
+
+struct Params {
+  const Layer* layers;
+  int num_layers, hidden, heads, kv_heads, head_dim, inter, splits, slots;
+  float eps, qk_eps, scale_log2;
+  const __nv_bfloat16* x_in;
+  __nv_bfloat16* x_out;
+  const int64_t* positions;
+  const int64_t* seq_lens;
+  const int64_t* req_rows;
+  const int64_t* out_loc;
+  const int32_t* req_to_token;
+  int64_t table_stride;
+  const float* cos_sin;
+  float* h;     // [hidden] the residual stream
+  float* qkv;   // [q + 2 kv]
+  float* attn;  // [heads x head_dim]
+  float* act;   // [inter]
+  float* part;  // [kv_heads x splits x group x (head_dim + 2)]: a split's unnormalised output, max, sum
+  unsigned* counters;  // [num_layers x kCountStride], then exits, then the epoch
+  unsigned long long* trace;  // null, or [blocks][num_layers][kTraceSlots] %globaltimer stamps (probe_megakernel.py)
+  int flags;                  // kNoWaits: a timing probe's (the outputs are void)
+};
+
+struct Seg {
+  const __nv_bfloat16* base;  // the matrix
+  int row0, rows, k;          // this block's rows [row0, row0 + rows), each k wide
+};
+
+// ------------------------------------------------------------------ PTX helpers
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n MBAR_WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra MBAR_WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned add_acq_rel(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// One consumer thread waits until *count reaches target (mod 2^32); then the consumers go on together.
+// (The acquire load orders the block's later reads after the counted writes: the CTA barrier carries that to the
+// other consumer threads, as a grid barrier does.)
+__device__ __forceinline__ void wait_count(const Params& p, const unsigned* count, unsigned target) {
+  if (threadIdx.x == 0 && !(p.flags & kNoWaits)) {
+    while ((int)(load_acquire(count) - target) < 0) {
+    }
+  }
+  consumer_sync();
+}
+
+// After every consumer has written its outputs: one thread counts the operation done. The release add is cumulative:
+// it publishes the writes the CTA barrier ordered before it, not only the thread's own.
+__device__ __forceinline__ void signal_count(unsigned* count) {
+  consumer_sync();
+  if (threadIdx.x == 0) add_release(count, 1u);
+}
+
+__device__ __forceinline__ unsigned long long now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void stamp(const Params& p, int layer, int slot, unsigned long long t) {
+  if (p.trace && threadIdx.x == 0) p.trace[((size_t)blockIdx.x * p.num_layers + layer) * kTraceSlots + slot] = t;
+}
+__device__ __forceinline__ void stamp(const Params& p, int layer, int slot) {
+  if (p.trace) stamp(p, layer, slot, now());
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float bf(const __nv_bfloat16 x) { return __bfloat162float(x); }
+
+// ------------------------------------------------------------------ the schedule both roles walk
+__device__ __forceinline__ void share(int n, int b, int g, int& r0, int& r1) {
+  r0 = (int)((int64_t)n * b / g);
+  r1 = (int)((int64_t)n * (b + 1) / g);
+}
+
+__device__ __forceinline__ int rows_per_tile(int k) {
+  int r = kSlotBytes / (2 * k);
+  int p = 1;
+  while (p * 2 <= r) p *= 2;
+  return p;
+}
+
+__device__ Seg segment(const Params& p, const Layer& L, int op, int b, int g) {
+  int q = p.heads * p.head_dim, kv = p.kv_heads * p.head_dim, r0, r1;
+  switch (op) {
+    case kOpQkv:
+      share(q + 2 * kv, b, g, r0, r1);
+      return {L.w_qkv, r0, r1 - r0, p.hidden};
+    case kOpO:
+      share(p.hidden, b, g, r0, r1);
+      return {L.w_o, r0, r1 - r0, q};
+    case kOpGate:
+      share(p.inter, b, g, r0, r1);
+      return {L.w_gu, r0, r1 - r0, p.hidden};
+    case kOpUp:
+      share(p.inter, b, g, r0, r1);
+      return {L.w_gu, p.inter + r0, r1 - r0, p.hidden};
+    default:
+      share(p.hidden, b, g, r0, r1);
+      return {L.w_down, r0, r1 - r0, p.inter};
+  }
+}
+
+// ------------------------------------------------------------------ shared memory
+struct Smem {
+  __nv_bfloat16* ring;  // slots x kSlotBytes
+  uint64_t* full;       // [kMaxSlots]
+  uint64_t* empty;      // [kMaxSlots]
+  float* xs;            // the operation's input vector, or attention's scratch
+  float* red;           // [2][kWarps] partial dots
+  float* rows;          // [kGateMax]: the block's gate outputs (GU) or residual rows (O, DOWN)
+  float* misc;          // [kWarps + 4]
+};
+
+// ------------------------------------------------------------------ the producer
+__device__ void produce(const Params& p, Smem& sm) {
+  const int b = blockIdx.x, g = gridDim.x, ns = p.slots;
+  int t = 0;
+  for (int layer = 0; layer < p.num_layers; ++layer) {
+    const Layer L = p.layers[layer];
+    for (int op = 0; op < 5; ++op) {
+      Seg s = segment(p, L, op, b, g);
+      int rpt = rows_per_tile(s.k);
+      for (int r = 0; r < s.rows; r += rpt, ++t) {
+        int slot = t % ns;
+        if (t >= ns) mbar_wait(&sm.empty[slot], ((t / ns) - 1) & 1);
+        int n = min(rpt, s.rows - r);
+        uint32_t bytes = (uint32_t)n * s.k * 2;
+        mbar_expect_tx(&sm.full[slot], bytes);
+        bulk_load(sm.ring + (size_t)slot * (kSlotBytes / 2), s.base + (size_t)(s.row0 + r) * s.k, bytes,
+                  &sm.full[slot]);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ consumer pieces
+// Reads n floats (n a multiple of 4, at most 8 x 4 x kConsumers = 8192) from L2 into xs: every load issued before
+// any is used (one round trip, not one a loop turn). Returns the sum of squares of the thread's values.
+__device__ __forceinline__ float stage(Smem& sm, const float* src, int n) {
+  const int tid = threadIdx.x;
+  float4 v[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int i = (u * kConsumers + tid) * 4;
+    v[u] = i < n ? __ldcg(reinterpret_cast<const float4*>(src + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int i = (u * kConsumers + tid) * 4;
+    if (i < n) *reinterpret_cast<float4*>(sm.xs + i) = v[u];
+    ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+  }
+  return ss;
+}
+
+// The same from bf16 (the step's input row), 8 values a load.
+__device__ __forceinline__ float stage(Smem& sm, const __nv_bfloat16* src, int n) {
+  const int tid = threadIdx.x;
+  uint4 v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int i = (u * kConsumers + tid) * 8;
+    v[u] = i < n ? *reinterpret_cast<const uint4*>(src + i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int i = (u * kConsumers + tid) * 8;
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(b[e]);
+      if (i < n) {
+        sm.xs[i + 2 * e] = f.x;
+        sm.xs[i + 2 * e + 1] = f.y;
+      }
+      ss += f.x * f.x + f.y * f.y;
+    }
+  }
+  return ss;
+}
+
+// xs = v over n values; returns rsqrt(mean(v^2) + eps), the row's RMSNorm scale, which the GEMV applies to its
+// outputs (a scale commutes with the map; the norm's weight is folded into the matrix).
+template <typename T>
+__device__ float load_normed(Smem& sm, const T* src, int n, float eps) {
+  const int tid = threadIdx.x;
+  float ss = warp_sum(stage(sm, src, n));
+  if ((tid & 31) == 0) sm.misc[tid >> 5] = ss;
+  consumer_sync();
+  float tot = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) tot += sm.misc[w];
+  return rsqrtf(tot / n + eps);
+}
+
+// xs = src[0, n), and the block's rows [r0, r1) of the residual stream (of x_in: the first layer's O) into sm.rows,
+// the loads of both in flight together.
+__device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, bool from_x_in, int r0, int r1) {
+  const int tid = threadIdx.x;
+  float res = 0.f;
+  if (tid < r1 - r0) res = from_x_in ? bf(p.x_in[r0 + tid]) : __ldcg(p.h + r0 + tid);
+  stage(sm, src, n);
+  if (tid < r1 - r0) sm.rows[tid] = res;
+  consumer_sync();
+}
+
+// One lane's share of row . xs over [k0, k1), 8 columns a step (16 bytes of the row), then the warp's sum. Four
+// accumulators and unrolled steps: the loads of several steps in flight, no chain of eight dependent FMAs.
+__device__ __forceinline__ float row_dot(const __nv_bfloat16* row, const float* xs, int k0, int k1, int lane) {
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll 4
+  for (int k = k0 + lane * 8; k < k1; k += 256) {
+    const uint4 w = *reinterpret_cast<const uint4*>(row + k);
+    const float4 x0 = *reinterpret_cast<const float4*>(xs + k);
+    const float4 x1 = *reinterpret_cast<const float4*>(xs + k + 4);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const float2 f0 = __bfloat1622float2(w2[0]), f1 = __bfloat1622float2(w2[1]);
+    const float2 f2 = __bfloat1622float2(w2[2]), f3 = __bfloat1622float2(w2[3]);
+    a0 = fmaf(f0.x, x0.x, a0);
+    a1 = fmaf(f0.y, x0.y, a1);
+    a2 = fmaf(f1.x, x0.z, a2);
+    a3 = fmaf(f1.y, x0.w, a3);
+    a0 = fmaf(f2.x, x1.x, a0);
+    a1 = fmaf(f2.y, x1.y, a1);
+    a2 = fmaf(f3.x, x1.z, a2);
+    a3 = fmaf(f3.y, x1.w, a3);
+  }
+  return warp_sum((a0 + a1) + (a2 + a3));
+}
+
+__device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& sm, int op, int layer, int row,
+                                         int local, float y) {
+  switch (op) {
+    case kOpQkv:
+      p.qkv[row] = y + (L.b_qkv ? bf(L.b_qkv[row]) : 0.f);
+      break;
+    case kOpO:
+      p.h[row] = sm.rows[local] + y;
+      break;
+    case kOpGate:
+      sm.rows[local] = y;
+      break;
+    case kOpUp: {
+      float gt = sm.rows[local];
+      p.act[row - p.inter] = gt / (1.f + __expf(-gt)) * y;
+      break;
+    }
+    default: {
+      float v = sm.rows[local] + y;
+      p.h[row] = v;
+      if (layer == p.num_layers - 1) p.x_out[row] = __float2bfloat16(v);
+    }
+  }
+}
+
+// The block's rows of one operation, tile by tile from the ring (t: the block's running tile number).
+// `scale` multiplies every dot (the input's RMSNorm scale, or 1).
+__device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int layer, int& t, int first_stamp,
+                     float scale) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ns = p.slots;
+  Seg s = segment(p, L, op, blockIdx.x, gridDim.x);
+  const int rpt = rows_per_tile(s.k);
+  const int parts = rpt >= kWarps ? 1 : kWarps / rpt;  // warps a row (each a slice of k) when a tile has few rows
+  const int span = s.k / parts;
+  unsigned long long waited = 0;
+  for (int r = 0; r < s.rows; r += rpt, ++t) {
+    const int slot = t % ns;
+    const unsigned long long t_wait = p.trace ? now() : 0;
+    mbar_wait(&sm.full[slot], (t / ns) & 1);
+    if (p.trace) waited += now() - t_wait;
+    if (r == 0 && first_stamp >= 0) stamp(p, layer, first_stamp);
+    const __nv_bfloat16* tile = sm.ring + (size_t)slot * (kSlotBytes / 2);
+    const int n = min(rpt, s.rows - r);
+    if (parts == 1) {
+      for (int rr = warp; rr < n; rr += kWarps) {
+        float y = row_dot(tile + (size_t)rr * s.k, sm.xs, 0, s.k, lane);
+        if (lane == 0) epilogue(p, L, sm, op, layer, s.row0 + r + rr, r + rr, y * scale);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&sm.empty[slot]);
+    } else {
+      const int rr = warp / parts, c = warp % parts;
+      float y = rr < n ? row_dot(tile + (size_t)rr * s.k, sm.xs, c * span, (c + 1) * span, lane) : 0.f;
+      __syncwarp();
+      float* red = sm.red + (t & 1) * kWarps;
+      if (lane == 0) {
+        red[warp] = y;
+        mbar_arrive(&sm.empty[slot]);
+      }
+      consumer_sync();
+      if ((int)threadIdx.x < n) {
+        float sum = 0.f;
+        for (int c2 = 0; c2 < parts; ++c2) sum += red[threadIdx.x * parts + c2];
+        epilogue(p, L, sm, op, layer, s.row0 + r + threadIdx.x, r + threadIdx.x, sum * scale);
+      }
+    }
+  }
+  stamp(p, layer, 16 + op, waited);
+  consumer_sync();
+}
+
+// rms-normalise (optional weight) and rotate one head of d values held in smem x, by one warp.
+template <int D>
+__device__ __forceinline__ void norm_rope(float* x, const __nv_bfloat16* w, float eps, const float* cs, int lane) {
+  constexpr int E = D / 32;
+  if (w) {
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) ss += x[lane + 32 * e] * x[lane + 32 * e];
+    const float inv = rsqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[lane + 32 * e] *= inv * bf(w[lane + 32 * e]);
+    __syncwarp();
+  }
+#pragma unroll
+  for (int e = 0; e < E / 2; ++e) {
+    const int i = lane + 32 * e;  // < D / 2
+    const float a = x[i], b2 = x[i + D / 2], c = cs[i], s = cs[i + D / 2];
+    __syncwarp();
+    x[i] = a * c - b2 * s;
+    x[i + D / 2] = b2 * c + a * s;
+  }
+  __syncwarp();
+}
+
+// One split's keys (and in the last used split the new token) for KV head j: the split's unnormalised output,
+// max and sum a query head into p.part. Scratch in sm.xs: q [G][D] (scaled to log2 units), k_new [D], v_new [D],
+// then each warp's state [kWarps][G][D + 2].
+template <int D, int G>
+__device__ void attend_split(const Params& p, const Layer& L, Smem& sm, int layer, int j, int s, int used,
+                             int cached, unsigned epoch) {
+  constexpr int LPT = D / 8;     // lanes a key (8 dims a lane)
+  constexpr int TPP = 32 / LPT;  // keys a warp pass
+  constexpr int U = 4;           // passes in flight
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int q_size = p.heads * D, kv_size = p.kv_heads * D;
+  float* qs = sm.xs;
+  float* kn = qs + G * D;
+  float* vn = kn + D;
+  float* ws = vn + D;
+  const int64_t req = p.req_rows[0];
+  const int chunk = (cached + used - 1) / used;
+  const int t0 = s * chunk, t1 = min(cached, t0 + chunk);
+  const int32_t* table = p.req_to_token + req * p.table_stride;
+  const int sub = lane / LPT, dl = (lane % LPT) * 8;  // a lane's key in the pass and its 8 dims
+  uint4 kr[U], vr[U];
+  bool ok[U];
+  auto issue = [&](int base) {  // a warp's next U passes of keys: their slots, then K and V rows
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * TPP + sub;
+      ok[u] = tok < t1;
+      kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (ok[u]) {
+        const int64_t slot = table[tok];
+        const size_t off = (size_t)(slot * p.kv_heads + j) * D + dl;
+        kr[u] = __ldcg(reinterpret_cast<const uint4*>(L.k_cache + off));
+        vr[u] = __ldcg(reinterpret_cast<const uint4*>(L.v_cache + off));
+      }
+    }
+  };
+  // the cached keys are earlier steps' (the new token's slot is never among them): read before q is ready
+  int base = t0 + warp * TPP * U;
+  issue(base);
+  wait_count(p, p.counters + (size_t)layer * kCountStride + kQkv, (epoch + 1u) * gridDim.x);
+  stamp(p, layer, 3);
+  const int64_t pos = p.positions[0];
+  const float* cs = p.cos_sin + pos * D;
+
+  // q heads j*G .. j*G+G-1, then k head j, by warps 0..G; v by warp G+1
+  if (warp <= G) {
+    float* dst = warp < G ? qs + warp * D : kn;
+    const float* src = warp < G ? p.qkv + (j * G + warp) * D : p.qkv + q_size + j * D;
+    float v[D / 32];
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) v[e] = __ldcg(src + lane + 32 * e);
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) dst[lane + 32 * e] = v[e];
+    __syncwarp();
+    norm_rope<D>(dst, warp < G ? L.q_norm : L.k_norm, p.qk_eps, cs, lane);
+    if (warp == G) {  // the cache holds bf16: use the rounded key for the new token too
+      for (int i = lane; i < D; i += 32) kn[i] = bf(__float2bfloat16(kn[i]));
+    } else {
+      for (int i = lane; i < D; i += 32) dst[i] *= p.scale_log2;
+    }
+  } else if (warp == G + 1) {
+    float v[D / 32];
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) v[e] = __ldcg(p.qkv + q_size + kv_size + j * D + lane + 32 * e);
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) vn[lane + 32 * e] = bf(__float2bfloat16(v[e]));
+  }
+  consumer_sync();
+  if (s == 0) {  // the new token's K/V into the cache, once a head
+    const int64_t slot = p.out_loc[0];
+    for (int i = tid; i < D; i += kConsumers) {
+      L.k_cache[(slot * p.kv_heads + j) * D + i] = __float2bfloat16(kn[i]);
+      L.v_cache[(slot * p.kv_heads + j) * D + i] = __float2bfloat16(vn[i]);
+    }
+  }
+
+  float q[G][8], acc[G][8], m[G], l[G];
+#pragma unroll
+  for (int gi = 0; gi < G; ++gi) {
+    m[gi] = -INFINITY;
+    l[gi] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      q[gi][e] = qs[gi * D + dl + e];
+      acc[gi][e] = 0.f;
+    }
+  }
+  // one key a lane group (valid is uniform over the group; every lane of the warp takes part in the shuffles)
+  auto take = [&](const float (&k)[8], const float (&v)[8], bool valid) {
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+      float sc = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sc += q[gi][e] * k[e];
+#pragma unroll
+      for (int o = LPT / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o, LPT);
+      if (valid) {
+        const float mn = fmaxf(m[gi], sc);
+        const float corr = exp2f(m[gi] - mn), pr = exp2f(sc - mn);
+        l[gi] = l[gi] * corr + pr;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[gi][e] = acc[gi][e] * corr + pr * v[e];
+        m[gi] = mn;
+      }
+    }
+  };
+
+  for (; base < t1; base += kWarps * TPP * U) {
+    if (base != t0 + warp * TPP * U) issue(base);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float k[8], v[8];
+      const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kr[u]);
+      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&vr[u]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float2 a = __bfloat1622float2(k2[e]), c = __bfloat1622float2(v2[e]);
+        k[2 * e] = a.x;
+        k[2 * e + 1] = a.y;
+        v[2 * e] = c.x;
+        v[2 * e + 1] = c.y;
+      }
+      take(k, v, ok[u]);
+    }
+  }
+  if (s == used - 1 && warp == 0) {  // the new token, in the last split, by the warp's first key group
+    float k[8], v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      k[e] = kn[dl + e];
+      v[e] = vn[dl + e];
+    }
+    take(k, v, sub == 0);
+  }
+  // the warp's keys groups merged (lanes with the same dims), then each warp's state to smem
+#pragma unroll
+  for (int o = LPT; o < 32; o <<= 1) {
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[gi], o), lo = __shfl_xor_sync(0xffffffffu, l[gi], o);
+      const float mn = fmaxf(m[gi], mo);
+      const float a = mn == -INFINITY ? 0.f : exp2f(m[gi] - mn), c = mn == -INFINITY ? 0.f : exp2f(mo - mn);
+      l[gi] = l[gi] * a + lo * c;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[gi][e] = acc[gi][e] * a + __shfl_xor_sync(0xffffffffu, acc[gi][e], o) * c;
+      m[gi] = mn;
+    }
+  }
+  consumer_sync();  // qs / kn / vn read by everyone before ws (after them) is written
+  if (sub == 0) {
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+      float* w = ws + (warp * G + gi) * (D + 2);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) w[dl + e] = acc[gi][e];
+      if (lane == 0) {
+        w[D] = m[gi];
+        w[D + 1] = l[gi];
+      }
+    }
+  }
+  consumer_sync();
+  float* part = p.part + ((size_t)j * p.splits + s) * G * (D + 2);
+  for (int i = tid; i < G * D; i += kConsumers) {
+    const int gi = i / D, d = i % D;
+    float mx = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ws[(w * G + gi) * (D + 2) + D]);
+    float a = 0.f, sum = 0.f;
+    if (mx != -INFINITY) {
+      for (int w = 0; w < kWarps; ++w) {
+        const float* st = ws + (w * G + gi) * (D + 2);
+        const float f = exp2f(st[D] - mx);
+        a += st[d] * f;
+        sum += st[D + 1] * f;
+      }
+    }
+    part[gi * (D + 2) + d] = a;
+    if (d == 0) {
+      part[gi * (D + 2) + D] = mx;
+      part[gi * (D + 2) + D + 1] = sum;
+    }
+  }
+}
+
+template <int D, int G>
+__device__ void attend_item(const Params& p, const Layer& L, Smem& sm, int layer, int item, unsigned epoch) {
+  const int tid = threadIdx.x, S = p.splits, j = item / S, s = item % S;
+  const int cached = (int)p.seq_lens[0] - 1;  // keys already in the cache; the new token's come from qkv
+  const int used = max(1, min(S, (cached + kMinSplitTokens - 1) / kMinSplitTokens));  // splits with keys
+  if (s < used) attend_split<D, G>(p, L, sm, layer, j, s, used, cached, epoch);
+  stamp(p, layer, 4);
+  // the head's last split to finish (with keys or not) merges the head's splits into attn
+  consumer_sync();
+  if (tid == 0) {  // acq_rel: publishes this split's part, and the last one sees every other split's
+    unsigned* head = p.counters + (size_t)layer * kCountStride + kHead + j;
+    const unsigned old = add_acq_rel(head, 1u);
+    sm.misc[kWarps] = old == (epoch + 1u) * (unsigned)S - 1u ? 1.f : 0.f;
+  }
+  consumer_sync();
+  if (sm.misc[kWarps] == 0.f) {
+    stamp(p, layer, 5);
+    return;
+  }
+  const float* parts = p.part + (size_t)j * S * G * (D + 2);
+  for (int i = tid; i < G * D; i += kConsumers) {
+    const int gi = i / D, d = i % D;
+    float mx = -INFINITY, a = 0.f, sum = 0.f;
+#pragma unroll 4
+    for (int s2 = 0; s2 < used; ++s2) {
+      const float* st = parts + (s2 * G + gi) * (D + 2);
+      const float ms = __ldcg(st + D), as = __ldcg(st + d), ls = __ldcg(st + D + 1);
+      if (ms == -INFINITY) continue;
+      const float mn = fmaxf(mx, ms), f0 = exp2f(mx - mn), f1 = exp2f(ms - mn);
+      a = a * f0 + as * f1;
+      sum = sum * f0 + ls * f1;
+      mx = mn;
+    }
+    p.attn[(j * G + gi) * D + d] = a / sum;
+  }
+  signal_count(p.counters + (size_t)layer * kCountStride + kAttn);
+  stamp(p, layer, 5);
+}
+template <int D, int G>
+__device__ void attend_all(const Params& p, const Layer& L, Smem& sm, int layer, unsigned epoch) {
+  for (int item = blockIdx.x; item < p.kv_heads * p.splits; item += gridDim.x) {
+    attend_item<D, G>(p, L, sm, layer, item, epoch);
+    consumer_sync();
+  }
+}
+
+__device__ void attend(const Params& p, const Layer& L, Smem& sm, int layer, unsigned epoch) {
+  const int g = p.heads / p.kv_heads;
+  if (p.head_dim == 128) {
+    if (g == 1) attend_all<128, 1>(p, L, sm, layer, epoch);
+    else if (g == 2) attend_all<128, 2>(p, L, sm, layer, epoch);
+    else if (g == 3) attend_all<128, 3>(p, L, sm, layer, epoch);
+    else attend_all<128, 4>(p, L, sm, layer, epoch);
+  } else {
+    if (g == 1) attend_all<64, 1>(p, L, sm, layer, epoch);
+    else if (g == 2) attend_all<64, 2>(p, L, sm, layer, epoch);
+    else if (g == 3) attend_all<64, 3>(p, L, sm, layer, epoch);
+    else attend_all<64, 4>(p, L, sm, layer, epoch);
+  }
+}
+
+// Returns the launch's epoch (launches of this kernel before it on these counters).
+__device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the step's inputs are written by the kernels before
+  if (threadIdx.x == 0) sm.misc[kWarps + 1] = __uint_as_float(__ldcg(p.counters + (size_t)p.num_layers * kCountStride + 1));
+  consumer_sync();
+  const unsigned epoch = __float_as_uint(sm.misc[kWarps + 1]), grid = gridDim.x, next = epoch + 1u;
+  int t = 0;
+  for (int layer = 0; layer < p.num_layers; ++layer) {
+    const Layer L = p.layers[layer];
+    unsigned* c = p.counters + (size_t)layer * kCountStride;
+    float inv;
+    if (layer == 0) {
+      stamp(p, layer, 0);
+      inv = load_normed(sm, p.x_in, p.hidden, p.eps);
+    } else {
+      wait_count(p, c - kCountStride + kDown, next * grid);
+      stamp(p, layer, 0);
+      inv = load_normed(sm, p.h, p.hidden, p.eps);
+    }
+    gemv(p, L, sm, kOpQkv, layer, t, 1, inv);
+    stamp(p, layer, 2);
+    signal_count(c + kQkv);
+
+    if ((int)blockIdx.x < p.kv_heads * p.splits) attend(p, L, sm, layer, epoch);
+
+    wait_count(p, c + kAttn, next * (unsigned)p.kv_heads);
+    stamp(p, layer, 6);
+    int r0, r1;
+    share(p.hidden, blockIdx.x, grid, r0, r1);
+    load_plain(p, sm, p.attn, p.heads * p.head_dim, layer == 0, r0, r1);
+    gemv(p, L, sm, kOpO, layer, t, 7, 1.f);
+    stamp(p, layer, 8);
+    signal_count(c + kO);
+
+    wait_count(p, c + kO, next * grid);
+    stamp(p, layer, 9);
+    inv = load_normed(sm, p.h, p.hidden, p.eps);
+    gemv(p, L, sm, kOpGate, layer, t, 10, inv);
+    gemv(p, L, sm, kOpUp, layer, t, -1, inv);
+    stamp(p, layer, 11);
+    signal_count(c + kGu);
+
+    wait_count(p, c + kGu, next * grid);
+    stamp(p, layer, 12);
+    load_plain(p, sm, p.act, p.inter, false, r0, r1);
+    gemv(p, L, sm, kOpDown, layer, t, 13, 1.f);
+    stamp(p, layer, 14);
+    signal_count(c + kDown);
+  }
+  return epoch;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p, int xs_floats) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Smem sm;
+  sm.ring = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  sm.full = reinterpret_cast<uint64_t*>(smem_raw + (size_t)p.slots * kSlotBytes);
+  sm.empty = sm.full + kMaxSlots;
+  sm.xs = reinterpret_cast<float*>(sm.empty + kMaxSlots);
+  sm.red = sm.xs + xs_floats;
+  sm.rows = sm.red + 2 * kWarps;
+  sm.misc = sm.rows + kGateMax;
+  __shared__ unsigned epoch_s;
+  unsigned* exits = p.counters + (size_t)p.num_layers * kCountStride;
+  unsigned* epoch_p = exits + 1;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < p.slots; ++i) {
+      mbar_init(&sm.full[i], 1);
+      mbar_init(&sm.empty[i], kWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x >= kConsumers) {
+    if (threadIdx.x == kConsumers) produce(p, sm);
+  } else {
+    const unsigned e = consume(p, sm);
+    if (threadIdx.x == 0) epoch_s = e;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned epoch = epoch_s;
+    __threadfence();
+    const unsigned old = add_acq_rel(exits, 1u);
+    if (old == (epoch + 1u) * gridDim.x - 1u) {  // every block is past every wait: the next launch's epoch
+      __threadfence();
+      atomicExch(epoch_p, epoch + 1u);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared-memory bytes a block uses for `slots` ring slots and an input vector of xs_floats.
+int ost_decode_bs1_smem_bytes(int slots, int xs_floats) {
+  return slots * kSlotBytes + 2 * kMaxSlots * 8 + (xs_floats + 2 * kWarps + kGateMax + kWarps + 4) * 4;
+}
+
+int ost_decode_bs1_threads() { return kThreads; }
+int ost_decode_bs1_max_slots() { return kMaxSlots; }
+int ost_decode_bs1_slot_bytes() { return kSlotBytes; }
+int ost_decode_bs1_trace_slots() { return kTraceSlots; }
+int ost_decode_bs1_rows_max() { return kGateMax; }
+int ost_decode_bs1_count_stride() { return kCountStride; }
+
+// Launches the step on `stream` (graph capture records it); returns a cudaError_t.
+int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int heads, int kv_heads, int head_dim,
+                          int inter, int splits, int slots, int grid, int xs_floats, float eps, float qk_eps,
+                          float scale_log2, const void* x_in, void* x_out, const void* positions, const void* seq_lens,
+                          const void* req_rows, const void* out_loc, const void* req_to_token, long long table_stride,
+                          const void* cos_sin, void* h, void* qkv, void* attn, void* act, void* part, void* counters,
+                          void* trace, int flags, int pdl, void* stream) {
+  Params p;
+  p.layers = static_cast<const Layer*>(layers);
+  p.num_layers = num_layers;
+  p.hidden = hidden;
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.inter = inter;
+  p.splits = splits;
+  p.slots = slots;
+  p.eps = eps;
+  p.qk_eps = qk_eps;
+  p.scale_log2 = scale_log2;
+  p.x_in = static_cast<const __nv_bfloat16*>(x_in);
+  p.x_out = static_cast<__nv_bfloat16*>(x_out);
+  p.positions = static_cast<const int64_t*>(positions);
+  p.seq_lens = static_cast<const int64_t*>(seq_lens);
+  p.req_rows = static_cast<const int64_t*>(req_rows);
+  p.out_loc = static_cast<const int64_t*>(out_loc);
+  p.req_to_token = static_cast<const int32_t*>(req_to_token);
+  p.table_stride = table_stride;
+  p.cos_sin = static_cast<const float*>(cos_sin);
+  p.h = static_cast<float*>(h);
+  p.qkv = static_cast<float*>(qkv);
+  p.attn = static_cast<float*>(attn);
+  p.act = static_cast<float*>(act);
+  p.part = static_cast<float*>(part);
+  p.counters = static_cast<unsigned*>(counters);
+  p.trace = static_cast<unsigned long long*>(trace);
+  p.flags = flags;
+  const int smem = ost_decode_bs1_smem_bytes(slots, xs_floats);
+  cudaError_t e = cudaFuncSetAttribute(decode_bs1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return (int)e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, decode_bs1_kernel, p, xs_floats);
+}
+
+const char* ost_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
+
+}  // extern "C"

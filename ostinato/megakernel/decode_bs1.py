@@ -1,0 +1,114 @@
+"""The host side of the one-launch decode step (decode_bs1.cu): its pointer table, scratch and counters, and the
+launch a captured decode graph of one request records in place of the layers' ~12 launches a layer."""
+
+import math
+
+import torch
+
+from ostinato.device_info import usable_sms
+from ostinato.megakernel.build import library
+from ostinato.megakernel.weights import (
+    MAX_GROUP,
+    SLOT_BYTES,
+    Shape,
+    model_layers,
+    model_shape,
+    unsupported_reason,
+)
+
+COUNT_STRIDE = 32  # the kernel's kCountStride: counters a layer
+MAX_SLOTS = 16
+MAX_SPLITS = 16
+DEFAULT_SMEM_OPTIN = 232448  # H100 / H200: 227 KiB a block
+
+
+def scratch_floats(s: Shape) -> int:
+    """Floats of a block's input-vector buffer: the widest GEMV input, or attention's scratch (q, new K and V, and
+    every warp's state for the KV head's query heads)."""
+    attn = (s.group + 2) * s.head_dim + 8 * s.group * (s.head_dim + 2)
+    return -(-max(s.hidden, s.q_size, s.inter, attn) // 4) * 4
+
+
+class DecodeBs1Megakernel:
+    """One request's pass through every decoder layer as one persistent kernel, a block an SM: x_in (the token's
+    embedding, [1, hidden] bf16) -> the residual stream after the last layer ([1, hidden] bf16, `x_out`, for the
+    final norm), storing the token's K/V in each layer's cache. Inputs are the decode graph's static buffers."""
+
+    def __init__(self, model, kv_cache, device: torch.device, grid: int | None = None, splits: int | None = None,
+                 slots: int | None = None, pdl: bool = True) -> None:
+        if device.type == "cuda" and device.index is None:  # tensors report their index: compare like with like
+            device = torch.device("cuda", torch.cuda.current_device())
+        on_device = [t for lw in model_layers(model) for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        on_device += [kv_cache.k_buffer[0], kv_cache.v_buffer[0]]
+        if any(t.device != device for t in on_device):
+            raise ValueError(f"decode megakernel: the weights and KV cache must be on {device}")
+        grid = grid or usable_sms(device)
+        reason = unsupported_reason(model, kv_cache, grid)
+        if reason is not None:
+            raise ValueError(f"decode megakernel: {reason}")
+        s = self.shape = model_shape(model)
+        assert s.group <= MAX_GROUP
+        self.grid, self.pdl, self.device = grid, pdl, device
+        self.splits = splits or max(1, min(MAX_SPLITS, grid // s.kv_heads))
+        if s.kv_heads * self.splits > grid:
+            raise ValueError(f"decode megakernel: {s.kv_heads} KV heads x {self.splits} splits over {grid} blocks")
+        # [positions, head dim]: cos halves, sin halves
+        self.cos_sin = model.rotary.cos_sin.to(device=device, dtype=torch.float32).contiguous()
+        self.lib = library()
+        self.xs_floats = scratch_floats(s)
+        props = torch.cuda.get_device_properties(device)
+        optin = getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_OPTIN)
+        fit = (optin - 1024 - self.lib.ost_decode_bs1_smem_bytes(0, self.xs_floats)) // SLOT_BYTES
+        self.slots = min(MAX_SLOTS, fit) if slots is None else slots
+        if not 2 <= self.slots <= min(MAX_SLOTS, fit):
+            raise ValueError(f"decode megakernel: {self.slots} weight slots (2 to {min(MAX_SLOTS, fit)} fit)")
+
+        def ptr(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        rows = [[ptr(lw.qkv), ptr(lw.o), ptr(lw.gate_up), ptr(lw.down), ptr(lw.qkv_bias), ptr(lw.q_norm),
+                 ptr(lw.k_norm), kv_cache.k_buffer[i].data_ptr(), kv_cache.v_buffer[i].data_ptr()]
+                for i, lw in enumerate(model_layers(model))]
+        self._layers = model_layers(model)  # the tensors the table points into
+        self.table = torch.tensor(rows, dtype=torch.int64, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.h = torch.empty(s.hidden, **f32)
+        self.qkv = torch.empty(s.q_size + 2 * s.kv_size, **f32)
+        self.attn = torch.empty(s.q_size, **f32)
+        self.act = torch.empty(s.inter, **f32)
+        self.part = torch.empty(s.kv_heads * self.splits * s.group * (s.head_dim + 2), **f32)
+        # counts only grow (the kernel compares them to (epoch + 1) x target); zero once, here
+        self.counters = torch.zeros(s.num_layers * COUNT_STRIDE + 2, dtype=torch.int32, device=device)
+        self.x_out = torch.empty(1, s.hidden, dtype=torch.bfloat16, device=device)
+        self.scale_log2 = s.head_dim**-0.5 * math.log2(math.e)
+        self.trace: torch.Tensor | None = None  # set to an int64 [grid, layers, TRACE_SLOTS] buffer to time phases
+        self.flags = 0  # build.NO_WAITS: the weight stream alone (timing probes; the outputs are void)
+
+    def __call__(self, x_in: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor,
+                 out_loc: torch.Tensor, req_to_token: torch.Tensor) -> torch.Tensor:
+        """Launches the step on the current stream; returns `x_out`. positions, seq_lens, req_rows, out_loc: int64
+        [1] (seq_lens counts the new token); req_to_token: int32 [rows, max context], contiguous rows."""
+        s = self.shape
+        if x_in.shape != (1, s.hidden) or x_in.dtype != torch.bfloat16 or not x_in.is_contiguous():
+            raise ValueError(f"decode megakernel: x_in must be contiguous bf16 [1, {s.hidden}], got "
+                             f"{x_in.dtype} {tuple(x_in.shape)}")
+        for name, t in (("positions", positions), ("seq_lens", seq_lens), ("req_rows", req_rows),
+                        ("out_loc", out_loc)):
+            if t.dtype != torch.int64 or t.numel() < 1:
+                raise ValueError(f"decode megakernel: {name} must be int64 with one entry a request")
+        if req_to_token.dtype != torch.int32 or req_to_token.stride(1) != 1:
+            raise ValueError("decode megakernel: req_to_token must be int32 with contiguous rows")
+        if any(t.device != self.device for t in (x_in, positions, seq_lens, req_rows, out_loc, req_to_token)):
+            raise ValueError(f"decode megakernel: every input must be on {self.device}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        err = self.lib.ost_decode_bs1_launch(
+            self.table.data_ptr(), s.num_layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, self.splits,
+            self.slots, self.grid, self.xs_floats, s.eps, s.qk_eps, self.scale_log2, x_in.data_ptr(),
+            self.x_out.data_ptr(), positions.data_ptr(), seq_lens.data_ptr(), req_rows.data_ptr(), out_loc.data_ptr(),
+            req_to_token.data_ptr(), req_to_token.stride(0), self.cos_sin.data_ptr(), self.h.data_ptr(),
+            self.qkv.data_ptr(), self.attn.data_ptr(), self.act.data_ptr(), self.part.data_ptr(),
+            self.counters.data_ptr(), 0 if self.trace is None else self.trace.data_ptr(), self.flags, int(self.pdl),
+            stream)
+        if err:
+            raise RuntimeError(f"decode megakernel launch: {self.lib.ost_error_string(err).decode()}")
+        return self.x_out

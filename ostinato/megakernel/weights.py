@@ -1,0 +1,100 @@
+"""What the one-launch decode step reads from a Llama-family model: its shape and each layer's tensors, and whether
+a model, cache and device can run it at all."""
+
+from dataclasses import dataclass
+
+import torch
+
+# The kernel's limits (decode_bs1.cu): 16-KB weight slots hold at least one row; head dims it is built for; query
+# heads a KV head it is built for; gate outputs a block holds (kGateMax) times the blocks.
+SLOT_BYTES = 16384
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 4
+GATE_MAX = 512
+MIN_SPLIT_TOKENS = 32  # cached keys a split of one KV head takes at least (the kernel's kMinSplitTokens)
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    qk_eps: float
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer as the kernel reads it: [out, in] matrices with the layer's two RMSNorm weights folded in
+    (qkv: [q; k; v] rows; gate_up: gate rows then up rows), optional qkv bias and per-head q/k norm weights."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+def model_shape(model) -> Shape:
+    layer = model.layers[0]
+    attn = layer.self_attn
+    q_norm = attn.q_norm
+    return Shape(len(model.layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                 layer.mlp.down_proj.weight.shape[1], layer.input_layernorm.eps,
+                 q_norm.eps if q_norm is not None else layer.input_layernorm.eps)
+
+
+def model_layers(model) -> list[LayerWeights]:
+    out = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out.append(LayerWeights(
+            attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            attn.qkv_proj.bias, None if attn.q_norm is None else attn.q_norm.weight,
+            None if attn.k_norm is None else attn.k_norm.weight))
+    return out
+
+
+def unsupported_reason(model, kv_cache, grid: int) -> str | None:
+    """Why the one-launch step cannot run this model, cache and grid of `grid` blocks; None where it can."""
+    layers = getattr(model, "layers", None)
+    if layers is None or not hasattr(layers[0], "self_attn") or not hasattr(layers[0], "mlp"):
+        return f"{type(model).__name__} is not a Llama-family decoder"
+    s = model_shape(model)
+    for layer in layers:
+        if not (layer.input_layernorm.weight_folded and layer.post_attention_layernorm.weight_folded):
+            return "the layers' norms are not folded into their projections (tensor parallel?)"
+    params = [t for lw in model_layers(model) for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    if any(t.dtype != torch.bfloat16 or not t.is_contiguous() or t.data_ptr() % 16 for t in params):
+        return "weights must be contiguous, 16-byte aligned bf16"
+    if s.head_dim not in HEAD_DIMS:
+        return f"head dim {s.head_dim} (built for {HEAD_DIMS})"
+    if s.heads % s.kv_heads or not 1 <= s.group <= MAX_GROUP:
+        return f"{s.group} query heads a KV head (built for 1-{MAX_GROUP})"
+    for k in (s.hidden, s.q_size, s.inter):
+        if 2 * k > SLOT_BYTES or k % 64:
+            return f"a projection's input width {k} (must be a multiple of 64, at most {SLOT_BYTES // 2})"
+    if -(-s.inter // grid) > GATE_MAX:
+        return f"intermediate size {s.inter} over {grid} blocks (at most {GATE_MAX} gate rows a block)"
+    if s.kv_heads > grid:
+        return f"{s.kv_heads} KV heads over {grid} blocks"
+    if kv_cache.dtype != torch.bfloat16 or kv_cache.head_major or kv_cache.layout.group:
+        return "the KV cache must be bf16, token-major"
+    return None
