@@ -85,6 +85,8 @@ def main() -> None:
                     help="another fused_sample.py (e.g. an earlier commit's) in place of the tree's for sampled rows")
     ap.add_argument("--step-log", action="store_true",
                     help="also report each timed generate's wall time, step count and steady step() times")
+    ap.add_argument("--decode-megakernel", nargs="+", choices=["off", "on", "auto"], default=["off"],
+                    help="EngineArgs.decode_megakernel: one engine each, in turn (e.g. off on)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     global STEP_LOG
@@ -97,8 +99,8 @@ def main() -> None:
     # the copy rate once, before any engine: measured after each engine's start, the first model's read about 3.6 TB/s
     # on an H200 where the second's and bench_decode's read 3.9-4.1 (2026-11-28, fortieth session)
     bw = copy_bandwidth(torch.device("cuda")) if torch.cuda.is_available() else None
-    for model in args.models:
-        llm = LLM(model, load_format=args.load_format, dtype=args.dtype)
+    for model, megakernel in ((m, k) for m in args.models for k in args.decode_megakernel):
+        llm = LLM(model, load_format=args.load_format, dtype=args.dtype, decode_megakernel=megakernel)
         runner = llm.engine.runner
         device = runner.device
         if bw is None or device.type != "cuda":
@@ -134,7 +136,8 @@ def main() -> None:
                 ms = (med[args.long] - med[args.short]) / (args.long - args.short) * 1e3
                 mean_ctx = prompt_len + (args.short + args.long) / 2
                 floor_ms = (runner.weight_bytes + bs * mean_ctx * kv_token) / bw * 1e3
-                rows.append({"model": model, "batch_size": bs, "chat_prompts": args.chat_prompts,
+                rows.append({"model": model, "decode_megakernel": megakernel, "batch_size": bs,
+                             "chat_prompts": args.chat_prompts,
                              "temperature": temperature, "top_k": top_k, "top_p": top_p, **penalties,
                              "sampler_graph": mode,
                              "host_copies": copies, "ms_per_token": ms, "floor_ms": floor_ms,
@@ -146,7 +149,8 @@ def main() -> None:
                     for g in rows[-1]["generates"]:
                         print(f"    {g['tokens']} tokens: {g['wall_s'] * 1e3:.1f} ms, {g['steps']} steps "
                               f"(step() sum {g['sum_step_s'] * 1e3:.1f} ms), steady step {g['steady_step_ms']:.3f} ms")
-                print(f"{model:<16} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} top_p {top_p:<4g} "
+                print(f"{model:<16} megakernel {megakernel:<4} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} "
+                      f"top_p {top_p:<4g} "
                       f"{penalties or ''} "
                       f"sampler graph {mode:<3} {copies:<8} {ms:8.3f} ms/token   floor {floor_ms:.3f} "
                       f"({floor_ms / ms:.0%})",

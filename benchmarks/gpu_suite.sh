@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and figures, in device calls of under 10 minutes each:
+#   bash benchmarks/gpu_suite.sh megakernel  the one-launch bs-1 decode step: build, GPU tests, the kernel alone
+#                                          (probe_megakernel.py), decode ms a step off / on
+#   bash benchmarks/gpu_suite.sh mkprobe   the kernel alone with its phases (MEMCHECK=1: a memcheck run first)
+#   bash benchmarks/gpu_suite.sh mkncu     the kernel under Nsight Compute: stall reasons
 #   bash benchmarks/gpu_suite.sh tests     every GPU test (kernels, graphs, fused sampler, fp8 KV, piecewise graphs,
 #                                          Mamba kernels, VLM on CUDA, the models against transformers, PDL on vs
 #                                          off, prefix cache, shutdown), in parallel processes: ~3 min cold
@@ -123,6 +127,50 @@ uniform_entries() {
       | grep -E "x of the first|Error" | tee "$OUT/$name.log"
 }
 case "$part" in
+megakernel)
+  # The one-launch bs-1 decode step (ostinato/megakernel): nvcc build, the twin check on Qwen3's shape under a
+  # short timeout (a hang stops the call there), every megakernel GPU test, then decode ms a step off / on
+  timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
+  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_megakernel_gpu.py -k "twin and qwen3" 2>&1 \
+      | keep mk-smoke 25
+  grep -q " passed" "$OUT/mk-smoke.log" || exit 1
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_megakernel_gpu.py 2>&1 | keep mk-tests 30
+  timeout 150 python benchmarks/probe_megakernel.py --models qwen3-0.6b llama-3.2-1b --contexts 128 1024 \
+      --out "$OUT/probe-megakernel.json" 2>&1 | keep mk-probe 40
+  timeout 200 python benchmarks/bench_decode.py --models qwen3-0.6b llama-3.2-1b --cases 1:128 1:1024 --modes graph \
+      --no-launches --iters 100 --decode-megakernel off on --out "$OUT/decode-megakernel.json" 2>&1 | quiet \
+      | keep mk-decode 30
+  ;;
+mkprobe)
+  # the one-launch step alone: us a step and its phases from time stamps (probe_megakernel.py), after a memcheck
+  # of a two-layer Llama-3.2-1B step
+  timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
+  { command -v compute-sanitizer || ls /usr/local/cuda/bin; } > "$OUT/sanitizer-where.log" 2>&1
+  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  [ -n "${MEMCHECK:-}" ] && timeout 150 "$san" --tool memcheck --print-limit 5 python benchmarks/probe_megakernel.py --models llama-3.2-1b \
+      qwen3-0.6b --layers 2 --contexts 8 40 --iters 1 --no-trace --out "$OUT/memcheck.json" 2>&1 | keep mk-memcheck 40
+  timeout 200 python benchmarks/probe_megakernel.py --models qwen3-0.6b llama-3.2-1b --contexts 128 1024 \
+      --out "$OUT/probe-megakernel.json" 2>&1 | keep mk-probe 40
+  ;;
+mkncu)
+  # the one-launch step under Nsight Compute: warp states, and the source lines with the most stall samples
+  timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
+  timeout 300 ncu --clock-control none -k regex:decode_bs1 -c 1 --set full --import-source yes -o "$OUT/mk" -f \
+      python benchmarks/probe_megakernel.py --models qwen3-0.6b --layers 8 --contexts 128 --iters 1 --no-trace \
+      --out "$OUT/ncu-probe.json" 2>&1 | tail -5 > "$OUT/mk-ncu-run.log"
+  ncu --import "$OUT/mk.ncu-rep" --page raw --csv 2>/dev/null | python -c "
+import csv, sys
+rows = list(csv.reader(sys.stdin)); names, vals = rows[0], rows[-1]
+for n, v in zip(names, vals):
+    if 'issue_stalled' in n and 'average_warp' in n and v not in ('', '0'):
+        print(n, v)
+" 2>&1 | sort -t' ' -k2 -g -r | keep mk-ncu-stalls 40
+  ncu --import "$OUT/mk.ncu-rep" --page source --csv --print-source cuda 2>/dev/null > "$OUT/mk-source.csv"
+  head -c 3000 "$OUT/mk-source.csv" > "$OUT/mk-source-head.log"
+  python benchmarks/ncu_top_lines.py 40 < "$OUT/mk-source.csv" 2>&1 | keep mk-ncu-lines 45
+  gzip -f "$OUT/mk-source.csv"
+  rm -f "$OUT/mk.ncu-rep"
+  ;;
 tests)
   # Every GPU test file, in parallel pytest processes (one per file or per chain): Triton compiles in each
   # process on a CPU core of its own. Run one after another, the groups ran past their limits on a fresh machine
