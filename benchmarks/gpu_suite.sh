@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_suite.sh megakernel  the one-launch bs-1 decode step: build, GPU tests, the kernel alone
 #                                          (probe_megakernel.py), decode ms a step off / on
 #   bash benchmarks/gpu_suite.sh mkprobe   the kernel alone with its phases (MEMCHECK=1: a memcheck run first)
-#   bash benchmarks/gpu_suite.sh mkncu     the kernel under Nsight Compute: stall reasons
+#   bash benchmarks/gpu_suite.sh mkncu     the kernel under Nsight Compute: its stall reasons
 #   bash benchmarks/gpu_suite.sh tests     every GPU test (kernels, graphs, fused sampler, fp8 KV, piecewise graphs,
 #                                          Mamba kernels, VLM on CUDA, the models against transformers, PDL on vs
 #                                          off, prefix cache, shutdown), in parallel processes: ~3 min cold
@@ -153,7 +153,7 @@ mkprobe)
       --out "$OUT/probe-megakernel.json" 2>&1 | keep mk-probe 40
   ;;
 mkncu)
-  # the one-launch step under Nsight Compute: warp states, and the source lines with the most stall samples
+  # the one-launch step under Nsight Compute (8 layers): the stall reasons, per issued instruction
   timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
   timeout 300 ncu --clock-control none -k regex:decode_bs1 -c 1 --set full --import-source yes -o "$OUT/mk" -f \
       python benchmarks/probe_megakernel.py --models qwen3-0.6b --layers 8 --contexts 128 --iters 1 --no-trace \
@@ -165,10 +165,6 @@ for n, v in zip(names, vals):
     if 'issue_stalled' in n and 'average_warp' in n and v not in ('', '0'):
         print(n, v)
 " 2>&1 | sort -t' ' -k2 -g -r | keep mk-ncu-stalls 40
-  ncu --import "$OUT/mk.ncu-rep" --page source --csv --print-source cuda 2>/dev/null > "$OUT/mk-source.csv"
-  head -c 3000 "$OUT/mk-source.csv" > "$OUT/mk-source-head.log"
-  python benchmarks/ncu_top_lines.py 40 < "$OUT/mk-source.csv" 2>&1 | keep mk-ncu-lines 45
-  gzip -f "$OUT/mk-source.csv"
   rm -f "$OUT/mk.ncu-rep"
   ;;
 tests)
