@@ -305,26 +305,47 @@ __device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, b
   consumer_sync();
 }
 
-// One lane's share of row . xs over [k0, k1), 8 columns a step (16 bytes of the row), then the warp's sum. Four
-// accumulators and unrolled steps: the loads of several steps in flight, no chain of eight dependent FMAs.
-__device__ __forceinline__ float row_dot(const __nv_bfloat16* row, const float* xs, int k0, int k1, int lane) {
+// A warp's rows of a tile all take the same slice of k (the whole row, or its part of a shared one: at most 1,024
+// columns, since a row of a 16-KB tile is at most 8,192 wide and then shared by 8 warps). So each lane holds its
+// columns of x in registers for the whole operation, 8 at each 256: a row's dot is its 16-byte loads from the tile,
+// 32 FMAs into four sums, and the warp's reduction.
+struct HeldX {
+  float v[4][8];
+};
+
+__device__ __forceinline__ HeldX hold_x(const float* xs, int k0, int span, int lane) {
+  HeldX x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int kk = lane * 8 + 256 * i;
+    const float4 a = kk < span ? *reinterpret_cast<const float4*>(xs + k0 + kk) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 b = kk < span ? *reinterpret_cast<const float4*>(xs + k0 + kk + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    x.v[i][0] = a.x, x.v[i][1] = a.y, x.v[i][2] = a.z, x.v[i][3] = a.w;
+    x.v[i][4] = b.x, x.v[i][5] = b.y, x.v[i][6] = b.z, x.v[i][7] = b.w;
+  }
+  return x;
+}
+
+// row[k0 + 0, span) . x, summed over the warp (row: the slice's first column in the tile).
+__device__ __forceinline__ float held_dot(const __nv_bfloat16* row, const HeldX& x, int span, int lane) {
   float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll 4
-  for (int k = k0 + lane * 8; k < k1; k += 256) {
-    const uint4 w = *reinterpret_cast<const uint4*>(row + k);
-    const float4 x0 = *reinterpret_cast<const float4*>(xs + k);
-    const float4 x1 = *reinterpret_cast<const float4*>(xs + k + 4);
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
-    const float2 f0 = __bfloat1622float2(w2[0]), f1 = __bfloat1622float2(w2[1]);
-    const float2 f2 = __bfloat1622float2(w2[2]), f3 = __bfloat1622float2(w2[3]);
-    a0 = fmaf(f0.x, x0.x, a0);
-    a1 = fmaf(f0.y, x0.y, a1);
-    a2 = fmaf(f1.x, x0.z, a2);
-    a3 = fmaf(f1.y, x0.w, a3);
-    a0 = fmaf(f2.x, x1.x, a0);
-    a1 = fmaf(f2.y, x1.y, a1);
-    a2 = fmaf(f3.x, x1.z, a2);
-    a3 = fmaf(f3.y, x1.w, a3);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int kk = lane * 8 + 256 * i;
+    if (kk < span) {
+      const uint4 w = *reinterpret_cast<const uint4*>(row + kk);
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+      const float2 f0 = __bfloat1622float2(w2[0]), f1 = __bfloat1622float2(w2[1]);
+      const float2 f2 = __bfloat1622float2(w2[2]), f3 = __bfloat1622float2(w2[3]);
+      a0 = fmaf(f0.x, x.v[i][0], a0);
+      a1 = fmaf(f0.y, x.v[i][1], a1);
+      a2 = fmaf(f1.x, x.v[i][2], a2);
+      a3 = fmaf(f1.y, x.v[i][3], a3);
+      a0 = fmaf(f2.x, x.v[i][4], a0);
+      a1 = fmaf(f2.y, x.v[i][5], a1);
+      a2 = fmaf(f3.x, x.v[i][6], a2);
+      a3 = fmaf(f3.y, x.v[i][7], a3);
+    }
   }
   return warp_sum((a0 + a1) + (a2 + a3));
 }
@@ -362,7 +383,8 @@ __device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int laye
   Seg s = segment(p, L, op, blockIdx.x, gridDim.x);
   const int rpt = rows_per_tile(s.k);
   const int parts = rpt >= kWarps ? 1 : kWarps / rpt;  // warps a row (each a slice of k) when a tile has few rows
-  const int span = s.k / parts;
+  const int span = s.k / parts, c = warp % parts;
+  const HeldX x = hold_x(sm.xs, c * span, span, lane);
   unsigned long long waited = 0;
   for (int r = 0; r < s.rows; r += rpt, ++t) {
     const int slot = t % ns;
@@ -374,14 +396,14 @@ __device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int laye
     const int n = min(rpt, s.rows - r);
     if (parts == 1) {
       for (int rr = warp; rr < n; rr += kWarps) {
-        float y = row_dot(tile + (size_t)rr * s.k, sm.xs, 0, s.k, lane);
+        float y = held_dot(tile + (size_t)rr * s.k, x, span, lane);
         if (lane == 0) epilogue(p, L, sm, op, layer, s.row0 + r + rr, r + rr, y * scale);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&sm.empty[slot]);
     } else {
-      const int rr = warp / parts, c = warp % parts;
-      float y = rr < n ? row_dot(tile + (size_t)rr * s.k, sm.xs, c * span, (c + 1) * span, lane) : 0.f;
+      const int rr = warp / parts;
+      float y = rr < n ? held_dot(tile + (size_t)rr * s.k + c * span, x, span, lane) : 0.f;
       __syncwarp();
       float* red = sm.red + (t & 1) * kWarps;
       if (lane == 0) {
