@@ -16,7 +16,7 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import RESULTS, copy_bandwidth, device_tag, write_report  # noqa: E402
+from common import RESULTS, copy_bandwidth, device_tag, mean_replay_us, write_report  # noqa: E402
 
 from ostinato.loader import dummy_init_  # noqa: E402
 from ostinato.loader.dummy import preset_path  # noqa: E402
@@ -86,19 +86,12 @@ def summarize(trace: torch.Tensor, items: int) -> dict:
 
 
 def time_us(mk: DecodeBs1Megakernel, call_args: tuple, iters: int) -> float:
-    """us a launch, from a graph of 10 launches replayed `iters` times."""
+    """us a launch, from a graph of 10 launches replayed `iters` times (after ten untimed)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(10):
             mk(*call_args)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * iters)
+    return mean_replay_us(graph, iters) / 10
 
 
 def main() -> None:
