@@ -791,7 +791,6 @@ int ost_decode_bs1_smem_bytes(int slots, int xs_floats) {
   return slots * kSlotBytes + 2 * kMaxSlots * 8 + (xs_floats + 2 * kWarps + kGateMax + kWarps + 4) * 4;
 }
 
-int ost_decode_bs1_threads() { return kThreads; }
 int ost_decode_bs1_max_slots() { return kMaxSlots; }
 int ost_decode_bs1_slot_bytes() { return kSlotBytes; }
 int ost_decode_bs1_trace_slots() { return kTraceSlots; }

@@ -6,8 +6,9 @@ import math
 import torch
 
 from ostinato.device_info import usable_sms
-from ostinato.megakernel.build import library
+from ostinato.megakernel.build import TRACE_SLOTS, library
 from ostinato.megakernel.weights import (
+    GATE_MAX,
     MAX_GROUP,
     SLOT_BYTES,
     Shape,
@@ -55,6 +56,10 @@ class DecodeBs1Megakernel:
         # [positions, head dim]: cos halves, sin halves
         self.cos_sin = model.rotary.cos_sin.to(device=device, dtype=torch.float32).contiguous()
         self.lib = library()
+        built = (self.lib.ost_decode_bs1_slot_bytes(), self.lib.ost_decode_bs1_rows_max(),
+                 self.lib.ost_decode_bs1_count_stride(), self.lib.ost_decode_bs1_max_slots(),
+                 self.lib.ost_decode_bs1_trace_slots())
+        assert built == (SLOT_BYTES, GATE_MAX, COUNT_STRIDE, MAX_SLOTS, TRACE_SLOTS), built  # the kernel's constants
         self.xs_floats = scratch_floats(s)
         props = torch.cuda.get_device_properties(device)
         optin = getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_OPTIN)
