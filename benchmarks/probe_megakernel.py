@@ -20,7 +20,7 @@ from common import RESULTS, copy_bandwidth, device_tag, mean_replay_us, write_re
 
 from ostinato.loader import dummy_init_  # noqa: E402
 from ostinato.loader.dummy import preset_path  # noqa: E402
-from ostinato.megakernel.build import NO_WAITS, TRACE_SLOTS  # noqa: E402
+from ostinato.megakernel.build import NO_WAITS, RING_ONLY, TRACE_SLOTS  # noqa: E402
 from ostinato.megakernel.decode_bs1 import DecodeBs1Megakernel  # noqa: E402
 from ostinato.mem.kv_cache import MHATokenToKVPool  # noqa: E402
 from ostinato.models.registry import model_class  # noqa: E402
@@ -128,13 +128,16 @@ def main() -> None:
             us = time_us(mk, (x_in, *ins, table), args.iters)
             mk.flags = NO_WAITS  # the weight stream and the work without the dependencies' waits
             stream_us = time_us(mk, (x_in, *ins, table), args.iters)
+            mk.flags = NO_WAITS | RING_ONLY  # the weight stream alone: tiles taken and freed unread
+            ring_us = time_us(mk, (x_in, *ins, table), args.iters)
             mk.flags = 0
             kv_bytes = ctx * s.num_layers * 2 * s.kv_size * 2
             floor = (weight_bytes + kv_bytes) / bw * 1e6
             row = {"model": name, "context": ctx, "layers": s.num_layers, "slots": mk.slots, "splits": mk.splits,
-                   "us_per_step": us, "no_waits_us": stream_us, "floor_us": floor}
+                   "us_per_step": us, "no_waits_us": stream_us, "ring_only_us": ring_us, "floor_us": floor}
             print(f"  ctx {ctx}: {us:.1f} us a step (layers' floor {floor:.1f} us, {floor / us:.0%}); "
-                  f"{us / s.num_layers:.2f} us a layer; without the waits {stream_us:.1f} us", flush=True)
+                  f"{us / s.num_layers:.2f} us a layer; without the waits {stream_us:.1f} us; the ring alone "
+                  f"{ring_us:.1f} us", flush=True)
             if not args.no_trace:
                 mk.trace = torch.zeros(mk.grid, s.num_layers, TRACE_SLOTS, dtype=torch.int64, device=dev)
                 mk(x_in, *ins, table)

@@ -19,6 +19,7 @@ LAUNCH_ARGTYPES = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _F, _P, _
                    _P, _P, _P, _P, _P, _P, _I, _I, _P]
 TRACE_SLOTS = 24  # the kernel's kTraceSlots
 NO_WAITS = 1  # the kernel's kNoWaits flag
+RING_ONLY = 2  # its kRingOnly flag
 
 
 def nvcc_path() -> str | None:

@@ -43,7 +43,8 @@ enum Op { kOpQkv = 0, kOpO = 1, kOpGate = 2, kOpUp = 3, kOpDown = 4 };
 // DOWN 12-14); attention 3-5: its wait met, its split done, the item done (merged or not)
 // 16-20: ns a block's consumers waited on weight tiles in QKV, O, gate, up, DOWN
 constexpr int kTraceSlots = 24;
-constexpr int kNoWaits = 1;  // flags: no operation waits for the one before (the weight stream alone, for timing)
+constexpr int kNoWaits = 1;  // flags: no operation waits for the one before (timing probes only)
+constexpr int kRingOnly = 2;  // flags: consumers take each tile and free it without reading it (timing probes only)
 
 struct Layer {
   const __nv_bfloat16* w_qkv;
@@ -77,7 +78,7 @@ struct Params {
   float* part;  // [kv_heads x splits x group x (head_dim + 2)]: a split's unnormalised output, max, sum
   unsigned* counters;  // [num_layers x kCountStride], then exits, then the epoch
   unsigned long long* trace;  // null, or [blocks][num_layers][kTraceSlots] %globaltimer stamps (probe_megakernel.py)
-  int flags;                  // kNoWaits: a timing probe's (the outputs are void)
+  int flags;                  // kNoWaits, kRingOnly: a timing probe's (the outputs are void)
 };
 
 struct Seg {
@@ -394,7 +395,10 @@ __device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int laye
     if (r == 0 && first_stamp >= 0) stamp(p, layer, first_stamp);
     const __nv_bfloat16* tile = sm.ring + (size_t)slot * (kSlotBytes / 2);
     const int n = min(rpt, s.rows - r);
-    if (parts == 1) {
+    if (p.flags & kRingOnly) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&sm.empty[slot]);
+    } else if (parts == 1) {
       for (int rr = warp; rr < n; rr += kWarps) {
         float y = held_dot(tile + (size_t)rr * s.k, x, span, lane);
         if (lane == 0) epilogue(p, L, sm, op, layer, s.row0 + r + rr, r + rr, y * scale);

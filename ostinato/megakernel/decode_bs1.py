@@ -87,7 +87,7 @@ class DecodeBs1Megakernel:
         self.x_out = torch.empty(1, s.hidden, dtype=torch.bfloat16, device=device)
         self.scale_log2 = s.head_dim**-0.5 * math.log2(math.e)
         self.trace: torch.Tensor | None = None  # set to an int64 [grid, layers, TRACE_SLOTS] buffer to time phases
-        self.flags = 0  # build.NO_WAITS: the weight stream alone (timing probes; the outputs are void)
+        self.flags = 0  # build.NO_WAITS, build.RING_ONLY: timing probes (the outputs are void)
 
     def __call__(self, x_in: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor,
                  out_loc: torch.Tensor, req_to_token: torch.Tensor) -> torch.Tensor:
