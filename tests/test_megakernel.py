@@ -118,6 +118,8 @@ def test_what_the_kernel_supports():
     assert "KV heads" in unsupported_reason(ours, bf16, 1)
     _, fp32 = build("qwen3", seed=1)
     assert "bf16" in unsupported_reason(fp32, bf16, 132)
+    _, llama = build("llama", seed=1, dtype=torch.bfloat16)  # hidden 512: 512 residual rows for one block
+    assert "residual rows" in unsupported_reason(llama, MHATokenToKVPool(16, torch.bfloat16, 2, 64, 2, "cpu"), 1)
     ours.layers[0].input_layernorm.weight_folded = False
     assert "folded" in unsupported_reason(ours, bf16, 132)
 

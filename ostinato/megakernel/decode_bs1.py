@@ -9,7 +9,6 @@ from ostinato.device_info import usable_sms
 from ostinato.megakernel.build import TRACE_SLOTS, library
 from ostinato.megakernel.weights import (
     GATE_MAX,
-    MAX_GROUP,
     SLOT_BYTES,
     Shape,
     model_layers,
@@ -39,16 +38,15 @@ class DecodeBs1Megakernel:
                  slots: int | None = None, pdl: bool = True) -> None:
         if device.type == "cuda" and device.index is None:  # tensors report their index: compare like with like
             device = torch.device("cuda", torch.cuda.current_device())
-        on_device = [t for lw in model_layers(model) for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-        on_device += [kv_cache.k_buffer[0], kv_cache.v_buffer[0]]
-        if any(t.device != device for t in on_device):
+        self._layers = model_layers(model)  # the tensors the kernel's table points into
+        on_device = [t for lw in self._layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        if any(t.device != device for t in on_device + kv_cache.k_buffer + kv_cache.v_buffer):
             raise ValueError(f"decode megakernel: the weights and KV cache must be on {device}")
         grid = grid or usable_sms(device)
         reason = unsupported_reason(model, kv_cache, grid)
         if reason is not None:
             raise ValueError(f"decode megakernel: {reason}")
         s = self.shape = model_shape(model)
-        assert s.group <= MAX_GROUP
         self.grid, self.pdl, self.device = grid, pdl, device
         self.splits = splits or max(1, min(MAX_SPLITS, grid // s.kv_heads))
         if s.kv_heads * self.splits > grid:
@@ -73,8 +71,7 @@ class DecodeBs1Megakernel:
 
         rows = [[ptr(lw.qkv), ptr(lw.o), ptr(lw.gate_up), ptr(lw.down), ptr(lw.qkv_bias), ptr(lw.q_norm),
                  ptr(lw.k_norm), kv_cache.k_buffer[i].data_ptr(), kv_cache.v_buffer[i].data_ptr()]
-                for i, lw in enumerate(model_layers(model))]
-        self._layers = model_layers(model)  # the tensors the table points into
+                for i, lw in enumerate(self._layers)]
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         f32 = dict(dtype=torch.float32, device=device)
         self.h = torch.empty(s.hidden, **f32)

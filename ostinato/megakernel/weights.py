@@ -11,6 +11,7 @@ SLOT_BYTES = 16384
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 4
 GATE_MAX = 512
+RESIDUAL_ROWS_MAX = 256  # residual-stream rows a block adds to (one consumer thread loads each)
 MIN_SPLIT_TOKENS = 32  # cached keys a split of one KV head takes at least (the kernel's kMinSplitTokens)
 
 
@@ -93,6 +94,8 @@ def unsupported_reason(model, kv_cache, grid: int) -> str | None:
             return f"a projection's input width {k} (must be a multiple of 64, at most {SLOT_BYTES // 2})"
     if -(-s.inter // grid) > GATE_MAX:
         return f"intermediate size {s.inter} over {grid} blocks (at most {GATE_MAX} gate rows a block)"
+    if -(-s.hidden // grid) > RESIDUAL_ROWS_MAX:
+        return f"hidden size {s.hidden} over {grid} blocks (at most {RESIDUAL_ROWS_MAX} residual rows a block)"
     if s.kv_heads > grid:
         return f"{s.kv_heads} KV heads over {grid} blocks"
     if kv_cache.dtype != torch.bfloat16 or kv_cache.head_major or kv_cache.layout.group:
