@@ -7,7 +7,15 @@ import torch
 import transformers
 
 from ostinato.megakernel import reference
-from ostinato.megakernel.weights import MIN_SPLIT_TOKENS, model_layers, model_shape, unsupported_reason
+from ostinato.megakernel.weights import (
+    MIN_SPLIT_TOKENS,
+    Shape,
+    model_layers,
+    model_shape,
+    part_sums,
+    rows_per_tile,
+    unsupported_reason,
+)
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -122,6 +130,16 @@ def test_what_the_kernel_supports():
     assert "residual rows" in unsupported_reason(llama, MHATokenToKVPool(16, torch.bfloat16, 2, 64, 2, "cpu"), 1)
     ours.layers[0].input_layernorm.weight_folded = False
     assert "folded" in unsupported_reason(ours, bf16, 132)
+
+
+def test_tiles_and_part_sums():
+    """A tile holds a power of two rows, at most one a consumer warp, in 16 KB; a block keeps one sum a (row, warp
+    sharing the row) of each projection: the benchmark models' layers need 32 and 128 at 132 blocks."""
+    assert [rows_per_tile(k) for k in (256, 896, 1024, 1536, 2048, 3072, 8192)] == [8, 8, 8, 4, 4, 2, 1]
+    qwen3 = Shape(28, 1024, 16, 8, 128, 3072, 1e-6, 1e-6)  # down: 8 rows x 4 warps a row
+    llama = Shape(16, 2048, 32, 8, 64, 8192, 1e-5, 1e-5)  # down: 16 rows x 8
+    assert (part_sums(qwen3, 132), part_sums(llama, 132)) == (32, 128)
+    assert part_sums(llama, 16) == 1024 and part_sums(llama, 15) > 1024
 
 
 def test_the_launcher_refuses_tensors_off_its_device():

@@ -36,6 +36,8 @@ constexpr int kCountStride = 32;              // counters a layer: QKV, ATTN, O,
 constexpr int kGateMax = 512;                 // rows a block holds: gate outputs until their up rows come, or the
                                               // residual stream's rows that O and DOWN add to
 constexpr int kMinSplitTokens = 32;           // cached keys a split takes at least (fewer splits at short contexts)
+constexpr int kPartMax = 1024;                // a block's row x part sums of one operation (rows x warps a row)
+constexpr int kTileGroup = 4;                 // tiles a warp takes before one reduction of their dots
 
 enum Count { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4, kHead = 5 };
 enum Op { kOpQkv = 0, kOpO = 1, kOpGate = 2, kOpUp = 3, kOpDown = 4 };
@@ -172,8 +174,9 @@ __device__ __forceinline__ void share(int n, int b, int g, int& r0, int& r1) {
   r1 = (int)((int64_t)n * (b + 1) / g);
 }
 
+// Rows a weight tile holds: as many as fill a slot, a power of two, at most one a consumer warp.
 __device__ __forceinline__ int rows_per_tile(int k) {
-  int r = kSlotBytes / (2 * k);
+  int r = min(kSlotBytes / (2 * k), kWarps);
   int p = 1;
   while (p * 2 <= r) p *= 2;
   return p;
@@ -206,28 +209,39 @@ struct Smem {
   uint64_t* full;       // [kMaxSlots]
   uint64_t* empty;      // [kMaxSlots]
   float* xs;            // the operation's input vector, or attention's scratch
-  float* red;           // [2][kWarps] partial dots
+  float* part;          // [kPartMax]: the operation's dots, a (block row, k part) each, summed at its end
   float* rows;          // [kGateMax]: the block's gate outputs (GU) or residual rows (O, DOWN)
   float* misc;          // [kWarps + 4]
+};
+
+// A walker's place in the ring: the slot and the parity of its current lap (both roles walk the same tiles in order).
+struct RingPos {
+  int slot = 0;
+  unsigned lap = 0;
+  __device__ __forceinline__ void next(int slots) {
+    if (++slot == slots) {
+      slot = 0;
+      ++lap;
+    }
+  }
 };
 
 // ------------------------------------------------------------------ the producer
 __device__ void produce(const Params& p, Smem& sm) {
   const int b = blockIdx.x, g = gridDim.x, ns = p.slots;
-  int t = 0;
+  RingPos pos;
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const Layer L = p.layers[layer];
     for (int op = 0; op < 5; ++op) {
       Seg s = segment(p, L, op, b, g);
       int rpt = rows_per_tile(s.k);
-      for (int r = 0; r < s.rows; r += rpt, ++t) {
-        int slot = t % ns;
-        if (t >= ns) mbar_wait(&sm.empty[slot], ((t / ns) - 1) & 1);
+      for (int r = 0; r < s.rows; r += rpt, pos.next(ns)) {
+        if (pos.lap > 0) mbar_wait(&sm.empty[pos.slot], (pos.lap - 1) & 1);  // the consumers freed the last lap's
         int n = min(rpt, s.rows - r);
         uint32_t bytes = (uint32_t)n * s.k * 2;
-        mbar_expect_tx(&sm.full[slot], bytes);
-        bulk_load(sm.ring + (size_t)slot * (kSlotBytes / 2), s.base + (size_t)(s.row0 + r) * s.k, bytes,
-                  &sm.full[slot]);
+        mbar_expect_tx(&sm.full[pos.slot], bytes);
+        bulk_load(sm.ring + (size_t)pos.slot * (kSlotBytes / 2), s.base + (size_t)(s.row0 + r) * s.k, bytes,
+                  &sm.full[pos.slot]);
       }
     }
   }
@@ -306,10 +320,9 @@ __device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, b
   consumer_sync();
 }
 
-// A warp's rows of a tile all take the same slice of k (the whole row, or its part of a shared one: at most 1,024
-// columns, since a row of a 16-KB tile is at most 8,192 wide and then shared by 8 warps). So each lane holds its
-// columns of x in registers for the whole operation, 8 at each 256: a row's dot is its 16-byte loads from the tile,
-// 32 FMAs into four sums, and the warp's reduction.
+// Every tile holds rows_per_tile(k) <= kWarps rows, and a row is taken by parts = kWarps / rows_per_tile warps,
+// each a slice of k (span <= 1,024 columns). So a warp takes one (row, part)
+// of each tile, and each lane holds its columns of x in registers for the whole operation, 8 at each 256.
 struct HeldX {
   float v[4][8];
 };
@@ -327,28 +340,43 @@ __device__ __forceinline__ HeldX hold_x(const float* xs, int k0, int span, int l
   return x;
 }
 
-// row[k0 + 0, span) . x, summed over the warp (row: the slice's first column in the tile).
-__device__ __forceinline__ float held_dot(const __nv_bfloat16* row, const HeldX& x, int span, int lane) {
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+// The lane's share of row[0, span) . x (row: the slice's first column in the tile). Its four 16-byte loads are
+// issued before any is used; a lane's columns past the span read the row's first ones instead, times x's zeros.
+__device__ __forceinline__ float lane_dot(const __nv_bfloat16* row, const HeldX& x, int span, int lane) {
+  uint4 w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int kk = lane * 8 + 256 * i;
-    if (kk < span) {
-      const uint4 w = *reinterpret_cast<const uint4*>(row + kk);
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
-      const float2 f0 = __bfloat1622float2(w2[0]), f1 = __bfloat1622float2(w2[1]);
-      const float2 f2 = __bfloat1622float2(w2[2]), f3 = __bfloat1622float2(w2[3]);
-      a0 = fmaf(f0.x, x.v[i][0], a0);
-      a1 = fmaf(f0.y, x.v[i][1], a1);
-      a2 = fmaf(f1.x, x.v[i][2], a2);
-      a3 = fmaf(f1.y, x.v[i][3], a3);
-      a0 = fmaf(f2.x, x.v[i][4], a0);
-      a1 = fmaf(f2.y, x.v[i][5], a1);
-      a2 = fmaf(f3.x, x.v[i][6], a2);
-      a3 = fmaf(f3.y, x.v[i][7], a3);
-    }
+    w[i] = *reinterpret_cast<const uint4*>(row + (kk < span ? kk : 0));
   }
-  return warp_sum((a0 + a1) + (a2 + a3));
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+    const float2 f0 = __bfloat1622float2(w2[0]), f1 = __bfloat1622float2(w2[1]);
+    const float2 f2 = __bfloat1622float2(w2[2]), f3 = __bfloat1622float2(w2[3]);
+    a0 = fmaf(f0.x, x.v[i][0], a0);
+    a1 = fmaf(f0.y, x.v[i][1], a1);
+    a2 = fmaf(f1.x, x.v[i][2], a2);
+    a3 = fmaf(f1.y, x.v[i][3], a3);
+    a0 = fmaf(f2.x, x.v[i][4], a0);
+    a1 = fmaf(f2.y, x.v[i][5], a1);
+    a2 = fmaf(f3.x, x.v[i][6], a2);
+    a3 = fmaf(f3.y, x.v[i][7], a3);
+  }
+  return (a0 + a1) + (a2 + a3);
+}
+
+// Four values summed over the warp at once (6 shuffles, 5 deep, where four warp sums take 20): lane l gets the sum
+// of v[l >> 3]. Each halving step keeps the half of the values its side of the exchange owns.
+__device__ __forceinline__ float warp_sum4(const float (&v)[kTileGroup], int lane) {
+  const bool hi = lane & 16, mid = lane & 8;
+  float s0 = (hi ? v[2] : v[0]) + __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], 16);
+  float s1 = (hi ? v[3] : v[1]) + __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], 16);
+  float s = (mid ? s1 : s0) + __shfl_xor_sync(0xffffffffu, mid ? s0 : s1, 8);
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
 }
 
 __device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& sm, int op, int layer, int row,
@@ -376,51 +404,46 @@ __device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& 
   }
 }
 
-// The block's rows of one operation, tile by tile from the ring (t: the block's running tile number).
+// The block's rows of one operation, tile by tile from the ring. A warp takes its (row, part) of kTileGroup tiles,
+// freeing each slot once read, then reduces the group's dots together into sm.part; at the end every row's parts
+// are summed in a fixed order (the result does not depend on timing) and the epilogue runs a row a thread.
 // `scale` multiplies every dot (the input's RMSNorm scale, or 1).
-__device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int layer, int& t, int first_stamp,
+__device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int layer, RingPos& pos, int first_stamp,
                      float scale) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ns = p.slots;
   Seg s = segment(p, L, op, blockIdx.x, gridDim.x);
-  const int rpt = rows_per_tile(s.k);
-  const int parts = rpt >= kWarps ? 1 : kWarps / rpt;  // warps a row (each a slice of k) when a tile has few rows
-  const int span = s.k / parts, c = warp % parts;
+  const int rpt = rows_per_tile(s.k), parts = kWarps / rpt, span = s.k / parts;
+  const int rr = warp / parts, c = warp % parts;  // the warp's row in every tile and its part of k
+  const int tiles = (s.rows + rpt - 1) / rpt;
   const HeldX x = hold_x(sm.xs, c * span, span, lane);
   unsigned long long waited = 0;
-  for (int r = 0; r < s.rows; r += rpt, ++t) {
-    const int slot = t % ns;
-    const unsigned long long t_wait = p.trace ? now() : 0;
-    mbar_wait(&sm.full[slot], (t / ns) & 1);
-    if (p.trace) waited += now() - t_wait;
-    if (r == 0 && first_stamp >= 0) stamp(p, layer, first_stamp);
-    const __nv_bfloat16* tile = sm.ring + (size_t)slot * (kSlotBytes / 2);
-    const int n = min(rpt, s.rows - r);
-    if (p.flags & kRingOnly) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sm.empty[slot]);
-    } else if (parts == 1) {
-      for (int rr = warp; rr < n; rr += kWarps) {
-        float y = held_dot(tile + (size_t)rr * s.k, x, span, lane);
-        if (lane == 0) epilogue(p, L, sm, op, layer, s.row0 + r + rr, r + rr, y * scale);
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sm.empty[slot]);
-    } else {
-      const int rr = warp / parts;
-      float y = rr < n ? held_dot(tile + (size_t)rr * s.k + c * span, x, span, lane) : 0.f;
-      __syncwarp();
-      float* red = sm.red + (t & 1) * kWarps;
-      if (lane == 0) {
-        red[warp] = y;
-        mbar_arrive(&sm.empty[slot]);
-      }
-      consumer_sync();
-      if ((int)threadIdx.x < n) {
-        float sum = 0.f;
-        for (int c2 = 0; c2 < parts; ++c2) sum += red[threadIdx.x * parts + c2];
-        epilogue(p, L, sm, op, layer, s.row0 + r + threadIdx.x, r + threadIdx.x, sum * scale);
+  for (int t0 = 0; t0 < tiles; t0 += kTileGroup) {
+    float v[kTileGroup];
+#pragma unroll
+    for (int u = 0; u < kTileGroup; ++u) {
+      v[u] = 0.f;
+      if (t0 + u < tiles) {
+        const unsigned long long t_wait = p.trace ? now() : 0;
+        mbar_wait(&sm.full[pos.slot], pos.lap & 1);
+        if (p.trace) waited += now() - t_wait;
+        if (t0 + u == 0 && first_stamp >= 0) stamp(p, layer, first_stamp);
+        const __nv_bfloat16* tile = sm.ring + (size_t)pos.slot * (kSlotBytes / 2);
+        if (!(p.flags & kRingOnly) && (t0 + u) * rpt + rr < s.rows)
+          v[u] = lane_dot(tile + (size_t)rr * s.k + c * span, x, span, lane);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sm.empty[pos.slot]);
+        pos.next(ns);
       }
     }
+    const float y = warp_sum4(v, lane);
+    const int row = (t0 + (lane >> 3)) * rpt + rr;
+    if ((lane & 7) == 0 && t0 + (lane >> 3) < tiles && row < s.rows) sm.part[row * parts + c] = y;
+  }
+  consumer_sync();
+  for (int i = threadIdx.x; i < s.rows; i += kConsumers) {
+    float sum = 0.f;
+    for (int c2 = 0; c2 < parts; ++c2) sum += sm.part[i * parts + c2];
+    epilogue(p, L, sm, op, layer, s.row0 + i, i, sum * scale);
   }
   stamp(p, layer, 16 + op, waited);
   consumer_sync();
@@ -701,7 +724,7 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
   if (threadIdx.x == 0) sm.misc[kWarps + 1] = __uint_as_float(__ldcg(p.counters + (size_t)p.num_layers * kCountStride + 1));
   consumer_sync();
   const unsigned epoch = __float_as_uint(sm.misc[kWarps + 1]), grid = gridDim.x, next = epoch + 1u;
-  int t = 0;
+  RingPos pos;
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const Layer L = p.layers[layer];
     unsigned* c = p.counters + (size_t)layer * kCountStride;
@@ -714,7 +737,7 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
       stamp(p, layer, 0);
       inv = load_normed(sm, p.h, p.hidden, p.eps);
     }
-    gemv(p, L, sm, kOpQkv, layer, t, 1, inv);
+    gemv(p, L, sm, kOpQkv, layer, pos, 1, inv);
     stamp(p, layer, 2);
     signal_count(c + kQkv);
 
@@ -725,22 +748,22 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
     int r0, r1;
     share(p.hidden, blockIdx.x, grid, r0, r1);
     load_plain(p, sm, p.attn, p.heads * p.head_dim, layer == 0, r0, r1);
-    gemv(p, L, sm, kOpO, layer, t, 7, 1.f);
+    gemv(p, L, sm, kOpO, layer, pos, 7, 1.f);
     stamp(p, layer, 8);
     signal_count(c + kO);
 
     wait_count(p, c + kO, next * grid);
     stamp(p, layer, 9);
     inv = load_normed(sm, p.h, p.hidden, p.eps);
-    gemv(p, L, sm, kOpGate, layer, t, 10, inv);
-    gemv(p, L, sm, kOpUp, layer, t, -1, inv);
+    gemv(p, L, sm, kOpGate, layer, pos, 10, inv);
+    gemv(p, L, sm, kOpUp, layer, pos, -1, inv);
     stamp(p, layer, 11);
     signal_count(c + kGu);
 
     wait_count(p, c + kGu, next * grid);
     stamp(p, layer, 12);
     load_plain(p, sm, p.act, p.inter, false, r0, r1);
-    gemv(p, L, sm, kOpDown, layer, t, 13, 1.f);
+    gemv(p, L, sm, kOpDown, layer, pos, 13, 1.f);
     stamp(p, layer, 14);
     signal_count(c + kDown);
   }
@@ -754,8 +777,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p,
   sm.full = reinterpret_cast<uint64_t*>(smem_raw + (size_t)p.slots * kSlotBytes);
   sm.empty = sm.full + kMaxSlots;
   sm.xs = reinterpret_cast<float*>(sm.empty + kMaxSlots);
-  sm.red = sm.xs + xs_floats;
-  sm.rows = sm.red + 2 * kWarps;
+  sm.part = sm.xs + xs_floats;
+  sm.rows = sm.part + kPartMax;
   sm.misc = sm.rows + kGateMax;
   __shared__ unsigned epoch_s;
   unsigned* exits = p.counters + (size_t)p.num_layers * kCountStride;
@@ -792,13 +815,14 @@ extern "C" {
 
 // Shared-memory bytes a block uses for `slots` ring slots and an input vector of xs_floats.
 int ost_decode_bs1_smem_bytes(int slots, int xs_floats) {
-  return slots * kSlotBytes + 2 * kMaxSlots * 8 + (xs_floats + 2 * kWarps + kGateMax + kWarps + 4) * 4;
+  return slots * kSlotBytes + 2 * kMaxSlots * 8 + (xs_floats + kPartMax + kGateMax + kWarps + 4) * 4;
 }
 
 int ost_decode_bs1_max_slots() { return kMaxSlots; }
 int ost_decode_bs1_slot_bytes() { return kSlotBytes; }
 int ost_decode_bs1_trace_slots() { return kTraceSlots; }
 int ost_decode_bs1_rows_max() { return kGateMax; }
+int ost_decode_bs1_part_max() { return kPartMax; }
 int ost_decode_bs1_count_stride() { return kCountStride; }
 
 // Launches the step on `stream` (graph capture records it); returns a cudaError_t.

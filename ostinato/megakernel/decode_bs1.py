@@ -9,6 +9,7 @@ from ostinato.device_info import usable_sms
 from ostinato.megakernel.build import TRACE_SLOTS, library
 from ostinato.megakernel.weights import (
     GATE_MAX,
+    PART_MAX,
     SLOT_BYTES,
     Shape,
     model_layers,
@@ -55,9 +56,9 @@ class DecodeBs1Megakernel:
         self.cos_sin = model.rotary.cos_sin.to(device=device, dtype=torch.float32).contiguous()
         self.lib = library()
         built = (self.lib.ost_decode_bs1_slot_bytes(), self.lib.ost_decode_bs1_rows_max(),
-                 self.lib.ost_decode_bs1_count_stride(), self.lib.ost_decode_bs1_max_slots(),
-                 self.lib.ost_decode_bs1_trace_slots())
-        assert built == (SLOT_BYTES, GATE_MAX, COUNT_STRIDE, MAX_SLOTS, TRACE_SLOTS), built  # the kernel's constants
+                 self.lib.ost_decode_bs1_part_max(), self.lib.ost_decode_bs1_count_stride(),
+                 self.lib.ost_decode_bs1_max_slots(), self.lib.ost_decode_bs1_trace_slots())
+        assert built == (SLOT_BYTES, GATE_MAX, PART_MAX, COUNT_STRIDE, MAX_SLOTS, TRACE_SLOTS), built  # the kernel's
         self.xs_floats = scratch_floats(s)
         props = torch.cuda.get_device_properties(device)
         optin = getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_OPTIN)

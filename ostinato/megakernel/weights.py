@@ -12,6 +12,8 @@ HEAD_DIMS = (64, 128)
 MAX_GROUP = 4
 GATE_MAX = 512
 RESIDUAL_ROWS_MAX = 256  # residual-stream rows a block adds to (one consumer thread loads each)
+PART_MAX = 1024  # a block's (row, k part) sums of one projection (kPartMax)
+WARPS = 8  # consumer warps a block (kWarps)
 MIN_SPLIT_TOKENS = 32  # cached keys a split of one KV head takes at least (the kernel's kMinSplitTokens)
 
 
@@ -73,6 +75,18 @@ def model_layers(model) -> list[LayerWeights]:
     return out
 
 
+def rows_per_tile(k: int) -> int:
+    """Rows of width k a weight tile holds (the kernel's rows_per_tile): a power of two, at most one a warp."""
+    r = min(SLOT_BYTES // (2 * k), WARPS)
+    return 1 << (r.bit_length() - 1)
+
+
+def part_sums(s: Shape, grid: int) -> int:
+    """The most (row, k part) sums a block keeps for one projection: its rows times the warps that share a row."""
+    ops = [(s.q_size + 2 * s.kv_size, s.hidden), (s.hidden, s.q_size), (s.inter, s.hidden), (s.hidden, s.inter)]
+    return max(-(-rows // grid) * (WARPS // rows_per_tile(k)) for rows, k in ops)
+
+
 def unsupported_reason(model, kv_cache, grid: int) -> str | None:
     """Why the one-launch step cannot run this model, cache and grid of `grid` blocks; None where it can."""
     layers = getattr(model, "layers", None)
@@ -96,6 +110,8 @@ def unsupported_reason(model, kv_cache, grid: int) -> str | None:
         return f"intermediate size {s.inter} over {grid} blocks (at most {GATE_MAX} gate rows a block)"
     if -(-s.hidden // grid) > RESIDUAL_ROWS_MAX:
         return f"hidden size {s.hidden} over {grid} blocks (at most {RESIDUAL_ROWS_MAX} residual rows a block)"
+    if part_sums(s, grid) > PART_MAX:
+        return f"{part_sums(s, grid)} row x part sums a block over {grid} blocks (at most {PART_MAX})"
     if s.kv_heads > grid:
         return f"{s.kv_heads} KV heads over {grid} blocks"
     if kv_cache.dtype != torch.bfloat16 or kv_cache.head_major or kv_cache.layout.group:
