@@ -81,11 +81,12 @@ struct Params {
   unsigned* counters;  // [num_layers x kCountStride], then exits, then the epoch
   unsigned long long* trace;  // null, or [blocks][num_layers][kTraceSlots] %globaltimer stamps (probe_megakernel.py)
   int flags;                  // kNoWaits, kRingOnly: a timing probe's (the outputs are void)
+  int prefetch;               // tiles the producer asks L2 for ahead of its next bulk copy (0: none)
 };
 
-struct Seg {
-  const __nv_bfloat16* base;  // the matrix
-  int row0, rows, k;          // this block's rows [row0, row0 + rows), each k wide
+struct Seg {       // a block's rows of one operation's matrix: the same in every layer
+  int row0, rows;  // rows [row0, row0 + rows) of the matrix
+  int k, rpt;      // their width, and rows a weight tile (rows_per_tile(k))
 };
 
 // ------------------------------------------------------------------ PTX helpers
@@ -106,6 +107,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       " @!p bra MBAR_WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile(
@@ -182,29 +186,35 @@ __device__ __forceinline__ int rows_per_tile(int k) {
   return p;
 }
 
-__device__ Seg segment(const Params& p, const Layer& L, int op, int b, int g) {
-  int q = p.heads * p.head_dim, kv = p.kv_heads * p.head_dim, r0, r1;
+// Block b's rows of each operation (of g blocks), computed once a launch.
+__device__ void block_segments(const Params& p, int b, int g, Seg* segs) {
+  const int q = p.heads * p.head_dim, kv = p.kv_heads * p.head_dim;
+  const int rows[5] = {q + 2 * kv, p.hidden, p.inter, p.inter, p.hidden};
+  const int ks[5] = {p.hidden, q, p.hidden, p.hidden, p.inter};
+  for (int op = 0; op < 5; ++op) {
+    int r0, r1;
+    share(rows[op], b, g, r0, r1);
+    segs[op] = {r0 + (op == kOpUp ? p.inter : 0), r1 - r0, ks[op], rows_per_tile(ks[op])};
+  }
+}
+
+__device__ __forceinline__ const __nv_bfloat16* matrix(const Layer& L, int op) {
   switch (op) {
     case kOpQkv:
-      share(q + 2 * kv, b, g, r0, r1);
-      return {L.w_qkv, r0, r1 - r0, p.hidden};
+      return L.w_qkv;
     case kOpO:
-      share(p.hidden, b, g, r0, r1);
-      return {L.w_o, r0, r1 - r0, q};
+      return L.w_o;
     case kOpGate:
-      share(p.inter, b, g, r0, r1);
-      return {L.w_gu, r0, r1 - r0, p.hidden};
     case kOpUp:
-      share(p.inter, b, g, r0, r1);
-      return {L.w_gu, p.inter + r0, r1 - r0, p.hidden};
+      return L.w_gu;
     default:
-      share(p.hidden, b, g, r0, r1);
-      return {L.w_down, r0, r1 - r0, p.inter};
+      return L.w_down;
   }
 }
 
 // ------------------------------------------------------------------ shared memory
 struct Smem {
+  Seg* segs;            // [5] the block's rows of each operation
   __nv_bfloat16* ring;  // slots x kSlotBytes
   uint64_t* full;       // [kMaxSlots]
   uint64_t* empty;      // [kMaxSlots]
@@ -227,22 +237,48 @@ struct RingPos {
 };
 
 // ------------------------------------------------------------------ the producer
-__device__ void produce(const Params& p, Smem& sm) {
-  const int b = blockIdx.x, g = gridDim.x, ns = p.slots;
-  RingPos pos;
-  for (int layer = 0; layer < p.num_layers; ++layer) {
-    const Layer L = p.layers[layer];
-    for (int op = 0; op < 5; ++op) {
-      Seg s = segment(p, L, op, b, g);
-      int rpt = rows_per_tile(s.k);
-      for (int r = 0; r < s.rows; r += rpt, pos.next(ns)) {
-        if (pos.lap > 0) mbar_wait(&sm.empty[pos.slot], (pos.lap - 1) & 1);  // the consumers freed the last lap's
-        int n = min(rpt, s.rows - r);
-        uint32_t bytes = (uint32_t)n * s.k * 2;
-        mbar_expect_tx(&sm.full[pos.slot], bytes);
-        bulk_load(sm.ring + (size_t)pos.slot * (kSlotBytes / 2), s.base + (size_t)(s.row0 + r) * s.k, bytes,
-                  &sm.full[pos.slot]);
+// A place in the block's tile sequence: layer after layer, operation after operation, rpt rows a tile.
+struct Walk {
+  int layer = 0, op = 0, r = 0;
+  __device__ __forceinline__ bool done(const Params& p) const { return layer >= p.num_layers; }
+  __device__ __forceinline__ void settle(const Params& p, const Seg* segs) {  // past operations with no rows left
+    while (!done(p) && r >= segs[op].rows) {
+      r = 0;
+      if (++op == 5) {
+        op = 0;
+        ++layer;
       }
+    }
+  }
+  __device__ __forceinline__ void next(const Params& p, const Seg* segs) {
+    r += segs[op].rpt;
+    settle(p, segs);
+  }
+  __device__ __forceinline__ const __nv_bfloat16* src(const Params& p, const Seg* segs, uint32_t& bytes) const {
+    const Seg& s = segs[op];
+    bytes = (uint32_t)min(s.rpt, s.rows - r) * s.k * 2;
+    return matrix(p.layers[layer], op) + (size_t)(s.row0 + r) * s.k;
+  }
+};
+
+// The producer's one thread: each tile into the next free slot by one bulk copy, and L2 asked for the tile
+// p.prefetch tiles further on, so that HBM keeps streaming while the ring is full and the consumers wait.
+__device__ void produce(const Params& p, Smem& sm) {
+  const int ns = p.slots;
+  Walk load, ahead;
+  load.settle(p, sm.segs);
+  ahead.settle(p, sm.segs);
+  uint32_t bytes;
+  for (int i = 0; i < p.prefetch && !ahead.done(p); ++i, ahead.next(p, sm.segs))
+    prefetch_l2(ahead.src(p, sm.segs, bytes), bytes);
+  for (RingPos pos; !load.done(p); load.next(p, sm.segs), pos.next(ns)) {
+    if (pos.lap > 0) mbar_wait(&sm.empty[pos.slot], (pos.lap - 1) & 1);  // the consumers freed the last lap's
+    const __nv_bfloat16* src = load.src(p, sm.segs, bytes);
+    mbar_expect_tx(&sm.full[pos.slot], bytes);
+    bulk_load(sm.ring + (size_t)pos.slot * (kSlotBytes / 2), src, bytes, &sm.full[pos.slot]);
+    if (p.prefetch > 0 && !ahead.done(p)) {
+      prefetch_l2(ahead.src(p, sm.segs, bytes), bytes);
+      ahead.next(p, sm.segs);
     }
   }
 }
@@ -411,8 +447,8 @@ __device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& 
 __device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int layer, RingPos& pos, int first_stamp,
                      float scale) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ns = p.slots;
-  Seg s = segment(p, L, op, blockIdx.x, gridDim.x);
-  const int rpt = rows_per_tile(s.k), parts = kWarps / rpt, span = s.k / parts;
+  const Seg s = sm.segs[op];
+  const int rpt = s.rpt, parts = kWarps / rpt, span = s.k / parts;
   const int rr = warp / parts, c = warp % parts;  // the warp's row in every tile and its part of k
   const int tiles = (s.rows + rpt - 1) / rpt;
   const HeldX x = hold_x(sm.xs, c * span, span, lane);
@@ -772,7 +808,9 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
 
 __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p, int xs_floats) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ Seg segs[5];
   Smem sm;
+  sm.segs = segs;
   sm.ring = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   sm.full = reinterpret_cast<uint64_t*>(smem_raw + (size_t)p.slots * kSlotBytes);
   sm.empty = sm.full + kMaxSlots;
@@ -789,6 +827,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p,
       mbar_init(&sm.empty[i], kWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    block_segments(p, blockIdx.x, gridDim.x, segs);
   }
   __syncthreads();
   if (threadIdx.x >= kConsumers) {
@@ -831,7 +870,7 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
                           float scale_log2, const void* x_in, void* x_out, const void* positions, const void* seq_lens,
                           const void* req_rows, const void* out_loc, const void* req_to_token, long long table_stride,
                           const void* cos_sin, void* h, void* qkv, void* attn, void* act, void* part, void* counters,
-                          void* trace, int flags, int pdl, void* stream) {
+                          void* trace, int flags, int prefetch, int pdl, void* stream) {
   Params p;
   p.layers = static_cast<const Layer*>(layers);
   p.num_layers = num_layers;
@@ -862,6 +901,7 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
   p.counters = static_cast<unsigned*>(counters);
   p.trace = static_cast<unsigned long long*>(trace);
   p.flags = flags;
+  p.prefetch = prefetch;
   const int smem = ost_decode_bs1_smem_bytes(slots, xs_floats);
   cudaError_t e = cudaFuncSetAttribute(decode_bs1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return (int)e;
