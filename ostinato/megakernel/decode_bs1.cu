@@ -319,21 +319,15 @@ __device__ float stage(const Params& p, Smem& sm, const uint64_t* src, int n, ui
     w[u][0] = w[u][1] = (uint64_t)tag << 32;
     if (i < n) get2(src + i, w[u][0], w[u][1]);
   }
-  // While some pair is late, poll only the first late one (every block reads every word: re-reading them all would
-  // flood L2 while the writers are still at work), then read the late ones again.
-  for (int first = 0; !(p.flags & kNoWaits);) {
-    first = U;
+  for (bool late = !(p.flags & kNoWaits); late;) {
+    late = false;
 #pragma unroll
-    for (int u = U - 1; u >= 0; --u)
-      if (word_tag(w[u][0]) != tag || word_tag(w[u][1]) != tag) first = u;
-    if (first == U) break;
-    const uint64_t* at = src + (first * kConsumers + tid) * 2;
-    uint64_t a, b;
-    do get2(at, a, b);
-    while (word_tag(a) != tag || word_tag(b) != tag);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (word_tag(w[u][0]) != tag || word_tag(w[u][1]) != tag) get2(src + (u * kConsumers + tid) * 2, w[u][0], w[u][1]);
+    for (int u = 0; u < U; ++u) {
+      if (word_tag(w[u][0]) != tag || word_tag(w[u][1]) != tag) {
+        late = true;
+        get2(src + (u * kConsumers + tid) * 2, w[u][0], w[u][1]);
+      }
+    }
   }
   float ss = 0.f;
 #pragma unroll
