@@ -32,16 +32,14 @@ constexpr int kConsumers = kWarps * 32;
 constexpr int kThreads = kConsumers + 32;     // + the producer warp
 constexpr int kSlotBytes = 16384;
 constexpr int kMaxSlots = 16;
-constexpr int kCountStride = 32;              // counters a layer: one a kv head (from kHead)
+constexpr int kCountStride = 32;              // counters a layer: QKV, ATTN, O, GU, DOWN, then one a kv head
 constexpr int kGateMax = 512;                 // rows a block holds: gate outputs until their up rows come, or the
                                               // residual stream's rows that O and DOWN add to
 constexpr int kMinSplitTokens = 32;           // cached keys a split takes at least (fewer splits at short contexts)
 constexpr int kPartMax = 1024;                // a block's row x part sums of one operation (rows x warps a row)
 constexpr int kTileGroup = 4;                 // tiles a warp takes before one reduction of their dots
 
-enum Count { kHead = 5 };
-// what wrote a tagged activation: its tag is (launch, layer, kind)
-enum Kind { kTagQkv = 0, kTagAttn = 1, kTagO = 2, kTagAct = 3, kTagDown = 4 };
+enum Count { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4, kHead = 5 };
 enum Op { kOpQkv = 0, kOpO = 1, kOpGate = 2, kOpUp = 3, kOpDown = 4 };
 // trace stamps a layer: an operation's dependency met, its first weight tile in, its end (QKV 0-2, O 6-8, GU 9-11,
 // DOWN 12-14); attention 3-5: its wait met, its split done, the item done (merged or not)
@@ -75,11 +73,10 @@ struct Params {
   const int32_t* req_to_token;
   int64_t table_stride;
   const float* cos_sin;
-  // activations, each entry a tagged word (see put / take): written once a layer (h twice), read by every block
-  uint64_t* h;     // [hidden] the residual stream
-  uint64_t* qkv;   // [q + 2 kv]
-  uint64_t* attn;  // [heads x head_dim]
-  uint64_t* act;   // [inter]
+  float* h;     // [hidden] the residual stream
+  float* qkv;   // [q + 2 kv]
+  float* attn;  // [heads x head_dim]
+  float* act;   // [inter]
   float* part;  // [kv_heads x splits x group x (head_dim + 2)]: a split's unnormalised output, max, sum
   unsigned* counters;  // [num_layers x kCountStride], then exits, then the epoch
   unsigned long long* trace;  // null, or [blocks][num_layers][kTraceSlots] %globaltimer stamps (probe_megakernel.py)
@@ -122,56 +119,36 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 }
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
 
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ unsigned add_acq_rel(unsigned* p, unsigned v) {
   unsigned old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
 
-// Activations pass between blocks as tagged words (NCCL's LL protocol): a float and the tag of the write that made
-// it in one 64-bit store, which no reader can see half done. A reader polls its entries until each carries the tag
-// it expects, so the read is both the data and the wait: no counter, no release fence, no second round trip.
-// Tags are (launch epoch x layers + layer) x 8 + kind + 1: never 0 (the buffers start zeroed), and an entry's last
-// write always carries another tag than the one awaited (every write of a buffer comes after every read of the one
-// before it: each operation reads what every block wrote in the one before).
-__device__ __forceinline__ uint32_t tag_of(unsigned epoch, const Params& p, int layer, int kind) {
-  return ((epoch * (unsigned)p.num_layers + (unsigned)layer) << 3) + (unsigned)kind + 1u;
-}
-__device__ __forceinline__ uint32_t word_tag(uint64_t w) { return (uint32_t)(w >> 32); }
-__device__ __forceinline__ float word_value(uint64_t w) { return __uint_as_float((uint32_t)w); }
-
-__device__ __forceinline__ void put(uint64_t* dst, float v, uint32_t tag) {
-  const uint64_t w = ((uint64_t)tag << 32) | __float_as_uint(v);
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(dst), "l"(w) : "memory");
-}
-__device__ __forceinline__ uint64_t get(const uint64_t* src) {
-  uint64_t w;
-  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(src) : "memory");
-  return w;
-}
-__device__ __forceinline__ void get2(const uint64_t* src, uint64_t& a, uint64_t& b) {  // two words, each atomic
-  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(src) : "memory");
-}
-
-// out[e] = src[e * stride] once each entry carries `tag` (the probe's kNoWaits takes whatever is there): the loads in
-// flight together, the late ones loaded again.
-template <int N>
-__device__ __forceinline__ void take(const Params& p, const uint64_t* src, int stride, uint32_t tag, float (&out)[N]) {
-  uint64_t w[N];
-#pragma unroll
-  for (int e = 0; e < N; ++e) w[e] = get(src + (size_t)e * stride);
-  for (bool late = !(p.flags & kNoWaits); late;) {
-    late = false;
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      if (word_tag(w[e]) != tag) {
-        late = true;
-        w[e] = get(src + (size_t)e * stride);
-      }
+// One consumer thread waits until *count reaches target (mod 2^32); then the consumers go on together.
+// (The acquire load orders the block's later reads after the counted writes: the CTA barrier carries that to the
+// other consumer threads, as a grid barrier does.)
+__device__ __forceinline__ void wait_count(const Params& p, const unsigned* count, unsigned target) {
+  if (threadIdx.x == 0 && !(p.flags & kNoWaits)) {
+    while ((int)(load_acquire(count) - target) < 0) {
     }
   }
-#pragma unroll
-  for (int e = 0; e < N; ++e) out[e] = word_value(w[e]);
+  consumer_sync();
+}
+
+// After every consumer has written its outputs: one thread counts the operation done. The release add is cumulative:
+// it publishes the writes the CTA barrier ordered before it, not only the thread's own.
+__device__ __forceinline__ void signal_count(unsigned* count) {
+  consumer_sync();
+  if (threadIdx.x == 0) add_release(count, 1u);
 }
 
 __device__ __forceinline__ unsigned long long now() {
@@ -307,35 +284,22 @@ __device__ void produce(const Params& p, Smem& sm) {
 }
 
 // ------------------------------------------------------------------ consumer pieces
-// xs = the n values of a tagged vector (n even, at most 2 x 16 x kConsumers = 8192) once each carries `tag`: every
-// load in flight at once, the late ones loaded again. Returns the sum of squares of the thread's values.
-__device__ float stage(const Params& p, Smem& sm, const uint64_t* src, int n, uint32_t tag) {
-  constexpr int U = 16;
+// Reads n floats (n a multiple of 4, at most 8 x 4 x kConsumers = 8192) from L2 into xs: every load issued before
+// any is used (one round trip, not one a loop turn). Returns the sum of squares of the thread's values.
+__device__ __forceinline__ float stage(Smem& sm, const float* src, int n) {
   const int tid = threadIdx.x;
-  uint64_t w[U][2];
+  float4 v[8];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int i = (u * kConsumers + tid) * 2;
-    w[u][0] = w[u][1] = (uint64_t)tag << 32;
-    if (i < n) get2(src + i, w[u][0], w[u][1]);
-  }
-  for (bool late = !(p.flags & kNoWaits); late;) {
-    late = false;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (word_tag(w[u][0]) != tag || word_tag(w[u][1]) != tag) {
-        late = true;
-        get2(src + (u * kConsumers + tid) * 2, w[u][0], w[u][1]);
-      }
-    }
+  for (int u = 0; u < 8; ++u) {
+    const int i = (u * kConsumers + tid) * 4;
+    v[u] = i < n ? __ldcg(reinterpret_cast<const float4*>(src + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float ss = 0.f;
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int i = (u * kConsumers + tid) * 2;
-    const float a = word_value(w[u][0]), b = word_value(w[u][1]);
-    if (i < n) *reinterpret_cast<float2*>(sm.xs + i) = make_float2(a, b);
-    ss += i < n ? a * a + b * b : 0.f;
+  for (int u = 0; u < 8; ++u) {
+    const int i = (u * kConsumers + tid) * 4;
+    if (i < n) *reinterpret_cast<float4*>(sm.xs + i) = v[u];
+    ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
   }
   return ss;
 }
@@ -367,11 +331,13 @@ __device__ __forceinline__ float stage(Smem& sm, const __nv_bfloat16* src, int n
   return ss;
 }
 
-// The RMSNorm scale rsqrt(mean(v^2) + eps) of the n values staged in xs, from each thread's sum of squares; the GEMV
-// applies it to its outputs (a scale commutes with the map; the norm's weight is folded into the matrix).
-__device__ float norm_scale(Smem& sm, float ss, int n, float eps) {
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) sm.misc[threadIdx.x >> 5] = ss;
+// xs = v over n values; returns rsqrt(mean(v^2) + eps), the row's RMSNorm scale, which the GEMV applies to its
+// outputs (a scale commutes with the map; the norm's weight is folded into the matrix).
+template <typename T>
+__device__ float load_normed(Smem& sm, const T* src, int n, float eps) {
+  const int tid = threadIdx.x;
+  float ss = warp_sum(stage(sm, src, n));
+  if ((tid & 31) == 0) sm.misc[tid >> 5] = ss;
   consumer_sync();
   float tot = 0.f;
 #pragma unroll
@@ -379,18 +345,14 @@ __device__ float norm_scale(Smem& sm, float ss, int n, float eps) {
   return rsqrtf(tot / n + eps);
 }
 
-// xs = src[0, n) (tagged `tag`), and the block's rows [r0, r1) of the residual stream (tagged `res_tag`; of x_in in
-// the first layer's O) into sm.rows, the loads of both in flight together.
-__device__ void load_plain(const Params& p, Smem& sm, const uint64_t* src, int n, uint32_t tag, bool from_x_in,
-                           uint32_t res_tag, int r0, int r1) {
+// xs = src[0, n), and the block's rows [r0, r1) of the residual stream (of x_in: the first layer's O) into sm.rows,
+// the loads of both in flight together.
+__device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, bool from_x_in, int r0, int r1) {
   const int tid = threadIdx.x;
-  float res[1] = {0.f};
-  if (tid < r1 - r0) {
-    if (from_x_in) res[0] = bf(p.x_in[r0 + tid]);
-    else take(p, p.h + r0 + tid, 0, res_tag, res);
-  }
-  stage(p, sm, src, n, tag);
-  if (tid < r1 - r0) sm.rows[tid] = res[0];
+  float res = 0.f;
+  if (tid < r1 - r0) res = from_x_in ? bf(p.x_in[r0 + tid]) : __ldcg(p.h + r0 + tid);
+  stage(sm, src, n);
+  if (tid < r1 - r0) sm.rows[tid] = res;
   consumer_sync();
 }
 
@@ -453,27 +415,26 @@ __device__ __forceinline__ float warp_sum4(const float (&v)[kTileGroup], int lan
   return s;
 }
 
-// An output row's last step (tag: the tag its tagged write carries).
 __device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& sm, int op, int layer, int row,
-                                         int local, float y, uint32_t tag) {
+                                         int local, float y) {
   switch (op) {
     case kOpQkv:
-      put(p.qkv + row, y + (L.b_qkv ? bf(L.b_qkv[row]) : 0.f), tag);
+      p.qkv[row] = y + (L.b_qkv ? bf(L.b_qkv[row]) : 0.f);
       break;
     case kOpO:
-      put(p.h + row, sm.rows[local] + y, tag);
+      p.h[row] = sm.rows[local] + y;
       break;
     case kOpGate:
       sm.rows[local] = y;
       break;
     case kOpUp: {
       float gt = sm.rows[local];
-      put(p.act + row - p.inter, gt / (1.f + __expf(-gt)) * y, tag);
+      p.act[row - p.inter] = gt / (1.f + __expf(-gt)) * y;
       break;
     }
     default: {
       float v = sm.rows[local] + y;
-      put(p.h + row, v, tag);
+      p.h[row] = v;
       if (layer == p.num_layers - 1) p.x_out[row] = __float2bfloat16(v);
     }
   }
@@ -482,9 +443,9 @@ __device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& 
 // The block's rows of one operation, tile by tile from the ring. A warp takes its (row, part) of kTileGroup tiles,
 // freeing each slot once read, then reduces the group's dots together into sm.part; at the end every row's parts
 // are summed in a fixed order (the result does not depend on timing) and the epilogue runs a row a thread.
-// `scale` multiplies every dot (the input's RMSNorm scale, or 1); `tag` tags the outputs.
+// `scale` multiplies every dot (the input's RMSNorm scale, or 1).
 __device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int layer, RingPos& pos, int first_stamp,
-                     float scale, uint32_t tag) {
+                     float scale) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ns = p.slots;
   const Seg s = sm.segs[op];
   const int rpt = s.rpt, parts = kWarps / rpt, span = s.k / parts;
@@ -518,7 +479,7 @@ __device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int laye
   for (int i = threadIdx.x; i < s.rows; i += kConsumers) {
     float sum = 0.f;
     for (int c2 = 0; c2 < parts; ++c2) sum += sm.part[i * parts + c2];
-    epilogue(p, L, sm, op, layer, s.row0 + i, i, sum * scale, tag);
+    epilogue(p, L, sm, op, layer, s.row0 + i, i, sum * scale);
   }
   stamp(p, layer, 16 + op, waited);
   consumer_sync();
@@ -554,7 +515,6 @@ __device__ __forceinline__ void norm_rope(float* x, const __nv_bfloat16* w, floa
 template <int D, int G>
 __device__ void attend_split(const Params& p, const Layer& L, Smem& sm, int layer, int j, int s, int used,
                              int cached, unsigned epoch) {
-  const uint32_t qkv_tag = tag_of(epoch, p, layer, kTagQkv);
   constexpr int LPT = D / 8;     // lanes a key (8 dims a lane)
   constexpr int TPP = 32 / LPT;  // keys a warp pass
   constexpr int U = 4;           // passes in flight
@@ -588,15 +548,18 @@ __device__ void attend_split(const Params& p, const Layer& L, Smem& sm, int laye
   // the cached keys are earlier steps' (the new token's slot is never among them): read before q is ready
   int base = t0 + warp * TPP * U;
   issue(base);
+  wait_count(p, p.counters + (size_t)layer * kCountStride + kQkv, (epoch + 1u) * gridDim.x);
+  stamp(p, layer, 3);
   const int64_t pos = p.positions[0];
   const float* cs = p.cos_sin + pos * D;
 
   // q heads j*G .. j*G+G-1, then k head j, by warps 0..G; v by warp G+1
   if (warp <= G) {
     float* dst = warp < G ? qs + warp * D : kn;
-    const uint64_t* src = warp < G ? p.qkv + (j * G + warp) * D : p.qkv + q_size + j * D;
+    const float* src = warp < G ? p.qkv + (j * G + warp) * D : p.qkv + q_size + j * D;
     float v[D / 32];
-    take(p, src + lane, 32, qkv_tag, v);
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) v[e] = __ldcg(src + lane + 32 * e);
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) dst[lane + 32 * e] = v[e];
     __syncwarp();
@@ -608,12 +571,12 @@ __device__ void attend_split(const Params& p, const Layer& L, Smem& sm, int laye
     }
   } else if (warp == G + 1) {
     float v[D / 32];
-    take(p, p.qkv + q_size + kv_size + j * D + lane, 32, qkv_tag, v);
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) v[e] = __ldcg(p.qkv + q_size + kv_size + j * D + lane + 32 * e);
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) vn[lane + 32 * e] = bf(__float2bfloat16(v[e]));
   }
   consumer_sync();
-  stamp(p, layer, 3);  // q, k and v in
   if (s == 0) {  // the new token's K/V into the cache, once a head
     const int64_t slot = p.out_loc[0];
     for (int i = tid; i < D; i += kConsumers) {
@@ -763,8 +726,9 @@ __device__ void attend_item(const Params& p, const Layer& L, Smem& sm, int layer
       sum = sum * f0 + ls * f1;
       mx = mn;
     }
-    put(p.attn + (j * G + gi) * D + d, a / sum, tag_of(epoch, p, layer, kTagAttn));
+    p.attn[(j * G + gi) * D + d] = a / sum;
   }
+  signal_count(p.counters + (size_t)layer * kCountStride + kAttn);
   stamp(p, layer, 5);
 }
 template <int D, int G>
@@ -790,41 +754,54 @@ __device__ void attend(const Params& p, const Layer& L, Smem& sm, int layer, uns
   }
 }
 
-// Returns the launch's epoch (launches of this kernel before it on these counters). Each operation's staging polls
-// the tagged words the one before it writes: that is its only wait.
+// Returns the launch's epoch (launches of this kernel before it on these counters).
 __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the step's inputs are written by the kernels before
   if (threadIdx.x == 0) sm.misc[kWarps + 1] = __uint_as_float(__ldcg(p.counters + (size_t)p.num_layers * kCountStride + 1));
   consumer_sync();
-  const unsigned epoch = __float_as_uint(sm.misc[kWarps + 1]);
-  int r0, r1;
-  share(p.hidden, blockIdx.x, gridDim.x, r0, r1);
+  const unsigned epoch = __float_as_uint(sm.misc[kWarps + 1]), grid = gridDim.x, next = epoch + 1u;
   RingPos pos;
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const Layer L = p.layers[layer];
-    const uint32_t h_in = layer ? tag_of(epoch, p, layer - 1, kTagDown) : 0u, h_mid = tag_of(epoch, p, layer, kTagO);
-    stamp(p, layer, 0);
-    const float ss = layer ? stage(p, sm, p.h, p.hidden, h_in) : stage(sm, p.x_in, p.hidden);
-    gemv(p, L, sm, kOpQkv, layer, pos, 1, norm_scale(sm, ss, p.hidden, p.eps), tag_of(epoch, p, layer, kTagQkv));
+    unsigned* c = p.counters + (size_t)layer * kCountStride;
+    float inv;
+    if (layer == 0) {
+      stamp(p, layer, 0);
+      inv = load_normed(sm, p.x_in, p.hidden, p.eps);
+    } else {
+      wait_count(p, c - kCountStride + kDown, next * grid);
+      stamp(p, layer, 0);
+      inv = load_normed(sm, p.h, p.hidden, p.eps);
+    }
+    gemv(p, L, sm, kOpQkv, layer, pos, 1, inv);
     stamp(p, layer, 2);
+    signal_count(c + kQkv);
 
     if ((int)blockIdx.x < p.kv_heads * p.splits) attend(p, L, sm, layer, epoch);
 
+    wait_count(p, c + kAttn, next * (unsigned)p.kv_heads);
     stamp(p, layer, 6);
-    load_plain(p, sm, p.attn, p.heads * p.head_dim, tag_of(epoch, p, layer, kTagAttn), layer == 0, h_in, r0, r1);
-    gemv(p, L, sm, kOpO, layer, pos, 7, 1.f, h_mid);
+    int r0, r1;
+    share(p.hidden, blockIdx.x, grid, r0, r1);
+    load_plain(p, sm, p.attn, p.heads * p.head_dim, layer == 0, r0, r1);
+    gemv(p, L, sm, kOpO, layer, pos, 7, 1.f);
     stamp(p, layer, 8);
+    signal_count(c + kO);
 
+    wait_count(p, c + kO, next * grid);
     stamp(p, layer, 9);
-    const float inv = norm_scale(sm, stage(p, sm, p.h, p.hidden, h_mid), p.hidden, p.eps);
-    gemv(p, L, sm, kOpGate, layer, pos, 10, inv, 0u);
-    gemv(p, L, sm, kOpUp, layer, pos, -1, inv, tag_of(epoch, p, layer, kTagAct));
+    inv = load_normed(sm, p.h, p.hidden, p.eps);
+    gemv(p, L, sm, kOpGate, layer, pos, 10, inv);
+    gemv(p, L, sm, kOpUp, layer, pos, -1, inv);
     stamp(p, layer, 11);
+    signal_count(c + kGu);
 
+    wait_count(p, c + kGu, next * grid);
     stamp(p, layer, 12);
-    load_plain(p, sm, p.act, p.inter, tag_of(epoch, p, layer, kTagAct), false, h_mid, r0, r1);
-    gemv(p, L, sm, kOpDown, layer, pos, 13, 1.f, tag_of(epoch, p, layer, kTagDown));
+    load_plain(p, sm, p.act, p.inter, false, r0, r1);
+    gemv(p, L, sm, kOpDown, layer, pos, 13, 1.f);
     stamp(p, layer, 14);
+    signal_count(c + kDown);
   }
   return epoch;
 }
@@ -916,10 +893,10 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
   p.req_to_token = static_cast<const int32_t*>(req_to_token);
   p.table_stride = table_stride;
   p.cos_sin = static_cast<const float*>(cos_sin);
-  p.h = static_cast<uint64_t*>(h);
-  p.qkv = static_cast<uint64_t*>(qkv);
-  p.attn = static_cast<uint64_t*>(attn);
-  p.act = static_cast<uint64_t*>(act);
+  p.h = static_cast<float*>(h);
+  p.qkv = static_cast<float*>(qkv);
+  p.attn = static_cast<float*>(attn);
+  p.act = static_cast<float*>(act);
   p.part = static_cast<float*>(part);
   p.counters = static_cast<unsigned*>(counters);
   p.trace = static_cast<unsigned long long*>(trace);

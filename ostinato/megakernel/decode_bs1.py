@@ -75,15 +75,12 @@ class DecodeBs1Megakernel:
                  ptr(lw.k_norm), kv_cache.k_buffer[i].data_ptr(), kv_cache.v_buffer[i].data_ptr()]
                 for i, lw in enumerate(self._layers)]
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
-        # activations as tagged words (a float and the tag of its write, decode_bs1.cu's put / take); zeroed once
-        # here, as tag 0 is never awaited
-        words = dict(dtype=torch.int64, device=device)
-        self.h = torch.zeros(s.hidden, **words)
-        self.qkv = torch.zeros(s.q_size + 2 * s.kv_size, **words)
-        self.attn = torch.zeros(s.q_size, **words)
-        self.act = torch.zeros(s.inter, **words)
-        self.part = torch.empty(s.kv_heads * self.splits * s.group * (s.head_dim + 2), dtype=torch.float32,
-                                device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.h = torch.empty(s.hidden, **f32)
+        self.qkv = torch.empty(s.q_size + 2 * s.kv_size, **f32)
+        self.attn = torch.empty(s.q_size, **f32)
+        self.act = torch.empty(s.inter, **f32)
+        self.part = torch.empty(s.kv_heads * self.splits * s.group * (s.head_dim + 2), **f32)
         # counts only grow (the kernel compares them to (epoch + 1) x target); zero once, here
         self.counters = torch.zeros(s.num_layers * COUNT_STRIDE + 2, dtype=torch.int32, device=device)
         self.x_out = torch.empty(1, s.hidden, dtype=torch.bfloat16, device=device)
