@@ -8,7 +8,6 @@ end of the operation before -> the first block seeing its count), the ring's lag
 the block's median), its work (dependency met -> the last block's end), attention's split work and merge."""
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -103,8 +102,6 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--slots", type=int, default=None, help="weight ring slots (default: as many as fit)")
     ap.add_argument("--splits", type=int, default=None)
-    ap.add_argument("--prefetch", type=int, nargs="+", default=None,
-                    help="tiles a block asks L2 for ahead of its bulk copies, one row each (default: the launcher's)")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -119,8 +116,7 @@ def main() -> None:
         print(f"{name}: {s.num_layers} layers, {mk.grid} blocks, {mk.slots} ring slots, {mk.splits} splits; layer "
               f"weights {weight_bytes / 1e9:.3f} GB ({weight_bytes / bw * 1e6:.1f} us at {bw / 1e12:.2f} TB/s)",
               flush=True)
-        for ctx, prefetch in itertools.product(args.contexts, args.prefetch or [mk.prefetch_tiles]):
-            mk.prefetch_tiles = prefetch
+        for ctx in args.contexts:
             table = torch.zeros(2, max(args.contexts) + 8, dtype=torch.int32, device=dev)
             table[1, :ctx] = torch.arange(1, ctx + 1, dtype=torch.int32, device=dev)
             ins = (torch.tensor([ctx - 1], device=dev), torch.tensor([ctx], device=dev),
@@ -138,11 +134,10 @@ def main() -> None:
             kv_bytes = ctx * s.num_layers * 2 * s.kv_size * 2
             floor = (weight_bytes + kv_bytes) / bw * 1e6
             row = {"model": name, "context": ctx, "layers": s.num_layers, "slots": mk.slots, "splits": mk.splits,
-                   "prefetch_tiles": prefetch, "us_per_step": us, "no_waits_us": stream_us, "ring_only_us": ring_us,
-                   "floor_us": floor}
-            print(f"  ctx {ctx}, L2 prefetch {prefetch} tiles: {us:.1f} us a step (layers' floor {floor:.1f} us, "
-                  f"{floor / us:.0%}); {us / s.num_layers:.2f} us a layer; without the waits {stream_us:.1f} us; "
-                  f"the ring alone {ring_us:.1f} us", flush=True)
+                   "us_per_step": us, "no_waits_us": stream_us, "ring_only_us": ring_us, "floor_us": floor}
+            print(f"  ctx {ctx}: {us:.1f} us a step (layers' floor {floor:.1f} us, {floor / us:.0%}); "
+                  f"{us / s.num_layers:.2f} us a layer; without the waits {stream_us:.1f} us; the ring alone "
+                  f"{ring_us:.1f} us", flush=True)
             if not args.no_trace:
                 mk.trace = torch.zeros(mk.grid, s.num_layers, TRACE_SLOTS, dtype=torch.int64, device=dev)
                 mk(x_in, *ins, table)

@@ -81,7 +81,6 @@ struct Params {
   unsigned* counters;  // [num_layers x kCountStride], then exits, then the epoch
   unsigned long long* trace;  // null, or [blocks][num_layers][kTraceSlots] %globaltimer stamps (probe_megakernel.py)
   int flags;                  // kNoWaits, kRingOnly: a timing probe's (the outputs are void)
-  int prefetch;               // tiles the producer asks L2 for ahead of its next bulk copy (0: none)
 };
 
 struct Seg {       // a block's rows of one operation's matrix: the same in every layer
@@ -107,9 +106,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       " @!p bra MBAR_WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
-}
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile(
@@ -261,25 +257,18 @@ struct Walk {
   }
 };
 
-// The producer's one thread: each tile into the next free slot by one bulk copy, and L2 asked for the tile
-// p.prefetch tiles further on, so that HBM keeps streaming while the ring is full and the consumers wait.
+// The producer's one thread: each tile into the next free slot by one bulk copy. (Asking L2 for tiles further ahead,
+// cp.async.bulk.prefetch.L2, slowed every step: docs/gpu-notes.md, fifty-third session.)
 __device__ void produce(const Params& p, Smem& sm) {
   const int ns = p.slots;
-  Walk load, ahead;
+  Walk load;
   load.settle(p, sm.segs);
-  ahead.settle(p, sm.segs);
   uint32_t bytes;
-  for (int i = 0; i < p.prefetch && !ahead.done(p); ++i, ahead.next(p, sm.segs))
-    prefetch_l2(ahead.src(p, sm.segs, bytes), bytes);
   for (RingPos pos; !load.done(p); load.next(p, sm.segs), pos.next(ns)) {
     if (pos.lap > 0) mbar_wait(&sm.empty[pos.slot], (pos.lap - 1) & 1);  // the consumers freed the last lap's
     const __nv_bfloat16* src = load.src(p, sm.segs, bytes);
     mbar_expect_tx(&sm.full[pos.slot], bytes);
     bulk_load(sm.ring + (size_t)pos.slot * (kSlotBytes / 2), src, bytes, &sm.full[pos.slot]);
-    if (p.prefetch > 0 && !ahead.done(p)) {
-      prefetch_l2(ahead.src(p, sm.segs, bytes), bytes);
-      ahead.next(p, sm.segs);
-    }
   }
 }
 
@@ -870,7 +859,7 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
                           float scale_log2, const void* x_in, void* x_out, const void* positions, const void* seq_lens,
                           const void* req_rows, const void* out_loc, const void* req_to_token, long long table_stride,
                           const void* cos_sin, void* h, void* qkv, void* attn, void* act, void* part, void* counters,
-                          void* trace, int flags, int prefetch, int pdl, void* stream) {
+                          void* trace, int flags, int pdl, void* stream) {
   Params p;
   p.layers = static_cast<const Layer*>(layers);
   p.num_layers = num_layers;
@@ -901,7 +890,6 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
   p.counters = static_cast<unsigned*>(counters);
   p.trace = static_cast<unsigned long long*>(trace);
   p.flags = flags;
-  p.prefetch = prefetch;
   const int smem = ost_decode_bs1_smem_bytes(slots, xs_floats);
   cudaError_t e = cudaFuncSetAttribute(decode_bs1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return (int)e;

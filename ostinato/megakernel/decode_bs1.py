@@ -21,7 +21,6 @@ COUNT_STRIDE = 32  # the kernel's kCountStride: counters a layer
 MAX_SLOTS = 16
 MAX_SPLITS = 16
 DEFAULT_SMEM_OPTIN = 232448  # H100 / H200: 227 KiB a block
-PREFETCH_TILES = 0  # tiles a block asks L2 for beyond its next bulk copy
 
 
 def scratch_floats(s: Shape) -> int:
@@ -87,7 +86,6 @@ class DecodeBs1Megakernel:
         self.scale_log2 = s.head_dim**-0.5 * math.log2(math.e)
         self.trace: torch.Tensor | None = None  # set to an int64 [grid, layers, TRACE_SLOTS] buffer to time phases
         self.flags = 0  # build.NO_WAITS, build.RING_ONLY: timing probes (the outputs are void)
-        self.prefetch_tiles = PREFETCH_TILES
 
     def __call__(self, x_in: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor,
                  out_loc: torch.Tensor, req_to_token: torch.Tensor) -> torch.Tensor:
@@ -112,8 +110,8 @@ class DecodeBs1Megakernel:
             self.x_out.data_ptr(), positions.data_ptr(), seq_lens.data_ptr(), req_rows.data_ptr(), out_loc.data_ptr(),
             req_to_token.data_ptr(), req_to_token.stride(0), self.cos_sin.data_ptr(), self.h.data_ptr(),
             self.qkv.data_ptr(), self.attn.data_ptr(), self.act.data_ptr(), self.part.data_ptr(),
-            self.counters.data_ptr(), 0 if self.trace is None else self.trace.data_ptr(), self.flags,
-            self.prefetch_tiles, int(self.pdl), stream)
+            self.counters.data_ptr(), 0 if self.trace is None else self.trace.data_ptr(), self.flags, int(self.pdl),
+            stream)
         if err:
             raise RuntimeError(f"decode megakernel launch: {self.lib.ost_error_string(err).decode()}")
         return self.x_out
