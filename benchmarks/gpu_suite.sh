@@ -4,7 +4,7 @@
 #                                          (probe_megakernel.py), decode ms a step off / on
 #   bash benchmarks/gpu_suite.sh mkprobe   the kernel alone with its phases (MEMCHECK=1: a memcheck run first)
 #   bash benchmarks/gpu_suite.sh mkncu     the kernel under Nsight Compute: its stall reasons
-#   bash benchmarks/gpu_suite.sh mkslots   the kernel alone at 3, 6 and 11 ring slots (prepared, not run)
+#   bash benchmarks/gpu_suite.sh mkslots   the kernel alone at 3, 6 and 11 ring slots
 #   bash benchmarks/gpu_suite.sh tests     every GPU test (kernels, graphs, fused sampler, fp8 KV, piecewise graphs,
 #                                          Mamba kernels, VLM on CUDA, the models against transformers, PDL on vs
 #                                          off, prefix cache, shutdown), in parallel processes: ~3 min cold
@@ -154,7 +154,7 @@ mkprobe)
       --out "$OUT/probe-megakernel.json" 2>&1 | keep mk-probe 40
   ;;
 mkslots)
-  # the kernel alone at 3, 6 and 13 ring slots (prepared, not run): does a tile's time scale with 1 / slots?
+  # the kernel alone at 3, 6 and 11 ring slots (6 and 8 timed as 11-12 in the fifty-third session)
   timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
   for sl in 3 6 11; do
     timeout 90 python benchmarks/probe_megakernel.py --models qwen3-0.6b llama-3.2-1b --contexts 128 --slots $sl \

@@ -14,8 +14,8 @@
 // Each operation waits for the one before it to be counted complete by every block (or every kv head), by one
 // thread's gpu-scope acquire poll. Counts only grow: a launch reads the epoch (launches so far) and waits for
 // (epoch + 1) x the target, compared modulo 2^32; the last block to leave advances the epoch. So no memset a step.
-// Every row of every output is computed by one warp (or one block's warps) in a fixed order: the result does not
-// depend on timing. Activations the kernel produces are read with ld.global.cg (L2), never from L1.
+// Every row of every output is one block's: its warps' parts of k summed in a fixed order at the operation's end, so
+// the result does not depend on timing. Activations the kernel produces are read with ld.global.cg (L2), never L1.
 //
 // Layouts: weights row-major [out, in] bf16, contiguous, 16-byte aligned; W_qkv's rows q, k, v; W_gu's rows gate
 // then up; the input and post-attention norms' weights already folded into W_qkv and W_gu (layers/norm_linear.py).
