@@ -346,8 +346,8 @@ __device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, b
 }
 
 // Every tile holds rows_per_tile(k) <= kWarps rows, and a row is taken by parts = kWarps / rows_per_tile warps,
-// each a slice of k (span <= 1,024 columns). So a warp takes one (row, part)
-// of each tile, and each lane holds its columns of x in registers for the whole operation, 8 at each 256.
+// each a slice of k (span <= 1,024 columns). So a warp takes one (row, part) of each tile, and each lane holds its
+// columns of x in registers for the whole operation, 8 at each 256.
 struct HeldX {
   float v[4][8];
 };
