@@ -58,7 +58,8 @@ class DecodeBs1Megakernel:
         built = (self.lib.ost_decode_bs1_slot_bytes(), self.lib.ost_decode_bs1_rows_max(),
                  self.lib.ost_decode_bs1_part_max(), self.lib.ost_decode_bs1_count_stride(),
                  self.lib.ost_decode_bs1_max_slots(), self.lib.ost_decode_bs1_trace_slots())
-        assert built == (SLOT_BYTES, GATE_MAX, PART_MAX, COUNT_STRIDE, MAX_SLOTS, TRACE_SLOTS), built  # the kernel's
+        # the kernel's constants, as this module and weights.py assume them
+        assert built == (SLOT_BYTES, GATE_MAX, PART_MAX, COUNT_STRIDE, MAX_SLOTS, TRACE_SLOTS), built
         self.xs_floats = scratch_floats(s)
         props = torch.cuda.get_device_properties(device)
         optin = getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_OPTIN)
