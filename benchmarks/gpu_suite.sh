@@ -500,7 +500,8 @@ persistent)
   done
   ;;
 persistentregs)
-  # prepared in the fifty-first session, not run: the one-launch search (forced everywhere) with a 128-register cap
+  # prepared in the fifty-first session, run once a setting in the fifty-third (gpu-notes.md): the one-launch search
+  # (forced everywhere) with a 128-register cap
   # (OSTINATO_SAMPLER_PERSISTENT_MAXNREG=128: two programs an SM instead of one; ptxas: no spills without the gather,
   # about 110 bytes with it), against no cap, each beside the session's starting fused_sample.py (carried as for
   # `persistent`). The question: does the cap take back the loss where many rows are searched (top_k 50 + top_p 0.9
