@@ -513,6 +513,23 @@ persistentregs)
         | grep -E "top_p|Error" | sed "s/^/[maxnreg ${regs:-none}] /" | tee -a "$OUT/fused-sample-persistent-regs.log"
   done
   ;;
+persistentcap)
+  # prepared in the fifty-third session, not run: what the register-capped one launch (persistentregs' figures: top_k
+  # 50 + top_p 0.9 at 32 peaked rows 159 us against 168-170 separate) buys through LLM.generate. The sampler's GPU
+  # tests with the one launch forced and capped (OSTINATO_SAMPLER_PERSISTENT=1, _MAXNREG=128), then top_k 50 + top_p
+  # 0.9 at T=0.6 at bs 1 and 32 (greedy beside it), the default rule and forced + capped in turns, one process each.
+  # About 7 minutes
+  OSTINATO_SAMPLER_PERSISTENT=1 OSTINATO_SAMPLER_PERSISTENT_MAXNREG=128 timeout 240 python -m pytest -q \
+      -p no:cacheprovider tests/test_fused_sample.py tests/test_sample_graph.py tests/test_sampler.py -k "not warm_up" \
+      2>&1 | tail -4 | tee "$OUT/persistentcap-tests.log"
+  for mode in default capped default capped; do
+    force=auto; regs=; [ "$mode" = capped ] && force=1 && regs=128
+    OSTINATO_SAMPLER_PERSISTENT=$force OSTINATO_SAMPLER_PERSISTENT_MAXNREG=$regs timeout 100 python \
+        benchmarks/bench_generate.py --models llama-3.2-1b --batch-sizes 1 32 --temperature 0 0.6 --top-k 50 \
+        --top-p 0.9 --repeats 1 --out "$OUT/generate-persistentcap-$mode.json" 2>&1 | quiet \
+        | grep -E "ms/token|Error" | sed "s/^/[$mode] /" | tee -a "$OUT/generate-persistentcap.log"
+  done
+  ;;
 persistentab)
   # fifty-first session: top_p 0.9 through LLM.generate at bs 1 and 32 (greedy beside it) with the one-launch search
   # by default and off (OSTINATO_SAMPLER_PERSISTENT unset / 0), in turns, one process each. About 5 minutes
