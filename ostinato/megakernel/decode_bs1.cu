@@ -334,14 +334,15 @@ __device__ float load_normed(Smem& sm, const T* src, int n, float eps) {
   return rsqrtf(tot / n + eps);
 }
 
-// xs = src[0, n), and the block's rows [r0, r1) of the residual stream (of x_in: the first layer's O) into sm.rows,
-// the loads of both in flight together.
-__device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, bool from_x_in, int r0, int r1) {
-  const int tid = threadIdx.x;
+// xs = src[0, n), and the block's rows of the residual stream (O's and DOWN's rows; of x_in: the first layer's O)
+// into sm.rows, the loads of both in flight together.
+__device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, bool from_x_in) {
+  const int tid = threadIdx.x, r0 = sm.segs[kOpO].row0;
+  const bool mine = tid < sm.segs[kOpO].rows;
   float res = 0.f;
-  if (tid < r1 - r0) res = from_x_in ? bf(p.x_in[r0 + tid]) : __ldcg(p.h + r0 + tid);
+  if (mine) res = from_x_in ? bf(p.x_in[r0 + tid]) : __ldcg(p.h + r0 + tid);
   stage(sm, src, n);
-  if (tid < r1 - r0) sm.rows[tid] = res;
+  if (mine) sm.rows[tid] = res;
   consumer_sync();
 }
 
@@ -770,9 +771,7 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
 
     wait_count(p, c + kAttn, next * (unsigned)p.kv_heads);
     stamp(p, layer, 6);
-    int r0, r1;
-    share(p.hidden, blockIdx.x, grid, r0, r1);
-    load_plain(p, sm, p.attn, p.heads * p.head_dim, layer == 0, r0, r1);
+    load_plain(p, sm, p.attn, p.heads * p.head_dim, layer == 0);
     gemv(p, L, sm, kOpO, layer, pos, 7, 1.f);
     stamp(p, layer, 8);
     signal_count(c + kO);
@@ -787,7 +786,7 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
 
     wait_count(p, c + kGu, next * grid);
     stamp(p, layer, 12);
-    load_plain(p, sm, p.act, p.inter, false, r0, r1);
+    load_plain(p, sm, p.act, p.inter, false);
     gemv(p, L, sm, kOpDown, layer, pos, 13, 1.f);
     stamp(p, layer, 14);
     signal_count(c + kDown);
