@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_suite.sh mkprobe   the kernel alone with its phases (MEMCHECK=1: a memcheck run first)
 #   bash benchmarks/gpu_suite.sh mkncu     the kernel under Nsight Compute: its stall reasons
 #   bash benchmarks/gpu_suite.sh mkslots   the kernel alone at 3, 6 and 11 ring slots
+#   bash benchmarks/gpu_suite.sh mkab      the megakernel's GPU tests, then the kernel alone: this tree against
+#                                          copies in .ab/, in turns (MK_VARIANTS)
 #   bash benchmarks/gpu_suite.sh tests     every GPU test (kernels, graphs, fused sampler, fp8 KV, piecewise graphs,
 #                                          Mamba kernels, VLM on CUDA, the models against transformers, PDL on vs
 #                                          off, prefix cache, shutdown), in parallel processes: ~3 min cold
@@ -152,6 +154,27 @@ mkprobe)
       qwen3-0.6b --layers 2 --contexts 8 40 --iters 1 --no-trace --out "$OUT/memcheck.json" 2>&1 | keep mk-memcheck 40
   timeout 200 python benchmarks/probe_megakernel.py --models qwen3-0.6b llama-3.2-1b --contexts 128 1024 \
       --out "$OUT/probe-megakernel.json" 2>&1 | keep mk-probe 40
+  ;;
+mkab)
+  # the megakernel's GPU tests, then the kernel alone (probe_megakernel.py) for this tree against copies carried in
+  # .ab/ (`git archive <commit> ostinato | tar -x -C .ab/<name>`), in turns: MK_VARIANTS="tree head tree head" by
+  # default, the first run of each traced. About 4 minutes. The fifty-fourth session ran "tree head v1 s64 s128
+  # tree", "tree head relaxed tree head" and "tree head tmplonly tree head" (probe-megakernel-{ilp-splits,
+  # merge-relaxed,templated}-h200-20261129-s54.tgz; docs/gpu-notes.md says what each copy held), then "tree"
+  timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
+  timeout 100 python -m pytest -x -q -p no:cacheprovider tests/test_megakernel_gpu.py -k "twin and qwen3" 2>&1 \
+      | keep mk-smoke 25
+  grep -q " passed" "$OUT/mk-smoke.log" || exit 1
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_megakernel_gpu.py 2>&1 | keep mk-tests 30
+  seen= n=0
+  for v in ${MK_VARIANTS:-tree head tree head}; do
+    n=$((n + 1))
+    src=$PWD; [ "$v" = tree ] || src=$PWD/.ab/$v
+    trace=--no-trace; case " $seen " in *" $v "*) ;; *) trace= ;; esac; seen="$seen $v"
+    PYTHONPATH=$src timeout 100 python benchmarks/probe_megakernel.py --models qwen3-0.6b llama-3.2-1b \
+        --contexts 128 1024 --iters 50 $trace --out "$OUT/probe-megakernel-$n-$v.json" 2>&1 \
+        | grep -E "ring slots|ctx|dur|Error" | sed "s/^/[$v] /" | tee -a "$OUT/mk-ab.log"
+  done
   ;;
 mkslots)
   # the kernel alone at 3, 6 and 11 ring slots (6 and 8 timed as 11-12 in the fifty-third session)
@@ -514,8 +537,9 @@ persistentregs)
   done
   ;;
 persistentcap)
-  # prepared in the fifty-third session, not run: what the register-capped one launch (persistentregs' figures: top_k
-  # 50 + top_p 0.9 at 32 peaked rows 159 us against 168-170 separate) buys through LLM.generate. The sampler's GPU
+  # prepared in the fifty-third session: what the register-capped one launch (persistentregs' figures: top_k
+  # 50 + top_p 0.9 at 32 peaked rows 159 us against 168-170 separate) buys through LLM.generate. (The fifty-fourth
+  # session ran the tests and one default / capped pair: generate-persistentcap-*-h200-20261129-s54.*) The sampler's GPU
   # tests with the one launch forced and capped (OSTINATO_SAMPLER_PERSISTENT=1, _MAXNREG=128), then top_k 50 + top_p
   # 0.9 at T=0.6 at bs 1 and 32 (greedy beside it), the default rule and forced + capped in turns, one process each.
   # About 7 minutes

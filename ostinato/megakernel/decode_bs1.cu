@@ -729,22 +729,8 @@ __device__ void attend_all(const Params& p, const Layer& L, Smem& sm, int layer,
   }
 }
 
-__device__ void attend(const Params& p, const Layer& L, Smem& sm, int layer, unsigned epoch) {
-  const int g = p.heads / p.kv_heads;
-  if (p.head_dim == 128) {
-    if (g == 1) attend_all<128, 1>(p, L, sm, layer, epoch);
-    else if (g == 2) attend_all<128, 2>(p, L, sm, layer, epoch);
-    else if (g == 3) attend_all<128, 3>(p, L, sm, layer, epoch);
-    else attend_all<128, 4>(p, L, sm, layer, epoch);
-  } else {
-    if (g == 1) attend_all<64, 1>(p, L, sm, layer, epoch);
-    else if (g == 2) attend_all<64, 2>(p, L, sm, layer, epoch);
-    else if (g == 3) attend_all<64, 3>(p, L, sm, layer, epoch);
-    else attend_all<64, 4>(p, L, sm, layer, epoch);
-  }
-}
-
 // Returns the launch's epoch (launches of this kernel before it on these counters).
+template <int D, int G>
 __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the step's inputs are written by the kernels before
   if (threadIdx.x == 0) sm.misc[kWarps + 1] = __uint_as_float(__ldcg(p.counters + (size_t)p.num_layers * kCountStride + 1));
@@ -767,7 +753,7 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
     stamp(p, layer, 2);
     signal_count(c + kQkv);
 
-    if ((int)blockIdx.x < p.kv_heads * p.splits) attend(p, L, sm, layer, epoch);
+    if ((int)blockIdx.x < p.kv_heads * p.splits) attend_all<D, G>(p, L, sm, layer, epoch);
 
     wait_count(p, c + kAttn, next * (unsigned)p.kv_heads);
     stamp(p, layer, 6);
@@ -794,6 +780,8 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
   return epoch;
 }
 
+// One kernel a (head dim D, query heads a KV head G): a launch carries only its own attention code.
+template <int D, int G>
 __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p, int xs_floats) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ Seg segs[5];
@@ -821,7 +809,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p,
   if (threadIdx.x >= kConsumers) {
     if (threadIdx.x == kConsumers) produce(p, sm);
   } else {
-    const unsigned e = consume(p, sm);
+    const unsigned e = consume<D, G>(p, sm);
     if (threadIdx.x == 0) epoch_s = e;
   }
   __syncthreads();
@@ -833,6 +821,29 @@ __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p,
       __threadfence();
       atomicExch(epoch_p, epoch + 1u);
     }
+  }
+}
+
+template <int D, int G>
+cudaError_t launch(const cudaLaunchConfig_t& cfg, const Params& p, int xs_floats) {
+  cudaError_t e = cudaFuncSetAttribute(decode_bs1_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)cfg.dynamicSmemBytes);
+  return e != cudaSuccess ? e : cudaLaunchKernelEx(&cfg, decode_bs1_kernel<D, G>, p, xs_floats);
+}
+
+template <int D>
+cudaError_t launch_for_group(const cudaLaunchConfig_t& cfg, const Params& p, int xs_floats) {
+  switch (p.heads / p.kv_heads) {
+    case 1:
+      return launch<D, 1>(cfg, p, xs_floats);
+    case 2:
+      return launch<D, 2>(cfg, p, xs_floats);
+    case 3:
+      return launch<D, 3>(cfg, p, xs_floats);
+    case 4:
+      return launch<D, 4>(cfg, p, xs_floats);
+    default:
+      return cudaErrorInvalidValue;  // weights.unsupported_reason refuses it first
   }
 }
 
@@ -889,20 +900,24 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
   p.counters = static_cast<unsigned*>(counters);
   p.trace = static_cast<unsigned long long*>(trace);
   p.flags = flags;
-  const int smem = ost_decode_bs1_smem_bytes(slots, xs_floats);
-  cudaError_t e = cudaFuncSetAttribute(decode_bs1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return (int)e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
+  cfg.dynamicSmemBytes = ost_decode_bs1_smem_bytes(slots, xs_floats);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, decode_bs1_kernel, p, xs_floats);
+  switch (head_dim) {
+    case 64:
+      return (int)launch_for_group<64>(cfg, p, xs_floats);
+    case 128:
+      return (int)launch_for_group<128>(cfg, p, xs_floats);
+    default:
+      return (int)cudaErrorInvalidValue;
+  }
 }
 
 const char* ost_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
