@@ -97,6 +97,7 @@ def test_one_launch_where_top_p_alone_filters_a_small_batch_whose_splits_fit(mon
     from ostinato.runner import fused_sample
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(fused_sample, "PERSISTENT", "auto")  # the default, whatever the run forces
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     rule = fused_sample._persistent_search
     cap = fused_sample.PERSISTENT_MAX_BATCH
