@@ -129,15 +129,20 @@ uniform_entries() {
       --no-launches --iters 50 --decode-entry "$@" --out "$OUT/$name.json" 2>&1 | quiet \
       | grep -E "x of the first|Error" | tee "$OUT/$name.log"
 }
+# the megakernel's nvcc build, the twin check on Qwen3's shape under a short timeout (a hang stops the call there),
+# then every megakernel GPU test; fails where the twin check did not pass
+megakernel_tests() {
+  timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
+  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_megakernel_gpu.py -k "twin and qwen3" 2>&1 \
+      | keep mk-smoke 25
+  grep -q " passed" "$OUT/mk-smoke.log" || return 1
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_megakernel_gpu.py 2>&1 | keep mk-tests 30
+}
 case "$part" in
 megakernel)
   # The one-launch bs-1 decode step (ostinato/megakernel): nvcc build, the twin check on Qwen3's shape under a
   # short timeout (a hang stops the call there), every megakernel GPU test, then decode ms a step off / on
-  timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
-  timeout 150 python -m pytest -x -q -p no:cacheprovider tests/test_megakernel_gpu.py -k "twin and qwen3" 2>&1 \
-      | keep mk-smoke 25
-  grep -q " passed" "$OUT/mk-smoke.log" || exit 1
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_megakernel_gpu.py 2>&1 | keep mk-tests 30
+  megakernel_tests || exit 1
   timeout 150 python benchmarks/probe_megakernel.py --models qwen3-0.6b llama-3.2-1b --contexts 128 1024 \
       --out "$OUT/probe-megakernel.json" 2>&1 | keep mk-probe 40
   timeout 200 python benchmarks/bench_decode.py --models qwen3-0.6b llama-3.2-1b --cases 1:128 1:1024 --modes graph \
@@ -161,11 +166,7 @@ mkab)
   # default, the first run of each traced. About 4 minutes. The fifty-fourth session ran "tree head v1 s64 s128
   # tree", "tree head relaxed tree head" and "tree head tmplonly tree head" (probe-megakernel-{ilp-splits,
   # merge-relaxed,templated}-h200-20261129-s54.tgz; docs/gpu-notes.md says what each copy held), then "tree"
-  timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
-  timeout 100 python -m pytest -x -q -p no:cacheprovider tests/test_megakernel_gpu.py -k "twin and qwen3" 2>&1 \
-      | keep mk-smoke 25
-  grep -q " passed" "$OUT/mk-smoke.log" || exit 1
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_megakernel_gpu.py 2>&1 | keep mk-tests 30
+  megakernel_tests || exit 1
   seen= n=0
   for v in ${MK_VARIANTS:-tree head tree head}; do
     n=$((n + 1))
