@@ -4,7 +4,9 @@
 // A block is 8 consumer warps and one producer warp. The producer streams the block's share of every weight
 // matrix, layer after layer, into a ring of shared-memory slots by bulk copies (cp.async.bulk, completion on an
 // mbarrier a slot); it never waits for activations, only for a free slot, so HBM keeps streaming while the
-// consumers wait on the step's data dependencies. The consumers run the layer as five operations:
+// consumers wait on the step's data dependencies; except that it holds its copies from the end of O, GU or DOWN to
+// the next operation's staged input (`hold`), where a refill slowed the hand-off (docs/gpu-notes.md, fifty-fourth
+// session). The consumers run the layer as five operations:
 //   QKV   rows of W_qkv . rms(h)                  -> qkv (fp32)        then count QKV += 1
 //   ATTN  (kv head, split) items: q/k norm, rotary, the new K/V stored, softmax over the split's keys; the last
 //         split of a head to finish merges the head's splits       -> attn (fp32)       then count ATTN += 1
@@ -218,6 +220,7 @@ struct Smem {
   float* part;          // [kPartMax]: the operation's dots, a (block row, k part) each, summed at its end
   float* rows;          // [kGateMax]: the block's gate outputs (GU) or residual rows (O, DOWN)
   float* misc;          // [kWarps + 4]
+  unsigned* pause;      // set by the consumers from a GEMV's end to the next one's staging: the producer holds its copies
 };
 
 // A walker's place in the ring: the slot and the parity of its current lap (both roles walk the same tiles in order).
@@ -266,6 +269,8 @@ __device__ void produce(const Params& p, Smem& sm) {
   uint32_t bytes;
   for (RingPos pos; !load.done(p); load.next(p, sm.segs), pos.next(ns)) {
     if (pos.lap > 0) mbar_wait(&sm.empty[pos.slot], (pos.lap - 1) & 1);  // the consumers freed the last lap's
+    while (*reinterpret_cast<volatile unsigned*>(sm.pause)) {
+    }
     const __nv_bfloat16* src = load.src(p, sm.segs, bytes);
     mbar_expect_tx(&sm.full[pos.slot], bytes);
     bulk_load(sm.ring + (size_t)pos.slot * (kSlotBytes / 2), src, bytes, &sm.full[pos.slot]);
@@ -729,6 +734,12 @@ __device__ void attend_all(const Params& p, const Layer& L, Smem& sm, int layer,
   }
 }
 
+// The producer holds its copies (1) or goes on (0): set once a GEMV's tiles are all read, cleared once the next GEMV's
+// input is staged, so the count's release, its poll and the staging's reads do not queue behind a refill.
+__device__ __forceinline__ void hold(Smem& sm, unsigned on) {
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(sm.pause) = on;
+}
+
 // Returns the launch's epoch (launches of this kernel before it on these counters).
 template <int D, int G>
 __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
@@ -748,6 +759,7 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
       wait_count(p, c - kCountStride + kDown, next * grid);
       stamp(p, layer, 0);
       inv = load_normed(sm, p.h, p.hidden, p.eps);
+      hold(sm, 0u);
     }
     gemv(p, L, sm, kOpQkv, layer, pos, 1, inv);
     stamp(p, layer, 2);
@@ -760,21 +772,26 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
     load_plain(p, sm, p.attn, p.heads * p.head_dim, layer == 0);
     gemv(p, L, sm, kOpO, layer, pos, 7, 1.f);
     stamp(p, layer, 8);
+    hold(sm, 1u);
     signal_count(c + kO);
 
     wait_count(p, c + kO, next * grid);
     stamp(p, layer, 9);
     inv = load_normed(sm, p.h, p.hidden, p.eps);
+    hold(sm, 0u);
     gemv(p, L, sm, kOpGate, layer, pos, 10, inv);
     gemv(p, L, sm, kOpUp, layer, pos, -1, inv);
     stamp(p, layer, 11);
+    hold(sm, 1u);
     signal_count(c + kGu);
 
     wait_count(p, c + kGu, next * grid);
     stamp(p, layer, 12);
     load_plain(p, sm, p.act, p.inter, false);
+    hold(sm, 0u);
     gemv(p, L, sm, kOpDown, layer, pos, 13, 1.f);
     stamp(p, layer, 14);
+    if (layer + 1 < p.num_layers) hold(sm, 1u);
     signal_count(c + kDown);
   }
   return epoch;
@@ -785,8 +802,10 @@ template <int D, int G>
 __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p, int xs_floats) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ Seg segs[5];
+  __shared__ unsigned pause_s;
   Smem sm;
   sm.segs = segs;
+  sm.pause = &pause_s;
   sm.ring = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   sm.full = reinterpret_cast<uint64_t*>(smem_raw + (size_t)p.slots * kSlotBytes);
   sm.empty = sm.full + kMaxSlots;
@@ -804,6 +823,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p,
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     block_segments(p, blockIdx.x, gridDim.x, segs);
+    pause_s = 0u;
   }
   __syncthreads();
   if (threadIdx.x >= kConsumers) {
