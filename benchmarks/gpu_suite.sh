@@ -538,12 +538,11 @@ persistentregs)
   done
   ;;
 persistentcap)
-  # prepared in the fifty-third session: what the register-capped one launch (persistentregs' figures: top_k
-  # 50 + top_p 0.9 at 32 peaked rows 159 us against 168-170 separate) buys through LLM.generate. (The fifty-fourth
-  # session ran the tests and one default / capped pair: generate-persistentcap-*-h200-20261129-s54.*) The sampler's GPU
-  # tests with the one launch forced and capped (OSTINATO_SAMPLER_PERSISTENT=1, _MAXNREG=128), then top_k 50 + top_p
-  # 0.9 at T=0.6 at bs 1 and 32 (greedy beside it), the default rule and forced + capped in turns, one process each.
-  # About 7 minutes
+  # prepared in the fifty-third session: what the register-capped one launch (persistentregs' figures: top_k 50 +
+  # top_p 0.9 at 32 peaked rows 159 us against 168-170 separate) buys through LLM.generate. The sampler's GPU tests
+  # with the one launch forced and capped (OSTINATO_SAMPLER_PERSISTENT=1, _MAXNREG=128), then top_k 50 + top_p 0.9 at
+  # T=0.6 at bs 1 and 32 (greedy beside it), the default rule and forced + capped in turns, one process each. About
+  # 7 minutes. (The fifty-fourth session ran the tests and one pair: generate-persistentcap-*-h200-20261129-s54.*)
   OSTINATO_SAMPLER_PERSISTENT=1 OSTINATO_SAMPLER_PERSISTENT_MAXNREG=128 timeout 240 python -m pytest -q \
       -p no:cacheprovider tests/test_fused_sample.py tests/test_sample_graph.py tests/test_sampler.py -k "not warm_up" \
       2>&1 | tail -4 | tee "$OUT/persistentcap-tests.log"
