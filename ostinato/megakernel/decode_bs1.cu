@@ -220,7 +220,7 @@ struct Smem {
   float* part;          // [kPartMax]: the operation's dots, a (block row, k part) each, summed at its end
   float* rows;          // [kGateMax]: the block's gate outputs (GU) or residual rows (O, DOWN)
   float* misc;          // [kWarps + 4]
-  unsigned* pause;      // set by the consumers from a GEMV's end to the next one's staging: the producer holds its copies
+  unsigned* hold;       // set by the consumers from a GEMV's end to the next one's staging: the producer holds its copies
 };
 
 // A walker's place in the ring: the slot and the parity of its current lap (both roles walk the same tiles in order).
@@ -269,7 +269,7 @@ __device__ void produce(const Params& p, Smem& sm) {
   uint32_t bytes;
   for (RingPos pos; !load.done(p); load.next(p, sm.segs), pos.next(ns)) {
     if (pos.lap > 0) mbar_wait(&sm.empty[pos.slot], (pos.lap - 1) & 1);  // the consumers freed the last lap's
-    while (*reinterpret_cast<volatile unsigned*>(sm.pause)) {
+    while (*reinterpret_cast<volatile unsigned*>(sm.hold)) {
     }
     const __nv_bfloat16* src = load.src(p, sm.segs, bytes);
     mbar_expect_tx(&sm.full[pos.slot], bytes);
@@ -737,7 +737,7 @@ __device__ void attend_all(const Params& p, const Layer& L, Smem& sm, int layer,
 // The producer holds its copies (1) or goes on (0): set once a GEMV's tiles are all read, cleared once the next GEMV's
 // input is staged, so the count's release, its poll and the staging's reads do not queue behind a refill.
 __device__ __forceinline__ void hold(Smem& sm, unsigned on) {
-  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(sm.pause) = on;
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(sm.hold) = on;
 }
 
 // Returns the launch's epoch (launches of this kernel before it on these counters).
@@ -802,10 +802,10 @@ template <int D, int G>
 __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p, int xs_floats) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ Seg segs[5];
-  __shared__ unsigned pause_s;
+  __shared__ unsigned hold_s;
   Smem sm;
   sm.segs = segs;
-  sm.pause = &pause_s;
+  sm.hold = &hold_s;
   sm.ring = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   sm.full = reinterpret_cast<uint64_t*>(smem_raw + (size_t)p.slots * kSlotBytes);
   sm.empty = sm.full + kMaxSlots;
@@ -823,7 +823,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p,
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     block_segments(p, blockIdx.x, gridDim.x, segs);
-    pause_s = 0u;
+    hold_s = 0u;
   }
   __syncthreads();
   if (threadIdx.x >= kConsumers) {
