@@ -328,7 +328,7 @@ __device__ __forceinline__ float stage(Smem& sm, const T* src, int n) {
 // 4 columns of up to 2 heads at a time, every split's max, sum and output loaded before any is used, then weighted by
 // the largest max (as reference.split_attention).
 template <int D, int G>
-__device__ __noinline__ void stage_merged(const Params& p, Smem& sm, int used) {
+__device__ void stage_merged(const Params& p, Smem& sm, int used) {
   constexpr int kChunks = 2;  // float4 columns a thread in flight
   const int n = p.heads * D;
   for (int base = threadIdx.x * 4; base < n; base += kChunks * kConsumers * 4) {
@@ -483,7 +483,7 @@ __device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& 
 // freeing each slot once read, then reduces the group's dots together into sm.part; at the end every row's parts
 // are summed in a fixed order (the result does not depend on timing) and the epilogue runs a row a thread.
 // `scale` multiplies every dot (the input's RMSNorm scale, or 1).
-__device__ __noinline__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int layer, RingPos& pos, int first_stamp,
+__device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int layer, RingPos& pos, int first_stamp,
                      float scale) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ns = p.slots;
   const Seg s = sm.segs[op];
@@ -852,7 +852,7 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
 
 // One kernel a (head dim D, query heads a KV head G): a launch carries only its own attention code.
 template <int D, int G>
-__global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const __grid_constant__ Params p, int xs_floats) {
+__global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p, int xs_floats) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ Seg segs[5];
   __shared__ unsigned hold_s;
