@@ -804,48 +804,34 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const Layer L = p.layers[layer];
     unsigned* c = p.counters + (size_t)layer * kCountStride;
-    float inv;
-    if (layer == 0) {
-      stamp(p, layer, 0);
-      inv = load_normed(sm, p.x_in, p.hidden, p.eps);
-    } else {
-      wait_count(p, c - kCountStride + kDown, next * grid);
-      stamp(p, layer, 0);
-      inv = load_normed(sm, p.h, p.hidden, p.eps);
-      hold(sm, 0u);
+    float scale = 1.f;  // the input's RMSNorm scale (QKV, gate and up), or 1
+    // One pass of this loop an operation, so the GEMV's code is in the kernel once (its five inlined copies were
+    // most of the kernel's SASS, which every layer runs through).
+#pragma unroll 1
+    for (int op = kOpQkv; op <= kOpDown; ++op) {
+      if (op != kOpUp) {  // the dependency, then the input staged (up's is gate's)
+        if (op == kOpQkv && layer > 0) wait_count(p, c - kCountStride + kDown, next * grid);
+        if (op == kOpO) wait_count(p, c + kAttn, next * (unsigned)(p.kv_heads * p.splits));
+        if (op == kOpGate) wait_count(p, c + kO, next * grid);
+        if (op == kOpDown) wait_count(p, c + kGu, next * grid);
+        stamp(p, layer, op == kOpQkv ? 0 : op == kOpO ? 6 : op == kOpGate ? 9 : 12);
+        if (op == kOpQkv && layer == 0)
+          scale = load_normed(sm, p.x_in, p.hidden, p.eps);
+        else if (op == kOpQkv || op == kOpGate)
+          scale = load_normed(sm, p.h, p.hidden, p.eps);
+        else
+          scale = 1.f, load_plain<D, G>(p, sm, op == kOpDown ? p.act : used_splits(p) <= kStageMergeMax ? nullptr : p.attn,
+                                        op == kOpDown ? p.inter : p.heads * D, op == kOpO && layer == 0);
+        hold(sm, 0u);
+      }
+      gemv(p, L, sm, op, layer, pos, op == kOpQkv ? 1 : op == kOpO ? 7 : op == kOpGate ? 10 : op == kOpUp ? -1 : 13,
+           scale);
+      if (op == kOpGate) continue;
+      stamp(p, layer, op == kOpQkv ? 2 : op == kOpO ? 8 : op == kOpUp ? 11 : 14);
+      if (op != kOpQkv && (op != kOpDown || layer + 1 < p.num_layers)) hold(sm, 1u);
+      signal_count(c + (op == kOpQkv ? kQkv : op == kOpO ? kO : op == kOpUp ? kGu : kDown));
+      if (op == kOpQkv && (int)blockIdx.x < p.kv_heads * p.splits) attend_all<D, G>(p, L, sm, layer, epoch);
     }
-    gemv(p, L, sm, kOpQkv, layer, pos, 1, inv);
-    stamp(p, layer, 2);
-    signal_count(c + kQkv);
-
-    if ((int)blockIdx.x < p.kv_heads * p.splits) attend_all<D, G>(p, L, sm, layer, epoch);
-
-    wait_count(p, c + kAttn, next * (unsigned)(p.kv_heads * p.splits));
-    stamp(p, layer, 6);
-    load_plain<D, G>(p, sm, used_splits(p) <= kStageMergeMax ? nullptr : p.attn, p.heads * D, layer == 0);
-    gemv(p, L, sm, kOpO, layer, pos, 7, 1.f);
-    stamp(p, layer, 8);
-    hold(sm, 1u);
-    signal_count(c + kO);
-
-    wait_count(p, c + kO, next * grid);
-    stamp(p, layer, 9);
-    inv = load_normed(sm, p.h, p.hidden, p.eps);
-    hold(sm, 0u);
-    gemv(p, L, sm, kOpGate, layer, pos, 10, inv);
-    gemv(p, L, sm, kOpUp, layer, pos, -1, inv);
-    stamp(p, layer, 11);
-    hold(sm, 1u);
-    signal_count(c + kGu);
-
-    wait_count(p, c + kGu, next * grid);
-    stamp(p, layer, 12);
-    load_plain<D, G>(p, sm, p.act, p.inter, false);
-    hold(sm, 0u);
-    gemv(p, L, sm, kOpDown, layer, pos, 13, 1.f);
-    stamp(p, layer, 14);
-    if (layer + 1 < p.num_layers) hold(sm, 1u);
-    signal_count(c + kDown);
   }
   return epoch;
 }
