@@ -102,18 +102,16 @@ def test_kernel_decodes_what_its_twin_does(family):
 
 
 @pytest.mark.parametrize("family", list(SHAPES))
-@pytest.mark.parametrize(("context", "steps"), [(135, 11), (200, 2), (700, 2), (3000, 2)])
-def test_kernel_at_long_contexts(family, context, steps):
-    """A request whose first keys are random K/V already in the cache, then its last `steps` steps (every split in
-    use at 3,000). From 124 to 134 cached keys the steps cross from O's staging merging the splits (up to 4 splits
-    with keys) to the per-head merge: a count out of step there would hang a wait or read stale parts."""
+@pytest.mark.parametrize("context", [200, 700, 3000])
+def test_kernel_at_long_contexts(family, context):
+    """A request whose first context - 1 keys are random K/V already in the cache (every split in use at 3,000)."""
     model, kv, mk = setup(family, seed=2)
     s = model_shape(model)
     gen = torch.Generator(device="cuda").manual_seed(context)
     slots = torch.randperm(SLOTS - 1, device="cuda", generator=gen)[:context] + 1
     table = torch.zeros(2, SLOTS, dtype=torch.int32, device="cuda")
     kv_twin = [tuple(b.clone() for b in kv.get_kv_buffer(i)) for i in range(s.num_layers)]
-    for t in range(context - steps, context):
+    for t in (context - 2, context - 1):
         x_in = model.embed_tokens(torch.randint(0, 512, (1,), device="cuda", generator=gen))
         out = mk(x_in, *step_inputs(t, slots, table), table).clone()
         err = close(out[0], run_twin(model, mk, kv_twin, x_in, t, slots))

@@ -8,11 +8,9 @@
 // the next operation's staged input (`hold`), where a refill slowed the hand-off (docs/gpu-notes.md, fifty-fourth
 // session). The consumers run the layer as five operations:
 //   QKV   rows of W_qkv . rms(h)                  -> qkv (fp32)        then count QKV += 1
-//   ATTN  (kv head, split) items: q/k norm, rotary, the new K/V stored, softmax over the split's keys -> part;
-//         at up to kStageMergeMax splits with keys             then count ATTN += 1 an item; past it the last
-//         split of a head to finish merges the head's splits -> attn (fp32)  then count ATTN += splits
-//   O     rows of W_o . attn (at few splits every block merges the splits' parts as it stages them), added to the
-//         residual stream h                                      then count O += 1
+//   ATTN  (kv head, split) items: q/k norm, rotary, the new K/V stored, softmax over the split's keys; the last
+//         split of a head to finish merges the head's splits       -> attn (fp32)       then count ATTN += 1
+//   O     rows of W_o . attn, added to the residual stream h       then count O += 1
 //   GU    gate rows and up rows of W_gu . rms(h) -> act = silu(gate) * up                 then count GU += 1
 //   DOWN  rows of W_down . act, added to h (the last layer also writes x_out, bf16)       then count DOWN += 1
 // Each operation waits for the one before it to be counted complete by every block (or every kv head), by one
@@ -42,8 +40,6 @@ constexpr int kGateMax = 512;                 // rows a block holds: gate output
 constexpr int kMinSplitTokens = 32;           // cached keys a split takes at least (fewer splits at short contexts)
 constexpr int kPartMax = 1024;                // a block's row x part sums of one operation (rows x warps a row)
 constexpr int kTileGroup = 4;                 // tiles a warp takes before one reduction of their dots
-constexpr int kStageMergeMax = 4;             // splits with keys up to which O's staging merges them (no merge step)
-constexpr int kPartPad = 4;                   // a split's part a query head: output [D], max, sum, 2 pad (16-B rows)
 
 enum Count { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4, kHead = 5 };
 enum Op { kOpQkv = 0, kOpO = 1, kOpGate = 2, kOpUp = 3, kOpDown = 4 };
@@ -83,7 +79,7 @@ struct Params {
   float* qkv;   // [q + 2 kv]
   float* attn;  // [heads x head_dim]
   float* act;   // [inter]
-  float* part;  // [kv_heads x splits x group x (head_dim + kPartPad)]: a split's unnormalised output, max, sum
+  float* part;  // [kv_heads x splits x group x (head_dim + 2)]: a split's unnormalised output, max, sum
   unsigned* counters;  // [num_layers x kCountStride], then exits, then the epoch
   unsigned long long* trace;  // null, or [blocks][num_layers][kTraceSlots] %globaltimer stamps (probe_megakernel.py)
   int flags;                  // kNoWaits, kRingOnly: a timing probe's (the outputs are void)
@@ -148,9 +144,9 @@ __device__ __forceinline__ void wait_count(const Params& p, const unsigned* coun
 
 // After every consumer has written its outputs: one thread counts the operation done. The release add is cumulative:
 // it publishes the writes the CTA barrier ordered before it, not only the thread's own.
-__device__ __forceinline__ void signal_count(unsigned* count, unsigned n = 1u) {
+__device__ __forceinline__ void signal_count(unsigned* count) {
   consumer_sync();
-  if (threadIdx.x == 0) add_release(count, n);
+  if (threadIdx.x == 0) add_release(count, 1u);
 }
 
 __device__ __forceinline__ unsigned long long now() {
@@ -198,12 +194,6 @@ __device__ void block_segments(const Params& p, int b, int g, Seg* segs) {
     share(rows[op], b, g, r0, r1);
     segs[op] = {r0 + (op == kOpUp ? p.inter : 0), r1 - r0, ks[op], rows_per_tile(ks[op])};
   }
-}
-
-// Splits of a KV head's cached keys that hold keys: one a kMinSplitTokens keys, at least 1, at most p.splits.
-__device__ __forceinline__ int used_splits(const Params& p) {
-  const int cached = (int)p.seq_lens[0] - 1;
-  return max(1, min(p.splits, (cached + kMinSplitTokens - 1) / kMinSplitTokens));
 }
 
 __device__ __forceinline__ const __nv_bfloat16* matrix(const Layer& L, int op) {
@@ -288,83 +278,54 @@ __device__ void produce(const Params& p, Smem& sm) {
 }
 
 // ------------------------------------------------------------------ consumer pieces
-// Reads n values of src (fp32, or bf16: the step's input row; n a multiple of 16 bytes' worth, at most 8,192) from L2
-// into xs as floats: every load issued before any is used (one round trip, not one a loop turn). Returns the sum of
-// squares of the thread's values.
-template <typename T>
-__device__ __forceinline__ float stage(Smem& sm, const T* src, int n) {
-  constexpr int E = 16 / sizeof(T), U = 8192 / (kConsumers * E);  // values a 16-byte load, loads a thread
+// Reads n floats (n a multiple of 4, at most 8 x 4 x kConsumers = 8192) from L2 into xs: every load issued before
+// any is used (one round trip, not one a loop turn). Returns the sum of squares of the thread's values.
+__device__ __forceinline__ float stage(Smem& sm, const float* src, int n) {
   const int tid = threadIdx.x;
-  uint4 v[U];
+  float4 v[8];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int i = (u * kConsumers + tid) * E;
-    v[u] = i < n ? __ldcg(reinterpret_cast<const uint4*>(src + i)) : make_uint4(0u, 0u, 0u, 0u);
+  for (int u = 0; u < 8; ++u) {
+    const int i = (u * kConsumers + tid) * 4;
+    v[u] = i < n ? __ldcg(reinterpret_cast<const float4*>(src + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncwarp();  // every load issued before the first store: ptxas otherwise moved stores up between them (SASS)
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int i = (u * kConsumers + tid) * 4;
+    if (i < n) *reinterpret_cast<float4*>(sm.xs + i) = v[u];
+    ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+  }
+  return ss;
+}
+
+// The same from bf16 (the step's input row), 8 values a load.
+__device__ __forceinline__ float stage(Smem& sm, const __nv_bfloat16* src, int n) {
+  const int tid = threadIdx.x;
+  uint4 v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int i = (u * kConsumers + tid) * 8;
+    v[u] = i < n ? *reinterpret_cast<const uint4*>(src + i) : make_uint4(0u, 0u, 0u, 0u);
   }
   float ss = 0.f;
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int i = (u * kConsumers + tid) * E;
-    float4 f[E / 4];
-    if constexpr (E == 4) {
-      f[0] = *reinterpret_cast<const float4*>(&v[u]);
-    } else {
-      const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-      const float2 f0 = __bfloat1622float2(b[0]), f1 = __bfloat1622float2(b[1]);
-      const float2 f2 = __bfloat1622float2(b[2]), f3 = __bfloat1622float2(b[3]);
-      f[0] = make_float4(f0.x, f0.y, f1.x, f1.y);
-      f[1] = make_float4(f2.x, f2.y, f3.x, f3.y);
-    }
+  for (int u = 0; u < 4; ++u) {
+    const int i = (u * kConsumers + tid) * 8;
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
 #pragma unroll
-    for (int q = 0; q < E / 4; ++q) {
-      if (i < n) *reinterpret_cast<float4*>(sm.xs + i + 4 * q) = f[q];
-      ss += f[q].x * f[q].x + f[q].y * f[q].y + f[q].z * f[q].z + f[q].w * f[q].w;
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(b[e]);
+      if (i < n) {
+        sm.xs[i + 2 * e] = f.x;
+        sm.xs[i + 2 * e + 1] = f.y;
+      }
+      ss += f.x * f.x + f.y * f.y;
     }
   }
   return ss;
 }
 
-// xs = attention's output over every query head, merged from the splits' parts (used <= kStageMergeMax): a thread's
-// 4 columns of up to 2 heads at a time, every split's max, sum and output loaded before any is used, then weighted by
-// the largest max (as reference.split_attention).
-template <int D, int G>
-__device__ void stage_merged(const Params& p, Smem& sm, int used) {
-  constexpr int kChunks = 2;  // float4 columns a thread in flight
-  const int n = p.heads * D;
-  for (int base = threadIdx.x * 4; base < n; base += kChunks * kConsumers * 4) {
-    float4 a[kChunks][kStageMergeMax];
-    float2 ml[kChunks][kStageMergeMax];
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int i = base + c * kConsumers * 4, hq = i / D, d = i % D;
-      const float* head = p.part + ((size_t)(hq / G) * p.splits * G + hq % G) * (D + kPartPad);
-#pragma unroll
-      for (int s2 = 0; s2 < kStageMergeMax; ++s2) {
-        const bool ok = i < n && s2 < used;
-        const float* st = head + (size_t)s2 * G * (D + kPartPad);
-        a[c][s2] = ok ? __ldcg(reinterpret_cast<const float4*>(st + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        ml[c][s2] = ok ? __ldcg(reinterpret_cast<const float2*>(st + D)) : make_float2(-INFINITY, 0.f);
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int i = base + c * kConsumers * 4;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int s2 = 0; s2 < kStageMergeMax; ++s2) mx = fmaxf(mx, ml[c][s2].x);
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-      float sum = 0.f;
-#pragma unroll
-      for (int s2 = 0; s2 < kStageMergeMax; ++s2) {
-        const float f = ml[c][s2].x == -INFINITY ? 0.f : exp2f(ml[c][s2].x - mx);
-        o.x += a[c][s2].x * f, o.y += a[c][s2].y * f, o.z += a[c][s2].z * f, o.w += a[c][s2].w * f;
-        sum += ml[c][s2].y * f;
-      }
-      const float inv = 1.f / sum;
-      if (i < n) *reinterpret_cast<float4*>(sm.xs + i) = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-    }
-  }
-}
 // xs = v over n values; returns rsqrt(mean(v^2) + eps), the row's RMSNorm scale, which the GEMV applies to its
 // outputs (a scale commutes with the map; the norm's weight is folded into the matrix).
 template <typename T>
@@ -379,18 +340,14 @@ __device__ float load_normed(Smem& sm, const T* src, int n, float eps) {
   return rsqrtf(tot / n + eps);
 }
 
-// xs = src[0, n) (src null: attention's output merged from the splits' parts), and the block's rows of the residual
-// stream (O's and DOWN's rows; of x_in: the first layer's O) into sm.rows, the loads of both in flight together.
-template <int D, int G>
+// xs = src[0, n), and the block's rows of the residual stream (O's and DOWN's rows; of x_in: the first layer's O)
+// into sm.rows, the loads of both in flight together.
 __device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, bool from_x_in) {
   const int tid = threadIdx.x, r0 = sm.segs[kOpO].row0;
   const bool mine = tid < sm.segs[kOpO].rows;
   float res = 0.f;
   if (mine) res = from_x_in ? bf(p.x_in[r0 + tid]) : __ldcg(p.h + r0 + tid);
-  if (src)
-    stage(sm, src, n);
-  else
-    stage_merged<D, G>(p, sm, used_splits(p));
+  stage(sm, src, n);
   if (mine) sm.rows[tid] = res;
   consumer_sync();
 }
@@ -710,7 +667,7 @@ __device__ void attend_split(const Params& p, const Layer& L, Smem& sm, int laye
     }
   }
   consumer_sync();
-  float* part = p.part + ((size_t)j * p.splits + s) * G * (D + kPartPad);
+  float* part = p.part + ((size_t)j * p.splits + s) * G * (D + 2);
   for (int i = tid; i < G * D; i += kConsumers) {
     const int gi = i / D, d = i % D;
     float mx = -INFINITY;
@@ -724,34 +681,26 @@ __device__ void attend_split(const Params& p, const Layer& L, Smem& sm, int laye
         sum += st[D + 1] * f;
       }
     }
-    part[gi * (D + kPartPad) + d] = a;
+    part[gi * (D + 2) + d] = a;
     if (d == 0) {
-      part[gi * (D + kPartPad) + D] = mx;
-      part[gi * (D + kPartPad) + D + 1] = sum;
+      part[gi * (D + 2) + D] = mx;
+      part[gi * (D + 2) + D + 1] = sum;
     }
   }
 }
 
-// Every launch adds the same to each count whatever the context (the waits compare against (epoch + 1) x that):
-// ATTN gains kv_heads x splits, a head's count splits.
 template <int D, int G>
 __device__ void attend_item(const Params& p, const Layer& L, Smem& sm, int layer, int item, unsigned epoch) {
   const int tid = threadIdx.x, S = p.splits, j = item / S, s = item % S;
   const int cached = (int)p.seq_lens[0] - 1;  // keys already in the cache; the new token's come from qkv
-  const int used = used_splits(p);
-  unsigned* count = p.counters + (size_t)layer * kCountStride;
+  const int used = max(1, min(S, (cached + kMinSplitTokens - 1) / kMinSplitTokens));  // splits with keys
   if (s < used) attend_split<D, G>(p, L, sm, layer, j, s, used, cached, epoch);
   stamp(p, layer, 4);
-  if (used <= kStageMergeMax) {  // O's staging merges the parts: the item is done once its part is published
-    signal_count(count + kAttn);
-    if (tid == 0) add_release(count + kHead + j, 1u);  // kept in step with the merging launches' counts
-    stamp(p, layer, 5);
-    return;
-  }
   // the head's last split to finish (with keys or not) merges the head's splits into attn
   consumer_sync();
   if (tid == 0) {  // acq_rel: publishes this split's part, and the last one sees every other split's
-    const unsigned old = add_acq_rel(count + kHead + j, 1u);
+    unsigned* head = p.counters + (size_t)layer * kCountStride + kHead + j;
+    const unsigned old = add_acq_rel(head, 1u);
     sm.misc[kWarps] = old == (epoch + 1u) * (unsigned)S - 1u ? 1.f : 0.f;
   }
   consumer_sync();
@@ -759,13 +708,13 @@ __device__ void attend_item(const Params& p, const Layer& L, Smem& sm, int layer
     stamp(p, layer, 5);
     return;
   }
-  const float* parts = p.part + (size_t)j * S * G * (D + kPartPad);
+  const float* parts = p.part + (size_t)j * S * G * (D + 2);
   for (int i = tid; i < G * D; i += kConsumers) {
     const int gi = i / D, d = i % D;
     float mx = -INFINITY, a = 0.f, sum = 0.f;
 #pragma unroll 4
     for (int s2 = 0; s2 < used; ++s2) {
-      const float* st = parts + (s2 * G + gi) * (D + kPartPad);
+      const float* st = parts + (s2 * G + gi) * (D + 2);
       const float ms = __ldcg(st + D), as = __ldcg(st + d), ls = __ldcg(st + D + 1);
       if (ms == -INFINITY) continue;
       const float mn = fmaxf(mx, ms), f0 = exp2f(mx - mn), f1 = exp2f(ms - mn);
@@ -775,10 +724,9 @@ __device__ void attend_item(const Params& p, const Layer& L, Smem& sm, int layer
     }
     p.attn[(j * G + gi) * D + d] = a / sum;
   }
-  signal_count(count + kAttn, (unsigned)S);
+  signal_count(p.counters + (size_t)layer * kCountStride + kAttn);
   stamp(p, layer, 5);
 }
-
 template <int D, int G>
 __device__ void attend_all(const Params& p, const Layer& L, Smem& sm, int layer, unsigned epoch) {
   for (int item = blockIdx.x; item < p.kv_heads * p.splits; item += gridDim.x) {
@@ -805,13 +753,13 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
     const Layer L = p.layers[layer];
     unsigned* c = p.counters + (size_t)layer * kCountStride;
     float scale = 1.f;  // the input's RMSNorm scale (QKV, gate and up), or 1
-    // One pass of this loop an operation, so the GEMV's code is in the kernel once (its five inlined copies were
-    // most of the kernel's SASS, which every layer runs through).
+    // One pass of this loop an operation, so the GEMV's code is in the kernel once: its five inlined copies were
+    // half the kernel's SASS, which every layer runs through (docs/gpu-notes.md, fifty-fifth session).
 #pragma unroll 1
     for (int op = kOpQkv; op <= kOpDown; ++op) {
       if (op != kOpUp) {  // the dependency, then the input staged (up's is gate's)
         if (op == kOpQkv && layer > 0) wait_count(p, c - kCountStride + kDown, next * grid);
-        if (op == kOpO) wait_count(p, c + kAttn, next * (unsigned)(p.kv_heads * p.splits));
+        if (op == kOpO) wait_count(p, c + kAttn, next * (unsigned)p.kv_heads);
         if (op == kOpGate) wait_count(p, c + kO, next * grid);
         if (op == kOpDown) wait_count(p, c + kGu, next * grid);
         stamp(p, layer, op == kOpQkv ? 0 : op == kOpO ? 6 : op == kOpGate ? 9 : 12);
@@ -820,8 +768,8 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
         else if (op == kOpQkv || op == kOpGate)
           scale = load_normed(sm, p.h, p.hidden, p.eps);
         else
-          scale = 1.f, load_plain<D, G>(p, sm, op == kOpDown ? p.act : used_splits(p) <= kStageMergeMax ? nullptr : p.attn,
-                                        op == kOpDown ? p.inter : p.heads * D, op == kOpO && layer == 0);
+          scale = 1.f, load_plain(p, sm, op == kOpO ? p.attn : p.act, op == kOpO ? p.heads * p.head_dim : p.inter,
+                                  op == kOpO && layer == 0);
         hold(sm, 0u);
       }
       gemv(p, L, sm, op, layer, pos, op == kOpQkv ? 1 : op == kOpO ? 7 : op == kOpGate ? 10 : op == kOpUp ? -1 : 13,

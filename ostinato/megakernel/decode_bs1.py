@@ -20,7 +20,6 @@ from ostinato.megakernel.weights import (
 COUNT_STRIDE = 32  # the kernel's kCountStride: counters a layer
 MAX_SLOTS = 16
 MAX_SPLITS = 16
-PART_PAD = 4  # the kernel's kPartPad: floats past a split's output a query head (max, sum, 2 pad)
 DEFAULT_SMEM_OPTIN = 232448  # H100 / H200: 227 KiB a block
 
 
@@ -81,7 +80,7 @@ class DecodeBs1Megakernel:
         self.qkv = torch.empty(s.q_size + 2 * s.kv_size, **f32)
         self.attn = torch.empty(s.q_size, **f32)
         self.act = torch.empty(s.inter, **f32)
-        self.part = torch.empty(s.kv_heads * self.splits * s.group * (s.head_dim + PART_PAD), **f32)
+        self.part = torch.empty(s.kv_heads * self.splits * s.group * (s.head_dim + 2), **f32)
         # counts only grow (the kernel compares them to (epoch + 1) x target); zero once, here
         self.counters = torch.zeros(s.num_layers * COUNT_STRIDE + 2, dtype=torch.int32, device=device)
         self.x_out = torch.empty(1, s.hidden, dtype=torch.bfloat16, device=device)
