@@ -163,9 +163,12 @@ mkprobe)
 mkab)
   # the megakernel's GPU tests, then the kernel alone (probe_megakernel.py) for this tree against copies carried in
   # .ab/ (`git archive <commit> ostinato | tar -x -C .ab/<name>`), in turns: MK_VARIANTS="tree head tree head" by
-  # default, the first run of each traced. About 4 minutes. The fifty-fourth session ran "tree head v1 s64 s128
+  # default, the first run of each traced. About 3-4 minutes; like every part, it packs $OUT into $OUT/mkab.tgz at
+  # the end (so write nothing else there to pack afterwards). The fifty-fourth session ran "tree head v1 s64 s128
   # tree", "tree head relaxed tree head" and "tree head tmplonly tree head" (probe-megakernel-{ilp-splits,
-  # merge-relaxed,templated}-h200-20261129-s54.tgz; docs/gpu-notes.md says what each copy held), then "tree"
+  # merge-relaxed,templated}-h200-20261129-s54.tgz), the fifty-fifth "tree base poll2 poll3 tree base poll3", "tree
+  # base ni tree base ni", "tree base one tree base one" and "tree base basesw tree base" (probe-megakernel-
+  # {m2-polls,noinline,oploop,final}-h200-20261129-s55.tgz); docs/gpu-notes.md says what each copy held
   megakernel_tests || exit 1
   seen= n=0
   for v in ${MK_VARIANTS:-tree head tree head}; do

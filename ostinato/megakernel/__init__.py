@@ -10,5 +10,5 @@ launches it, `reference.py` is its torch twin (what the CPU tests check), `weigh
 Its blocks wait for each other, so all of them must be resident at once: the grid is the SMs the process may use
 (`device_info.usable_sms`, an MPS client's share counted; under a share the MPS daemon sets without telling the
 process it would hang, and `--decode-megakernel off`, the default, is the way out). Opt-in: on the H200 it is slower
-than the layers' own kernels today (docs/gpu-notes.md, fifty-second to fifty-fourth sessions).
+than the layers' own kernels today (docs/gpu-notes.md, fifty-second to fifty-fifth sessions).
 """
