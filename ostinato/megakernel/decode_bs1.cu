@@ -763,13 +763,15 @@ __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
         if (op == kOpGate) wait_count(p, c + kO, next * grid);
         if (op == kOpDown) wait_count(p, c + kGu, next * grid);
         stamp(p, layer, op == kOpQkv ? 0 : op == kOpO ? 6 : op == kOpGate ? 9 : 12);
-        if (op == kOpQkv && layer == 0)
+        if (op == kOpQkv && layer == 0) {
           scale = load_normed(sm, p.x_in, p.hidden, p.eps);
-        else if (op == kOpQkv || op == kOpGate)
+        } else if (op == kOpQkv || op == kOpGate) {
           scale = load_normed(sm, p.h, p.hidden, p.eps);
-        else
-          scale = 1.f, load_plain(p, sm, op == kOpO ? p.attn : p.act, op == kOpO ? p.heads * p.head_dim : p.inter,
-                                  op == kOpO && layer == 0);
+        } else {
+          scale = 1.f;
+          load_plain(p, sm, op == kOpO ? p.attn : p.act, op == kOpO ? p.heads * p.head_dim : p.inter,
+                     op == kOpO && layer == 0);
+        }
         hold(sm, 0u);
       }
       gemv(p, L, sm, op, layer, pos, op == kOpQkv ? 1 : op == kOpO ? 7 : op == kOpGate ? 10 : op == kOpUp ? -1 : 13,
