@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_suite.sh megakernel  the one-launch bs-1 decode step: build, GPU tests, the kernel alone
 #                                          (probe_megakernel.py), decode ms a step off / on
 #   bash benchmarks/gpu_suite.sh mkprobe   the kernel alone with its phases (MEMCHECK=1: a memcheck run first)
-#   bash benchmarks/gpu_suite.sh mkncu     the kernel under Nsight Compute: its stall reasons
+#   bash benchmarks/gpu_suite.sh mkncu     the kernel under Nsight Compute: its stall reasons (MK_VARIANTS, MK_MODELS)
 #   bash benchmarks/gpu_suite.sh mkslots   the kernel alone at 3, 6 and 11 ring slots
 #   bash benchmarks/gpu_suite.sh mkab      the megakernel's GPU tests, then the kernel alone: this tree against
 #                                          copies in .ab/, in turns (MK_VARIANTS)
@@ -189,19 +189,28 @@ mkslots)
   done
   ;;
 mkncu)
-  # the one-launch step under Nsight Compute (8 layers): the stall reasons, per issued instruction
-  timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 | keep mk-build 5
-  timeout 300 ncu --clock-control none -k regex:decode_bs1 -c 1 --set full --import-source yes -o "$OUT/mk" -f \
-      python benchmarks/probe_megakernel.py --models qwen3-0.6b --layers 8 --contexts 128 --iters 1 --no-trace \
-      --out "$OUT/ncu-probe.json" 2>&1 | tail -5 > "$OUT/mk-ncu-run.log"
-  ncu --import "$OUT/mk.ncu-rep" --page raw --csv 2>/dev/null | python -c "
+  # the one-launch step under Nsight Compute (8 layers): the stall reasons, per issued instruction, for each copy in
+  # MK_VARIANTS (default "tree"; others from .ab/<name>, as mkab) and each model in MK_MODELS (default qwen3-0.6b).
+  # "tree base" sets the fifty-fifth session's loop form beside its start, where Qwen3-0.6B's tiles slowed:
+  # no_instruction is the instruction-fetch stall a smaller kernel should cut.
+  for v in ${MK_VARIANTS:-tree}; do
+    src=$PWD; [ "$v" = tree ] || src=$PWD/.ab/$v
+    PYTHONPATH=$src timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 \
+        | keep "mk-build-$v" 5
+    for m in ${MK_MODELS:-qwen3-0.6b}; do
+      PYTHONPATH=$src timeout 300 ncu --clock-control none -k regex:decode_bs1 -c 1 --set full --import-source yes \
+          -o "$OUT/mk" -f python benchmarks/probe_megakernel.py --models "$m" --layers 8 --contexts 128 --iters 1 \
+          --no-trace --out "$OUT/ncu-probe-$v-$m.json" 2>&1 | tail -5 > "$OUT/mk-ncu-run-$v-$m.log"
+      ncu --import "$OUT/mk.ncu-rep" --page raw --csv 2>/dev/null | python -c "
 import csv, sys
 rows = list(csv.reader(sys.stdin)); names, vals = rows[0], rows[-1]
 for n, v in zip(names, vals):
     if 'issue_stalled' in n and 'average_warp' in n and v not in ('', '0'):
         print(n, v)
-" 2>&1 | sort -t' ' -k2 -g -r | keep mk-ncu-stalls 40
-  rm -f "$OUT/mk.ncu-rep"
+" 2>&1 | sort -t' ' -k2 -g -r | keep "mk-ncu-stalls-$v-$m" 40
+      rm -f "$OUT/mk.ncu-rep"
+    done
+  done
   ;;
 tests)
   # Every GPU test file, in parallel pytest processes (one per file or per chain): Triton compiles in each
