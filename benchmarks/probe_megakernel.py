@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--slots", type=int, default=None, help="weight ring slots (default: as many as fit)")
     ap.add_argument("--splits", type=int, default=None)
+    ap.add_argument("--h-copies", type=int, default=None,
+                    help="copies of the residual stream that DOWN's atomics spread over (default: the launcher's)")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -110,10 +112,13 @@ def main() -> None:
     rows = []
     for name in args.models:
         model, kv = build(name, args.layers, max(args.contexts))
-        mk = DecodeBs1Megakernel(model, kv, dev, slots=args.slots, splits=args.splits)
+        extra = {} if args.h_copies is None else {"h_copies": args.h_copies}
+        mk = DecodeBs1Megakernel(model, kv, dev, slots=args.slots, splits=args.splits, **extra)
         weight_bytes = sum(t.numel() * 2 for lw in mk._layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down))
         s = mk.shape
-        print(f"{name}: {s.num_layers} layers, {mk.grid} blocks, {mk.slots} ring slots, {mk.splits} splits; layer "
+        copies = getattr(mk, "h_copies", 1)  # an older tree's launcher (an A/B's copy) has one
+        print(f"{name}: {s.num_layers} layers, {mk.grid} blocks, {mk.slots} ring slots, {mk.splits} splits, "
+              f"{copies} copies of h; layer "
               f"weights {weight_bytes / 1e9:.3f} GB ({weight_bytes / bw * 1e6:.1f} us at {bw / 1e12:.2f} TB/s)",
               flush=True)
         for ctx in args.contexts:
@@ -134,7 +139,8 @@ def main() -> None:
             kv_bytes = ctx * s.num_layers * 2 * s.kv_size * 2
             floor = (weight_bytes + kv_bytes) / bw * 1e6
             row = {"model": name, "context": ctx, "layers": s.num_layers, "slots": mk.slots, "splits": mk.splits,
-                   "us_per_step": us, "no_waits_us": stream_us, "ring_only_us": ring_us, "floor_us": floor}
+                   "h_copies": copies, "us_per_step": us, "no_waits_us": stream_us, "ring_only_us": ring_us,
+                   "floor_us": floor}
             print(f"  ctx {ctx}: {us:.1f} us a step (layers' floor {floor:.1f} us, {floor / us:.0%}); "
                   f"{us / s.num_layers:.2f} us a layer; without the waits {stream_us:.1f} us; the ring alone "
                   f"{ring_us:.1f} us", flush=True)

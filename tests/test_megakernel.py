@@ -130,15 +130,24 @@ def test_what_the_kernel_supports():
     assert "residual rows" in unsupported_reason(llama, MHATokenToKVPool(16, torch.bfloat16, 2, 64, 2, "cpu"), 1)
     ours.layers[0].input_layernorm.weight_folded = False
     assert "folded" in unsupported_reason(ours, bf16, 132)
+    wide = Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=4160, head_dim=128, num_attention_heads=4, num_key_value_heads=2, **COMMON), 512).to(torch.bfloat16)
+    wide.after_load()  # hidden 4,160: DOWN's split-K gives a thread 2 chunks of 8 columns, 4,096 at most
+    assert "split-K" in unsupported_reason(wide, bf16, 132)
+    many = LlamaForCausalLM(transformers.LlamaConfig(  # 29 KV heads: one counter each on a layer's line of 32
+        hidden_size=1856, num_attention_heads=29, num_key_value_heads=29, **COMMON), 512).to(torch.bfloat16)
+    many.after_load()
+    assert "at most 28" in unsupported_reason(many, MHATokenToKVPool(16, torch.bfloat16, 29, 64, 2, "cpu"), 132)
 
 
 def test_tiles_and_part_sums():
     """A tile holds a power of two rows, at most one a consumer warp, in 16 KB; a block keeps one sum a (row, warp
-    sharing the row) of each projection: the benchmark models' layers need 32 and 128 at 132 blocks."""
+    sharing the row) of QKV, O, gate and up (DOWN's split-K keeps none): the benchmark models' layers need 32 and
+    126 at 132 blocks."""
     assert [rows_per_tile(k) for k in (256, 896, 1024, 1536, 2048, 3072, 8192)] == [8, 8, 8, 4, 4, 2, 1]
-    qwen3 = Shape(28, 1024, 16, 8, 128, 3072, 1e-6, 1e-6)  # down: 8 rows x 4 warps a row
-    llama = Shape(16, 2048, 32, 8, 64, 8192, 1e-5, 1e-5)  # down: 16 rows x 8
-    assert (part_sums(qwen3, 132), part_sums(llama, 132)) == (32, 128)
+    qwen3 = Shape(28, 1024, 16, 8, 128, 3072, 1e-6, 1e-6)  # qkv: 32 rows x 1 warp a row
+    llama = Shape(16, 2048, 32, 8, 64, 8192, 1e-5, 1e-5)  # gate: 63 rows x 2
+    assert (part_sums(qwen3, 132), part_sums(llama, 132)) == (32, 126)
     assert part_sums(llama, 16) == 1024 and part_sums(llama, 15) > 1024
 
 

@@ -119,8 +119,10 @@ def test_kernel_at_long_contexts(family, context):
 
 
 def test_graph_replay_equals_eager_launches():
-    """The step captured in a CUDA graph and replayed gives the eager launch's bits (the kernel is deterministic),
-    with eager launches and replays interleaved (the counters' epochs carry across both)."""
+    """The step captured in a CUDA graph and replayed gives the eager launch's result, with eager launches and
+    replays interleaved (the counters' epochs carry across both). Not bit for bit: DOWN's partials meet in the
+    residual stream by fp32 atomics in the order blocks finish, so two launches differ by fp32 rounding (at most an
+    ulp of x_out's bf16 here and there)."""
     model, kv, mk = setup("qwen3", seed=3)
     gen = torch.Generator(device="cuda").manual_seed(3)
     slots = torch.randperm(SLOTS - 1, device="cuda", generator=gen)[:40] + 1
@@ -141,7 +143,8 @@ def test_graph_replay_equals_eager_launches():
             buf.copy_(new)
         eager = mk(x_in, *ins, table).clone()
         graph.replay()
-        assert torch.equal(captured, eager), t
+        err = close(captured[0], eager[0])
+        assert err[0] < 0.01 and err[1] < 0.001, (t, err)
 
 
 def test_engine_logprobs_with_and_without(tmp_path):

@@ -15,8 +15,7 @@ _FLAGS = ["-O3", "-lineinfo", "-std=c++17", f"-gencode=arch=compute_{ARCH[3:]},c
           "-Xcompiler", "-fPIC"]
 
 _P, _I, _F, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
-LAUNCH_ARGTYPES = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _F, _P, _P, _P, _P, _P, _P, _P, _LL, _P, _P,
-                   _P, _P, _P, _P, _P, _P, _I, _I, _P]
+LAUNCH_ARGTYPES = [_P, *[_I] * 11, _F, _F, _F, *[_P] * 7, _LL, *[_P] * 8, _I, _I, _P]
 TRACE_SLOTS = 24  # the kernel's kTraceSlots
 NO_WAITS = 1  # the kernel's kNoWaits flag
 RING_ONLY = 2  # its kRingOnly flag

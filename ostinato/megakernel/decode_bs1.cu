@@ -4,23 +4,30 @@
 // A block is 8 consumer warps and one producer warp. The producer streams the block's share of every weight
 // matrix, layer after layer, into a ring of shared-memory slots by bulk copies (cp.async.bulk, completion on an
 // mbarrier a slot); it never waits for activations, only for a free slot, so HBM keeps streaming while the
-// consumers wait on the step's data dependencies; except that it holds its copies from the end of O, GU or DOWN to
-// the next operation's staged input (`hold`), where a refill slowed the hand-off (docs/gpu-notes.md, fifty-fourth
-// session). The consumers run the layer as five operations:
+// consumers wait on the step's data dependencies; except that it holds its copies from the end of QKV, O or DOWN
+// until the next operation's dependency is met and its input staged (`hold`), where a refill slowed the hand-off
+// (docs/gpu-notes.md, fifty-fourth and fifty-sixth sessions). The consumers run the layer as five operations:
 //   QKV   rows of W_qkv . rms(h)                  -> qkv (fp32)        then count QKV += 1
 //   ATTN  (kv head, split) items: q/k norm, rotary, the new K/V stored, softmax over the split's keys; the last
 //         split of a head to finish merges the head's splits       -> attn (fp32)       then count ATTN += 1
-//   O     rows of W_o . attn, added to the residual stream h       then count O += 1
-//   GU    gate rows and up rows of W_gu . rms(h) -> act = silu(gate) * up                 then count GU += 1
-//   DOWN  rows of W_down . act, added to h (the last layer also writes x_out, bf16)       then count DOWN += 1
-// Each operation waits for the one before it to be counted complete by every block (or every kv head), by one
-// thread's gpu-scope acquire poll. Counts only grow: a launch reads the epoch (launches so far) and waits for
-// (epoch + 1) x the target, compared modulo 2^32; the last block to leave advances the epoch. So no memset a step.
-// Every row of every output is one block's: its warps' parts of k summed in a fixed order at the operation's end, so
-// the result does not depend on timing. Activations the kernel produces are read with ld.global.cg (L2), never L1.
+//   O     rows of W_o . attn, added to the residual stream: h and h_mid                  then count O += 1
+//   GU    gate rows and up rows of W_gu . rms(h_mid) -> the block's act = silu(gate) * up, kept in shared memory
+//   DOWN  split-K: the block's act times the same rows of W_down^T, a [hidden] partial added by fp32 atomics into
+//         one of h's copies (h is their sum: fewer blocks' atomics meet on an address)   then count DOWN += 1
+// after the last layer's DOWN is counted, every block writes its rows of x_out (bf16) from h.
+// QKV, O and GU wait for the operation before them to be counted complete by every block (or every kv head), by
+// one thread's gpu-scope acquire poll; DOWN needs only its own block's act, so a layer has three grid-wide waits.
+// Counts only grow: a launch reads the epoch (launches so far) and waits for (epoch + 1) x the target, compared
+// modulo 2^32; the last block to leave advances the epoch. So no memset a step.
+// Every row of QKV, O and GU's outputs is one block's, its warps' parts of k summed in a fixed order; DOWN's partials
+// meet in h by atomics in the order blocks finish, so the step's result varies with timing at fp32's rounding (the
+// fifty-sixth session traded bit-reproducibility for a grid-wide wait a layer: docs/gpu-notes.md).
+// h_mid is O's copy of the residual stream that GU's input norm reads while other blocks' DOWN already add into h.
+// Activations the kernel produces are read with ld.global.cg (L2), never L1.
 //
-// Layouts: weights row-major [out, in] bf16, contiguous, 16-byte aligned; W_qkv's rows q, k, v; W_gu's rows gate
-// then up; the input and post-attention norms' weights already folded into W_qkv and W_gu (layers/norm_linear.py).
+// Layouts: weights row-major [out, in] bf16, contiguous, 16-byte aligned, but W_down^T [inter, hidden]; W_qkv's
+// rows q, k, v; W_gu's rows gate then up; the input and post-attention norms' weights already folded into W_qkv and
+// W_gu (layers/norm_linear.py).
 // KV cache bf16 [slot, kv head, head dim] (token-major); req_to_token int32 [rows, stride]; cos_sin float32
 // [positions, head dim] (cos halves then sin halves, NeoX rotation).
 #include <cuda_bf16.h>
@@ -34,14 +41,16 @@ constexpr int kConsumers = kWarps * 32;
 constexpr int kThreads = kConsumers + 32;     // + the producer warp
 constexpr int kSlotBytes = 16384;
 constexpr int kMaxSlots = 16;
-constexpr int kCountStride = 32;              // counters a layer: QKV, ATTN, O, GU, DOWN, then one a kv head
-constexpr int kGateMax = 512;                 // rows a block holds: gate outputs until their up rows come, or the
-                                              // residual stream's rows that O and DOWN add to
+constexpr int kCountStride = 32;              // counters a layer: QKV, ATTN, O, DOWN, then one a kv head
+constexpr int kGateMax = 512;                 // rows a block holds: gate outputs until their up rows come (then act,
+                                              // DOWN's rows), or the residual stream's rows that O adds to
 constexpr int kMinSplitTokens = 32;           // cached keys a split takes at least (fewer splits at short contexts)
 constexpr int kPartMax = 1024;                // a block's row x part sums of one operation (rows x warps a row)
 constexpr int kTileGroup = 4;                 // tiles a warp takes before one reduction of their dots
+constexpr int kDownChunks = 2;                // DOWN: 8-column chunks of h a consumer thread owns (hidden <= 4,096)
+constexpr int kMaxHCopies = 8;                // copies of h that DOWN's atomics spread over (Params::h_copies)
 
-enum Count { kQkv = 0, kAttn = 1, kO = 2, kGu = 3, kDown = 4, kHead = 5 };
+enum Count { kQkv = 0, kAttn = 1, kO = 2, kDown = 3, kHead = 4 };
 enum Op { kOpQkv = 0, kOpO = 1, kOpGate = 2, kOpUp = 3, kOpDown = 4 };
 // trace stamps a layer: an operation's dependency met, its first weight tile in, its end (QKV 0-2, O 6-8, GU 9-11,
 // DOWN 12-14); attention 3-5: its wait met, its split done, the item done (merged or not)
@@ -54,7 +63,7 @@ struct Layer {
   const __nv_bfloat16* w_qkv;
   const __nv_bfloat16* w_o;
   const __nv_bfloat16* w_gu;
-  const __nv_bfloat16* w_down;
+  const __nv_bfloat16* w_down_t;  // [inter, hidden]: DOWN's rows are a block's act rows
   const __nv_bfloat16* b_qkv;   // or null
   const __nv_bfloat16* q_norm;  // or null (no per-head q/k norm)
   const __nv_bfloat16* k_norm;
@@ -64,7 +73,7 @@ struct Layer {
 
 struct Params {
   const Layer* layers;
-  int num_layers, hidden, heads, kv_heads, head_dim, inter, splits, slots;
+  int num_layers, hidden, heads, kv_heads, head_dim, inter, splits, slots, h_copies;
   float eps, qk_eps, scale_log2;
   const __nv_bfloat16* x_in;
   __nv_bfloat16* x_out;
@@ -75,11 +84,12 @@ struct Params {
   const int32_t* req_to_token;
   int64_t table_stride;
   const float* cos_sin;
-  float* h;     // [hidden] the residual stream
-  float* qkv;   // [q + 2 kv]
-  float* attn;  // [heads x head_dim]
-  float* act;   // [inter]
-  float* part;  // [kv_heads x splits x group x (head_dim + 2)]: a split's unnormalised output, max, sum
+  float* h;      // [h_copies][hidden] the residual stream as the sum of its copies: O writes it (copy 0; zeros in the
+                 // rest), block b's DOWN adds into copy b % h_copies, QKV and O read the sum
+  float* qkv;    // [q + 2 kv]
+  float* attn;   // [heads x head_dim]
+  float* h_mid;  // [hidden] O's copy of h: GU's input
+  float* part;   // [kv_heads x splits x group x (head_dim + 2)]: a split's unnormalised output, max, sum
   unsigned* counters;  // [num_layers x kCountStride], then exits, then the epoch
   unsigned long long* trace;  // null, or [blocks][num_layers][kTraceSlots] %globaltimer stamps (probe_megakernel.py)
   int flags;                  // kNoWaits, kRingOnly: a timing probe's (the outputs are void)
@@ -187,12 +197,12 @@ __device__ __forceinline__ int rows_per_tile(int k) {
 // Block b's rows of each operation (of g blocks), computed once a launch.
 __device__ void block_segments(const Params& p, int b, int g, Seg* segs) {
   const int q = p.heads * p.head_dim, kv = p.kv_heads * p.head_dim;
-  const int rows[5] = {q + 2 * kv, p.hidden, p.inter, p.inter, p.hidden};
-  const int ks[5] = {p.hidden, q, p.hidden, p.hidden, p.inter};
+  const int rows[5] = {q + 2 * kv, p.hidden, p.inter, p.inter, p.inter};  // DOWN: the block's act rows of W_down^T
+  const int ks[5] = {p.hidden, q, p.hidden, p.hidden, p.hidden};
   for (int op = 0; op < 5; ++op) {
     int r0, r1;
     share(rows[op], b, g, r0, r1);
-    segs[op] = {r0 + (op == kOpUp ? p.inter : 0), r1 - r0, ks[op], rows_per_tile(ks[op])};
+    segs[op] = {r0 + (op == kOpUp ? p.inter : 0), r1 - r0, ks[op], rows_per_tile(ks[op])};  // GATE, UP, DOWN: same r0
   }
 }
 
@@ -206,7 +216,7 @@ __device__ __forceinline__ const __nv_bfloat16* matrix(const Layer& L, int op) {
     case kOpUp:
       return L.w_gu;
     default:
-      return L.w_down;
+      return L.w_down_t;
   }
 }
 
@@ -218,10 +228,17 @@ struct Smem {
   uint64_t* empty;      // [kMaxSlots]
   float* xs;            // the operation's input vector, or attention's scratch
   float* part;          // [kPartMax]: the operation's dots, a (block row, k part) each, summed at its end
-  float* rows;          // [kGateMax]: the block's gate outputs (GU) or residual rows (O, DOWN)
+  float* rows;          // [kGateMax]: the block's residual rows (O), gate outputs, then act (GU, read by DOWN)
   float* misc;          // [kWarps + 4]
-  unsigned* hold;       // set by the consumers from a GEMV's end to the next one's staging: the producer holds its copies
+  unsigned* hold;       // set by the consumers across a hand-off (hold()): the producer holds its copies
 };
+
+// The producer holds its copies (1) or goes on (0): set once QKV's, O's or DOWN's tiles are all read, cleared once
+// the next operation's wait is met (attention) or its input staged (O, gate, QKV), so the count's release, its poll
+// and the staging's reads do not queue behind a refill.
+__device__ __forceinline__ void hold(Smem& sm, unsigned on) {
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(sm.hold) = on;
+}
 
 // A walker's place in the ring: the slot and the parity of its current lap (both roles walk the same tiles in order).
 struct RingPos {
@@ -326,13 +343,41 @@ __device__ __forceinline__ float stage(Smem& sm, const __nv_bfloat16* src, int n
   return ss;
 }
 
-// xs = v over n values; returns rsqrt(mean(v^2) + eps), the row's RMSNorm scale, which the GEMV applies to its
-// outputs (a scale commutes with the map; the norm's weight is folded into the matrix).
-template <typename T>
-__device__ float load_normed(Smem& sm, const T* src, int n, float eps) {
-  const int tid = threadIdx.x;
-  float ss = warp_sum(stage(sm, src, n));
-  if ((tid & 31) == 0) sm.misc[tid >> 5] = ss;
+// Element i of the residual stream: the sum of h's copies.
+__device__ __forceinline__ float h_at(const Params& p, int i) {
+  float v[kMaxHCopies];
+#pragma unroll
+  for (int r = 0; r < kMaxHCopies; ++r) v[r] = r < p.h_copies ? __ldcg(p.h + (size_t)r * p.hidden + i) : 0.f;
+  float sum = 0.f;
+#pragma unroll
+  for (int r = 0; r < kMaxHCopies; ++r) sum += v[r];
+  return sum;
+}
+
+// xs = the residual stream (h's copies summed, every copy's load in flight together); returns the thread's sum of
+// squares. hidden <= 4 x 4 x kConsumers.
+__device__ __forceinline__ float stage_h(const Params& p, Smem& sm) {
+  float ss = 0.f;
+#pragma unroll 1
+  for (int i = threadIdx.x * 4; i < p.hidden; i += kConsumers * 4) {
+    float4 v[kMaxHCopies];
+#pragma unroll
+    for (int r = 0; r < kMaxHCopies; ++r)
+      v[r] = r < p.h_copies ? __ldcg(reinterpret_cast<const float4*>(p.h + (size_t)r * p.hidden + i))
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 a = v[0];
+#pragma unroll
+    for (int r = 1; r < kMaxHCopies; ++r) a = make_float4(a.x + v[r].x, a.y + v[r].y, a.z + v[r].z, a.w + v[r].w);
+    *reinterpret_cast<float4*>(sm.xs + i) = a;
+    ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+  }
+  return ss;
+}
+
+// The RMSNorm scale of the n values staged in xs from every consumer thread's sum of squares ss.
+__device__ float norm_scale(Smem& sm, float ss, int n, float eps) {
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) sm.misc[threadIdx.x >> 5] = ss;
   consumer_sync();
   float tot = 0.f;
 #pragma unroll
@@ -340,13 +385,20 @@ __device__ float load_normed(Smem& sm, const T* src, int n, float eps) {
   return rsqrtf(tot / n + eps);
 }
 
-// xs = src[0, n), and the block's rows of the residual stream (O's and DOWN's rows; of x_in: the first layer's O)
-// into sm.rows, the loads of both in flight together.
+// xs = v over n values; returns rsqrt(mean(v^2) + eps), the row's RMSNorm scale, which the GEMV applies to its
+// outputs (a scale commutes with the map; the norm's weight is folded into the matrix).
+template <typename T>
+__device__ float load_normed(Smem& sm, const T* src, int n, float eps) {
+  return norm_scale(sm, stage(sm, src, n), n, eps);
+}
+
+// xs = src[0, n), and the block's rows of the residual stream (O's rows; of x_in: the first layer's O) into sm.rows,
+// the loads of both in flight together.
 __device__ void load_plain(const Params& p, Smem& sm, const float* src, int n, bool from_x_in) {
   const int tid = threadIdx.x, r0 = sm.segs[kOpO].row0;
   const bool mine = tid < sm.segs[kOpO].rows;
   float res = 0.f;
-  if (mine) res = from_x_in ? bf(p.x_in[r0 + tid]) : __ldcg(p.h + r0 + tid);
+  if (mine) res = from_x_in ? bf(p.x_in[r0 + tid]) : h_at(p, r0 + tid);
   stage(sm, src, n);
   if (mine) sm.rows[tid] = res;
   consumer_sync();
@@ -411,27 +463,25 @@ __device__ __forceinline__ float warp_sum4(const float (&v)[kTileGroup], int lan
   return s;
 }
 
-__device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& sm, int op, int layer, int row,
-                                         int local, float y) {
+__device__ __forceinline__ void epilogue(const Params& p, const Layer& L, Smem& sm, int op, int row, int local,
+                                         float y) {
   switch (op) {
     case kOpQkv:
       p.qkv[row] = y + (L.b_qkv ? bf(L.b_qkv[row]) : 0.f);
       break;
-    case kOpO:
-      p.h[row] = sm.rows[local] + y;
+    case kOpO: {
+      const float v = sm.rows[local] + y;
+      p.h[row] = v;
+      for (int r = 1; r < p.h_copies; ++r) p.h[(size_t)r * p.hidden + row] = 0.f;
+      p.h_mid[row] = v;
       break;
+    }
     case kOpGate:
       sm.rows[local] = y;
       break;
-    case kOpUp: {
-      float gt = sm.rows[local];
-      p.act[row - p.inter] = gt / (1.f + __expf(-gt)) * y;
-      break;
-    }
-    default: {
-      float v = sm.rows[local] + y;
-      p.h[row] = v;
-      if (layer == p.num_layers - 1) p.x_out[row] = __float2bfloat16(v);
+    default: {  // up: the row's act replaces its gate output
+      const float gt = sm.rows[local];
+      sm.rows[local] = gt / (1.f + __expf(-gt)) * y;
     }
   }
 }
@@ -475,10 +525,72 @@ __device__ void gemv(const Params& p, const Layer& L, Smem& sm, int op, int laye
   for (int i = threadIdx.x; i < s.rows; i += kConsumers) {
     float sum = 0.f;
     for (int c2 = 0; c2 < parts; ++c2) sum += sm.part[i * parts + c2];
-    epilogue(p, L, sm, op, layer, s.row0 + i, i, sum * scale);
+    epilogue(p, L, sm, op, s.row0 + i, i, sum * scale);
   }
   stamp(p, layer, 16 + op, waited);
   consumer_sync();
+}
+
+// DOWN as split-K: h += W_down^T[rows]^T . act[rows] over the block's act rows (sm.rows, GU's), tile by tile from
+// the ring. A thread owns 8-column chunks of h (chunk tid, tid + kConsumers) and takes them from every row of a
+// tile, so its sums need no reduction; they go into h by 16-byte fp32 atomics (red) at the end.
+__device__ void down_split_k(const Params& p, Smem& sm, int layer, RingPos& pos) {
+  const int tid = threadIdx.x, lane = tid & 31, ns = p.slots;
+  const Seg s = sm.segs[kOpDown];
+  const int tiles = (s.rows + s.rpt - 1) / s.rpt, chunks = s.k / 8;
+  float acc[kDownChunks][8];
+#pragma unroll
+  for (int u = 0; u < kDownChunks; ++u)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+  unsigned long long waited = 0;
+  for (int t = 0; t < tiles; ++t) {
+    const unsigned long long t_wait = p.trace ? now() : 0;
+    mbar_wait(&sm.full[pos.slot], pos.lap & 1);
+    if (p.trace) waited += now() - t_wait;
+    if (t == 0) stamp(p, layer, 13);
+    const __nv_bfloat16* tile = sm.ring + (size_t)pos.slot * (kSlotBytes / 2);
+    const int r0 = t * s.rpt, n = min(s.rpt, s.rows - r0);  // rpt <= kWarps
+#pragma unroll
+    for (int u = 0; u < kDownChunks; ++u) {
+      const int c = tid + u * kConsumers;
+      if (c < chunks && !(p.flags & kRingOnly)) {
+#pragma unroll 1
+        for (int r4 = 0; r4 < kWarps; r4 += 4) {  // four rows' loads in flight at a time (registers: 168 at most)
+          uint4 w[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            if (r4 + r < n) w[r] = *reinterpret_cast<const uint4*>(tile + (size_t)(r4 + r) * s.k + c * 8);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            if (r4 + r < n) {
+              const float a = sm.rows[r0 + r4 + r];
+              const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w[r]);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float2 f = __bfloat1622float2(w2[e]);
+                acc[u][2 * e] = fmaf(a, f.x, acc[u][2 * e]);
+                acc[u][2 * e + 1] = fmaf(a, f.y, acc[u][2 * e + 1]);
+              }
+            }
+          }
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sm.empty[pos.slot]);
+    pos.next(ns);
+  }
+#pragma unroll
+  for (int u = 0; u < kDownChunks; ++u) {
+    const int c = tid + u * kConsumers;
+    if (c < chunks && !(p.flags & kRingOnly)) {
+      float4* dst = reinterpret_cast<float4*>(p.h + (size_t)(blockIdx.x % p.h_copies) * p.hidden + c * 8);
+      atomicAdd(dst, make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]));
+      atomicAdd(dst + 1, make_float4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]));
+    }
+  }
+  stamp(p, layer, 16 + kOpDown, waited);
 }
 
 // rms-normalise (optional weight) and rotate one head of d values held in smem x, by one warp.
@@ -546,6 +658,7 @@ __device__ void attend_split(const Params& p, const Layer& L, Smem& sm, int laye
   issue(base);
   wait_count(p, p.counters + (size_t)layer * kCountStride + kQkv, (epoch + 1u) * gridDim.x);
   stamp(p, layer, 3);
+  hold(sm, 0u);
   const int64_t pos = p.positions[0];
   const float* cs = p.cos_sin + pos * D;
 
@@ -735,54 +848,61 @@ __device__ void attend_all(const Params& p, const Layer& L, Smem& sm, int layer,
   }
 }
 
-// The producer holds its copies (1) or goes on (0): set once a GEMV's tiles are all read, cleared once the next GEMV's
-// input is staged, so the count's release, its poll and the staging's reads do not queue behind a refill.
-__device__ __forceinline__ void hold(Smem& sm, unsigned on) {
-  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned*>(sm.hold) = on;
-}
-
 // Returns the launch's epoch (launches of this kernel before it on these counters).
 template <int D, int G>
 __device__ __forceinline__ unsigned consume(const Params& p, Smem& sm) {
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the step's inputs are written by the kernels before
-  if (threadIdx.x == 0) sm.misc[kWarps + 1] = __uint_as_float(__ldcg(p.counters + (size_t)p.num_layers * kCountStride + 1));
+  if (threadIdx.x == 0)
+    sm.misc[kWarps + 1] = __uint_as_float(__ldcg(p.counters + (size_t)p.num_layers * kCountStride + 1));
   consumer_sync();
-  const unsigned epoch = __float_as_uint(sm.misc[kWarps + 1]), grid = gridDim.x, next = epoch + 1u;
+  const unsigned epoch = __float_as_uint(sm.misc[kWarps + 1]), next = epoch + 1u;
   RingPos pos;
   for (int layer = 0; layer < p.num_layers; ++layer) {
     const Layer L = p.layers[layer];
     unsigned* c = p.counters + (size_t)layer * kCountStride;
     float scale = 1.f;  // the input's RMSNorm scale (QKV, gate and up), or 1
-    // One pass of this loop an operation, so the GEMV's code is in the kernel once: its five inlined copies were
-    // half the kernel's SASS, which every layer runs through (docs/gpu-notes.md, fifty-fifth session).
+    // One pass of this loop a GEMV (QKV, O, gate, up), so the GEMV's code is in the kernel once: its inlined copies
+    // were half the kernel's SASS, which every layer runs through (docs/gpu-notes.md, fifty-fifth session).
 #pragma unroll 1
-    for (int op = kOpQkv; op <= kOpDown; ++op) {
+    for (int op = kOpQkv; op <= kOpUp; ++op) {
       if (op != kOpUp) {  // the dependency, then the input staged (up's is gate's)
-        if (op == kOpQkv && layer > 0) wait_count(p, c - kCountStride + kDown, next * grid);
+        if (op == kOpQkv && layer > 0) wait_count(p, c - kCountStride + kDown, next * gridDim.x);
         if (op == kOpO) wait_count(p, c + kAttn, next * (unsigned)p.kv_heads);
-        if (op == kOpGate) wait_count(p, c + kO, next * grid);
-        if (op == kOpDown) wait_count(p, c + kGu, next * grid);
-        stamp(p, layer, op == kOpQkv ? 0 : op == kOpO ? 6 : op == kOpGate ? 9 : 12);
-        if (op == kOpQkv && layer == 0) {
-          scale = load_normed(sm, p.x_in, p.hidden, p.eps);
-        } else if (op == kOpQkv || op == kOpGate) {
-          scale = load_normed(sm, p.h, p.hidden, p.eps);
+        if (op == kOpGate) wait_count(p, c + kO, next * gridDim.x);
+        stamp(p, layer, op == kOpQkv ? 0 : op == kOpO ? 6 : 9);
+        if (op == kOpQkv) {
+          scale = layer == 0 ? load_normed(sm, p.x_in, p.hidden, p.eps)
+                             : norm_scale(sm, stage_h(p, sm), p.hidden, p.eps);
+        } else if (op == kOpGate) {
+          scale = load_normed(sm, p.h_mid, p.hidden, p.eps);
         } else {
           scale = 1.f;
-          load_plain(p, sm, op == kOpO ? p.attn : p.act, op == kOpO ? p.heads * p.head_dim : p.inter,
-                     op == kOpO && layer == 0);
+          load_plain(p, sm, p.attn, p.heads * p.head_dim, layer == 0);
         }
         hold(sm, 0u);
       }
-      gemv(p, L, sm, op, layer, pos, op == kOpQkv ? 1 : op == kOpO ? 7 : op == kOpGate ? 10 : op == kOpUp ? -1 : 13,
-           scale);
+      gemv(p, L, sm, op, layer, pos, op == kOpQkv ? 1 : op == kOpO ? 7 : op == kOpGate ? 10 : -1, scale);
       if (op == kOpGate) continue;
-      stamp(p, layer, op == kOpQkv ? 2 : op == kOpO ? 8 : op == kOpUp ? 11 : 14);
-      if (op != kOpQkv && (op != kOpDown || layer + 1 < p.num_layers)) hold(sm, 1u);
-      signal_count(c + (op == kOpQkv ? kQkv : op == kOpO ? kO : op == kOpUp ? kGu : kDown));
-      if (op == kOpQkv && (int)blockIdx.x < p.kv_heads * p.splits) attend_all<D, G>(p, L, sm, layer, epoch);
+      stamp(p, layer, op == kOpQkv ? 2 : op == kOpO ? 8 : 11);
+      if (op == kOpUp) break;  // DOWN follows on the block's own act: nothing to count or wait for
+      hold(sm, 1u);
+      signal_count(c + (op == kOpQkv ? kQkv : kO));
+      if (op == kOpQkv) {
+        if ((int)blockIdx.x < p.kv_heads * p.splits) attend_all<D, G>(p, L, sm, layer, epoch);
+        hold(sm, 0u);  // a block with no keys to attend to lets its producer go on at once
+      }
     }
+    stamp(p, layer, 12);
+    down_split_k(p, sm, layer, pos);
+    stamp(p, layer, 14);
+    if (layer + 1 < p.num_layers) hold(sm, 1u);
+    signal_count(c + kDown);
   }
+  // every block's DOWN partials are in h once the last layer's DOWN is counted: the block's rows of x_out
+  wait_count(p, p.counters + (size_t)(p.num_layers - 1) * kCountStride + kDown, next * gridDim.x);
+  const Seg o = sm.segs[kOpO];
+  for (int i = threadIdx.x; i < o.rows; i += kConsumers)
+    p.x_out[o.row0 + i] = __float2bfloat16(h_at(p, o.row0 + i));
   return epoch;
 }
 
@@ -866,6 +986,7 @@ int ost_decode_bs1_smem_bytes(int slots, int xs_floats) {
 }
 
 int ost_decode_bs1_max_slots() { return kMaxSlots; }
+int ost_decode_bs1_max_h_copies() { return kMaxHCopies; }
 int ost_decode_bs1_slot_bytes() { return kSlotBytes; }
 int ost_decode_bs1_trace_slots() { return kTraceSlots; }
 int ost_decode_bs1_rows_max() { return kGateMax; }
@@ -874,11 +995,11 @@ int ost_decode_bs1_count_stride() { return kCountStride; }
 
 // Launches the step on `stream` (graph capture records it); returns a cudaError_t.
 int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int heads, int kv_heads, int head_dim,
-                          int inter, int splits, int slots, int grid, int xs_floats, float eps, float qk_eps,
-                          float scale_log2, const void* x_in, void* x_out, const void* positions, const void* seq_lens,
-                          const void* req_rows, const void* out_loc, const void* req_to_token, long long table_stride,
-                          const void* cos_sin, void* h, void* qkv, void* attn, void* act, void* part, void* counters,
-                          void* trace, int flags, int pdl, void* stream) {
+                          int inter, int splits, int slots, int h_copies, int grid, int xs_floats, float eps,
+                          float qk_eps, float scale_log2, const void* x_in, void* x_out, const void* positions,
+                          const void* seq_lens, const void* req_rows, const void* out_loc, const void* req_to_token,
+                          long long table_stride, const void* cos_sin, void* h, void* qkv, void* attn, void* h_mid,
+                          void* part, void* counters, void* trace, int flags, int pdl, void* stream) {
   Params p;
   p.layers = static_cast<const Layer*>(layers);
   p.num_layers = num_layers;
@@ -889,6 +1010,7 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
   p.inter = inter;
   p.splits = splits;
   p.slots = slots;
+  p.h_copies = h_copies;
   p.eps = eps;
   p.qk_eps = qk_eps;
   p.scale_log2 = scale_log2;
@@ -904,7 +1026,7 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
   p.h = static_cast<float*>(h);
   p.qkv = static_cast<float*>(qkv);
   p.attn = static_cast<float*>(attn);
-  p.act = static_cast<float*>(act);
+  p.h_mid = static_cast<float*>(h_mid);
   p.part = static_cast<float*>(part);
   p.counters = static_cast<unsigned*>(counters);
   p.trace = static_cast<unsigned long long*>(trace);

@@ -19,15 +19,18 @@ from ostinato.megakernel.weights import (
 
 COUNT_STRIDE = 32  # the kernel's kCountStride: counters a layer
 MAX_SLOTS = 16
+MAX_H_COPIES = 8  # the kernel's kMaxHCopies
+H_COPIES = 4  # copies of the residual stream DOWN's atomics spread over: 1, 2, 4 and 8 timed, 4 kept
+# (docs/gpu-notes.md, fifty-sixth session)
 MAX_SPLITS = 16
 DEFAULT_SMEM_OPTIN = 232448  # H100 / H200: 227 KiB a block
 
 
 def scratch_floats(s: Shape) -> int:
-    """Floats of a block's input-vector buffer: the widest GEMV input, or attention's scratch (q, new K and V, and
-    every warp's state for the KV head's query heads)."""
+    """Floats of a block's input-vector buffer: the widest GEMV input (hidden for QKV and GU, q_size for O; DOWN
+    stages none), or attention's scratch (q, new K and V, and every warp's state for the KV head's query heads)."""
     attn = (s.group + 2) * s.head_dim + 8 * s.group * (s.head_dim + 2)
-    return -(-max(s.hidden, s.q_size, s.inter, attn) // 4) * 4
+    return -(-max(s.hidden, s.q_size, attn) // 4) * 4
 
 
 class DecodeBs1Megakernel:
@@ -36,7 +39,7 @@ class DecodeBs1Megakernel:
     final norm), storing the token's K/V in each layer's cache. Inputs are the decode graph's static buffers."""
 
     def __init__(self, model, kv_cache, device: torch.device, grid: int | None = None, splits: int | None = None,
-                 slots: int | None = None, pdl: bool = True) -> None:
+                 slots: int | None = None, pdl: bool = True, h_copies: int = H_COPIES) -> None:
         if device.type == "cuda" and device.index is None:  # tensors report their index: compare like with like
             device = torch.device("cuda", torch.cuda.current_device())
         self._layers = model_layers(model)  # the tensors the kernel's table points into
@@ -54,12 +57,16 @@ class DecodeBs1Megakernel:
             raise ValueError(f"decode megakernel: {s.kv_heads} KV heads x {self.splits} splits over {grid} blocks")
         # [positions, head dim]: cos halves, sin halves
         self.cos_sin = model.rotary.cos_sin.to(device=device, dtype=torch.float32).contiguous()
+        if not 1 <= h_copies <= MAX_H_COPIES:
+            raise ValueError(f"decode megakernel: {h_copies} copies of the residual stream (1 to {MAX_H_COPIES})")
+        self.h_copies = h_copies
         self.lib = library()
         built = (self.lib.ost_decode_bs1_slot_bytes(), self.lib.ost_decode_bs1_rows_max(),
                  self.lib.ost_decode_bs1_part_max(), self.lib.ost_decode_bs1_count_stride(),
-                 self.lib.ost_decode_bs1_max_slots(), self.lib.ost_decode_bs1_trace_slots())
+                 self.lib.ost_decode_bs1_max_slots(), self.lib.ost_decode_bs1_trace_slots(),
+                 self.lib.ost_decode_bs1_max_h_copies())
         # the kernel's constants, as this module and weights.py assume them
-        assert built == (SLOT_BYTES, GATE_MAX, PART_MAX, COUNT_STRIDE, MAX_SLOTS, TRACE_SLOTS), built
+        assert built == (SLOT_BYTES, GATE_MAX, PART_MAX, COUNT_STRIDE, MAX_SLOTS, TRACE_SLOTS, MAX_H_COPIES), built
         self.xs_floats = scratch_floats(s)
         props = torch.cuda.get_device_properties(device)
         optin = getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_OPTIN)
@@ -71,15 +78,20 @@ class DecodeBs1Megakernel:
         def ptr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
 
-        rows = [[ptr(lw.qkv), ptr(lw.o), ptr(lw.gate_up), ptr(lw.down), ptr(lw.qkv_bias), ptr(lw.q_norm),
+        # DOWN reads W_down^T [inter, hidden] (a block's act rows times the same rows, split-K): a copy of each
+        # layer's down weight, the step's one extra memory (Llama-3.2-1B: 537 MB, Qwen3-0.6B: 176 MB)
+        self._down_t = [lw.down.t().contiguous() for lw in self._layers]
+        rows = [[ptr(lw.qkv), ptr(lw.o), ptr(lw.gate_up), ptr(down_t), ptr(lw.qkv_bias), ptr(lw.q_norm),
                  ptr(lw.k_norm), kv_cache.k_buffer[i].data_ptr(), kv_cache.v_buffer[i].data_ptr()]
-                for i, lw in enumerate(self._layers)]
+                for i, (lw, down_t) in enumerate(zip(self._layers, self._down_t, strict=True))]
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         f32 = dict(dtype=torch.float32, device=device)
-        self.h = torch.empty(s.hidden, **f32)
+        # the residual stream as the sum of h_copies rows: block b's DOWN adds into row b % h_copies, so fewer
+        # blocks' atomics meet on each address
+        self.h = torch.empty(h_copies, s.hidden, **f32)
         self.qkv = torch.empty(s.q_size + 2 * s.kv_size, **f32)
         self.attn = torch.empty(s.q_size, **f32)
-        self.act = torch.empty(s.inter, **f32)
+        self.h_mid = torch.empty(s.hidden, **f32)
         self.part = torch.empty(s.kv_heads * self.splits * s.group * (s.head_dim + 2), **f32)
         # counts only grow (the kernel compares them to (epoch + 1) x target); zero once, here
         self.counters = torch.zeros(s.num_layers * COUNT_STRIDE + 2, dtype=torch.int32, device=device)
@@ -107,10 +119,10 @@ class DecodeBs1Megakernel:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         err = self.lib.ost_decode_bs1_launch(
             self.table.data_ptr(), s.num_layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, self.splits,
-            self.slots, self.grid, self.xs_floats, s.eps, s.qk_eps, self.scale_log2, x_in.data_ptr(),
-            self.x_out.data_ptr(), positions.data_ptr(), seq_lens.data_ptr(), req_rows.data_ptr(), out_loc.data_ptr(),
-            req_to_token.data_ptr(), req_to_token.stride(0), self.cos_sin.data_ptr(), self.h.data_ptr(),
-            self.qkv.data_ptr(), self.attn.data_ptr(), self.act.data_ptr(), self.part.data_ptr(),
+            self.slots, self.h_copies, self.grid, self.xs_floats, s.eps, s.qk_eps, self.scale_log2,
+            x_in.data_ptr(), self.x_out.data_ptr(), positions.data_ptr(), seq_lens.data_ptr(), req_rows.data_ptr(),
+            out_loc.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0), self.cos_sin.data_ptr(),
+            self.h.data_ptr(), self.qkv.data_ptr(), self.attn.data_ptr(), self.h_mid.data_ptr(), self.part.data_ptr(),
             self.counters.data_ptr(), 0 if self.trace is None else self.trace.data_ptr(), self.flags, int(self.pdl),
             stream)
         if err:

@@ -14,6 +14,8 @@ GATE_MAX = 512
 RESIDUAL_ROWS_MAX = 256  # residual-stream rows a block adds to (one consumer thread loads each)
 PART_MAX = 1024  # a block's (row, k part) sums of one projection (kPartMax)
 WARPS = 8  # consumer warps a block (kWarps)
+DOWN_HIDDEN_MAX = 2 * 8 * 256  # DOWN's split-K: kDownChunks 8-column chunks of h a consumer thread
+KV_HEADS_MAX = 28  # a layer's per-head counters (the kernel's kCountStride - kHead)
 MIN_SPLIT_TOKENS = 32  # cached keys a split of one KV head takes at least (the kernel's kMinSplitTokens)
 
 
@@ -82,8 +84,9 @@ def rows_per_tile(k: int) -> int:
 
 
 def part_sums(s: Shape, grid: int) -> int:
-    """The most (row, k part) sums a block keeps for one projection: its rows times the warps that share a row."""
-    ops = [(s.q_size + 2 * s.kv_size, s.hidden), (s.hidden, s.q_size), (s.inter, s.hidden), (s.hidden, s.inter)]
+    """The most (row, k part) sums a block keeps for one projection (QKV, O, gate, up; DOWN keeps none): its rows
+    times the warps that share a row."""
+    ops = [(s.q_size + 2 * s.kv_size, s.hidden), (s.hidden, s.q_size), (s.inter, s.hidden)]
     return max(-(-rows // grid) * (WARPS // rows_per_tile(k)) for rows, k in ops)
 
 
@@ -103,9 +106,11 @@ def unsupported_reason(model, kv_cache, grid: int) -> str | None:
         return f"head dim {s.head_dim} (built for {HEAD_DIMS})"
     if s.heads % s.kv_heads or not 1 <= s.group <= MAX_GROUP:
         return f"{s.group} query heads a KV head (built for 1-{MAX_GROUP})"
-    for k in (s.hidden, s.q_size, s.inter):
+    for k in (s.hidden, s.q_size):
         if 2 * k > SLOT_BYTES or k % 64:
             return f"a projection's input width {k} (must be a multiple of 64, at most {SLOT_BYTES // 2})"
+    if s.hidden > DOWN_HIDDEN_MAX:
+        return f"hidden size {s.hidden} (DOWN's split-K is built for at most {DOWN_HIDDEN_MAX})"
     if -(-s.inter // grid) > GATE_MAX:
         return f"intermediate size {s.inter} over {grid} blocks (at most {GATE_MAX} gate rows a block)"
     if -(-s.hidden // grid) > RESIDUAL_ROWS_MAX:
@@ -114,6 +119,8 @@ def unsupported_reason(model, kv_cache, grid: int) -> str | None:
         return f"{part_sums(s, grid)} row x part sums a block over {grid} blocks (at most {PART_MAX})"
     if s.kv_heads > grid:
         return f"{s.kv_heads} KV heads over {grid} blocks"
+    if s.kv_heads > KV_HEADS_MAX:
+        return f"{s.kv_heads} KV heads (at most {KV_HEADS_MAX})"
     if kv_cache.dtype != torch.bfloat16 or kv_cache.head_major or kv_cache.layout.group:
         return "the KV cache must be bf16, token-major"
     return None
