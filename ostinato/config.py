@@ -53,9 +53,10 @@ class EngineArgs:
     enable_cudagraph_gc: bool = _arg(False, "keep the garbage collector running during capture")
     decode_megakernel: str = _arg("off", "auto | on | off: run a captured decode step of one request as one "
                                   "persistent kernel over every layer (Hopper GPUs, bf16 Llama / Qwen2 / Qwen3 with a "
-                                  "bf16 KV cache; built with nvcc at start-up). Experimental: on the H200 it is slower "
-                                  "than the layers' kernels today (docs/gpu-notes.md). auto: where supported; on: an "
-                                  "error where not")
+                                  "bf16 KV cache; built with nvcc at start-up; keeps a transposed copy of each layer's "
+                                  "down weight; its sums are not bit-reproducible). Experimental: on the H200 it is "
+                                  "slower than the layers' kernels today (docs/gpu-notes.md). auto: where supported; "
+                                  "on: an error where not")
     skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
     trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
