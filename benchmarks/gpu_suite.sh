@@ -168,7 +168,8 @@ mkab)
   # tree", "tree head relaxed tree head" and "tree head tmplonly tree head" (probe-megakernel-{ilp-splits,
   # merge-relaxed,templated}-h200-20261129-s54.tgz), the fifty-fifth "tree base poll2 poll3 tree base poll3", "tree
   # base ni tree base ni", "tree base one tree base one" and "tree base basesw tree base" (probe-megakernel-
-  # {m2-polls,noinline,oploop,final}-h200-20261129-s55.tgz); docs/gpu-notes.md says what each copy held
+  # {m2-polls,noinline,oploop,final}-h200-20261129-s55.tgz), the fifty-sixth "tree head tree head" (head: eba84a7;
+  # probe-megakernel-{splitk,final}-h200-20261129-s56.tgz); docs/gpu-notes.md says what each copy held
   megakernel_tests || exit 1
   seen= n=0
   for v in ${MK_VARIANTS:-tree head tree head}; do
@@ -191,8 +192,8 @@ mkslots)
 mkncu)
   # the one-launch step under Nsight Compute (8 layers): the stall reasons, per issued instruction, for each copy in
   # MK_VARIANTS (default "tree"; others from .ab/<name>, as mkab) and each model in MK_MODELS (default qwen3-0.6b).
-  # "tree base" sets the fifty-fifth session's loop form beside its start, where Qwen3-0.6B's tiles slowed:
-  # no_instruction is the instruction-fetch stall a smaller kernel should cut.
+  # "tree base" (.ab/base = `git archive e03b825 ostinato`) sets the fifty-fifth session's loop form beside its
+  # start, where Qwen3-0.6B's tiles slowed: no_instruction is the instruction-fetch stall a smaller kernel should cut.
   for v in ${MK_VARIANTS:-tree}; do
     src=$PWD; [ "$v" = tree ] || src=$PWD/.ab/$v
     PYTHONPATH=$src timeout 120 python -c "from ostinato.megakernel.build import library; print(library())" 2>&1 \
