@@ -42,6 +42,7 @@ import ast
 import collections
 import copy
 import gc
+import itertools
 import os
 import sys
 import time
@@ -283,15 +284,30 @@ def patch_gemm_tiles(spec: str) -> None:
     skinny_gemm.prenorm_config = prenorm_rule
 
 
+def set_mlp_kernel(mode: str) -> None:
+    """mlp_bs1.SETTINGS from "MODE[:slots=N,trigger=0|1]" (the defaults where a key is not given)."""
+    from ostinato.layers.cuda_ops import mlp_bs1
+
+    mlp_bs1.SETTINGS.update(slots=None, trigger=True)
+    _, _, opts = mode.partition(":")
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        if key not in mlp_bs1.SETTINGS:
+            raise ValueError(f"--decode-mlp-kernel: unknown setting {key!r} (slots, trigger)")
+        mlp_bs1.SETTINGS[key] = bool(int(value)) if key == "trigger" else int(value)
+
+
 def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = "auto",
                 page_size: int = 1, rope_store: str = "fused", use_pdl: str | None = None,
                 decode_entry: str = "table", gemm_tiles: str = "rule",
-                megakernel: str = "off") -> tuple[list[dict], dict]:
+                megakernel: str = "off", mlp_kernel: str = "off") -> tuple[list[dict], dict]:
     need = max(sum(n + page_size for n in context_lengths(bs, ctx)) for bs, ctx in CASES) + 1024
     eargs = EngineArgs(model=name, load_format="dummy", dtype="bfloat16", max_total_tokens=need,
                        max_running_requests=256, cuda_graph_bs=sorted({bs for bs, _ in CASES}),
                        enable_torch_compile=args.compile, torch_compile_max_bs=args.compile_max_bs,
-                       kv_cache_dtype=kv_dtype, page_size=page_size, decode_megakernel=megakernel)
+                       kv_cache_dtype=kv_dtype, page_size=page_size, decode_megakernel=megakernel,
+                       decode_mlp_kernel=mlp_kernel.split(":")[0])
+    set_mlp_kernel(mlp_kernel)
     # read at each forward, so also by the capture
     TritonAttentionBackend.fuse_rope_store = rope_store != "unfused"
     rope_max_bs = TritonAttentionBackend.decode_rope_max_bs
@@ -323,7 +339,7 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
         state_per_req = 2 * runner.mamba_pool.bytes() // (runner.mamba_pool.size + 1)
     gr = runner.graph_runner
     print(f"{name} (kv {kv_dtype}, page {page_size}, rope+store {rope_store}, pdl {use_pdl}, decode entry "
-          f"{decode_entry}, GEMM tiles {gemm_tiles}, megakernel {megakernel}): weights "
+          f"{decode_entry}, GEMM tiles {gemm_tiles}, megakernel {megakernel}, MLP kernel {mlp_kernel}): weights "
           f"{runner.weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, capture {gr.capture_seconds:.1f} s for "
           f"{gr.batch_sizes}, graph memory {gr.graph_memory_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
@@ -342,7 +358,8 @@ def bench_model(name: str, args: argparse.Namespace, bw: float, kv_dtype: str = 
             row = {"model": name, "bs": bs, "context": ctx, "mode": mode, "ms_per_step": step_ms,
                    "forward_ms": fwd_ms, "floor_ms": floor_ms, "compile": args.compile,
                    "kv_cache_dtype": kv_dtype, "page_size": page_size, "rope_store": rope_store, "pdl": use_pdl,
-                   "decode_entry": decode_entry, "gemm_tiles": gemm_tiles, "megakernel": megakernel}
+                   "decode_entry": decode_entry, "gemm_tiles": gemm_tiles, "megakernel": megakernel,
+                   "mlp_kernel": mlp_kernel}
             if args.launches:
                 if graph not in launches:
                     launches[graph] = launch_stats(runner, sched, graph, iters=min(iters, 10))
@@ -383,7 +400,7 @@ def print_comparison(rows: list[dict]) -> None:
         launches = f", {r['launches']:.0f} launches" if "launches" in r else ""
         print(f"{r['model']:<14}bs {r['bs']:>4} ctx {r['context']:>5} {r['mode']:<10} kv {r['kv_cache_dtype']:<9} "
               f"page {r['page_size']:>3} rope+store {r['rope_store']} pdl {r['pdl']} entry {r['decode_entry']} "
-              f"tiles {r['gemm_tiles']} megakernel {r.get('megakernel', 'off')}: "
+              f"tiles {r['gemm_tiles']} megakernel {r.get('megakernel', 'off')} mlp {r.get('mlp_kernel', 'off')}: "
               f"{r['ms_per_step']:.3f} ms"
               f"{launches}, "
               f"{base[key] / r['ms_per_step']:.3f}x of the first configuration")
@@ -421,6 +438,9 @@ def main() -> None:
                     choices=["eager", "graph", "graph-sync"])
     ap.add_argument("--decode-megakernel", nargs="+", choices=["off", "on", "auto"], default=["off"],
                     help="EngineArgs.decode_megakernel: one pass each (e.g. off on)")
+    ap.add_argument("--decode-mlp-kernel", nargs="+", default=["off"],
+                    help='EngineArgs.decode_mlp_kernel: one pass each (e.g. off on off); "on:slots=8,trigger=0" '
+                         "also sets the kernel's launch (see set_mlp_kernel)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cases:
@@ -438,10 +458,12 @@ def main() -> None:
                 for rope in args.rope_store:
                     for use_pdl in args.pdl:
                         for entry in args.decode_entry:
-                            for tiles, mk in ((t, k) for t in args.gemm_tiles for k in args.decode_megakernel):
-                                r, m = bench_model(name, args, bw, kv, page, rope, use_pdl, entry, tiles, mk)
+                            for tiles, mk, mlp in itertools.product(args.gemm_tiles, args.decode_megakernel,
+                                                                    args.decode_mlp_kernel):
+                                r, m = bench_model(name, args, bw, kv, page, rope, use_pdl, entry, tiles, mk, mlp)
                                 rows += r
-                                meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}/{entry}/{tiles}/mk-{mk}"] = m
+                                meta[f"{name}/{kv}/page{page}/{rope}/pdl-{m['pdl']}/{entry}/{tiles}/mk-{mk}/"
+                                     f"mlp-{mlp}"] = m
     print_comparison(rows)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_TBps": bw / 1e12,

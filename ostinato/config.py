@@ -57,6 +57,11 @@ class EngineArgs:
                                   "down weight; its sums are not bit-reproducible). Experimental: on the H200 it is "
                                   "slower than the layers' kernels today (docs/gpu-notes.md). auto: where supported; "
                                   "on: an error where not")
+    decode_mlp_kernel: str = _arg("off", "auto | on | off: run each decoder layer's MLP at one row (decode at "
+                                  "batch size 1) as one CUDA kernel that streams gate_up and down together (Hopper "
+                                  "GPUs, bf16 Llama / Qwen2 / Qwen3; built with nvcc at start-up; keeps a transposed "
+                                  "copy of each layer's down weight; its sums are not bit-reproducible). auto: where "
+                                  "supported; on: an error where not")
     skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
     trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")
@@ -118,6 +123,7 @@ class EngineArgs:
              "one of eager, inductor"),
             ("schedule_policy", self.schedule_policy in ("lpm", "fcfs"), "one of lpm, fcfs"),
             ("decode_megakernel", self.decode_megakernel in ("auto", "on", "off"), "one of auto, on, off"),
+            ("decode_mlp_kernel", self.decode_mlp_kernel in ("auto", "on", "off"), "one of auto, on, off"),
             ("sampler_warm_up", self.sampler_warm_up in ("none", "temperature", "all"),
              "one of none, temperature, all"),
             ("sampler_warm_up_workers", self.sampler_warm_up_workers is None or self.sampler_warm_up_workers >= 0,

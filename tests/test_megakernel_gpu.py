@@ -5,8 +5,8 @@ import pytest
 import torch
 import transformers
 
+from ostinato.layers.cuda_ops.build import nvcc_path
 from ostinato.megakernel import reference
-from ostinato.megakernel.build import nvcc_path
 from ostinato.megakernel.weights import model_layers, model_shape
 from ostinato.mem.kv_cache import MHATokenToKVPool
 from ostinato.models.llama import LlamaForCausalLM, Qwen3ForCausalLM

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 
 from ostinato.attention.base import AttentionSpec
 from ostinato.attention.op import attention
+from ostinato.distributed.parallel_state import tp_size
 from ostinato.layers.linear import gate_up_silu
 from ostinato.layers.norm import RMSNorm, scale_by_inv_rms
 from ostinato.layers.norm_linear import (
@@ -97,6 +98,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, intermediate)
         self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.one_row = None  # an MlpBs1 once the model's use_one_row_mlp installs it: the layer's MLP at one row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gate_up_silu(self.gate_up_proj, x))
@@ -123,6 +125,8 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
             a = attn.attend(positions, qkv)
+        if self.mlp.one_row is not None and a.shape[0] == 1 and not torch.compiler.is_compiling():
+            return self.mlp.one_row(attn.o_proj(a), residual)  # (down's output, o_proj's + residual) in one launch
         x, residual = attn_out_norm_gate_up_silu(attn.o_proj, a, residual, self.post_attention_layernorm,
                                                  self.mlp.gate_up_proj)
         if defer:  # the next layer (or the final norm) takes the stream whole: residual None
@@ -173,6 +177,29 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             fold_norm_weight(layer.input_layernorm, layer.self_attn.qkv_proj)
             fold_norm_weight(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
+
+    def use_one_row_mlp(self, grid: int) -> str | None:
+        """Runs each layer's MLP at one row as one CUDA kernel over `grid` blocks (layers/cuda_ops/mlp_bs1.py), from
+        the post-attention residual add to down's output; returns why not (and installs nothing) where it cannot."""
+        from ostinato.layers.cuda_ops import mlp_bs1
+
+        mlps = [layer.mlp for layer in self.layers]
+        device = mlps[0].down_proj.weight.device
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            return "it needs a Hopper GPU (sm_90)"
+        if tp_size() > 1:
+            return "tensor parallel: each rank's MLP ends in an all-reduce"
+        if not all(layer.post_attention_layernorm.weight_folded for layer in self.layers):
+            return "the post-attention norms are not folded into gate_up"
+        for mlp in mlps:
+            if (reason := mlp_bs1.unsupported_reason(mlp.gate_up_proj.weight, mlp.down_proj.weight, grid)) is not None:
+                return reason
+        scratch = mlp_bs1.MlpScratch(self.config.hidden_size, device)
+        kernels = [mlp_bs1.MlpBs1(mlp.gate_up_proj.weight, mlp.down_proj.weight, layer.post_attention_layernorm.eps,
+                                  scratch, grid) for mlp, layer in zip(mlps, self.layers, strict=True)]
+        for mlp, kernel in zip(mlps, kernels, strict=True):
+            mlp.one_row = kernel
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raise if a parameter of ours was never written."""

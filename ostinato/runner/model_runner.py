@@ -16,6 +16,7 @@ from ostinato.attention.forward_batch import ForwardBatch, ForwardMode, mixed_de
 from ostinato.attention.op import forward_context
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineArgs
+from ostinato.device_info import usable_sms
 from ostinato.distributed.parallel_state import kv_heads_per_rank, min_over_ranks, tp_size
 from ostinato.graphs.decode import DecodeGraphRunner
 from ostinato.graphs.extend import ExtendGraphRunner
@@ -141,6 +142,7 @@ class ModelRunner:
         if hasattr(self.model, "after_load"):  # weight transforms a model makes once its weights are in
             self.model.after_load()
         self.model.eval()
+        self.one_row_mlp = self._use_one_row_mlp()  # before the KV pool is sized: it holds copies of down's weights
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.load_seconds = time.perf_counter() - t0
 
@@ -213,6 +215,27 @@ class ModelRunner:
         if not self.backend.supports_extend_graphs:
             return 0
         return min(self.args.extend_cuda_graph_max_tokens, self.chunked_prefill_size)
+
+    def _use_one_row_mlp(self) -> bool:
+        """Each layer's MLP at one row as one CUDA kernel (`--decode-mlp-kernel`); whether it is installed."""
+        mode = self.args.decode_mlp_kernel
+        if mode == "off":
+            return False
+        if not hasattr(self.model, "use_one_row_mlp"):
+            why = f"{type(self.model).__name__} has no Llama-family MLP"
+        elif self.device.type != "cuda":
+            why = "it is a CUDA kernel"
+        else:
+            try:
+                why = self.model.use_one_row_mlp(usable_sms(self.device))
+            except RuntimeError as e:  # no nvcc, or a failed build
+                why = str(e)
+        if why is None:
+            return True
+        if mode == "on":
+            raise ValueError(f"--decode-mlp-kernel on: {why}")
+        logger.info("one-row MLP kernel off: %s", why)
+        return False
 
     def _make_decode_megakernel(self) -> DecodeBs1Megakernel | None:
         """The one-launch decode step for captured one-request steps (`--decode-megakernel`), or None."""

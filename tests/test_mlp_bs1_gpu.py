@@ -1,0 +1,118 @@
+"""The one-row MLP kernel on the GPU (Hopper, nvcc): against its torch twin at the benchmark models' shapes and odd
+ones, launch after launch (its scratch left zero), replayed from a CUDA graph, and in the engine with the flag on
+and off."""
+
+import pytest
+import torch
+import transformers
+
+from ostinato.layers.cuda_ops import mlp_bs1
+from ostinato.layers.cuda_ops.build import nvcc_path
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or nvcc_path() is None,
+    reason="needs a Hopper GPU and nvcc")
+
+
+def weights(hidden: int, inter: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gate_up = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * hidden**-0.5).to(torch.bfloat16)
+    down = (torch.randn(hidden, inter, device="cuda", generator=g) * inter**-0.5).to(torch.bfloat16)
+    return gate_up, down
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    scale = want.float().abs().max().item()
+    d = (got.float() - want.float()).abs()
+    return d.max().item() / scale, d.mean().item() / scale
+
+
+@pytest.mark.parametrize(("hidden", "inter", "grid"), [(2048, 8192, None), (1024, 3072, None), (512, 1000, None),
+                                                       (512, 1000, 7), (4096, 2048, None), (256, 96, None)])
+def test_kernel_computes_what_its_twin_does(hidden, inter, grid):
+    grid = grid or torch.cuda.get_device_properties(0).multi_processor_count
+    gate_up, down = weights(hidden, inter, hidden + inter)
+    scratch = mlp_bs1.MlpScratch(hidden, torch.device("cuda"))
+    kernel = mlp_bs1.MlpBs1(gate_up, down, 1e-5, scratch, grid)
+    for seed in range(3):  # launch after launch on the same scratch
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(1, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        residual = (4 * torch.randn(1, hidden, device="cuda", generator=g)).to(torch.bfloat16)
+        y, h = kernel(x, residual)
+        want_y, want_h = mlp_bs1.reference(x[0], residual[0], gate_up, kernel.down_t, 1e-5, grid)
+        assert torch.equal(h[0], want_h)
+        worst, mean = close(y[0], want_y)
+        assert worst < 0.02 and mean < 0.002, (seed, worst, mean)
+        torch.cuda.synchronize()
+        assert not scratch.acc.any() and not scratch.count.any()  # left zero for the next launch
+
+
+def test_graph_replay_equals_eager_launches():
+    """Captured with the launches around it (PDL inside the graph), replayed on new inputs: the eager launch's
+    outputs to fp32's order of summation."""
+    hidden, inter = 2048, 8192
+    gate_up, down = weights(hidden, inter, 1)
+    kernel = mlp_bs1.MlpBs1(gate_up, down, 1e-5, mlp_bs1.MlpScratch(hidden, torch.device("cuda")),
+                            torch.cuda.get_device_properties(0).multi_processor_count)
+    x = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernel(x * 2, residual)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a = x * 2  # a kernel before and after the launch, as in a layer
+        y, h = kernel(a, residual)
+        out = y.float() + 1
+    for seed in range(3):
+        x.copy_(torch.randn(1, hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        graph.replay()
+        want_y, want_h = kernel(x * 2, residual)
+        assert torch.equal(h, want_h)
+        worst, mean = close(out - 1, want_y.float())
+        assert worst < 0.01 and mean < 0.001, (seed, worst, mean)
+
+
+def test_engine_logprobs_with_and_without(tmp_path):
+    """A random Llama of Llama-3.2-1B's MLP widths through LLM.generate, greedy with top-5 logprobs, one request at a
+    time: each decode step's logprobs with the kernel equal those of the layers' kernels to bf16's rounding, compared
+    while the two runs' tokens agree (they part only at a near-tie)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from ostinato import LLM, SamplingParams
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the cat sat on the mat", "one two three four five"] * 10, vocab_size=300,
+                            min_frequency=1, special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=2048, intermediate_size=8192,
+                                      num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=8,
+                                      max_position_embeddings=2048, initializer_range=0.05,
+                                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    prompts = [[5 + i, 17, 40 + 3 * i, 99, 7] * (1 + 20 * i) for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    outs = {}
+    for mode in ("off", "on"):
+        with LLM(str(tmp_path), dtype="bfloat16", decode_mlp_kernel=mode, max_running_requests=1,
+                 sampler_warm_up="temperature") as llm:
+            runner = llm.engine.runner
+            assert runner.one_row_mlp == (mode == "on")
+            assert all((layer.mlp.one_row is not None) == (mode == "on") for layer in runner.model.layers)
+            outs[mode] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    compared, worst = 0, 0.0
+    for off, on in zip(outs["off"], outs["on"], strict=True):
+        for step in range(1, len(off.token_ids)):  # step 0 is the prefill's
+            if off.token_ids[:step] != on.token_ids[:step]:
+                break
+            a, b = off.logprobs[step], on.logprobs[step]
+            shared = set(a) & set(b)
+            assert len(shared) >= 4, (step, a, b)
+            worst = max(worst, max(abs(a[t].logprob - b[t].logprob) for t in shared))
+            compared += 1
+    assert compared >= 12 and worst < 0.05, (compared, worst, outs)
