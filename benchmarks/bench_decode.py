@@ -285,15 +285,16 @@ def patch_gemm_tiles(spec: str) -> None:
 
 
 def set_mlp_kernel(mode: str) -> None:
-    """mlp_bs1.SETTINGS from "MODE[:slots=N,trigger=0|1]" (the defaults where a key is not given)."""
+    """mlp_bs1.SETTINGS from "MODE[:key=N,...]" (slots, trigger, copies, blocks_per_sm, probe; the defaults where a
+    key is not given)."""
     from ostinato.layers.cuda_ops import mlp_bs1
 
-    mlp_bs1.SETTINGS.update(slots=None, trigger=True)
+    mlp_bs1.SETTINGS.update(mlp_bs1.DEFAULT_SETTINGS)
     _, _, opts = mode.partition(":")
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
         if key not in mlp_bs1.SETTINGS:
-            raise ValueError(f"--decode-mlp-kernel: unknown setting {key!r} (slots, trigger)")
+            raise ValueError(f"--decode-mlp-kernel: unknown setting {key!r} ({', '.join(mlp_bs1.SETTINGS)})")
         mlp_bs1.SETTINGS[key] = bool(int(value)) if key == "trigger" else int(value)
 
 
@@ -439,7 +440,7 @@ def main() -> None:
     ap.add_argument("--decode-megakernel", nargs="+", choices=["off", "on", "auto"], default=["off"],
                     help="EngineArgs.decode_megakernel: one pass each (e.g. off on)")
     ap.add_argument("--decode-mlp-kernel", nargs="+", default=["off"],
-                    help='EngineArgs.decode_mlp_kernel: one pass each (e.g. off on off); "on:slots=8,trigger=0" '
+                    help='EngineArgs.decode_mlp_kernel: one pass each (e.g. off on off); "on:slots=8,blocks_per_sm=1" '
                          "also sets the kernel's launch (see set_mlp_kernel)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_suite.sh megakernel  the one-launch bs-1 decode step: build, GPU tests, the kernel alone
 #                                          (probe_megakernel.py), decode ms a step off / on
 #   bash benchmarks/gpu_suite.sh mlpkernel the one-row MLP as one CUDA kernel (layers/cuda_ops/mlp_bs1.py): build, GPU
-#                                          tests, decode ms a step off / on / on without the early trigger / off
+#                                          tests, decode ms a step off / on / off
 #   bash benchmarks/gpu_suite.sh mkprobe   the kernel alone with its phases (MEMCHECK=1: a memcheck run first)
 #   bash benchmarks/gpu_suite.sh mkncu     the kernel under Nsight Compute: its stall reasons (MK_VARIANTS, MK_MODELS)
 #   bash benchmarks/gpu_suite.sh mkslots   the kernel alone at 3, 6 and 11 ring slots
@@ -153,17 +153,18 @@ megakernel)
   ;;
 mlpkernel)
   # the one-row MLP kernel: nvcc build, the twin check at Llama-3.2-1B's shape under a short timeout (a hang stops the
-  # call there), its GPU tests, then decode ms a step with it off / on / on with the next kernel let in only at its
-  # end / off, both models (MLP_CASES, MLP_MODES to change them)
+  # call there), its GPU tests, then decode ms a step with it off / on / off, both models (MLP_CASES, MLP_MODES to
+  # change them; e.g. MLP_MODES="off on on:probe=2 on:probe=6 off" adds the kernel without its finish and its ring
+  # alone, timing probes)
   timeout 120 python -c "from ostinato.layers.cuda_ops.mlp_bs1 import library; print(library())" 2>&1 \
       | keep mlp-build 5
-  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_mlp_bs1_gpu.py -k "twin and 2048-8192" 2>&1 \
+  timeout 120 python -m pytest -x -q -p no:cacheprovider tests/test_mlp_bs1_gpu.py -k "twin and 2048-8192-None-4" 2>&1 \
       | keep mlp-smoke 25
   grep -q " passed" "$OUT/mlp-smoke.log" || exit 1
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_mlp_bs1_gpu.py 2>&1 | keep mlp-tests 30
   # shellcheck disable=SC2086
   timeout 300 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases ${MLP_CASES:-1:128 1:1024} \
-      --modes graph --no-launches --iters 200 --decode-mlp-kernel ${MLP_MODES:-off on on:trigger=0 off} \
+      --modes graph --no-launches --iters 200 --decode-mlp-kernel ${MLP_MODES:-off on off} \
       --out "$OUT/decode-mlp-kernel.json" 2>&1 | quiet | keep mlp-decode 40
   ;;
 mkprobe)

@@ -27,19 +27,20 @@ def close(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return d.max().item() / scale, d.mean().item() / scale
 
 
-@pytest.mark.parametrize(("hidden", "inter", "grid"), [(2048, 8192, None), (1024, 3072, None), (512, 1000, None),
-                                                       (512, 1000, 7), (4096, 2048, None), (256, 96, None)])
-def test_kernel_computes_what_its_twin_does(hidden, inter, grid):
+@pytest.mark.parametrize(("hidden", "inter", "grid", "copies"), [
+    (2048, 8192, None, 1), (2048, 8192, None, 4), (1024, 3072, None, 8), (512, 1000, None, 3), (512, 1000, 7, 4),
+    (4096, 2048, None, 2), (256, 96, None, 4)])
+def test_kernel_computes_what_its_twin_does(hidden, inter, grid, copies):
     grid = grid or torch.cuda.get_device_properties(0).multi_processor_count
     gate_up, down = weights(hidden, inter, hidden + inter)
     scratch = mlp_bs1.MlpScratch(hidden, torch.device("cuda"))
-    kernel = mlp_bs1.MlpBs1(gate_up, down, 1e-5, scratch, grid)
+    kernel = mlp_bs1.MlpBs1(gate_up, down, 1e-5, scratch, grid, copies=copies)
     for seed in range(3):  # launch after launch on the same scratch
         g = torch.Generator(device="cuda").manual_seed(seed)
         x = torch.randn(1, hidden, device="cuda", generator=g).to(torch.bfloat16)
         residual = (4 * torch.randn(1, hidden, device="cuda", generator=g)).to(torch.bfloat16)
         y, h = kernel(x, residual)
-        want_y, want_h = mlp_bs1.reference(x[0], residual[0], gate_up, kernel.down_t, 1e-5, grid)
+        want_y, want_h = mlp_bs1.reference(x[0], residual[0], gate_up, kernel.down_t, 1e-5, kernel.grid)
         assert torch.equal(h[0], want_h)
         worst, mean = close(y[0], want_y)
         assert worst < 0.02 and mean < 0.002, (seed, worst, mean)
@@ -53,7 +54,7 @@ def test_graph_replay_equals_eager_launches():
     hidden, inter = 2048, 8192
     gate_up, down = weights(hidden, inter, 1)
     kernel = mlp_bs1.MlpBs1(gate_up, down, 1e-5, mlp_bs1.MlpScratch(hidden, torch.device("cuda")),
-                            torch.cuda.get_device_properties(0).multi_processor_count)
+                            torch.cuda.get_device_properties(0).multi_processor_count, copies=4)
     x = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
     residual = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
     stream = torch.cuda.Stream()

@@ -7,15 +7,16 @@
 // kernel's first instruction: weights are no kernel's output, so they are read before the PDL wait and stream while
 // the kernel before this one (o_proj) finishes. The consumer warps wait for x, stage h, take their gate and up dots,
 // keep act for their rows in shared memory, and multiply it by their rows of W_down^T at once (split-K): the block's
-// [hidden] partial of y goes into an fp32 accumulator by atomics, so no block waits for another. The last block to
-// finish (a count) rounds the sum to bf16 into y and zeroes the accumulator and the count for the next launch.
+// [hidden] partial of y goes by atomics into one of `copies` fp32 accumulators (block b into copy b % copies: fewer
+// blocks' atomics meet on an address), so no block waits for another. The last block to finish (a count) sums the
+// copies, rounds the sum to bf16 into y and zeroes the copies and the count for the next launch.
 // Rounding follows the layer's unfused kernels (HF's order): h, gate, up, silu(gate) and act are rounded to bf16; y
 // is the fp32 sum of the blocks' partials, rounded once. The partials meet in the order blocks finish, so y varies
 // with timing at fp32's rounding (not bit-reproducible).
 //
 // Layouts: x, r, h_out, y bf16 [hidden]; w_gu bf16 [2 inter, hidden] (gate rows, then up rows; the norm's weight
-// folded in, layers/norm_linear.py); w_down_t bf16 [inter, hidden]; acc fp32 [hidden] and count: zero on entry, left
-// zero.
+// folded in, layers/norm_linear.py); w_down_t bf16 [inter, hidden]; acc fp32 [copies][hidden] and count: zero on
+// entry, left zero.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -27,7 +28,12 @@ namespace {
 constexpr int kRowsMax = 512;   // intermediate rows a block owns (gate outputs, then act)
 constexpr int kPartMax = 1024;  // a block's (row, k part) dots of gate or up
 constexpr int kDownChunks = 2;  // 8-column chunks of y a consumer thread owns: hidden <= 4,096
+constexpr int kMaxCopies = 8;   // accumulators the blocks' atomics spread over
 enum Op { kGate = 0, kUp = 1, kDown = 2 };
+// flags: kTrigger lets the next kernel's blocks be placed beside these from the start (where they fit), else as they
+// end; timing probes only (y is void): kNoFinish skips the count and the last block's sum, kRingOnly frees every tile
+// unread
+constexpr int kTrigger = 1, kNoFinish = 2, kRingOnly = 4;
 
 struct Params {
   const __nv_bfloat16* x;  // o_proj's output
@@ -38,7 +44,7 @@ struct Params {
   const __nv_bfloat16* w_down_t;
   float* acc;
   unsigned* count;
-  int hidden, inter, slots, trigger;
+  int hidden, inter, slots, flags, copies;
   float eps;
 };
 
@@ -48,10 +54,17 @@ struct Smem {
   uint64_t* full;       // [kMaxSlots]
   uint64_t* empty;      // [kMaxSlots]
   float* xs;            // [hidden]: h
-  float* part;          // [kPartMax]
-  float* rows;          // [kRowsMax]: gate outputs, then act
+  float* part;          // [its rows x parts]: the dots of gate or up, a (row, part of k) each
+  float* rows;          // [its rows]: gate outputs, then act
   float* misc;          // [kWarps + 1]
 };
+
+// Floats a block keeps for its (row, part) dots and for its rows (the most any block of the grid owns), rounded up to
+// 16 bytes: shared memory is sized to the shape, so that two blocks fit an SM beside their rings.
+__host__ __device__ __forceinline__ void buffer_floats(int hidden, int inter, int grid, int& part, int& rows) {
+  rows = ((inter + grid - 1) / grid + 3) / 4 * 4;
+  part = rows * (kWarps / rows_per_tile(hidden));
+}
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
@@ -109,7 +122,7 @@ __device__ float stage_h(const Params& p, Smem& sm) {
 __device__ void gate_or_up(const Params& p, Smem& sm, int op, RingPos& pos, float scale) {
   const Seg& s = sm.segs[op];
   const int parts = kWarps / s.rpt;
-  ring_dots(sm.ring, sm.full, sm.empty, p.slots, pos, s, sm.xs, sm.part, true,
+  ring_dots(sm.ring, sm.full, sm.empty, p.slots, pos, s, sm.xs, sm.part, !(p.flags & kRingOnly),
             [](int, uint64_t* bar, unsigned parity) { mbar_wait(bar, parity); });
   consumer_sync();
   for (int i = threadIdx.x; i < s.rows; i += kConsumers) {
@@ -132,8 +145,10 @@ __device__ void consume(const Params& p, Smem& sm) {
   RingPos pos;
   gate_or_up(p, sm, kGate, pos, scale);
   gate_or_up(p, sm, kUp, pos, scale);
-  ring_split_k<kDownChunks>(sm.ring, sm.full, sm.empty, p.slots, pos, sm.segs[kDown], sm.rows, p.acc, true,
+  ring_split_k<kDownChunks>(sm.ring, sm.full, sm.empty, p.slots, pos, sm.segs[kDown], sm.rows,
+                            p.acc + (size_t)(blockIdx.x % p.copies) * p.hidden, !(p.flags & kRingOnly),
                             [](int, uint64_t* bar, unsigned parity) { mbar_wait(bar, parity); });
+  if (p.flags & kNoFinish) return;
   // the last block to count its partial in (acq_rel: it sees every other block's) writes y and clears for the next
   __threadfence();
   consumer_sync();
@@ -141,8 +156,17 @@ __device__ void consume(const Params& p, Smem& sm) {
   consumer_sync();
   if (sm.misc[kWarps] == 0.f) return;
   for (int i = threadIdx.x * 4; i < p.hidden; i += kConsumers * 4) {
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(p.acc + i));
-    *reinterpret_cast<float4*>(p.acc + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 c[kMaxCopies];  // every copy's load in flight together
+#pragma unroll
+    for (int r = 0; r < kMaxCopies; ++r)
+      if (r < p.copies) c[r] = __ldcg(reinterpret_cast<const float4*>(p.acc + (size_t)r * p.hidden + i));
+    float4 v = c[0];
+#pragma unroll
+    for (int r = 1; r < kMaxCopies; ++r)
+      if (r < p.copies) v = make_float4(v.x + c[r].x, v.y + c[r].y, v.z + c[r].z, v.w + c[r].w);
+#pragma unroll
+    for (int r = 0; r < kMaxCopies; ++r)
+      if (r < p.copies) *reinterpret_cast<float4*>(p.acc + (size_t)r * p.hidden + i) = make_float4(0.f, 0.f, 0.f, 0.f);
     __nv_bfloat162* y2 = reinterpret_cast<__nv_bfloat162*>(p.y + i);
     y2[0] = __floats2bfloat162_rn(v.x, v.y);
     y2[1] = __floats2bfloat162_rn(v.z, v.w);
@@ -159,8 +183,10 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_bs1_kernel(const Params p) {
     sm.empty = sm.full + kMaxSlots;
     sm.xs = reinterpret_cast<float*>(sm.empty + kMaxSlots);
     sm.part = sm.xs + p.hidden;
-    sm.rows = sm.part + kPartMax;
-    sm.misc = sm.rows + kRowsMax;
+    int part_floats, rows_floats;
+    buffer_floats(p.hidden, p.inter, gridDim.x, part_floats, rows_floats);
+    sm.rows = sm.part + part_floats;
+    sm.misc = sm.rows + rows_floats;
     for (int i = 0; i < p.slots; ++i) {
       mbar_init(&sm.full[i], 1);
       mbar_init(&sm.empty[i], kWarps);
@@ -174,8 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_bs1_kernel(const Params p) {
     sm.segs[kDown] = {r0, r1 - r0, p.hidden, rpt};
   }
   __syncthreads();
-  // trigger: the next kernel's blocks may be placed beside these from the start (where they fit), else as they end
-  if (p.trigger) asm volatile("griddepcontrol.launch_dependents;");
+  if (p.flags & kTrigger) asm volatile("griddepcontrol.launch_dependents;");
   if (threadIdx.x >= kConsumers) {
     if (threadIdx.x == kConsumers) produce(p, sm);
   } else {
@@ -187,20 +212,22 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_bs1_kernel(const Params p) {
 
 extern "C" {
 
-// Shared-memory bytes a block uses for `slots` ring slots at this hidden size.
-int ost_mlp_bs1_smem_bytes(int slots, int hidden) {
-  return slots * kSlotBytes + 2 * kMaxSlots * 8 + (hidden + kPartMax + kRowsMax + kWarps + 1) * 4;
+// Shared-memory bytes a block of `grid` uses for `slots` ring slots at this shape.
+int ost_mlp_bs1_smem_bytes(int slots, int hidden, int inter, int grid) {
+  int part, rows;
+  buffer_floats(hidden, inter, grid, part, rows);
+  return slots * kSlotBytes + 2 * kMaxSlots * 8 + (hidden + part + rows + kWarps + 1) * 4;
 }
 
 int ost_mlp_bs1_limits(int which) {  // the constants the host side checks shapes against
-  const int v[] = {kSlotBytes, kMaxSlots, kRowsMax, kPartMax, kDownChunks * 8 * kConsumers, kWarps};
-  return which >= 0 && which < 6 ? v[which] : -1;
+  const int v[] = {kSlotBytes, kMaxSlots, kRowsMax, kPartMax, kDownChunks * 8 * kConsumers, kWarps, kMaxCopies};
+  return which >= 0 && which < 7 ? v[which] : -1;
 }
 
 // Launches the MLP on `stream` under PDL (graph capture records it); returns a cudaError_t.
 int ost_mlp_bs1_launch(const void* x, const void* r, void* h_out, void* y, const void* w_gu, const void* w_down_t,
-                       void* acc, void* count, int hidden, int inter, int slots, int grid, int trigger, float eps,
-                       void* stream) {
+                       void* acc, void* count, int hidden, int inter, int slots, int grid, int flags, int copies,
+                       float eps, void* stream) {
   Params p;
   p.x = static_cast<const __nv_bfloat16*>(x);
   p.r = static_cast<const __nv_bfloat16*>(r);
@@ -213,12 +240,13 @@ int ost_mlp_bs1_launch(const void* x, const void* r, void* h_out, void* y, const
   p.hidden = hidden;
   p.inter = inter;
   p.slots = slots;
-  p.trigger = trigger;
+  p.flags = flags;
+  p.copies = copies;
   p.eps = eps;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = ost_mlp_bs1_smem_bytes(slots, hidden);
+  cfg.dynamicSmemBytes = ost_mlp_bs1_smem_bytes(slots, hidden, inter, grid);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

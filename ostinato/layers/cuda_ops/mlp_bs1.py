@@ -25,24 +25,29 @@ from ostinato.layers.cuda_ops.build import build
 
 SOURCE = Path(__file__).with_name("mlp_bs1.cu")
 # the kernel's constants (ost_mlp_bs1_limits' order)
-SLOT_BYTES, MAX_SLOTS, ROWS_MAX, PART_MAX, HIDDEN_MAX, WARPS = 16384, 16, 512, 1024, 4096, 8
+SLOT_BYTES, MAX_SLOTS, ROWS_MAX, PART_MAX, HIDDEN_MAX, WARPS, MAX_COPIES = 16384, 16, 512, 1024, 4096, 8, 8
 DEFAULT_SMEM_OPTIN = 232448  # H100 / H200: 227 KiB a block
-# launch settings a benchmark may change before the kernels are made: ring slots (None: as many as fit) and whether
-# the next kernel's blocks may be placed from this one's start (else as its blocks end)
-SETTINGS = {"slots": None, "trigger": True}
+# launch settings (a benchmark may change SETTINGS before the kernels are made): ring slots a block; whether the next
+# kernel's blocks may be placed from this one's start (else as its blocks end); the fp32 accumulators the blocks'
+# partials of y spread over; blocks an SM (the grid is the SMs times this); probe: timing-probe flags
+# (PROBE_NO_FINISH, PROBE_RING_ONLY: y is void). Two blocks an SM of 4 slots, 4 accumulators: the fastest of the
+# forms timed on the H200 (docs/gpu-notes.md, fifty-seventh session)
+DEFAULT_SETTINGS = {"slots": 4, "trigger": True, "copies": 4, "blocks_per_sm": 2, "probe": 0}
+SETTINGS = dict(DEFAULT_SETTINGS)
+TRIGGER, PROBE_NO_FINISH, PROBE_RING_ONLY = 1, 2, 4  # the kernel's flags
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(SOURCE, "the one-row MLP kernel")))
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.ost_mlp_bs1_launch.argtypes = [*[p] * 8, i, i, i, i, i, ctypes.c_float, p]
+    lib.ost_mlp_bs1_launch.argtypes = [*[p] * 8, i, i, i, i, i, i, ctypes.c_float, p]
     lib.ost_mlp_bs1_launch.restype = i
-    lib.ost_mlp_bs1_smem_bytes.argtypes = [i, i]
+    lib.ost_mlp_bs1_smem_bytes.argtypes = [i, i, i, i]
     lib.ost_mlp_bs1_error_string.restype = ctypes.c_char_p
     lib.ost_mlp_bs1_error_string.argtypes = [i]
-    built = tuple(lib.ost_mlp_bs1_limits(k) for k in range(6))
-    assert built == (SLOT_BYTES, MAX_SLOTS, ROWS_MAX, PART_MAX, HIDDEN_MAX, WARPS), built
+    built = tuple(lib.ost_mlp_bs1_limits(k) for k in range(7))
+    assert built == (SLOT_BYTES, MAX_SLOTS, ROWS_MAX, PART_MAX, HIDDEN_MAX, WARPS, MAX_COPIES), built
     return lib
 
 
@@ -97,11 +102,11 @@ def reference(x: torch.Tensor, residual: torch.Tensor, gate_up: torch.Tensor, do
 
 
 class MlpScratch:
-    """The fp32 sum and the finished-block count the kernel launches of one model share (zero between launches:
-    each launch's last block leaves them so). Launches on one stream never overlap, so one pair serves every layer."""
+    """The fp32 sums and the finished-block count the kernel launches of one model share (zero between launches:
+    each launch's last block leaves them so). Launches on one stream never overlap, so one set serves every layer."""
 
     def __init__(self, hidden: int, device: torch.device) -> None:
-        self.acc = torch.zeros(hidden, dtype=torch.float32, device=device)
+        self.acc = torch.zeros(MAX_COPIES, hidden, dtype=torch.float32, device=device)
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
 
 
@@ -110,7 +115,8 @@ class MlpBs1:
     as the layer's unfused kernels compute them (module doc). Holds W_down^T."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, eps: float, scratch: MlpScratch, grid: int,
-                 slots: int | None = None, trigger: bool | None = None) -> None:
+                 slots: int | None = None, trigger: bool | None = None, copies: int | None = None) -> None:
+        grid *= SETTINGS["blocks_per_sm"]
         reason = unsupported_reason(gate_up, down, grid)
         if reason is not None:
             raise ValueError(f"one-row MLP kernel: {reason}")
@@ -120,9 +126,14 @@ class MlpBs1:
         self.eps, self.scratch, self.grid = eps, scratch, grid
         self.trigger = SETTINGS["trigger"] if trigger is None else trigger
         slots = SETTINGS["slots"] if slots is None else slots
+        self.copies = SETTINGS["copies"] if copies is None else copies
+        if not 1 <= self.copies <= MAX_COPIES:
+            raise ValueError(f"one-row MLP kernel: {self.copies} accumulators (1 to {MAX_COPIES})")
         props = torch.cuda.get_device_properties(gate_up.device)
         optin = getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_OPTIN)
-        fit = (optin - 1024 - self.lib.ost_mlp_bs1_smem_bytes(0, self.hidden)) // SLOT_BYTES
+        per_sm = getattr(props, "shared_memory_per_multiprocessor", optin + 1024)
+        room = min(optin, per_sm // SETTINGS["blocks_per_sm"] - 1024)  # each block of an SM with its reserved 1 KB
+        fit = (room - self.lib.ost_mlp_bs1_smem_bytes(0, self.hidden, self.inter, grid)) // SLOT_BYTES
         self.slots = min(MAX_SLOTS, fit) if slots is None else slots
         if not 2 <= self.slots <= min(MAX_SLOTS, fit):
             raise ValueError(f"one-row MLP kernel: {self.slots} weight slots (2 to {min(MAX_SLOTS, fit)} fit)")
@@ -140,7 +151,8 @@ class MlpBs1:
         err = self.lib.ost_mlp_bs1_launch(
             x.data_ptr(), residual.data_ptr(), h.data_ptr(), y.data_ptr(), self.gate_up.data_ptr(),
             self.down_t.data_ptr(), self.scratch.acc.data_ptr(), self.scratch.count.data_ptr(), self.hidden,
-            self.inter, self.slots, self.grid, int(self.trigger), self.eps, stream)
+            self.inter, self.slots, self.grid, (TRIGGER if self.trigger else 0) | SETTINGS["probe"], self.copies,
+            self.eps, stream)
         if err:
             raise RuntimeError(f"one-row MLP kernel launch: {self.lib.ost_mlp_bs1_error_string(err).decode()}")
         return y, h

@@ -78,13 +78,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 __device__ __forceinline__ float bf(const __nv_bfloat16 x) { return __bfloat162float(x); }
 
-__device__ __forceinline__ void share(int n, int b, int g, int& r0, int& r1) {
+__host__ __device__ __forceinline__ void share(int n, int b, int g, int& r0, int& r1) {
   r0 = (int)((int64_t)n * b / g);
   r1 = (int)((int64_t)n * (b + 1) / g);
 }
 
 // Rows a weight tile holds: as many as fill a slot, a power of two, at most one a consumer warp.
-__device__ __forceinline__ int rows_per_tile(int k) {
+__host__ __device__ __forceinline__ int rows_per_tile(int k) {
   int r = min(kSlotBytes / (2 * k), kWarps);
   int p = 1;
   while (p * 2 <= r) p *= 2;
