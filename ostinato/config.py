@@ -60,8 +60,10 @@ class EngineArgs:
     decode_mlp_kernel: str = _arg("off", "auto | on | off: run each decoder layer's MLP at one row (decode at "
                                   "batch size 1) as one CUDA kernel that streams gate_up and down together (Hopper "
                                   "GPUs, bf16 Llama / Qwen2 / Qwen3; built with nvcc at start-up; keeps a transposed "
-                                  "copy of each layer's down weight; its sums are not bit-reproducible). auto: where "
-                                  "supported; on: an error where not")
+                                  "copy of each layer's down weight; its sums are not bit-reproducible). "
+                                  "Experimental: on the H200 level with the layers' kernels for Llama-3.2-1B and "
+                                  "slower for Qwen3-0.6B (docs/gpu-notes.md). auto: where supported; on: an error "
+                                  "where not")
     skip_tokenizer_init: bool = _arg(False, "token ids in and out, no tokenizer")
     trust_remote_code: bool = _arg(False, "allow custom code in HF configs and tokenizers")
     disable_leak_check: bool = _arg(False, "skip the KV leak check the engine runs when idle")

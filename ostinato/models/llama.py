@@ -10,7 +10,9 @@ residual add is fused into the next RMSNorm, and the norm into the projection af
 with the KV store, attention, o_proj GEMV, add+norm+gate_up GEMV with silu_and_mul, down GEMV; at larger batches
 silu_and_mul is a launch of its own, and so are the norms but at 5-32 rows: there o_proj's and down's kernels add
 the residual, silu_and_mul applies the post-attention norm's per-row scale to gate_up's outputs, and attention the
-input norm's to q, k and v (the layer then returns the residual stream whole, with residual None).
+input norm's to q, k and v (the layer then returns the residual stream whole, with residual None). With
+`use_one_row_mlp` (opt-in, Hopper), a one-row layer's MLP from the residual add after o_proj to down's output is one
+CUDA kernel (layers/cuda_ops/mlp_bs1.py).
 """
 
 from collections.abc import Iterable

@@ -1,13 +1,18 @@
-"""A decoder layer's MLP at one row as one CUDA kernel (mlp_bs1.cu), and its torch twin.
+"""A decoder layer's MLP at one row as one CUDA kernel (mlp_bs1.cu), and its torch twin. Opt-in
+(`--decode-mlp-kernel`): on the H200 it is level with the layers' own kernels for Llama-3.2-1B and slower for
+Qwen3-0.6B (docs/gpu-notes.md, fifty-seventh session).
 
 At one decode row the MLP is a read of its weights (Llama-3.2-1B: 100 MB a layer, 24 us at an H200's copy rate),
 yet the layer's Triton kernels spend about 29.5 us from gate_up's start to the next layer's qkv (docs/gpu-notes.md,
 fortieth session): two launches, each with its ramp and its PDL hand-off, and down cannot read a weight before
-gate_up's last row is done. The one-launch decode megakernel (megakernel/) ran the same MLP in 23.4 us: each block
-streams its rows of W_gu and of W_down^T through a shared-memory ring from its first instruction, and multiplies its
-own activations by its rows of W_down^T at once (split-K), adding the partial into an fp32 sum by atomics, so no
-block waits for another. This is that MLP alone, one launch inside the engine's chain of PDL launches: it replaces
-add + norm + gate_up + silu_and_mul and down at one row (models/llama.py's DecoderLayer).
+gate_up's last row is done. Here each block streams its rows of W_gu and of W_down^T through a shared-memory ring
+from its first instruction (layers/cuda_ops/ring.cuh, shared with the decode megakernel) and multiplies its own
+activations by its rows of W_down^T at once (split-K), adding the partial into fp32 sums by atomics, so no block
+waits for another; the last block to finish rounds the sum into y. One launch inside the engine's chain of PDL
+launches: it replaces add + norm + gate_up + silu_and_mul and down at one row (models/llama.py's DecoderLayer).
+What keeps it from winning (the fifty-seventh session's probes, Llama-3.2-1B): the ring streams at about the rate
+the Triton kernels do, the consumers' reading of the tiles costs about 3.4 us a layer over the ring alone, and the
+last block's sum about 1.5.
 
 Its costs: a transposed copy of each layer's down weight (Llama-3.2-1B: 537 MB; Qwen3-0.6B: 176 MB), nvcc at
 start-up (the build is cached), and sums that meet in the order blocks finish (y varies with timing at fp32's
