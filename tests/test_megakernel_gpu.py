@@ -150,39 +150,18 @@ def test_graph_replay_equals_eager_launches():
 def test_engine_logprobs_with_and_without(tmp_path):
     """A random Qwen3 of the benchmark's layer shape through LLM.generate, greedy with top-5 logprobs, one request at
     a time: each decode step's logprobs with the one-launch step equal those of the layers' kernels to bf16's
-    rounding, compared while the two runs' tokens agree (they part only at a near-tie)."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
+    rounding."""
+    from engine_logprobs import assert_logprobs_agree, greedy_logprobs, save_random_checkpoint
 
-    from ostinato import LLM, SamplingParams
+    from ostinato import LLM
 
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["the cat sat on the mat", "one two three four five"] * 10, vocab_size=300,
-                            min_frequency=1, special_tokens=["<|endoftext|>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
-    config = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=3072,
-                                      num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                                      head_dim=128, max_position_embeddings=2048, initializer_range=0.05,
-                                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    prompts = [[5 + i, 17, 40 + 3 * i, 99, 7] * (1 + 20 * i) for i in range(4)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    save_random_checkpoint(tmp_path, transformers.Qwen3Config, transformers.Qwen3ForCausalLM, hidden_size=1024,
+                           intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=128)
     outs = {}
     for mode in ("off", "on"):
         with LLM(str(tmp_path), dtype="bfloat16", decode_megakernel=mode, max_running_requests=1,
                  sampler_warm_up="temperature") as llm:
             assert (llm.engine.runner.decode_megakernel is not None) == (mode == "on")
-            outs[mode] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    compared, worst = 0, 0.0
-    for off, on in zip(outs["off"], outs["on"], strict=True):
-        for step in range(1, len(off.token_ids)):  # step 0 is the prefill's
-            if off.token_ids[:step] != on.token_ids[:step]:
-                break
-            a, b = off.logprobs[step], on.logprobs[step]
-            shared = set(a) & set(b)
-            assert len(shared) >= 4, (step, a, b)
-            worst = max(worst, max(abs(a[t].logprob - b[t].logprob) for t in shared))
-            compared += 1
-    assert compared >= 12 and worst < 0.05, (compared, worst, outs)
+            outs[mode] = greedy_logprobs(llm)
+    assert_logprobs_agree(outs["off"], outs["on"])

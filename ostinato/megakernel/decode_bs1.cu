@@ -745,24 +745,29 @@ __global__ void __launch_bounds__(kThreads, 1) decode_bs1_kernel(const Params p,
   }
 }
 
+// The launch's shape: grid, dynamic shared memory, stream, PDL.
+struct Launch {
+  int grid, smem;
+  void* stream;
+  bool pdl;
+};
+
 template <int D, int G>
-cudaError_t launch(const cudaLaunchConfig_t& cfg, const Params& p, int xs_floats) {
-  cudaError_t e = cudaFuncSetAttribute(decode_bs1_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)cfg.dynamicSmemBytes);
-  return e != cudaSuccess ? e : cudaLaunchKernelEx(&cfg, decode_bs1_kernel<D, G>, p, xs_floats);
+cudaError_t launch(const Launch& l, const Params& p, int xs_floats) {
+  return launch_ring_kernel(decode_bs1_kernel<D, G>, l.grid, l.smem, l.stream, l.pdl, p, xs_floats);
 }
 
 template <int D>
-cudaError_t launch_for_group(const cudaLaunchConfig_t& cfg, const Params& p, int xs_floats) {
+cudaError_t launch_for_group(const Launch& l, const Params& p, int xs_floats) {
   switch (p.heads / p.kv_heads) {
     case 1:
-      return launch<D, 1>(cfg, p, xs_floats);
+      return launch<D, 1>(l, p, xs_floats);
     case 2:
-      return launch<D, 2>(cfg, p, xs_floats);
+      return launch<D, 2>(l, p, xs_floats);
     case 3:
-      return launch<D, 3>(cfg, p, xs_floats);
+      return launch<D, 3>(l, p, xs_floats);
     case 4:
-      return launch<D, 4>(cfg, p, xs_floats);
+      return launch<D, 4>(l, p, xs_floats);
     default:
       return cudaErrorInvalidValue;  // weights.unsupported_reason refuses it first
   }
@@ -823,21 +828,12 @@ int ost_decode_bs1_launch(const void* layers, int num_layers, int hidden, int he
   p.counters = static_cast<unsigned*>(counters);
   p.trace = static_cast<unsigned long long*>(trace);
   p.flags = flags;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = ost_decode_bs1_smem_bytes(slots, xs_floats);
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  const Launch l = {grid, ost_decode_bs1_smem_bytes(slots, xs_floats), stream, pdl != 0};
   switch (head_dim) {
     case 64:
-      return (int)launch_for_group<64>(cfg, p, xs_floats);
+      return (int)launch_for_group<64>(l, p, xs_floats);
     case 128:
-      return (int)launch_for_group<128>(cfg, p, xs_floats);
+      return (int)launch_for_group<128>(l, p, xs_floats);
     default:
       return (int)cudaErrorInvalidValue;
   }

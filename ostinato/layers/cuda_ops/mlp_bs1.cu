@@ -243,19 +243,8 @@ int ost_mlp_bs1_launch(const void* x, const void* r, void* h_out, void* y, const
   p.flags = flags;
   p.copies = copies;
   p.eps = eps;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = ost_mlp_bs1_smem_bytes(slots, hidden, inter, grid);
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t e = cudaFuncSetAttribute(mlp_bs1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)cfg.dynamicSmemBytes);
-  return (int)(e != cudaSuccess ? e : cudaLaunchKernelEx(&cfg, mlp_bs1_kernel, p));
+  return (int)launch_ring_kernel(mlp_bs1_kernel, grid, ost_mlp_bs1_smem_bytes(slots, hidden, inter, grid), stream,
+                                 true, p);
 }
 
 const char* ost_mlp_bs1_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }

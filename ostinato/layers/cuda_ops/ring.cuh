@@ -256,4 +256,25 @@ __device__ __forceinline__ void ring_split_k(const __nv_bfloat16* ring, uint64_t
   }
 }
 
+// Launches `kernel` with `grid` blocks of kThreads and `smem` bytes of dynamic shared memory on `stream`, under
+// Programmatic Dependent Launch where `pdl` (its blocks may be placed while the kernel before it finishes; they wait
+// for it at griddepcontrol.wait). Graph capture records it.
+template <typename... Expected, typename... Actual>
+cudaError_t launch_ring_kernel(void (*kernel)(Expected...), int grid, int smem, void* stream, bool pdl,
+                               Actual&&... args) {
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Actual&&>(args)...);
+}
+
 }  // namespace
