@@ -228,7 +228,7 @@ class ModelRunner:
         else:
             try:
                 why = self.model.use_one_row_mlp(usable_sms(self.device))
-            except RuntimeError as e:  # no nvcc, or a failed build
+            except (ValueError, RuntimeError) as e:  # a launch setting that does not fit; no nvcc; a failed build
                 why = str(e)
         if why is None:
             return True
