@@ -2,14 +2,15 @@
 // post-attention norm), y = W_down . act(W_gu . rms(h)), with act = silu(gate) * up. layers/cuda_ops/mlp_bs1.py says
 // why and where it runs.
 //
-// A block an SM owns a share of the intermediate rows. Its producer warp streams the block's gate rows, up rows and
-// the same rows of W_down^T (a transposed copy of down: [inter, hidden]) through the ring (ring.cuh) from the
-// kernel's first instruction: weights are no kernel's output, so they are read before the PDL wait and stream while
-// the kernel before this one (o_proj) finishes. The consumer warps wait for x, stage h, take their gate and up dots,
-// keep act for their rows in shared memory, and multiply it by their rows of W_down^T at once (split-K): the block's
-// [hidden] partial of y goes by atomics into one of `copies` fp32 accumulators (block b into copy b % copies: fewer
-// blocks' atomics meet on an address), so no block waits for another. The last block to finish (a count) sums the
-// copies, rounds the sum to bf16 into y and zeroes the copies and the count for the next launch.
+// Each block (two an SM by default: mlp_bs1.py's SETTINGS) owns a share of the intermediate rows. Its producer warp
+// streams the block's gate rows, up rows and the same rows of W_down^T (a transposed copy of down: [inter, hidden])
+// through the ring (ring.cuh) from the kernel's first instruction: weights are no kernel's output, so they are read
+// before the PDL wait and stream while the kernel before this one (o_proj) finishes. The consumer warps wait for x,
+// stage h, take their gate and up dots, keep act for their rows in shared memory, and multiply it by their rows of
+// W_down^T at once (split-K): the block's [hidden] partial of y goes by atomics into one of `copies` fp32
+// accumulators (block b into copy b % copies: fewer blocks' atomics meet on an address), so no block waits for
+// another. The last block to finish (a count) sums the copies, rounds the sum to bf16 into y and zeroes the copies
+// and the count for the next launch.
 // Rounding follows the layer's unfused kernels (HF's order): h, gate, up, silu(gate) and act are rounded to bf16; y
 // is the fp32 sum of the blocks' partials, rounded once. The partials meet in the order blocks finish, so y varies
 // with timing at fp32's rounding (not bit-reproducible).
@@ -25,8 +26,8 @@
 
 namespace {
 
-constexpr int kRowsMax = 512;   // intermediate rows a block owns (gate outputs, then act)
-constexpr int kPartMax = 1024;  // a block's (row, k part) dots of gate or up
+constexpr int kRowsMax = 512;   // most intermediate rows a block may own (gate outputs, then act)
+constexpr int kPartMax = 1024;  // most (row, k part) dots of gate or up a block may keep
 constexpr int kDownChunks = 2;  // 8-column chunks of y a consumer thread owns: hidden <= 4,096
 constexpr int kMaxCopies = 8;   // accumulators the blocks' atomics spread over
 enum Op { kGate = 0, kUp = 1, kDown = 2 };
