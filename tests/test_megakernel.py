@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from ostinato.layers.cuda_ops.ring import rows_per_tile
 from ostinato.megakernel import reference
 from ostinato.megakernel.weights import (
     MIN_SPLIT_TOKENS,
@@ -13,7 +14,6 @@ from ostinato.megakernel.weights import (
     model_layers,
     model_shape,
     part_sums,
-    rows_per_tile,
     unsupported_reason,
 )
 from ostinato.mem.kv_cache import MHATokenToKVPool

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ostinato.layers.cuda_ops import mlp_bs1
+from ostinato.layers.cuda_ops import mlp_bs1, ring
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.norm_linear import fold_norm_weight, norm_gate_up_silu
 
@@ -55,7 +55,7 @@ def test_split_k_over_any_grid_is_one_product():
     """Every block's rows (share) cover the intermediate once, so the sum of the blocks' partials is down's product
     whatever the grid, to fp32's order of summation."""
     for inter, grid in [(1000, 132), (96, 132), (8192, 132), (3072, 7)]:
-        rows = [mlp_bs1.share(inter, b, grid) for b in range(grid)]
+        rows = [ring.share(inter, b, grid) for b in range(grid)]
         assert rows[0][0] == 0 and rows[-1][1] == inter
         assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(rows, rows[1:], strict=False))
     norm, gate_up, down = layer_mlp(256, 768, 5)
@@ -80,7 +80,7 @@ def test_what_the_kernel_supports():
     assert "grid of 0" in mlp_bs1.unsupported_reason(*weights(1024, 3072), 0)
     gate_up, down = weights(1024, 3072)
     assert "[2I, H]" in mlp_bs1.unsupported_reason(gate_up[:-2], down, 132)
-    assert [mlp_bs1.rows_per_tile(k) for k in (1024, 2048, 4096)] == [8, 4, 2]
+    assert [ring.rows_per_tile(k) for k in (1024, 2048, 4096)] == [8, 4, 2]
 
 
 def test_the_flag_is_checked_and_on_fails_where_the_kernel_cannot_run(tiny_llama_path):

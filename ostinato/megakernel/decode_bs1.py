@@ -6,11 +6,11 @@ import math
 import torch
 
 from ostinato.device_info import usable_sms
+from ostinato.layers.cuda_ops.ring import MAX_SLOTS, SLOT_BYTES, smem_optin
 from ostinato.megakernel.build import TRACE_SLOTS, library
 from ostinato.megakernel.weights import (
     GATE_MAX,
     PART_MAX,
-    SLOT_BYTES,
     Shape,
     model_layers,
     model_shape,
@@ -18,12 +18,10 @@ from ostinato.megakernel.weights import (
 )
 
 COUNT_STRIDE = 32  # the kernel's kCountStride: counters a layer
-MAX_SLOTS = 16
 MAX_H_COPIES = 8  # the kernel's kMaxHCopies
 H_COPIES = 4  # copies of the residual stream DOWN's atomics spread over: 1, 2, 4 and 8 timed, 4 kept
 # (docs/gpu-notes.md, fifty-sixth session)
 MAX_SPLITS = 16
-DEFAULT_SMEM_OPTIN = 232448  # H100 / H200: 227 KiB a block
 
 
 def scratch_floats(s: Shape) -> int:
@@ -68,8 +66,7 @@ class DecodeBs1Megakernel:
         # the kernel's constants, as this module and weights.py assume them
         assert built == (SLOT_BYTES, GATE_MAX, PART_MAX, COUNT_STRIDE, MAX_SLOTS, TRACE_SLOTS, MAX_H_COPIES), built
         self.xs_floats = scratch_floats(s)
-        props = torch.cuda.get_device_properties(device)
-        optin = getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_OPTIN)
+        optin = smem_optin(device)
         fit = (optin - 1024 - self.lib.ost_decode_bs1_smem_bytes(0, self.xs_floats)) // SLOT_BYTES
         self.slots = min(MAX_SLOTS, fit) if slots is None else slots
         if not 2 <= self.slots <= min(MAX_SLOTS, fit):

@@ -5,15 +5,15 @@ from dataclasses import dataclass
 
 import torch
 
-# The kernel's limits (decode_bs1.cu): 16-KB weight slots hold at least one row; head dims it is built for; query
-# heads a KV head it is built for; gate outputs a block holds (kGateMax) times the blocks.
-SLOT_BYTES = 16384
+from ostinato.layers.cuda_ops.ring import SLOT_BYTES, WARPS, rows_per_tile
+
+# The kernel's limits (decode_bs1.cu; its ring's in layers/cuda_ops/ring.py): head dims it is built for; query heads
+# a KV head it is built for; gate outputs a block holds (kGateMax) times the blocks.
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 4
 GATE_MAX = 512
 RESIDUAL_ROWS_MAX = 256  # residual-stream rows a block adds to (one consumer thread loads each)
 PART_MAX = 1024  # a block's (row, k part) sums of one projection (kPartMax)
-WARPS = 8  # consumer warps a block (kWarps)
 DOWN_HIDDEN_MAX = 2 * 8 * 256  # DOWN's split-K: kDownChunks 8-column chunks of h a consumer thread
 KV_HEADS_MAX = 28  # a layer's per-head counters (the kernel's kCountStride - kHead)
 MIN_SPLIT_TOKENS = 32  # cached keys a split of one KV head takes at least (the kernel's kMinSplitTokens)
@@ -75,12 +75,6 @@ def model_layers(model) -> list[LayerWeights]:
             attn.qkv_proj.bias, None if attn.q_norm is None else attn.q_norm.weight,
             None if attn.k_norm is None else attn.k_norm.weight))
     return out
-
-
-def rows_per_tile(k: int) -> int:
-    """Rows of width k a weight tile holds (the kernel's rows_per_tile): a power of two, at most one a warp."""
-    r = min(SLOT_BYTES // (2 * k), WARPS)
-    return 1 << (r.bit_length() - 1)
 
 
 def part_sums(s: Shape, grid: int) -> int:

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from ostinato.layers.cuda_ops.build import build
+from ostinato.layers.cuda_ops.ring import MAX_SLOTS, SLOT_BYTES, WARPS, rows_per_tile, share, smem_optin
 
 SOURCE = Path(__file__).with_name("mlp_bs1.cu")
-# the kernel's constants (ost_mlp_bs1_limits' order)
-SLOT_BYTES, MAX_SLOTS, ROWS_MAX, PART_MAX, HIDDEN_MAX, WARPS, MAX_COPIES = 16384, 16, 512, 1024, 4096, 8, 8
-DEFAULT_SMEM_OPTIN = 232448  # H100 / H200: 227 KiB a block
+# the kernel's own limits (ost_mlp_bs1_limits checks them, with ring.py's)
+ROWS_MAX, PART_MAX, HIDDEN_MAX, MAX_COPIES = 512, 1024, 4096, 8
 # launch settings (a benchmark may change SETTINGS before the kernels are made): ring slots a block; whether the next
 # kernel's blocks may be placed from this one's start (else as its blocks end); the fp32 accumulators the blocks'
 # partials of y spread over; blocks an SM (the grid is the SMs times this); probe: timing-probe flags
@@ -54,17 +54,6 @@ def library() -> ctypes.CDLL:
     built = tuple(lib.ost_mlp_bs1_limits(k) for k in range(7))
     assert built == (SLOT_BYTES, MAX_SLOTS, ROWS_MAX, PART_MAX, HIDDEN_MAX, WARPS, MAX_COPIES), built
     return lib
-
-
-def share(n: int, block: int, blocks: int) -> tuple[int, int]:
-    """Rows [r0, r1) of n that block `block` of `blocks` owns (the kernel's share())."""
-    return n * block // blocks, n * (block + 1) // blocks
-
-
-def rows_per_tile(k: int) -> int:
-    """Rows of width k a 16-KB ring slot holds (ring.cuh's rows_per_tile): a power of two, at most one a warp."""
-    r = min(SLOT_BYTES // (2 * k), WARPS)
-    return 1 << (r.bit_length() - 1)
 
 
 def unsupported_reason(gate_up: torch.Tensor, down: torch.Tensor, grid: int) -> str | None:
@@ -134,9 +123,9 @@ class MlpBs1:
         self.copies = SETTINGS["copies"] if copies is None else copies
         if not 1 <= self.copies <= MAX_COPIES:
             raise ValueError(f"one-row MLP kernel: {self.copies} accumulators (1 to {MAX_COPIES})")
-        props = torch.cuda.get_device_properties(gate_up.device)
-        optin = getattr(props, "shared_memory_per_block_optin", DEFAULT_SMEM_OPTIN)
-        per_sm = getattr(props, "shared_memory_per_multiprocessor", optin + 1024)
+        optin = smem_optin(gate_up.device)
+        per_sm = getattr(torch.cuda.get_device_properties(gate_up.device), "shared_memory_per_multiprocessor",
+                         optin + 1024)
         room = min(optin, per_sm // SETTINGS["blocks_per_sm"] - 1024)  # each block of an SM with its reserved 1 KB
         fit = (room - self.lib.ost_mlp_bs1_smem_bytes(0, self.hidden, self.inter, grid)) // SLOT_BYTES
         self.slots = min(MAX_SLOTS, fit) if slots is None else slots
