@@ -6,6 +6,8 @@ GPU: python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b --batc
          --temperature 0 0.6 [--top-k 200]   # top-k 200: gpt-fast's sampling (bench_gpt_fast.py)
      python benchmarks/bench_generate.py --models model.gguf --load-format gguf --dtype bfloat16 --chat-prompts \
          --temperature 0 0.6 --top-p 0.9     # a real model on chat requests (common.CHAT_PROMPTS)
+     python benchmarks/bench_generate.py --settings temperature=0 temperature=0.6 temperature=0.6,min_p=0.05 \
+         temperature=0.6,top_k=50,top_p=0.9,repetition_penalty=1.1   # sampling settings side by side, one engine
 """
 
 import argparse
@@ -39,10 +41,9 @@ def _pageable_put(data: list, dtype: torch.dtype, device: torch.device) -> torch
     return torch.from_numpy(np.array(data, dtype=sampler._NP[dtype])).to(device, non_blocking=True)
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int = 0,
-                   top_p: float = 1.0, penalties: dict | None = None) -> float:
-    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0, top_k=top_k,
-                            top_p=top_p, **(penalties or {}))
+def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, sampling: dict) -> float:
+    """Wall seconds of one seeded generate of new_tokens per prompt; sampling: SamplingParams keywords."""
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=0, **sampling)
     batch = [{"prompt_token_ids": p} for p in prompts]
     t = time.perf_counter()
     with step_times(llm.engine) as durations:
@@ -58,6 +59,36 @@ def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int, temperat
 
 STEP_LOG: list | None = None  # --step-log: (tokens, wall, [step() seconds]) of each timed generate
 
+SETTING_TYPES = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "presence_penalty": float,
+                 "frequency_penalty": float, "repetition_penalty": float}
+
+
+def parse_setting(spec: str) -> dict:
+    """"temperature=0.6,top_k=50" -> SamplingParams keywords; an unknown key or a bad value names itself."""
+    out = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        if key not in SETTING_TYPES:
+            raise SystemExit(f"--settings {spec!r}: unknown key {key!r} (one of {', '.join(SETTING_TYPES)})")
+        try:
+            out[key] = SETTING_TYPES[key](value)
+        except ValueError:
+            kind = SETTING_TYPES[key].__name__
+            raise SystemExit(f"--settings {spec!r}: {key} needs a {kind}, got {value!r}") from None
+    return out
+
+
+def _greedy(sampling: dict) -> bool:
+    return SamplingParams(**sampling).is_greedy
+
+
+def settings_from(args) -> list[dict]:
+    """--settings as given, else one setting per --temperature (--top-k, --top-p and the penalties on sampled ones)."""
+    if args.settings:
+        return [parse_setting(s) for s in args.settings]
+    return [dict(temperature=t, top_k=args.top_k, top_p=args.top_p, **penalty_params(args)) if t > 0
+            else dict(temperature=t) for t in args.temperature]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -72,6 +103,9 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k for sampled rows (0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p for sampled rows (1: off)")
     add_penalty_args(ap)
+    ap.add_argument("--settings", nargs="+", default=None,
+                    help="sampling settings as SamplingParams keywords, e.g. temperature=0.6,min_p=0.05, one row "
+                         "each in one engine (in place of --temperature / --top-k / --top-p / the penalties)")
     ap.add_argument("--chat-prompts", action="store_true",
                     help="chat requests (common.CHAT_PROMPTS through the model's chat template) instead of "
                          "--prompt-len random tokens: a real model's logits on text")
@@ -115,22 +149,19 @@ def main() -> None:
                            for _ in range(bs)]
             prompt_len = sum(map(len, prompts)) / bs
             graphs = runner.sample_graph_runner
-            cases = [(t, mode, copies) for t in args.temperature
-                     for mode in (args.sampler_graph if t > 0 else ["on"])
-                     for copies in (args.host_copies if t > 0 else ["pinned"])]
-            for temperature, mode, copies in cases:
-                top_k = args.top_k if temperature > 0 else 0
-                top_p = args.top_p if temperature > 0 else 1.0
-                penalties = penalty_params(args) if temperature > 0 else {}
+            cases = [(sampling, mode, copies) for sampling in settings_from(args)
+                     for mode in (args.sampler_graph if not _greedy(sampling) else ["on"])
+                     for copies in (args.host_copies if not _greedy(sampling) else ["pinned"])]
+            for sampling, mode, copies in cases:
                 runner.sample_graph_runner = graphs if mode == "on" else None
                 sampler._put = pinned_put if copies == "pinned" else _pageable_put
                 # warm-up twice: the second run is the first whose prompts are in the prefix cache, a path of its own
                 for _ in range(2):
-                    timed_generate(llm, prompts, args.short, temperature, top_k, top_p, penalties)
+                    timed_generate(llm, prompts, args.short, sampling)
                 STEP_LOG = [] if args.step_log else None
                 med = {}
                 for n in (args.short, args.long):
-                    times = sorted(timed_generate(llm, prompts, n, temperature, top_k, top_p, penalties)
+                    times = sorted(timed_generate(llm, prompts, n, sampling)
                                    for _ in range(args.repeats))
                     med[n] = times[len(times) // 2]
                 ms = (med[args.long] - med[args.short]) / (args.long - args.short) * 1e3
@@ -138,7 +169,7 @@ def main() -> None:
                 floor_ms = (runner.weight_bytes + bs * mean_ctx * kv_token) / bw * 1e3
                 rows.append({"model": model, "decode_megakernel": megakernel, "batch_size": bs,
                              "chat_prompts": args.chat_prompts,
-                             "temperature": temperature, "top_k": top_k, "top_p": top_p, **penalties,
+                             "top_k": 0, "top_p": 1.0, **sampling,
                              "sampler_graph": mode,
                              "host_copies": copies, "ms_per_token": ms, "floor_ms": floor_ms,
                              "fraction_of_floor": floor_ms / ms})
@@ -149,9 +180,8 @@ def main() -> None:
                     for g in rows[-1]["generates"]:
                         print(f"    {g['tokens']} tokens: {g['wall_s'] * 1e3:.1f} ms, {g['steps']} steps "
                               f"(step() sum {g['sum_step_s'] * 1e3:.1f} ms), steady step {g['steady_step_ms']:.3f} ms")
-                print(f"{model:<16} megakernel {megakernel:<4} bs {bs:>4} T={temperature:<4g} top_k {top_k:<3} "
-                      f"top_p {top_p:<4g} "
-                      f"{penalties or ''} "
+                setting = " ".join(f"{k}={v:g}" for k, v in sampling.items())
+                print(f"{model:<16} megakernel {megakernel:<4} bs {bs:>4} {setting:<28} "
                       f"sampler graph {mode:<3} {copies:<8} {ms:8.3f} ms/token   floor {floor_ms:.3f} "
                       f"({floor_ms / ms:.0%})",
                       flush=True)

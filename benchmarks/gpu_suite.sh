@@ -11,7 +11,8 @@
 #                                          copies in .ab/, in turns (MK_VARIANTS)
 #   bash benchmarks/gpu_suite.sh tests     every GPU test (kernels, graphs, fused sampler, fp8 KV, piecewise graphs,
 #                                          Mamba kernels, VLM on CUDA, the models against transformers, PDL on vs
-#                                          off, prefix cache, shutdown), in parallel processes: ~3 min cold
+#                                          off, prefix cache, the CUDA C++ kernels, shutdown), in parallel
+#                                          processes: ~5-7 min cold
 #   bash benchmarks/gpu_suite.sh decode    ms per token through LLM.generate (greedy, T=0.6, greedy again), decode ms/step
 #                                          with torch.compile for 11 sizes, bf16 vs fp8 KV and page 1 vs 16,
 #                                          the KV-store variants, each sampling feature's first-use stall
@@ -19,9 +20,10 @@
 #                                          the VLM encoder and TTFT, VLM TTFT through the server with ViT
 #                                          graphs off/on (needs the wheels), Granite-4.0-H decode and offline
 #   bash benchmarks/gpu_suite.sh floor     decode against the HBM floor (#16's tables), one run each: ms per token
-#                                          through LLM.generate greedy / T=0.6 at bs 1 and 32, the offline nano-vllm
-#                                          shape at T=0.6 / greedy, launches and graph-node gaps a step, and the bs-1
-#                                          step's kernel timeline
+#                                          through LLM.generate at bs 1 and 32 for each sampling setting beside
+#                                          greedy (SETTINGS), the offline nano-vllm shape at T=0.6 / greedy
+#   bash benchmarks/gpu_suite.sh explain   launches and graph-node gaps a step, the bs-1 steps' kernel timelines and
+#                                          the bs-32 step by profile, gpt-fast beside ours (.bench-deps/gpt-fast)
 #   bash benchmarks/gpu_suite.sh gpt-fast  gpt-fast's decode beside ours with its sampling (T=0.6, top_k 200); needs
 #                                          its model.py and generate.py in .bench-deps/gpt-fast (carried)
 #   bash benchmarks/gpu_suite.sh offs32    decode stage 1 with int32 K/V offsets (OSTINATO_DECODE_OFFS32, on by
@@ -139,6 +141,15 @@ megakernel_tests() {
       | keep mk-smoke 25
   grep -q " passed" "$OUT/mk-smoke.log" || return 1
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_megakernel_gpu.py 2>&1 | keep mk-tests 30
+}
+# gpt-fast's decode beside ours with its sampling (T=0.6, top_k 200), into $OUT/gpt-fast.log; needs its model.py and
+# generate.py in .bench-deps/gpt-fast (carried)
+gpt_fast_rows() {
+  timeout 100 python benchmarks/bench_generate.py --models llama-3.2-1b --batch-sizes 1 32 --temperature 0.6 \
+      --top-k 200 --repeats 3 --out "$OUT/generate-topk200.json" 2>&1 | quiet | grep -E "ms/token|Error" \
+      | tee "$OUT/gpt-fast.log"
+  timeout 200 python benchmarks/bench_gpt_fast.py --gpt-fast .bench-deps/gpt-fast --batch-sizes 1 32 \
+      --temperature 0.6 --out "$OUT/gpt-fast.json" 2>&1 | grep -vE "it/s\]" | tail -6 | tee -a "$OUT/gpt-fast.log"
 }
 case "$part" in
 megakernel)
@@ -260,6 +271,7 @@ tests)
     (t piecewise tests/test_piecewise_gpu.py; t granite tests/test_granite_hybrid_gpu.py -k "$k"
      t vlm tests/test_vlm.py tests/test_vit_graph_gpu.py -k "$k"; t prefix tests/test_gpu_prefix.py
      t sampling_features tests/test_sampling_features_gpu.py) &
+    (t megakernel tests/test_megakernel_gpu.py; t mlp_kernel tests/test_mlp_bs1_gpu.py) &  # CUDA C++ (nvcc)
     wait
     t shutdown tests/test_shutdown.py
   } | tee "$OUT/tests.log"
@@ -299,25 +311,31 @@ features)
       --out "$OUT/decode-granite.json" 2>&1 | quiet | tail -16 | tee "$OUT/decode-granite.log"
   ;;
 floor)
-  timeout 240 python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b --batch-sizes 1 32 \
-      --temperature 0 0.6 --repeats 3 --step-log --out "$OUT/generate-rows.json" 2>&1 | quiet \
-      | grep -E "ms/token|Error" | tee "$OUT/generate-rows.log"
+  # #16's rows in one run: ms a token through LLM.generate for each sampling setting beside greedy (greedy first and
+  # last), both models at bs 1 and 32, every sampled run seeded; then the offline nano-vllm shape at T=0.6 / greedy
+  timeout 330 python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b --batch-sizes 1 32 --repeats 2 \
+      --step-log --settings ${SETTINGS:-temperature=0 temperature=0.6 temperature=0.6,top_k=50 \
+      temperature=0.6,top_p=0.9 temperature=0.6,min_p=0.05 temperature=0.6,top_k=50,top_p=0.9,min_p=0.05 \
+      temperature=0.6,repetition_penalty=1.1 temperature=0.6,presence_penalty=0.5,frequency_penalty=0.5 \
+      temperature=0} --out "$OUT/generate-rows.json" 2>&1 | quiet | grep -E "ms/token|Error" \
+      | tee "$OUT/generate-rows.log"
   timeout 150 python benchmarks/bench_offline.py --load-format dummy --model qwen3-0.6b --dtype bfloat16 \
       --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --no-hf --temperature 0.6 0 \
       --out "$OUT/offline.json" 2>&1 | quiet | tail -5 | tee "$OUT/offline.log"
-  # launches and gap_ms a step beside the floor; then the profiled bs-1 steps' first 24 kernels in order
+  ;;
+explain)
+  # what explains #16's rows: launches and graph-node gaps a step beside the floor; the bs-1 steps' first 24 kernels
+  # in order and the bs-32 step kernel by kernel (profiled); gpt-fast's decode beside ours with its sampling (needs
+  # .bench-deps/gpt-fast carried)
   timeout 120 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:256 --modes graph \
       --iters 100 --out "$OUT/decode-launches.json" 2>&1 | quiet | tail -8 | tee "$OUT/decode-launches.log"
-  TIMELINE=24 timeout 120 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 \
-      --modes graph --no-launches --iters 100 --profile 1:128 --out "$OUT/decode-timeline.json" 2>&1 | quiet \
-      > "$OUT/decode-timeline.log"
+  TIMELINE=24 timeout 150 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:256 \
+      --modes graph --no-launches --iters 100 --profile 1:128 32:256 --out "$OUT/decode-profile.json" 2>&1 | quiet \
+      > "$OUT/decode-profile.log"
+  gpt_fast_rows
   ;;
 gpt-fast)
-  timeout 100 python benchmarks/bench_generate.py --models llama-3.2-1b --batch-sizes 1 32 --temperature 0.6 \
-      --top-k 200 --repeats 3 --out "$OUT/generate-topk200.json" 2>&1 | quiet | grep -E "ms/token|Error" \
-      | tee "$OUT/gpt-fast.log"
-  timeout 200 python benchmarks/bench_gpt_fast.py --gpt-fast .bench-deps/gpt-fast --batch-sizes 1 32 \
-      --temperature 0.6 --out "$OUT/gpt-fast.json" 2>&1 | grep -vE "it/s\]" | tail -6 | tee -a "$OUT/gpt-fast.log"
+  gpt_fast_rows
   ;;
 offs32)
   # prepared in the thirty-ninth session, run in the fortieth (391 s on a fresh machine; its test step ran past its
