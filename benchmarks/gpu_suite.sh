@@ -67,6 +67,8 @@
 #                                          with the second best's check by default and forced on
 #   bash benchmarks/gpu_suite.sh samplerpdl  the sampling GPU tests, the sampler alone against .ab/fused_sample_head.py
 #   bash benchmarks/gpu_suite.sh filtersab  top_k / top_p end to end at bs 32 against the tree in .ab/base
+#   bash benchmarks/gpu_suite.sh keptab  top_p over what top_k keeps: sampling GPU tests, the sampler alone and
+#                                          LLM.generate with both filters against .ab/ (PARTS)
 #   bash benchmarks/gpu_suite.sh verdict  the sampling GPU tests, the empty-launch probe, the sampler alone against
 #                                         .ab/fused_sample_head.py
 #   bash benchmarks/gpu_suite.sh verdictprofile  the sampler's kernels at 256 rows by profile, against the head's
@@ -602,6 +604,32 @@ persistentcap)
         --top-p 0.9 --repeats 1 --out "$OUT/generate-persistentcap-$mode.json" 2>&1 | quiet \
         | grep -E "ms/token|Error" | sed "s/^/[$mode] /" | tee -a "$OUT/generate-persistentcap.log"
   done
+  ;;
+keptab)
+  # fifty-eighth session: top_p's cut found over what top_k keeps (fused_sample._kept_top_p_kernel). The sampling
+  # GPU tests; the sampler alone against the session's starting sampler (.ab/fused_sample_head.py: `git show
+  # 71a4495:ostinato/runner/fused_sample.py`); LLM.generate with top_k and top_p (Qwen3's own 20 / 0.95, and 50 /
+  # 0.9 with min_p 0.05) beside greedy against the starting tree (.ab/base: `git archive 71a4495 ostinato | tar -x
+  # -C .ab/base`), one process each. PARTS picks ("tests sampler" about 6 minutes, "generate" about 4)
+  case " ${PARTS:-tests sampler} " in *" tests "*)
+    logs=$(mktemp -d)
+    sampler_gpu_tests "$logs" kept-tests.log
+    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done | quiet > "$OUT/kept-tests.full.log"
+  esac
+  case " ${PARTS:-tests sampler} " in *" sampler "*)
+    timeout 200 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 256 --scale 3 0.3 \
+        --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-kept.json" 2>&1 | quiet | grep -vE "^$" \
+        | tee "$OUT/fused-sample-kept.log"
+  esac
+  case " ${PARTS:-tests sampler} " in *" generate "*)
+    for tree in ${TREES:-base new}; do
+      pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+      PYTHONPATH=$pp timeout 200 python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b \
+          --batch-sizes 1 32 --repeats 2 --settings temperature=0 temperature=0.6,top_k=20,top_p=0.95 \
+          temperature=0.6,top_k=50,top_p=0.9,min_p=0.05 --out "$OUT/generate-kept-$tree.json" 2>&1 | quiet \
+          | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-kept-ab.log"
+    done
+  esac
   ;;
 persistentab)
   # fifty-first session: top_p 0.9 through LLM.generate at bs 1 and 32 (greedy beside it) with the one-launch search

@@ -461,6 +461,57 @@ def test_top_p_resolver_finishes_rows_from_their_gathered_keys(kinds, monkeypatc
     assert short[3] != full[3]  # the tied row needed the passes
 
 
+@pytest.mark.parametrize("kept_cap", [2048, 48])
+def test_top_p_over_top_k_keep_is_found_from_the_kept_keys(kept_cap, monkeypatch):
+    """With top_k and top_p in the batch, a row with both gets top_p's cut from the keys top_k keeps (at most
+    fused_sample.KEPT_CAP), copied out in one pass: with every pass of top_p's search reading other logits, those
+    rows' cuts are still the sorted rows' thresholds (float64), and they are the same as the full search's within a
+    float's rounding. Rows with top_p alone, with more kept keys than KEPT_CAP (a large k, ties at the k-th value,
+    a cap of 48 against k 50 and 300), or with min_p leaving fewer than k go by the passes: wrong with the misread
+    passes, right with the true ones."""
+    from ostinato.runner import fused_sample
+
+    monkeypatch.setattr(fused_sample, "KEPT_CAP", kept_cap)
+    monkeypatch.setattr(fused_sample, "GATHER_MIN_BATCH", 1)
+    vocab = 3 * 2048 + 5
+    gen = torch.Generator().manual_seed(11)
+    ks = [50, 5, 300, vocab, 2500, 40, 20, 12]
+    ps = [0.9, 0.5, 0.95, 0.8, 0.9, 0.7, 0.6, 1.0]
+    min_ps = [0.0] * 6 + [0.5, 0.0]  # row 6: min_p keeps fewer than its k
+    b = len(ks)
+    logits = torch.randn(b, vocab, generator=gen) * 2.5
+    logits[5] = torch.randint(0, 2, (vocab,), generator=gen).float() * 0.7  # the top value tied across ~3,000 columns
+    logits[1, :40] += 9.0  # the top columns side by side in the first split
+    temps = torch.tensor([0.6, 1.0, 0.8, 1.0, 1.2, 1.0, 0.9, 0.7])
+    args = [t.to(DEVICE) for t in (logits, temps)] + [torch.tensor(min_ps, device=DEVICE),
+                                                       torch.tensor(ks, device=DEVICE), torch.tensor(ps, device=DEVICE)]
+    full = fused_sample.row_cuts(*args, vocab, 1e-5).cpu()
+    x = logits / temps[:, None]
+    x = x.masked_fill(x - x.amax(-1, keepdim=True) < torch.tensor(min_ps).log()[:, None], float("-inf"))
+    kth = x.sort(-1, descending=True).values.gather(1, torch.tensor(ks).clamp(max=vocab)[:, None] - 1)
+    kept = ((x >= kth) & x.isfinite()).sum(1)
+    by_kept = torch.tensor([k < vocab and p < 1.0 for k, p in zip(ks, ps, strict=True)]) & (kept <= kept_cap)
+    assert by_kept[[0, 1, 2, 6]].all() == (kept_cap == 2048) and not by_kept[[3, 4, 5, 7]].any(), kept
+    _passes_after_read_other_logits(monkeypatch, fused_sample, "_top_p_pass_kernel", 15, -1, "Gathered")
+    misread = fused_sample.row_cuts(*args, vocab, 1e-5).cpu()
+    s = x.sort(-1, descending=True).values
+    for r in range(b):
+        kth = s[r, ks[r] - 1].item() if ks[r] < vocab else float("-inf")
+        xr = x[r][x[r] >= kth].double()
+        mass = (xr - xr.max()).exp()
+        for cut in (full[r], misread[r]) if by_kept[r] else (full[r],):
+            cut = _snapped(s[r], cut)
+            if ps[r] == 1.0:
+                assert cut == kth, r
+                continue
+            at_or_above, above = mass[xr >= cut].sum(), mass[xr > cut].sum()
+            assert at_or_above >= ps[r] * mass.sum() * (1 - 1e-5) and above < ps[r] * mass.sum() * (1 + 1e-5), r
+        if by_kept[r]:
+            assert _snapped(s[r], misread[r]) == _snapped(s[r], full[r]), r
+        elif ps[r] < 1.0 and r != 5:  # (row 5's cut is its top value, which the search's range starts at)
+            assert misread[r] != full[r], r  # the passes found it
+
+
 def test_search_runs_over_the_verdicts_list_in_any_order(search_form):
     """With rejection first the search's launches run over `_verdict_kernel`'s list of the rows that need their cut
     (program i on its i-th row, splits side by side), which atomic adds fill in no fixed order on a GPU (the

@@ -843,26 +843,108 @@ def _cut_resolve(row, Temps, MinPs, TopPs, SplitMax, State, Goal, Gathered, Gath
             tl.store(out + 1, lo)
 
 
+# top_p over what top_k keeps: a row with both filters keeps at most its k highest columns (and the columns tied with
+# the k-th), so once top_k's cut is known one pass copies those columns' keys out (`_kept_gather_kernel`) and one
+# program per row finds top_p's cut among them (`_kept_top_p_kernel`), where the search's eight passes would read the
+# whole row again each time (at 32 rows of Llama-3.2-1B's vocabulary with top_k 50 and top_p 0.9, 98-168 us of the
+# sampler's 193-282: docs/gpu-notes.md, forty-ninth session). The keys land in the row's buffer in no fixed order
+# (one atomic cursor a row), so their masses are summed in fixed point (KEPT_SCALE: int64, exact in any order) and
+# the cut does not depend on which split stored first. Rows with more kept columns than KEPT_CAP (top_k above it, a
+# row of ties) and rows with top_p but no top_k go on a second list, which the search's passes run over as before.
+KEPT_CAP = 2048
+_KEPT_SCALE = tl.constexpr(1099511627776.0)  # 2**40: a column's mass exp(x - x_max) <= 1 in fixed point
+
+
+@triton.jit(do_not_specialize=["split_len", "num_splits"])
+def _kept_gather_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, vocab_size,
+                        split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
+                        SPLITS_POW2: tl.constexpr, KEPT_CAP: tl.constexpr, Order=None, CHECKED: tl.constexpr = False):
+    """For (row, split) of a sampling row with top_k and top_p: the order keys of the split's columns that min_p and
+    top_k keep (key >= CutK[row], not -inf) go to Kept[row, Cursor[row] ..] (those past KEPT_CAP are counted, not
+    stored). Cursor starts at zero. CHECKED: only the rows that need their cut (`_verdict_kernel`'s list)."""
+    row, split, listed = _program_row_split(Order, CHECKED)
+    if listed == 0:
+        return
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
+    if samples & (tl.load(TopKs + row) < vocab_size) & (tl.load(TopPs + row) < 1.0):
+        floor_key = tl.maximum(tl.load(CutK + row), _NEG_INF_KEY + 1).to(tl.int32)  # min_p's -inf columns out
+        lo_col = split * split_len
+        hi_col = tl.minimum(lo_col + split_len, vocab_size)
+        row_ptr = Logits + row * stride_l
+        for start in range(lo_col, hi_col, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            _, key, kept = _kept_keys(row_ptr, offs, offs < hi_col, temp, x_max, log_min_p, floor_key, HAS_MIN_P)
+            count = tl.sum(kept.to(tl.int32), axis=0)
+            if count > 0:
+                pos = tl.atomic_add(Cursor + row, count) + tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                tl.store(Kept + row * KEPT_CAP + pos, key, mask=kept & (pos < KEPT_CAP))
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _kept_top_p_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, PCut, Order2, vocab_size,
+                       num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                       KEPT_CAP: tl.constexpr, RESOLVE_BLOCK: tl.constexpr, Order=None, CHECKED: tl.constexpr = False):
+    """A row's top_p cut from the keys `_kept_gather_kernel` copied out: the search's narrowings over [top_k's cut,
+    key(row max)] (`_narrow`), each candidate's mass summed over those keys alone. PCut[row] = [1, cut] where the
+    row's keys fit in KEPT_CAP, else [0, -]; a sampling row with top_p whose cut this did not find (it has no top_k,
+    or too many keys) is added to Order2 (its count zeroed beforehand), the list the search's passes then run over.
+    CHECKED: only the rows that need their cut (`_verdict_kernel`'s list)."""
+    row, listed = _program_row(Order, CHECKED)
+    if listed == 0:
+        return
+    temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
+                                                 SPLITS_POW2)
+    top_p = tl.load(TopPs + row)
+    searched = samples & (top_p < 1.0)
+    total = tl.load(Cursor + row)
+    found = searched & (tl.load(TopKs + row) < vocab_size) & (total <= KEPT_CAP)
+    if found:
+        keys = Kept + row * KEPT_CAP
+        whole = tl.zeros([RESOLVE_BLOCK], tl.int64)
+        for start in range(0, total, RESOLVE_BLOCK):
+            i = start + tl.arange(0, RESOLVE_BLOCK)
+            key = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
+            whole += (tl.exp(_key_value(key) - x_max) * _KEPT_SCALE).to(tl.int64)
+        goal = top_p.to(tl.float64) * tl.sum(whole, axis=0).to(tl.float64)
+        lo = tl.maximum(tl.load(CutK + row), _NEG_INF_KEY + 1)
+        hi = _order_key(x_max).to(tl.int64)
+        for _ in tl.static_range(_PASSES):
+            cand = _candidates(lo, hi, NWAY).to(tl.int32)
+            acc = tl.zeros([NWAY, RESOLVE_BLOCK], tl.int64)
+            for start in range(0, total, RESOLVE_BLOCK):
+                i = start + tl.arange(0, RESOLVE_BLOCK)
+                key = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
+                w = (tl.exp(_key_value(key) - x_max) * _KEPT_SCALE).to(tl.int64)
+                acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0)
+            lo, hi = _narrow(lo, hi, tl.sum(acc, axis=1).to(tl.float64), goal, NWAY)
+        tl.store(PCut + row * 2 + 1, lo)
+    tl.store(PCut + row * 2, found.to(tl.int64))
+    if searched & ~found:
+        tl.store(Order2 + 1 + tl.atomic_add(Order2, 1), row.to(tl.int32))
+
+
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _cut_finish_kernel(Temps, TopPs, State, Part, Goal, CutK, Cuts, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
                        NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved=None, GATHER_CAP: tl.constexpr = 0,
-                       Order=None, CHECKED: tl.constexpr = False):
+                       Order=None, CHECKED: tl.constexpr = False, PCut=None, KEPT: tl.constexpr = False):
     """Cuts[row] (`_row_cut`). CHECKED: only the rows that need their cut (`_verdict_kernel`'s list); the others' are
-    left unset."""
+    left unset. KEPT: top_p's cut of the rows `_kept_top_p_kernel` found is in PCut."""
     row, listed = _program_row(Order, CHECKED)
     if listed == 0:
         return
     tl.store(Cuts + row, _row_cut(row, Temps, TopPs, State, Part, Goal, CutK, num_splits, b, greedy_eps, HAS_P, NWAY,
-                                  SPLITS_POW2, Resolved, GATHER_CAP))
+                                  SPLITS_POW2, Resolved, GATHER_CAP, PCut=PCut, KEPT=KEPT))
 
 
 @triton.jit
 def _row_cut(row, Temps, TopPs, State, Part, Goal, CutK, num_splits, b, greedy_eps, HAS_P: tl.constexpr,
              NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr, Resolved, GATHER_CAP: tl.constexpr,
-             CG: tl.constexpr = False):
+             CG: tl.constexpr = False, PCut=None, KEPT: tl.constexpr = False):
     """The logit / temperature below which top_k and top_p drop a token (-inf: they drop none), the value
     `sampler.sample_torch` reads off its sorted row: top_k's k-th largest value, then top_p's first sorted value at
-    which the renormalized mass reaches top_p. CG: `_shared_load`'s."""
+    which the renormalized mass reaches top_p. CG: `_shared_load`'s. KEPT: PCut holds top_p's cut where
+    `_kept_top_p_kernel` found it."""
     samples = tl.load(Temps + row) >= greedy_eps
     top_p = tl.load(TopPs + row)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
@@ -870,8 +952,14 @@ def _row_cut(row, Temps, TopPs, State, Part, Goal, CutK, num_splits, b, greedy_e
         cut = _shared_load(CutK + row, CG=CG)
         if HAS_P:
             if top_p < 1.0:
-                cut = _search_cut(State, Part, Resolved, row, b, num_splits, _shared_load(Goal + row, CG=CG),
-                                  NWAY, SPLITS_POW2, GATHER_CAP, CG)
+                searched = True
+                if KEPT:
+                    if tl.load(PCut + row * 2) != 0:
+                        cut = tl.load(PCut + row * 2 + 1)
+                        searched = False
+                if searched:
+                    cut = _search_cut(State, Part, Resolved, row, b, num_splits, _shared_load(Goal + row, CG=CG),
+                                      NWAY, SPLITS_POW2, GATHER_CAP, CG)
     return _key_value(cut.to(tl.int32))
 
 
@@ -1166,19 +1254,33 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     row_args, meta = _search_inputs(temperatures, min_ps, top_ks, top_ps, split_max, num_splits, check)
     cut_k = _top_k_cut(logits, row_args, meta, has_k, vocab_size, greedy_eps, split_len, num_splits, grid)
     state, part, goal, gather, dense, cap = _top_p_buffers(b, num_splits, dev, gathers=has_p)
+    kept = {}
+    search, search_grid = meta, grid  # the passes' rows: every listed row, or the kept keys' leftovers
+    if has_k and has_p:  # top_p over what top_k keeps first (KEPT_CAP)
+        counts = torch.zeros(2 * b + 1, dtype=torch.int32, device=dev)  # a cursor a row, then the leftovers' list
+        cursor, order2 = counts[:b], counts[b:]
+        keys = torch.empty(b, KEPT_CAP, dtype=torch.int32, device=dev)
+        pcut = torch.empty(b, 2, dtype=torch.int64, device=dev)
+        _kept_gather_kernel[grid](logits, logits.stride(0), *row_args, cut_k, keys, cursor, vocab_size,
+                                  split_len, num_splits, greedy_eps, BLOCK=_SEARCH_BLOCK, KEPT_CAP=KEPT_CAP, **meta)
+        _kept_top_p_kernel[(b,)](*row_args, cut_k, keys, cursor, pcut, order2, vocab_size, num_splits, greedy_eps,
+                                 NWAY=_NWAY, KEPT_CAP=KEPT_CAP, RESOLVE_BLOCK=_RESOLVE_BLOCK, **meta)
+        kept = dict(PCut=pcut, KEPT=True)
+        search, search_grid = meta | dict(Order=order2, CHECKED=True), (num_splits, b)
     if has_p:
         args = (logits, logits.stride(0), *row_args, state, part, goal, cut_k, vocab_size, split_len, num_splits, b)
         for pass_idx in range(PASSES):
-            _top_p_pass_kernel[grid](*args, pass_idx, greedy_eps, HAS_K=has_k, BLOCK=_SEARCH_BLOCK, NWAY=_NWAY, **meta,
-                                     **gather, GATHER_CAP=cap, IS_GATHER=bool(cap) and pass_idx == GATHER_PASS)
+            _top_p_pass_kernel[search_grid](*args, pass_idx, greedy_eps, HAS_K=has_k, BLOCK=_SEARCH_BLOCK, NWAY=_NWAY,
+                                            **search, **gather, GATHER_CAP=cap,
+                                            IS_GATHER=bool(cap) and pass_idx == GATHER_PASS)
             if cap and pass_idx == GATHER_PASS:
                 _cut_resolve_kernel[(b,)](*row_args, state, goal, gather["Gathered"], gather["GathN"],
                                           gather["Above"], gather["Resolved"], dense, num_splits, greedy_eps,
-                                          GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK, NWAY=_NWAY, **meta)
+                                          GATHER_CAP=cap, RESOLVE_BLOCK=_RESOLVE_BLOCK, NWAY=_NWAY, **search)
     cuts = torch.empty(b, dtype=torch.float32, device=dev)
     _cut_finish_kernel[(b,)](temperatures, top_ps, state, part, goal, cut_k, cuts, num_splits, b, greedy_eps,
                              HAS_P=has_p, NWAY=_NWAY, SPLITS_POW2=pow2, Resolved=gather.get("Resolved"),
-                             GATHER_CAP=cap, num_warps=1, **(check or {}))
+                             GATHER_CAP=cap, num_warps=1, **(check or {}), **kept)
     return cuts
 
 
