@@ -512,6 +512,40 @@ def test_top_p_over_top_k_keep_is_found_from_the_kept_keys(kept_cap, monkeypatch
             assert misread[r] != full[r], r  # the passes found it
 
 
+def test_kept_path_buffers_are_aligned_at_any_batch(monkeypatch):
+    """Triton specializes a kernel on whether each pointer is 16-byte aligned: a buffer sliced at a batch-dependent
+    offset would compile the kernels that take it again at some batch sizes, mid-serving, after the warm-up (the
+    GPU test test_sampler_warm_up_all_leaves_nothing_to_compile counts compiles). Every tensor the kept path and the
+    passes after it are given is aligned, at batch sizes 1 to 6."""
+    from ostinato.runner import fused_sample
+
+    seen = []
+
+    def watch(name):
+        launch = getattr(fused_sample, name)
+
+        class Watched:
+            def __getitem__(self, grid):
+                def run(*a, **kw):
+                    seen.extend((name, t.data_ptr() % 16) for t in (*a, *kw.values()) if isinstance(t, torch.Tensor))
+                    launch[grid](*a, **kw)
+                return run
+
+        monkeypatch.setattr(fused_sample, name, Watched())
+
+    for name in ("_kept_gather_kernel", "_kept_top_p_kernel", "_top_p_pass_kernel", "_cut_finish_kernel"):
+        watch(name)
+    vocab = 700
+    gen = torch.Generator().manual_seed(5)
+    for b in range(1, 7):
+        logits = (torch.randn(b, vocab, generator=gen) * 2).to(DEVICE)
+        fused_sample.row_cuts(logits, torch.ones(b, device=DEVICE), None, torch.full((b,), 9, device=DEVICE),
+                              torch.full((b,), 0.8, device=DEVICE), vocab, 1e-5)
+    assert {n for n, _ in seen} == {"_kept_gather_kernel", "_kept_top_p_kernel", "_top_p_pass_kernel",
+                                    "_cut_finish_kernel"}
+    assert all(off == 0 for _, off in seen), [x for x in seen if x[1]]
+
+
 def test_search_runs_over_the_verdicts_list_in_any_order(search_form):
     """With rejection first the search's launches run over `_verdict_kernel`'s list of the rows that need their cut
     (program i on its i-th row, splits side by side), which atomic adds fill in no fixed order on a GPU (the

@@ -1257,8 +1257,11 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     kept = {}
     search, search_grid = meta, grid  # the passes' rows: every listed row, or the kept keys' leftovers
     if has_k and has_p:  # top_p over what top_k keeps first (KEPT_CAP)
-        counts = torch.zeros(2 * b + 1, dtype=torch.int32, device=dev)  # a cursor a row, then the leftovers' list
-        cursor, order2 = counts[:b], counts[b:]
+        # the leftovers' list, then a cursor a row, in one zeroed buffer; each part 16-byte aligned, as Triton
+        # specializes a pointer on that (an unaligned one would compile every kernel that takes it again)
+        at = -(-(b + 1) // 4) * 4
+        counts = torch.zeros(at + b, dtype=torch.int32, device=dev)
+        order2, cursor = counts[:b + 1], counts[at:]
         keys = torch.empty(b, KEPT_CAP, dtype=torch.int32, device=dev)
         pcut = torch.empty(b, 2, dtype=torch.int64, device=dev)
         _kept_gather_kernel[grid](logits, logits.stride(0), *row_args, cut_k, keys, cursor, vocab_size,
