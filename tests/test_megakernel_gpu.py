@@ -160,7 +160,7 @@ def test_engine_logprobs_with_and_without(tmp_path):
                            head_dim=128)
     outs = {}
     for mode in ("off", "on"):
-        with LLM(str(tmp_path), dtype="bfloat16", decode_megakernel=mode, max_running_requests=1,
+        with LLM(str(tmp_path), dtype="bfloat16", decode_megakernel=mode, max_running_requests=1, max_total_tokens=4096,
                  sampler_warm_up="temperature") as llm:
             assert (llm.engine.runner.decode_megakernel is not None) == (mode == "on")
             outs[mode] = greedy_logprobs(llm)

@@ -87,7 +87,7 @@ def test_engine_logprobs_with_and_without(tmp_path):
                            intermediate_size=8192, num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=8)
     outs = {}
     for mode in ("off", "on"):
-        with LLM(str(tmp_path), dtype="bfloat16", decode_mlp_kernel=mode, max_running_requests=1,
+        with LLM(str(tmp_path), dtype="bfloat16", decode_mlp_kernel=mode, max_running_requests=1, max_total_tokens=4096,
                  sampler_warm_up="temperature") as llm:
             runner = llm.engine.runner
             assert runner.one_row_mlp == (mode == "on")
