@@ -15,9 +15,10 @@ import ostinato.layers.triton_ops.argmax as am
 import ostinato.runner.fused_sample as fs
 
 # pointer arguments (capitalized, or named *_ptr) by dtype; the rest are float32
-I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "TopKs", "Seeds", "Steps", "seeds_ptr",
+I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "PCut", "TopKs", "Seeds", "Steps", "seeds_ptr",
        "steps_ptr", "out_ptr", "dest_ptr", "index_ptr"}
-I32 = {"Count", "Count2", "Second", "Order", "Hist", "Dense", "Gathered", "GathN", "Cursor", "Bar", "idx_ptr"}
+I32 = {"Count", "Count2", "Second", "Order", "Order2", "Hist", "Dense", "Gathered", "GathN", "Cursor", "Kept", "Bar",
+       "idx_ptr"}
 PLAIN_INTS = ("pass_idx", "passes", "b", "split_len", "num_splits", "vocab_size", "stride_l", "n_cols", "n_chunks")
 ROW = dict(HAS_MIN_P=False, SPLITS_POW2=16, NWAY=16)
 CHECK = dict(CHECKED=True)
@@ -37,6 +38,9 @@ CASES = [
     (fs._cut_resolve_kernel, dict(GATHER_CAP=128, RESOLVE_BLOCK=256, **CHECK, **ROW)),
     (fs._cut_finish_kernel, dict(HAS_P=True, GATHER_CAP=128, num_warps=1, **CHECK, **ROW)),
     (fs._cut_finish_kernel, dict(HAS_P=True, num_warps=1, **ROW)),
+    (fs._cut_finish_kernel, dict(HAS_P=True, GATHER_CAP=128, KEPT=True, num_warps=1, **CHECK, **ROW)),
+    (fs._kept_gather_kernel, dict(BLOCK=1024, KEPT_CAP=2048, **CHECK, **ROW)),
+    (fs._kept_top_p_kernel, dict(KEPT_CAP=2048, RESOLVE_BLOCK=256, **CHECK, **ROW)),
     (fs._top_p_search_kernel, dict(HAS_K=False, BLOCK=1024, DRAW_BLOCK=2048, GATHER_CAP=128, RESOLVE_BLOCK=256, **ROW)),
     (fs._top_p_search_kernel, dict(HAS_K=True, BLOCK=1024, DRAW_BLOCK=2048, **ROW)),
     (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=True, num_warps=4)),
