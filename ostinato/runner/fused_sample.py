@@ -12,7 +12,8 @@ histogram passes narrowing a key range (`_top_k_pass_kernel`): the first counts 
 row maximum, and once the range holds at most TOP_K_GATHER columns one pass copies them out and one program per row
 finishes over those (`_top_k_resolve_kernel`), so most rows are read twice. top_p's is a 16-way search over the
 order keys weighted by softmax mass (`_top_p_pass_kernel`; from 8 rows, its fifth pass gathers its range for
-`_cut_resolve_kernel` likewise). The search runs only for rows that need it: the row's unrestricted draw is taken
+`_cut_resolve_kernel` likewise); a row with top_k too gets it from the keys its top_k keeps, copied out in one pass
+(`_kept_top_p_kernel`). The search runs only for rows that need it: the row's unrestricted draw is taken
 first, and where it survives the row's top_k / top_p (one counting pass, `_accept_part_kernel`) it is the draw
 under the cut too; one program per row then lists the rows that need their cut (`_verdict_kernel`), and the
 search's launches run over that list (their programs past its end exit at once); where top_p is a small batch's one
@@ -1070,7 +1071,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped). With them the
     unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p and one that
     lists the rows whose draw failed, then the cut search over that list (TOP_K_PASSES and PASSES launches over
-    (split, list entry) programs, a resolve and a finish over one program per entry), then their draw under the cut.
+    (split, list entry) programs, a resolve and a finish over one program per entry; with both filters, top_p's
+    passes run only over the rows the kept keys did not settle), then their draw under the cut.
 
     Each row is cut into splits so a small batch still spreads over the GPU: one program per (row, split)
     finds its split's best, and a last argmax over the splits (ordered by column, so ties keep the first
