@@ -18,6 +18,7 @@ import time
 import torch
 from common import RESULTS, capture, copy_bandwidth, device_tag, load_file_module, write_report
 
+from ostinato.layers.sampling_ops import KEPT_TOP_K
 from ostinato.layers.triton_ops.argmax import argmax_rows, draw_rows
 from ostinato.runner.fused_sample import fused_sample
 
@@ -88,10 +89,12 @@ def main() -> None:
             tk = torch.full((b,), top_k or v, dtype=torch.int64, device=dev) if cut else None
             tp = torch.full((b,), top_p or 1.0, device=dev) if cut else None
 
+            # the tree also learns whether a top_p row lacks a small top_k (SamplingTensors.fused_args' third phase)
+            search = top_p is not None and (top_k is None or top_k > KEPT_TOP_K)
             for name, fn in impls.items():
+                phases = (top_k is not None, top_p is not None) + ((search,) if name == "tree" else ())
 
-                def step(x=logits, t=temps, tk=tk, tp=tp, s=seeds, n=steps, fn=fn,
-                         phases=(top_k is not None, top_p is not None)) -> torch.Tensor:
+                def step(x=logits, t=temps, tk=tk, tp=tp, s=seeds, n=steps, fn=fn, phases=phases) -> torch.Tensor:
                     return fn(x, t, None, tk, tp, s, n, v, 1e-5, cut_phases=phases)
 
                 step()

@@ -17,8 +17,8 @@ import ostinato.runner.fused_sample as fs
 # pointer arguments (capitalized, or named *_ptr) by dtype; the rest are float32
 I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "PCut", "TopKs", "Seeds", "Steps", "seeds_ptr",
        "steps_ptr", "out_ptr", "dest_ptr", "index_ptr"}
-I32 = {"Count", "Count2", "Second", "Order", "Order2", "Hist", "Dense", "Gathered", "GathN", "Cursor", "Kept", "Bar",
-       "idx_ptr"}
+I32 = {"Count", "Count2", "Second", "Order", "Order2", "Hist", "Dense", "Gathered", "GathN", "Cursor", "Kept", "Ties",
+       "Bar", "idx_ptr"}
 PLAIN_INTS = ("pass_idx", "passes", "b", "split_len", "num_splits", "vocab_size", "stride_l", "n_cols", "n_chunks")
 ROW = dict(HAS_MIN_P=False, SPLITS_POW2=16, NWAY=16)
 CHECK = dict(CHECKED=True)

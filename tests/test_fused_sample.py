@@ -158,6 +158,7 @@ def test_cut_search_over_many_splits(kinds, search_form):
     logits = (torch.randn(b, vocab, generator=gen) * 3).to(DEVICE)
     t = SamplingTensors.from_params(params, [11, 22, 33], [5, 6, 7], vocab, DEVICE)
     assert (t.need_top_k, t.need_top_p) == {"top_k": (True, False), "top_p": (False, True), "both": (True, True)}[kinds]
+    assert t.fused_args()[6][2] == (kinds == "top_p")  # "both": every top_p row's cut from its kept keys
     assert torch.equal(sample_fused(logits, t).cpu(), sample_torch(logits, t).cpu())
 
 
@@ -432,7 +433,8 @@ def test_top_p_resolver_finishes_rows_from_their_gathered_keys(kinds, monkeypatc
     """A gathering top_p search (at fused_sample.GATHER_PASS) finishes ordinary rows from their gathered keys alone:
     with the passes after the gather reading other logits, their cuts are still the sorted rows' thresholds. A row
     of three values (a third of the row tied at its cut: more than a split holds) is left to those passes: then its
-    cut is wrong, and right with the true logits."""
+    cut is wrong, and right with the true logits. With top_k too every row's cut comes from its kept keys (the
+    tied row's too, its ties counted), so none is left to the passes."""
     from ostinato.runner import fused_sample
 
     monkeypatch.setattr(fused_sample, "GATHER_MIN_BATCH", 1)
@@ -458,17 +460,18 @@ def test_top_p_resolver_finishes_rows_from_their_gathered_keys(kinds, monkeypatc
         mass = (kept - kept.max()).exp()
         at_or_above, above = mass[kept >= full[r].item()].sum(), mass[kept > full[r].item()].sum()
         assert at_or_above >= ps[r] * mass.sum() * (1 - 1e-5) and above < ps[r] * mass.sum() * (1 + 1e-5), r
-    assert short[3] != full[3]  # the tied row needed the passes
+    assert (short[3] != full[3]) == (kinds == "top_p")  # the tied row needed the passes, without top_k
 
 
 @pytest.mark.parametrize("kept_cap", [2048, 48])
 def test_top_p_over_top_k_keep_is_found_from_the_kept_keys(kept_cap, monkeypatch):
-    """With top_k and top_p in the batch, a row with both gets top_p's cut from the keys top_k keeps (at most
-    fused_sample.KEPT_CAP), copied out in one pass: with every pass of top_p's search reading other logits, those
-    rows' cuts are still the sorted rows' thresholds (float64), and they are the same as the full search's within a
-    float's rounding. Rows with top_p alone, with more kept keys than KEPT_CAP (a large k, ties at the k-th value,
-    a cap of 48 against k 50 and 300), or with min_p leaving fewer than k go by the passes: wrong with the misread
-    passes, right with the true ones."""
+    """With top_k and top_p in the batch, a row with both and k at most fused_sample.KEPT_CAP gets top_p's cut from
+    the keys above its top_k cut, copied out in one pass, and a count of the columns tied at the cut: with every pass
+    of top_p's search reading other logits, those rows' cuts are still the sorted rows' thresholds (float64), the
+    same as the full search's within a float's rounding. That holds for a row whose k-th value is tied across ~3,000
+    columns, a row whose top columns sit side by side in one split, and one where min_p keeps fewer than k (nothing
+    cut). Rows with top_p alone or a k above the cap (2,500; with a cap of 48, 50 and 300 too) go by the passes:
+    wrong with the misread passes, right with the true ones."""
     from ostinato.runner import fused_sample
 
     monkeypatch.setattr(fused_sample, "KEPT_CAP", kept_cap)
@@ -480,20 +483,19 @@ def test_top_p_over_top_k_keep_is_found_from_the_kept_keys(kept_cap, monkeypatch
     min_ps = [0.0] * 6 + [0.5, 0.0]  # row 6: min_p keeps fewer than its k
     b = len(ks)
     logits = torch.randn(b, vocab, generator=gen) * 2.5
-    logits[5] = torch.randint(0, 2, (vocab,), generator=gen).float() * 0.7  # the top value tied across ~3,000 columns
+    logits[5] = torch.randint(0, 2, (vocab,), generator=gen).float() * 0.7  # ~3,000 columns tied at the 40th value
+    logits[5, :30] += 1.0 + torch.rand(30, generator=gen)  # (30 distinct ones above them)
     logits[1, :40] += 9.0  # the top columns side by side in the first split
     temps = torch.tensor([0.6, 1.0, 0.8, 1.0, 1.2, 1.0, 0.9, 0.7])
     args = [t.to(DEVICE) for t in (logits, temps)] + [torch.tensor(min_ps, device=DEVICE),
                                                        torch.tensor(ks, device=DEVICE), torch.tensor(ps, device=DEVICE)]
     full = fused_sample.row_cuts(*args, vocab, 1e-5).cpu()
-    x = logits / temps[:, None]
-    x = x.masked_fill(x - x.amax(-1, keepdim=True) < torch.tensor(min_ps).log()[:, None], float("-inf"))
-    kth = x.sort(-1, descending=True).values.gather(1, torch.tensor(ks).clamp(max=vocab)[:, None] - 1)
-    kept = ((x >= kth) & x.isfinite()).sum(1)
-    by_kept = torch.tensor([k < vocab and p < 1.0 for k, p in zip(ks, ps, strict=True)]) & (kept <= kept_cap)
-    assert by_kept[[0, 1, 2, 6]].all() == (kept_cap == 2048) and not by_kept[[3, 4, 5, 7]].any(), kept
+    by_kept = [k < vocab and p < 1.0 and k <= kept_cap for k, p in zip(ks, ps, strict=True)]
+    assert [r for r in range(b) if by_kept[r]] == ([0, 1, 2, 5, 6] if kept_cap == 2048 else [1, 5, 6])
     _passes_after_read_other_logits(monkeypatch, fused_sample, "_top_p_pass_kernel", 15, -1, "Gathered")
     misread = fused_sample.row_cuts(*args, vocab, 1e-5).cpu()
+    x = logits / temps[:, None]
+    x = x.masked_fill(x - x.amax(-1, keepdim=True) < torch.tensor(min_ps).log()[:, None], float("-inf"))
     s = x.sort(-1, descending=True).values
     for r in range(b):
         kth = s[r, ks[r] - 1].item() if ks[r] < vocab else float("-inf")
@@ -508,8 +510,41 @@ def test_top_p_over_top_k_keep_is_found_from_the_kept_keys(kept_cap, monkeypatch
             assert at_or_above >= ps[r] * mass.sum() * (1 - 1e-5) and above < ps[r] * mass.sum() * (1 + 1e-5), r
         if by_kept[r]:
             assert _snapped(s[r], misread[r]) == _snapped(s[r], full[r]), r
-        elif ps[r] < 1.0 and r != 5:  # (row 5's cut is its top value, which the search's range starts at)
+        elif ps[r] < 1.0:
             assert misread[r] != full[r], r  # the passes found it
+    assert full[5].item() == torch.tensor(0.7).item()  # the tied value: top_p 0.7 of the mass reaches into the ties
+
+
+def test_no_search_passes_where_every_top_p_row_has_a_small_top_k(monkeypatch):
+    """fused_sample's third cut phase false (no top_p row without a top_k of at most KEPT_CAP, which
+    `SamplingTensors` works out from the requests): top_p's search passes are not launched at all, and the cuts and
+    the draws are those with the passes in."""
+    from ostinato.runner import fused_sample
+
+    launched = []
+    launch = fused_sample._top_p_pass_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return launch[grid]
+
+    monkeypatch.setattr(fused_sample, "_top_p_pass_kernel", Counted())
+    vocab, b = 2 * 2048 + 21, 6
+    gen = torch.Generator().manual_seed(13)
+    logits = (torch.randn(b, vocab, generator=gen) * 2).to(DEVICE)
+    temps = torch.tensor([0.7, 1.0, 0.0, 1.2, 0.9, 1.0], device=DEVICE)  # row 2 greedy
+    ks = torch.tensor([50, 7, 20, vocab, 300, 2048], device=DEVICE)  # row 3: neither filter
+    ps = torch.tensor([0.9, 0.5, 0.95, 1.0, 0.8, 0.99], device=DEVICE)
+    cuts = {phases: fused_sample.row_cuts(logits, temps, None, ks, ps, vocab, 1e-5, phases).cpu()
+            for phases in ((True, True, True), (True, True, False))}
+    assert len(launched) == fused_sample.PASSES  # the first call's only
+    assert torch.equal(cuts[(True, True, True)], cuts[(True, True, False)])
+    seeds = torch.arange(b, device=DEVICE) * 7
+    steps = torch.full((b,), 3, device=DEVICE)
+    drawn = [fused_sample.fused_sample(logits, temps, None, ks, ps, seeds, steps, vocab, 1e-5, phases).cpu()
+             for phases in ((True, True), (True, True, False))]
+    assert torch.equal(drawn[0], drawn[1])
 
 
 def test_kept_path_buffers_are_aligned_at_any_batch(monkeypatch):

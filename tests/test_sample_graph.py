@@ -80,7 +80,9 @@ def test_replays_draw_what_the_torch_sampler_draws():
             tokens[:n] = -7
             padding = runner.ids[len(params) : padded].cpu()
             assert torch.equal(padding, logits[len(params) : padded, :vocab].argmax(-1).cpu()), "padded rows: greedy"
-    assert set(runner.graphs) == {SampleKey(4, True, True, True), SampleKey(2, False, False, False)}
+    # (the third batch's one top_p row has top_k 40: its cut from the kept keys, no search passes)
+    assert set(runner.graphs) == {SampleKey(4, True, True, True), SampleKey(2, False, False, False),
+                                  SampleKey(4, True, True, True, top_p_kept=True)}
 
 
 def test_penalized_replays_draw_and_count_as_the_eager_step():

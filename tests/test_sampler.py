@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ostinato.layers.gumbel import hash_uniform
+from ostinato.layers.sampling_ops import KEPT_TOP_K
 from ostinato.layers.triton_ops.gumbel import log_neg_log
 from ostinato.runner.sampler import ARGMAX_CHUNK, SamplingTensors, chunked_argmax, padded_vocab, sample
 from ostinato.sampling_params import SamplingParams
@@ -472,6 +473,8 @@ def test_sampling_inputs_match_each_rows_params(rows):
         assert t.all_greedy == (not rand)
         assert t.need_top_k == any(1 <= p.top_k < v for p in rand)
         assert t.need_top_p == any(p.top_p < 1.0 for p in rand)
+        # (the fused kernels' top_p search: a top_p row without a top_k of at most KEPT_TOP_K)
+        assert t.need_top_p_search == any(p.top_p < 1.0 and not 1 <= p.top_k <= min(KEPT_TOP_K, v - 1) for p in rand)
         assert t.need_min_p == any(p.min_p > 0.0 for p in rand)
         widths = [p.top_k if 1 <= p.top_k < v else v for p in rand if 1 <= p.top_k < v or p.top_p < 1.0]
         assert t.sort_width == max(widths, default=v)

@@ -36,6 +36,7 @@ class SampleKey(NamedTuple):
     top_p: bool
     penalties: bool = False  # presence / frequency penalties applied (and the draws counted)
     repetition: bool = False  # a repetition penalty too
+    top_p_kept: bool = False  # every top_p row's cut from the keys its top_k keeps: no top_p search passes
 
 
 class PenaltyRows(NamedTuple):
@@ -91,12 +92,13 @@ class SampleGraphRunner:
 
     def replay(self, padded: int, temperatures: Tensor, min_ps: Tensor | None, top_ks: Tensor | None,
                top_ps: Tensor | None, seeds: Tensor, steps: Tensor,
-               cut_phases: tuple[bool, bool] = (False, False), penalties: PenaltyRows | None = None) -> Tensor:
+               cut_phases: tuple[bool, ...] = (False, False), penalties: PenaltyRows | None = None) -> Tensor:
         """Token ids [bs] (a view of the static output, valid until the next replay) for the batch whose
         sampling tensors are given ([bs] each; min_ps None: no row has min_p; top_ks / top_ps None: no row has
         either, else both given, vocab_size / 1.0 for none, and `cut_phases` says whether some row has top_k,
-        top_p), after the decode graph of size `padded` ran. `penalties`: the rows' penalties (the runner's penalty
-        state holds their counts, and gets this step's draws added).
+        top_p, and optionally whether some top_p row needs the search passes: `SamplingTensors.fused_args`),
+        after the decode graph of size `padded` ran. `penalties`: the rows' penalties (the runner's penalty state
+        holds their counts, and gets this step's draws added).
 
         A batch's tensors other than `steps` are loaded when their `temperatures` object changes: the runner's
         sampling inputs keep those objects for as long as the batch keeps its requests."""
@@ -108,9 +110,10 @@ class SampleGraphRunner:
             self._loaded = (temperatures, padded)
         if steps.data_ptr() != self.steps.data_ptr():  # else a view of the static buffer, filled already
             self.steps[:bs].copy_(steps)
-        has_k, has_p = cut_phases if top_ks is not None else (False, False)
+        has_k, has_p, *search = cut_phases if top_ks is not None else (False, False)
+        kept = has_p and not (search[0] if search else True)
         return self._replay(SampleKey(padded, min_ps is not None, has_k, has_p, penalties is not None,
-                                      penalties is not None and penalties.repetition is not None))[:bs]
+                                      penalties is not None and penalties.repetition is not None, kept))[:bs]
 
     def _replay(self, key: SampleKey) -> Tensor:
         graph = self.graphs.get(key)
@@ -155,7 +158,8 @@ class SampleGraphRunner:
                                   self.repetition[:n] if key.repetition else None, in_prompt)
             self.sample_fn(logits, self.temperatures[:n], self.min_ps[:n] if key.min_p else None,
                            self.top_ks[:n] if cut else None, self.top_ps[:n] if cut else None,
-                           self.seeds[:n], self.steps[:n], (key.top_k, key.top_p), out=self.ids[:n], scatter=scatter)
+                           self.seeds[:n], self.steps[:n], (key.top_k, key.top_p, key.top_p and not key.top_p_kept),
+                           out=self.ids[:n], scatter=scatter)
             if key.penalties:
                 state.count_(torch.where(self.counting, rows, sink), self.ids[:n])
 

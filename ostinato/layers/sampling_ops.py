@@ -6,6 +6,9 @@ from torch import Tensor
 from ostinato.layers.gumbel import gumbel_argmax
 
 ARGMAX_CHUNK = 1024
+# a top_p row with top_k at most this has top_p's cut found over the keys its top_k keeps (runner/fused_sample.py's
+# kept path, KEPT_CAP keys a row); the sampler tells the fused kernels whether some top_p row lacks such a top_k
+KEPT_TOP_K = 2048
 
 
 def padded_vocab(vocab_size: int) -> int:

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ostinato.device_info import usable_sms
+from ostinato.layers.sampling_ops import KEPT_TOP_K
 from ostinato.layers.triton_ops.argmax import pick_rows
 from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
 
@@ -844,71 +845,93 @@ def _cut_resolve(row, Temps, MinPs, TopPs, SplitMax, State, Goal, Gathered, Gath
             tl.store(out + 1, lo)
 
 
-# top_p over what top_k keeps: a row with both filters keeps at most its k highest columns (and the columns tied with
-# the k-th), so once top_k's cut is known one pass copies those columns' keys out (`_kept_gather_kernel`) and one
-# program per row finds top_p's cut among them (`_kept_top_p_kernel`), where the search's eight passes would read the
-# whole row again each time (at 32 rows of Llama-3.2-1B's vocabulary with top_k 50 and top_p 0.9, 98-168 us of the
-# sampler's 193-282: docs/gpu-notes.md, forty-ninth session). The keys land in the row's buffer in no fixed order
-# (one atomic cursor a row), so their masses are summed in fixed point (KEPT_SCALE: int64, exact in any order) and
-# the cut does not depend on which split stored first. Rows with more kept columns than KEPT_CAP (top_k above it, a
-# row of ties) and rows with top_p but no top_k go on a second list, which the search's passes run over as before.
-KEPT_CAP = 2048
+# top_p over what top_k keeps: a row with both filters keeps at most its k highest columns and the columns tied
+# with the k-th, so once top_k's cut is known one pass copies out the keys above the cut, fewer than k, and counts
+# the ties (`_kept_gather_kernel`), and one program per row finds top_p's cut among those (`_kept_top_p_kernel`), where
+# the search's eight passes would read the whole row again each time (at 32 rows of Llama-3.2-1B's vocabulary with
+# top_k 50 and top_p 0.9, 98-168 us of the sampler's 193-282: docs/gpu-notes.md, forty-ninth session). The ties all
+# weigh what the cut's key weighs, which goes into the goal (the mass top_k keeps); every candidate of the search
+# but the first lies above the cut, and the first always holds (`_narrow`), so no candidate's mass needs them:
+# exact however many there are. The keys land in the row's buffer in no
+# fixed order (one atomic cursor a row), so their masses are summed in fixed point (_KEPT_SCALE: int64, exact in any
+# order) and the cut does not depend on which split stored first. Rows with top_p and no top_k, or a top_k above
+# KEPT_CAP, go on a second list, which the search's passes run over as before; where the sampler says no row of the
+# batch is such (`fused_sample`'s third cut phase), those launches are left out.
+KEPT_CAP = KEPT_TOP_K
 _KEPT_SCALE = tl.constexpr(1099511627776.0)  # 2**40: a column's mass exp(x - x_max) <= 1 in fixed point
 
 
+@triton.jit
+def _kept_row(TopKs, TopPs, row, samples, vocab_size, KEPT_CAP: tl.constexpr):
+    """(whether the row's top_p cut is searched, whether it is found over its kept keys) of a row."""
+    top_k = tl.load(TopKs + row)
+    searched = samples & (tl.load(TopPs + row) < 1.0)
+    return searched, searched & (top_k < vocab_size) & (top_k <= KEPT_CAP)
+
+
 @triton.jit(do_not_specialize=["split_len", "num_splits"])
-def _kept_gather_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, vocab_size,
-                        split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
+def _kept_gather_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, Ties,
+                        vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
                         SPLITS_POW2: tl.constexpr, KEPT_CAP: tl.constexpr, Order=None, CHECKED: tl.constexpr = False):
-    """For (row, split) of a sampling row with top_k and top_p: the order keys of the split's columns that min_p and
-    top_k keep (key >= CutK[row], not -inf) go to Kept[row, Cursor[row] ..] (those past KEPT_CAP are counted, not
-    stored). Cursor starts at zero. CHECKED: only the rows that need their cut (`_verdict_kernel`'s list)."""
+    """For (row, split) of a row whose top_p cut is found over its kept keys (`_kept_row`): the order keys of the
+    split's columns that min_p keeps and that lie above top_k's cut (CutK[row]) go to Kept[row, Cursor[row] ..], and
+    the columns at the cut itself are counted into Ties[row] (none where the cut is -inf's key: top_k cut nothing).
+    Cursor and Ties start at zero. CHECKED: only the rows that need their cut (`_verdict_kernel`'s list)."""
     row, split, listed = _program_row_split(Order, CHECKED)
     if listed == 0:
         return
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
-    if samples & (tl.load(TopKs + row) < vocab_size) & (tl.load(TopPs + row) < 1.0):
-        floor_key = tl.maximum(tl.load(CutK + row), _NEG_INF_KEY + 1).to(tl.int32)  # min_p's -inf columns out
+    searched, found = _kept_row(TopKs, TopPs, row, samples, vocab_size, KEPT_CAP)  # (`_` would be loop-carried)
+    if found:
+        cut = tl.load(CutK + row).to(tl.int32)
         lo_col = split * split_len
         hi_col = tl.minimum(lo_col + split_len, vocab_size)
         row_ptr = Logits + row * stride_l
+        ties = tl.zeros([BLOCK], tl.int32)
         for start in range(lo_col, hi_col, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            _, key, kept = _kept_keys(row_ptr, offs, offs < hi_col, temp, x_max, log_min_p, floor_key, HAS_MIN_P)
-            count = tl.sum(kept.to(tl.int32), axis=0)
-            if count > 0:
-                pos = tl.atomic_add(Cursor + row, count) + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-                tl.store(Kept + row * KEPT_CAP + pos, key, mask=kept & (pos < KEPT_CAP))
+            _, key, kept = _kept_keys(row_ptr, offs, offs < hi_col, temp, x_max, log_min_p, cut, HAS_MIN_P)
+            above = kept & (key > cut) & (key > _NEG_INF_KEY)  # (min_p's dropped columns are -inf)
+            ties += (kept & (key == cut) & (cut > _NEG_INF_KEY)).to(tl.int32)
+            count = tl.sum(above.to(tl.int32), axis=0)
+            if count > 0:  # fewer than k in all: top_k's cut is the k-th largest
+                pos = tl.atomic_add(Cursor + row, count) + tl.cumsum(above.to(tl.int32), axis=0) - 1
+                tl.store(Kept + row * KEPT_CAP + pos, key, mask=above & (pos < KEPT_CAP))
+        tied = tl.sum(ties, axis=0)
+        if tied > 0:
+            tl.atomic_add(Ties + row, tied)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _kept_top_p_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, PCut, Order2, vocab_size,
+def _kept_top_p_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, Ties, PCut, Order2, vocab_size,
                        num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
                        KEPT_CAP: tl.constexpr, RESOLVE_BLOCK: tl.constexpr, Order=None, CHECKED: tl.constexpr = False):
-    """A row's top_p cut from the keys `_kept_gather_kernel` copied out: the search's narrowings over [top_k's cut,
-    key(row max)] (`_narrow`), each candidate's mass summed over those keys alone. PCut[row] = [1, cut] where the
-    row's keys fit in KEPT_CAP, else [0, -]; a sampling row with top_p whose cut this did not find (it has no top_k,
-    or too many keys) is added to Order2 (its count zeroed beforehand), the list the search's passes then run over.
-    CHECKED: only the rows that need their cut (`_verdict_kernel`'s list)."""
+    """A row's top_p cut from what `_kept_gather_kernel` found: the search's narrowings over [top_k's cut, key(row
+    max)] (`_narrow`), each candidate's mass summed over the keys above the cut, the goal over those and the ties.
+    PCut[row] = [1, cut] for a row found so (`_kept_row`), else [0, -]; a row whose top_p cut is searched but not
+    found so is added to Order2 (its count zeroed beforehand), the list the search's passes then run over. CHECKED:
+    only the rows that need their cut (`_verdict_kernel`'s list)."""
     row, listed = _program_row(Order, CHECKED)
     if listed == 0:
         return
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
-    top_p = tl.load(TopPs + row)
-    searched = samples & (top_p < 1.0)
+    searched, found = _kept_row(TopKs, TopPs, row, samples, vocab_size, KEPT_CAP)
     total = tl.load(Cursor + row)
-    found = searched & (tl.load(TopKs + row) < vocab_size) & (total <= KEPT_CAP)
+    found = found & (total <= KEPT_CAP)  # (always: fewer than k keys lie above the k-th largest)
     if found:
         keys = Kept + row * KEPT_CAP
+        cut = tl.load(CutK + row)
+        tie_mass = tl.load(Ties + row).to(tl.int64) * (tl.exp(_key_value(cut.to(tl.int32)) - x_max)
+                                                       * _KEPT_SCALE).to(tl.int64)
         whole = tl.zeros([RESOLVE_BLOCK], tl.int64)
         for start in range(0, total, RESOLVE_BLOCK):
             i = start + tl.arange(0, RESOLVE_BLOCK)
             key = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
             whole += (tl.exp(_key_value(key) - x_max) * _KEPT_SCALE).to(tl.int64)
-        goal = top_p.to(tl.float64) * tl.sum(whole, axis=0).to(tl.float64)
-        lo = tl.maximum(tl.load(CutK + row), _NEG_INF_KEY + 1)
+        goal = tl.load(TopPs + row).to(tl.float64) * (tl.sum(whole, axis=0) + tie_mass).to(tl.float64)
+        lo = cut
         hi = _order_key(x_max).to(tl.int64)
         for _ in tl.static_range(_PASSES):
             cand = _candidates(lo, hi, NWAY).to(tl.int32)
@@ -1062,13 +1085,15 @@ _TARGET_PROGRAMS = 512  # a few waves over an H100/H200's 132 SMs
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None,
                  top_ks: torch.Tensor | None, top_ps: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor,
-                 vocab_size: int, greedy_eps: float, cut_phases: tuple[bool, bool] = (True, True),
+                 vocab_size: int, greedy_eps: float, cut_phases: tuple[bool, ...] = (True, True),
                  out: torch.Tensor | None = None,
                  scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """int64 [B] token ids from float32 logits [B, >= vocab_size] (last dim contiguous); columns past
     `vocab_size` are ignored. `min_ps` None: no row filters by min_p; `top_ks` / `top_ps` None: no row has
     top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none),
-    and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped). With them the
+    and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped), and optionally
+    whether any top_p row lacks a top_k of at most KEPT_CAP (where none does, top_p's search passes are left out:
+    every top_p cut comes from its row's kept keys; given a pair, they stay in). With them the
     unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p and one that
     lists the rows whose draw failed, then the cut search over that list (TOP_K_PASSES and PASSES launches over
     (split, list entry) programs, a resolve and a finish over one program per entry; with both filters, top_p's
@@ -1106,7 +1131,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
         return pick_rows(vals, idx, out, scatter)
     # rejection first (see _accept_part_kernel): the unrestricted draw, the check of each row's j*, then the cut
     # search and the draw under the cuts for the rows whose j* failed
-    has_k, has_p = cut_phases
+    has_k, has_p, _ = _phases(cut_phases)
     second_best = _second_best_pays(has_k, has_p)
     # the check's parts, each only where its search runs (else `vals`, unread)
     mass = torch.empty(b, num_splits, MASS_LANES, dtype=torch.float32, device=dev) if has_p else vals
@@ -1160,6 +1185,13 @@ def _second_best_pays(has_k: bool, has_p: bool) -> bool:
     if SECOND_BEST in ("0", "1"):
         return SECOND_BEST == "1"
     return has_p and not has_k
+
+
+def _phases(cut_phases: tuple[bool, ...]) -> tuple[bool, bool, bool]:
+    """(some row has top_k, some row has top_p, some top_p row has no top_k of at most KEPT_CAP, so top_p's search
+    passes run) from `fused_sample`'s cut_phases; a pair leaves the search in wherever some row has top_p."""
+    has_k, has_p, *rest = cut_phases
+    return has_k, has_p, has_p and (rest[0] if rest else True)
 
 
 def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, search: bool,
@@ -1245,34 +1277,35 @@ def _top_p_buffers(b: int, num_splits: int, dev: torch.device, gathers: bool = T
 
 def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
           top_ps: torch.Tensor, split_max: torch.Tensor, vocab_size: int, greedy_eps: float,
-          cut_phases: tuple[bool, bool], split_len: int, num_splits: int, check: dict | None = None) -> torch.Tensor:
+          cut_phases: tuple[bool, ...], split_len: int, num_splits: int, check: dict | None = None) -> torch.Tensor:
     """The cut search's launches: each row's cut, float32 [B]. `check` (Order, `_verdict_kernel`'s list, with
     CHECKED): only the listed rows are searched (grids over (split, list entry)); the others' cuts are left unset."""
     b = logits.shape[0]
     grid = (num_splits, b) if check else (b, num_splits)
     dev = logits.device
     pow2 = triton.next_power_of_2(num_splits)
-    has_k, has_p = cut_phases
+    has_k, has_p, p_search = _phases(cut_phases)
     row_args, meta = _search_inputs(temperatures, min_ps, top_ks, top_ps, split_max, num_splits, check)
     cut_k = _top_k_cut(logits, row_args, meta, has_k, vocab_size, greedy_eps, split_len, num_splits, grid)
     state, part, goal, gather, dense, cap = _top_p_buffers(b, num_splits, dev, gathers=has_p)
     kept = {}
     search, search_grid = meta, grid  # the passes' rows: every listed row, or the kept keys' leftovers
     if has_k and has_p:  # top_p over what top_k keeps first (KEPT_CAP)
-        # the leftovers' list, then a cursor a row, in one zeroed buffer; each part 16-byte aligned, as Triton
-        # specializes a pointer on that (an unaligned one would compile every kernel that takes it again)
+        # the leftovers' list, a cursor a row and a tie count a row in one zeroed buffer; each part 16-byte aligned,
+        # as Triton specializes a pointer on that (an unaligned one would compile every kernel that takes it again)
         at = -(-(b + 1) // 4) * 4
-        counts = torch.zeros(at + b, dtype=torch.int32, device=dev)
-        order2, cursor = counts[:b + 1], counts[at:]
+        span = -(-b // 4) * 4
+        counts = torch.zeros(at + 2 * span, dtype=torch.int32, device=dev)
+        order2, cursor, ties = counts[:b + 1], counts[at:at + b], counts[at + span:at + span + b]
         keys = torch.empty(b, KEPT_CAP, dtype=torch.int32, device=dev)
         pcut = torch.empty(b, 2, dtype=torch.int64, device=dev)
-        _kept_gather_kernel[grid](logits, logits.stride(0), *row_args, cut_k, keys, cursor, vocab_size,
+        _kept_gather_kernel[grid](logits, logits.stride(0), *row_args, cut_k, keys, cursor, ties, vocab_size,
                                   split_len, num_splits, greedy_eps, BLOCK=_SEARCH_BLOCK, KEPT_CAP=KEPT_CAP, **meta)
-        _kept_top_p_kernel[(b,)](*row_args, cut_k, keys, cursor, pcut, order2, vocab_size, num_splits, greedy_eps,
-                                 NWAY=_NWAY, KEPT_CAP=KEPT_CAP, RESOLVE_BLOCK=_RESOLVE_BLOCK, **meta)
+        _kept_top_p_kernel[(b,)](*row_args, cut_k, keys, cursor, ties, pcut, order2, vocab_size, num_splits,
+                                 greedy_eps, NWAY=_NWAY, KEPT_CAP=KEPT_CAP, RESOLVE_BLOCK=_RESOLVE_BLOCK, **meta)
         kept = dict(PCut=pcut, KEPT=True)
         search, search_grid = meta | dict(Order=order2, CHECKED=True), (num_splits, b)
-    if has_p:
+    if has_p and (p_search or not kept):
         args = (logits, logits.stride(0), *row_args, state, part, goal, cut_k, vocab_size, split_len, num_splits, b)
         for pass_idx in range(PASSES):
             _top_p_pass_kernel[search_grid](*args, pass_idx, greedy_eps, HAS_K=has_k, BLOCK=_SEARCH_BLOCK, NWAY=_NWAY,
@@ -1311,7 +1344,7 @@ def gather_cap(batch: int, num_splits: int) -> int:
 
 def row_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
              top_ps: torch.Tensor, vocab_size: int, greedy_eps: float,
-             cut_phases: tuple[bool, bool] = (True, True)) -> torch.Tensor:
+             cut_phases: tuple[bool, ...] = (True, True)) -> torch.Tensor:
     """The threshold fused_sample applies to each row's logits / temperature (-inf: it cuts nothing), float32 [B],
     every row searched (no acceptance check): the search's result alone, for tests. Arguments as fused_sample's."""
     plan = split_plan(logits.shape[0], vocab_size)

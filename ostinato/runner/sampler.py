@@ -23,7 +23,13 @@ from torch import Tensor
 
 from ostinato.graphs.sample import PenaltyRows
 from ostinato.layers.gumbel import gumbel_argmax
-from ostinato.layers.sampling_ops import ARGMAX_CHUNK, chunked_argmax, padded_vocab, penalize  # noqa: F401
+from ostinato.layers.sampling_ops import (  # noqa: F401
+    ARGMAX_CHUNK,
+    KEPT_TOP_K,
+    chunked_argmax,
+    padded_vocab,
+    penalize,
+)
 from ostinato.sampling_params import GREEDY_EPS, SamplingParams
 
 _MIN_SEED, _SPAN_SEED = -(2**63), 2**64
@@ -67,6 +73,9 @@ class SamplingTensors:
     # structured outputs: each row's allowed tokens (int32 [B, ceil(V / 32)], runner/grammar_mask.py; all for an
     # unconstrained row); None when no row is constrained
     token_bitmask: Tensor | None = None
+    # some sampled row has top_p without a top_k of at most KEPT_TOP_K: the fused kernels' top_p search passes run
+    # (else every top_p row's cut comes from the keys its top_k keeps, runner/fused_sample.py)
+    need_top_p_search: bool = True
 
     @property
     def fused_ok(self) -> bool:
@@ -110,7 +119,8 @@ class SamplingTensors:
         or None, seeds, steps, (whether some row has top_k, top_p)); needs `fused_ok`."""
         cut = self.need_top_k or self.need_top_p
         return (self.temperatures, self.min_ps if self.need_min_p else None, self.top_ks if cut else None,
-                self.top_ps if cut else None, self.seeds, self.steps, (self.need_top_k, self.need_top_p))
+                self.top_ps if cut else None, self.seeds, self.steps,
+                (self.need_top_k, self.need_top_p, self.need_top_p and self.need_top_p_search))
 
     @classmethod
     def from_params(
@@ -139,7 +149,7 @@ class SamplingTensors:
         repeats = repetition.count(1.0) < len(repetition)
         penalized = repeats or any(presence) or any(frequency)
         sampled = max(temps, default=0.0) >= GREEDY_EPS  # some row is not greedy (SamplingParams.is_greedy)
-        need_top_k = need_top_p = need_min_p = False
+        need_top_k = need_top_p = need_min_p = need_top_p_search = False
         sort_width = vocab_size
         if sampled:
             temp, top_k, top_p, min_p = np.array(
@@ -150,6 +160,7 @@ class SamplingTensors:
             top_ks = np.where(has_k, top_k, vocab_size)
             need_top_k = bool((rand & has_k).any())
             need_top_p = bool((rand & (top_p < 1.0)).any())
+            need_top_p_search = bool((rand & (top_p < 1.0) & ~(has_k & (top_k <= KEPT_TOP_K))).any())
             need_min_p = bool((rand & (min_p > 0.0)).any())
             # a row with top_k only needs its k highest logits; a top_p row without top_k needs them all
             widths = top_ks[rand & (has_k | (top_p < 1.0))]
@@ -204,6 +215,7 @@ class SamplingTensors:
             num_logprobs=logprobs if logprobs.count(None) < len(logprobs) else None,
             logit_bias=bias_entries(params, put),
             token_bitmask=bitmask,
+            need_top_p_search=need_top_p_search,
         )
 
     def with_steps(self, steps: list[int]) -> SamplingTensors:
@@ -447,7 +459,7 @@ def sample_fused(logits: Tensor, t: SamplingTensors) -> Tensor:
 
 
 def fused_draw(logits: Tensor, temperatures: Tensor, min_ps: Tensor | None, top_ks: Tensor | None,
-               top_ps: Tensor | None, seeds: Tensor, steps: Tensor, cut_phases: tuple[bool, bool],
+               top_ps: Tensor | None, seeds: Tensor, steps: Tensor, cut_phases: tuple[bool, ...],
                out: Tensor | None = None, scatter: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`fused_sample.fused_sample` with all of `logits`' columns as the vocabulary (float32, last dim contiguous);
     the other arguments as `SamplingTensors.fused_args` gives them (`out`, `scatter`: fused_sample's)."""
