@@ -852,11 +852,11 @@ def _cut_resolve(row, Temps, MinPs, TopPs, SplitMax, State, Goal, Gathered, Gath
 # top_k 50 and top_p 0.9, 98-168 us of the sampler's 193-282: docs/gpu-notes.md, forty-ninth session). The ties all
 # weigh what the cut's key weighs, which goes into the goal (the mass top_k keeps); every candidate of the search
 # but the first lies above the cut, and the first always holds (`_narrow`), so no candidate's mass needs them:
-# exact however many there are. The keys land in the row's buffer in no
-# fixed order (one atomic cursor a row), so their masses are summed in fixed point (_KEPT_SCALE: int64, exact in any
-# order) and the cut does not depend on which split stored first. Rows with top_p and no top_k, or a top_k above
-# KEPT_CAP, go on a second list, which the search's passes run over as before; where the sampler says no row of the
-# batch is such (`fused_sample`'s third cut phase), those launches are left out.
+# exact however many there are. The keys land in the row's buffer in no fixed order (one atomic cursor a row), so
+# their masses are summed in fixed point (_KEPT_SCALE: int64, exact in any order) and the cut does not depend on
+# which split stored first. Rows with top_p and no top_k, or a top_k above KEPT_CAP, go on a second list, which the
+# search's passes run over as before; where the sampler says no row of the batch is such (`fused_sample`'s third cut
+# phase), those launches are left out.
 KEPT_CAP = KEPT_TOP_K
 _KEPT_SCALE = tl.constexpr(1099511627776.0)  # 2**40: a column's mass exp(x - x_max) <= 1 in fixed point
 
@@ -892,7 +892,7 @@ def _kept_gather_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, 
         for start in range(lo_col, hi_col, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             _, key, kept = _kept_keys(row_ptr, offs, offs < hi_col, temp, x_max, log_min_p, cut, HAS_MIN_P)
-            above = kept & (key > cut) & (key > _NEG_INF_KEY)  # (min_p's dropped columns are -inf)
+            above = kept & (key > cut)  # (min_p's dropped columns are -inf, whose key is the lowest cut)
             ties += (kept & (key == cut) & (cut > _NEG_INF_KEY)).to(tl.int32)
             count = tl.sum(above.to(tl.int32), axis=0)
             if count > 0:  # fewer than k in all: top_k's cut is the k-th largest

@@ -116,7 +116,8 @@ class SamplingTensors:
 
     def fused_args(self) -> tuple:
         """The fused kernels' per-row inputs after the logits: (temperatures, min_ps or None, top_ks and top_ps
-        or None, seeds, steps, (whether some row has top_k, top_p)); needs `fused_ok`."""
+        or None, seeds, steps, (whether some row has top_k, top_p, and a top_p row needs the search passes));
+        needs `fused_ok`."""
         cut = self.need_top_k or self.need_top_p
         return (self.temperatures, self.min_ps if self.need_min_p else None, self.top_ks if cut else None,
                 self.top_ps if cut else None, self.seeds, self.steps,
