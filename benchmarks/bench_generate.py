@@ -75,6 +75,10 @@ def parse_setting(spec: str) -> dict:
         except ValueError:
             kind = SETTING_TYPES[key].__name__
             raise SystemExit(f"--settings {spec!r}: {key} needs a {kind}, got {value!r}") from None
+    try:  # SamplingParams' own limits, before any engine starts
+        SamplingParams(**out)
+    except ValueError as e:
+        raise SystemExit(f"--settings {spec!r}: {e}") from None
     return out
 
 
@@ -123,6 +127,7 @@ def main() -> None:
                     help="EngineArgs.decode_megakernel: one engine each, in turn (e.g. off on)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    settings = settings_from(args)  # (a bad setting stops here, before any engine starts)
     global STEP_LOG
     if args.sampler:  # sampler.sample_fused looks fused_sample up in its module at each call
         import ostinato.runner.fused_sample as tree_sampler
@@ -149,7 +154,7 @@ def main() -> None:
                            for _ in range(bs)]
             prompt_len = sum(map(len, prompts)) / bs
             graphs = runner.sample_graph_runner
-            cases = [(sampling, mode, copies) for sampling in settings_from(args)
+            cases = [(sampling, mode, copies) for sampling in settings
                      for mode in (args.sampler_graph if not _greedy(sampling) else ["on"])
                      for copies in (args.host_copies if not _greedy(sampling) else ["pinned"])]
             for sampling, mode, copies in cases:

@@ -330,7 +330,8 @@ explain)
   # in order and the bs-32 step kernel by kernel (profiled); gpt-fast's decode beside ours with its sampling (needs
   # .bench-deps/gpt-fast carried)
   timeout 120 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:256 --modes graph \
-      --iters 100 --out "$OUT/decode-launches.json" 2>&1 | quiet | tail -8 | tee "$OUT/decode-launches.log"
+      --iters 100 --out "$OUT/decode-launches.json" 2>&1 | quiet | grep -E "graph|Error" \
+      | tee "$OUT/decode-launches.log"
   TIMELINE=24 timeout 150 python benchmarks/bench_decode.py --models llama-3.2-1b qwen3-0.6b --cases 1:128 32:256 \
       --modes graph --no-launches --iters 100 --profile 1:128 32:256 --out "$OUT/decode-profile.json" 2>&1 | quiet \
       > "$OUT/decode-profile.log"
