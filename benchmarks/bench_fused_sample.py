@@ -5,6 +5,7 @@ CUDA graph (the GPU's time alone).
 python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256] [--out FILE]   # GPU
     [--baseline PATH ...]   # also time other copies of fused_sample.py (e.g. the last commit's), in turns
     [--profile]             # and each replay's kernels, from torch.profiler
+    [--profile-order]       # (with --profile) each launch apart, in launch order
     [--scale 3 0.3]         # logits' spread: how often the unrestricted draw survives the cut
     [--decode-draw]         # also the decode graph's draw of a temperature-only step (argmax.draw_rows) and its
                             # greedy argmax (argmax_rows), replayed: the draw's cost over greedy's
@@ -34,8 +35,9 @@ def timed(fn, iters: int = 20) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
-def kernel_times(fn, iters: int = 10) -> dict[str, float]:
-    """Mean GPU microseconds per call of `fn`, per kernel name (summed over a name's launches in a call)."""
+def kernel_times(fn, iters: int = 10, in_order: bool = False) -> dict[str, float]:
+    """Mean GPU microseconds per call of `fn`, per kernel name (summed over a name's launches in a call), or with
+    `in_order` per launch, in launch order ("name #i": a name's i-th launch in a call)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -43,6 +45,15 @@ def kernel_times(fn, iters: int = 10) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     out: dict[str, float] = {}
+    if in_order:
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+                         key=lambda e: e.time_range.start)
+        per_call = len(kernels) // iters
+        for i, e in enumerate(kernels[: per_call * iters]):
+            nth = sum(k.name == e.name for k in kernels[i - i % per_call: i])
+            key = f"{e.name[:40]} #{nth}"
+            out[key] = out.get(key, 0.0) + e.device_time_total / iters
+        return out
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.device_time_total > 0:
             out[e.key[:40]] = e.device_time_total / iters
@@ -55,6 +66,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--baseline", nargs="*", default=[], help="other fused_sample.py files, timed beside the tree's")
     ap.add_argument("--profile", action="store_true", help="print each replay's kernels and their mean times")
+    ap.add_argument("--profile-order", action="store_true",
+                    help="with --profile, each launch in launch order (a name's passes apart) instead of by name")
     ap.add_argument("--scale", type=float, nargs="+", default=[3.0],
                     help="logits ~ N(0, scale^2), one pass each: at T=0.6 a scale of 3 puts most of the mass on a few "
                          "hundred tokens (the unrestricted draw survives top_k 200), 0.3 spreads it (it rarely does)")
@@ -111,7 +124,7 @@ def main() -> None:
                 print(f"{name:8} scale {scale} bs {b:3} top_k {top_k} top_p {top_p}: eager {eager:.3f} ms, graph "
                       f"{rows[-1]['graph_ms']:.3f} ms, unrestricted draw kept in {kept:.0%} of rows", flush=True)
                 if args.profile:
-                    rows[-1]["kernels_us"] = kernel_times(graph.replay)
+                    rows[-1]["kernels_us"] = kernel_times(graph.replay, in_order=args.profile_order)
                     print("    " + ", ".join(f"{k} {us:.1f}" for k, us in rows[-1]["kernels_us"].items()))
     report = dict(device=torch.cuda.get_device_name(dev), vocab=v,
                   command=" ".join([os.path.basename(sys.executable)] + sys.argv), rows=rows)

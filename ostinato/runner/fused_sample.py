@@ -464,10 +464,18 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
     Hist[pass_idx, row] (atomic adds), or, the pass after the range's count fell to TOP_K_GATHER, copy those keys to
     Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
     stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0. CHECKED: only the rows
-    that need their cut (grid (splits, B) over `_verdict_kernel`'s list)."""
+    that need their cut (grid (splits, B) over `_verdict_kernel`'s list). After a row's gather its programs exit
+    before reading its inputs or histogram (split 0 copying its state to the slot)."""
     row, split, listed = _program_row_split(Order, CHECKED)
     if listed == 0:
         return
+    if not FIRST:  # a row gathered at an earlier pass (or cut nothing): split 0 hands its state on, the rest exit
+        last = State + (((pass_idx + 1) % 2) * b + row) * 8
+        if tl.load(last + 6) != 0:  # (an inactive row's slot holds anything; it is never read)
+            if split == 0:
+                i = tl.arange(0, 8)
+                tl.store(State + ((pass_idx % 2) * b + row) * 8 + i, tl.load(last + i))
+            return
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
                                                                   vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     if active:
