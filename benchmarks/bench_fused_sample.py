@@ -5,7 +5,7 @@ CUDA graph (the GPU's time alone).
 python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256] [--out FILE]   # GPU
     [--baseline PATH ...]   # also time other copies of fused_sample.py (e.g. the last commit's), in turns
     [--profile]             # and each replay's kernels, from torch.profiler
-    [--profile-order]       # (with --profile) each launch apart, in launch order
+    [--profile-order]       # the same, each launch apart, in launch order
     [--scale 3 0.3]         # logits' spread: how often the unrestricted draw survives the cut
     [--decode-draw]         # also the decode graph's draw of a temperature-only step (argmax.draw_rows) and its
                             # greedy argmax (argmax_rows), replayed: the draw's cost over greedy's
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--baseline", nargs="*", default=[], help="other fused_sample.py files, timed beside the tree's")
     ap.add_argument("--profile", action="store_true", help="print each replay's kernels and their mean times")
     ap.add_argument("--profile-order", action="store_true",
-                    help="with --profile, each launch in launch order (a name's passes apart) instead of by name")
+                    help="--profile with each launch in launch order (a name's passes apart) instead of by name")
     ap.add_argument("--scale", type=float, nargs="+", default=[3.0],
                     help="logits ~ N(0, scale^2), one pass each: at T=0.6 a scale of 3 puts most of the mass on a few "
                          "hundred tokens (the unrestricted draw survives top_k 200), 0.3 spreads it (it rarely does)")
@@ -123,7 +123,7 @@ def main() -> None:
                                  graph_ms=timed(graph.replay), unrestricted_kept=kept))
                 print(f"{name:8} scale {scale} bs {b:3} top_k {top_k} top_p {top_p}: eager {eager:.3f} ms, graph "
                       f"{rows[-1]['graph_ms']:.3f} ms, unrestricted draw kept in {kept:.0%} of rows", flush=True)
-                if args.profile:
+                if args.profile or args.profile_order:
                     rows[-1]["kernels_us"] = kernel_times(graph.replay, in_order=args.profile_order)
                     print("    " + ", ".join(f"{k} {us:.1f}" for k, us in rows[-1]["kernels_us"].items()))
     report = dict(device=torch.cuda.get_device_name(dev), vocab=v,

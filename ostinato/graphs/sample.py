@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ostinato.graphs.graph import Graph, warmed_capture
-from ostinato.layers.sampling_ops import penalize
+from ostinato.layers.sampling_ops import CutPhases, penalize
 
 # (logits [B, V], temperatures, min_ps | None, top_ks | None, top_ps | None, seeds, steps, (has top_k, has top_p),
 # out=int64 [B], scatter=(dest, index) | None) -> the token ids, written into `out` (and with `scatter`, also
@@ -110,9 +110,9 @@ class SampleGraphRunner:
             self._loaded = (temperatures, padded)
         if steps.data_ptr() != self.steps.data_ptr():  # else a view of the static buffer, filled already
             self.steps[:bs].copy_(steps)
-        has_k, has_p, *search = cut_phases if top_ks is not None else (False, False)
-        kept = has_p and not (search[0] if search else True)
-        return self._replay(SampleKey(padded, min_ps is not None, has_k, has_p, penalties is not None,
+        phases = CutPhases(*cut_phases) if top_ks is not None else CutPhases(False, False)
+        kept = phases.top_p and not phases.top_p_search
+        return self._replay(SampleKey(padded, min_ps is not None, phases.top_k, phases.top_p, penalties is not None,
                                       penalties is not None and penalties.repetition is not None, kept))[:bs]
 
     def _replay(self, key: SampleKey) -> Tensor:
@@ -158,7 +158,7 @@ class SampleGraphRunner:
                                   self.repetition[:n] if key.repetition else None, in_prompt)
             self.sample_fn(logits, self.temperatures[:n], self.min_ps[:n] if key.min_p else None,
                            self.top_ks[:n] if cut else None, self.top_ps[:n] if cut else None,
-                           self.seeds[:n], self.steps[:n], (key.top_k, key.top_p, key.top_p and not key.top_p_kept),
+                           self.seeds[:n], self.steps[:n], CutPhases(key.top_k, key.top_p, not key.top_p_kept),
                            out=self.ids[:n], scatter=scatter)
             if key.penalties:
                 state.count_(torch.where(self.counting, rows, sink), self.ids[:n])

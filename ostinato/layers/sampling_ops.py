@@ -1,5 +1,7 @@
 """Logits ops shared by the sampler (runner/) and the decode graphs (graphs/), which both sit above layers/."""
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -9,6 +11,15 @@ ARGMAX_CHUNK = 1024
 # a top_p row with top_k at most this has top_p's cut found over the keys its top_k keeps (runner/fused_sample.py's
 # kept path, KEPT_CAP keys a row); the sampler tells the fused kernels whether some top_p row lacks such a top_k
 KEPT_TOP_K = 2048
+
+
+class CutPhases(NamedTuple):
+    """Which of the fused sampler's cut searches a batch needs (`SamplingTensors.fused_args` works it out from the
+    requests): some sampled row has top_k; some has top_p; some top_p row lacks a top_k of at most KEPT_TOP_K, so
+    top_p's search passes run (left out: true, the passes stay in)."""
+    top_k: bool
+    top_p: bool
+    top_p_search: bool = True
 
 
 def padded_vocab(vocab_size: int) -> int:

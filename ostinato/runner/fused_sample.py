@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ostinato.device_info import usable_sms
-from ostinato.layers.sampling_ops import KEPT_TOP_K
+from ostinato.layers.sampling_ops import KEPT_TOP_K, CutPhases
 from ostinato.layers.triton_ops.argmax import pick_rows
 from ostinato.layers.triton_ops.gumbel import gumbel_perturbed, row_key
 
@@ -1099,11 +1099,11 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     """int64 [B] token ids from float32 logits [B, >= vocab_size] (last dim contiguous); columns past
     `vocab_size` are ignored. `min_ps` None: no row filters by min_p; `top_ks` / `top_ps` None: no row has
     top_k / top_p (else both are given: int64 [B] with vocab_size for none, float32 [B] with 1.0 for none),
-    and `cut_phases` says whether any row has top_k, top_p (a search with no row is skipped), and optionally
-    whether any top_p row lacks a top_k of at most KEPT_CAP (where none does, top_p's search passes are left out:
-    every top_p cut comes from its row's kept keys; given a pair, they stay in). With them the
-    unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p and one that
-    lists the rows whose draw failed, then the cut search over that list (TOP_K_PASSES and PASSES launches over
+    and `cut_phases` (a `CutPhases`, or a pair of its first fields) says whether any row has top_k, top_p (a search
+    with no row is skipped), and whether any top_p row lacks a top_k of at most KEPT_CAP (where none does, top_p's
+    search passes are left out: every top_p cut comes from its row's kept keys; given a pair, they stay in). With
+    them the unrestricted draw comes first, then one pass that checks it against each row's top_k / top_p and one
+    that lists the rows whose draw failed, then the cut search over that list (TOP_K_PASSES and PASSES launches over
     (split, list entry) programs, a resolve and a finish over one program per entry; with both filters, top_p's
     passes run only over the rows the kept keys did not settle), then their draw under the cut.
 
@@ -1129,8 +1129,9 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     sample_args = (logits, logits.stride(0), temperatures, min_p_arg)
     sample_meta = dict(HAS_MIN_P=min_ps is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8)
     draw_args = (seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps)
+    has_k, has_p, _ = _phases(cut_phases)
     if top_ks is None or not REJECTION_FIRST:
-        split_max = _split_max(logits, temperatures, min_ps, top_ks is not None and any(cut_phases), vocab_size,
+        split_max = _split_max(logits, temperatures, min_ps, top_ks is not None and (has_k or has_p), vocab_size,
                                greedy_eps, split_len, num_splits)
         cuts = split_max if top_ks is None else _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max,
                                                       vocab_size, greedy_eps, cut_phases, split_len, num_splits)
@@ -1139,7 +1140,6 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
         return pick_rows(vals, idx, out, scatter)
     # rejection first (see _accept_part_kernel): the unrestricted draw, the check of each row's j*, then the cut
     # search and the draw under the cuts for the rows whose j* failed
-    has_k, has_p, _ = _phases(cut_phases)
     second_best = _second_best_pays(has_k, has_p)
     # the check's parts, each only where its search runs (else `vals`, unread)
     mass = torch.empty(b, num_splits, MASS_LANES, dtype=torch.float32, device=dev) if has_p else vals
@@ -1196,10 +1196,10 @@ def _second_best_pays(has_k: bool, has_p: bool) -> bool:
 
 
 def _phases(cut_phases: tuple[bool, ...]) -> tuple[bool, bool, bool]:
-    """(some row has top_k, some row has top_p, some top_p row has no top_k of at most KEPT_CAP, so top_p's search
-    passes run) from `fused_sample`'s cut_phases; a pair leaves the search in wherever some row has top_p."""
-    has_k, has_p, *rest = cut_phases
-    return has_k, has_p, has_p and (rest[0] if rest else True)
+    """(some row has top_k, some row has top_p, top_p's search passes run) from `fused_sample`'s cut_phases, a
+    `CutPhases` or a pair of its first two fields."""
+    phases = CutPhases(*cut_phases)
+    return phases.top_k, phases.top_p, phases.top_p and phases.top_p_search
 
 
 def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor | None, search: bool,
@@ -1356,7 +1356,8 @@ def row_cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Ten
     """The threshold fused_sample applies to each row's logits / temperature (-inf: it cuts nothing), float32 [B],
     every row searched (no acceptance check): the search's result alone, for tests. Arguments as fused_sample's."""
     plan = split_plan(logits.shape[0], vocab_size)
-    split_max = _split_max(logits, temperatures, min_ps, any(cut_phases), vocab_size, greedy_eps, *plan)
+    has_k, has_p, _ = _phases(cut_phases)
+    split_max = _split_max(logits, temperatures, min_ps, has_k or has_p, vocab_size, greedy_eps, *plan)
     return _cuts(logits, temperatures, min_ps, top_ks, top_ps, split_max, vocab_size, greedy_eps, cut_phases, *plan)
 
 

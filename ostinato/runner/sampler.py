@@ -26,6 +26,7 @@ from ostinato.layers.gumbel import gumbel_argmax
 from ostinato.layers.sampling_ops import (  # noqa: F401
     ARGMAX_CHUNK,
     KEPT_TOP_K,
+    CutPhases,
     chunked_argmax,
     padded_vocab,
     penalize,
@@ -121,7 +122,7 @@ class SamplingTensors:
         cut = self.need_top_k or self.need_top_p
         return (self.temperatures, self.min_ps if self.need_min_p else None, self.top_ks if cut else None,
                 self.top_ps if cut else None, self.seeds, self.steps,
-                (self.need_top_k, self.need_top_p, self.need_top_p and self.need_top_p_search))
+                CutPhases(self.need_top_k, self.need_top_p, self.need_top_p_search))
 
     @classmethod
     def from_params(
