@@ -398,6 +398,30 @@ def test_top_k_select_finishes_from_gathered_keys(monkeypatch):
         assert torch.equal(short == full, needs <= last), (last, short, full)
 
 
+def test_top_k_resolve_ranks_a_few_gathered_keys_with_ties():
+    """Where a row's gathered range holds at most _PAIR_KEYS keys, the resolve takes the k-th largest by pairwise
+    ranks: exact against the sorted rows when the k-th value is tied with columns above and below it in rank, when
+    the whole range is one value, and when it is the range's first or last key."""
+    from ostinato.runner.fused_sample import row_cuts
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, b = 2 * 2048 + 9, 5
+    logits = torch.randn(b, vocab, generator=gen)
+    logits[0, :40] = 3.3  # ties spanning ranks 21-60 (k 30)
+    logits[1, :25] = 3.3  # the k-th the first of its ties
+    logits[2, 100:160] = 2.9  # the k-th the last of its ties
+    logits[3, :] = logits[3].clamp(max=1.0)
+    logits[3, :12] = 3.75  # the range is one value only
+    logits[4] = torch.randn(vocab, generator=gen) * 0.25 + 2.0  # a dense row
+    logits[0, 40:60] = 4.0
+    logits[2, 200:220] = 3.6
+    ks = torch.tensor([30, 1, 80, 12, 7])
+    cuts = row_cuts(logits.to(DEVICE), torch.ones(b, device=DEVICE), None, ks.to(DEVICE), torch.ones(b, device=DEVICE),
+                    vocab, 1e-5, (True, False)).cpu()
+    s = logits.sort(-1, descending=True).values
+    assert torch.equal(cuts, s[torch.arange(b), ks - 1]), (cuts, s[torch.arange(b), ks - 1])
+
+
 @pytest.mark.parametrize("with_min_p", [False, True])
 def test_top_k_select_at_the_edges_of_the_key_space(with_min_p):
     """top_k's cut on rows the window below the maximum does not hold or that sit elsewhere in the key space: k just

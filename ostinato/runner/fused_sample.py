@@ -523,13 +523,33 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
                 tl.atomic_add(out + tl.arange(0, 32), by_five, mask=by_five > 0)
 
 
+_PAIR_KEYS = tl.constexpr(256)  # gathered keys the resolve ranks pairwise (more: its radix rounds)
+_PAIR_CHUNK = tl.constexpr(32)
+
+
+@triton.jit
+def _ranked(keys, n, goal):
+    """The goal-th largest (1-based, ties counted) of the n <= _PAIR_KEYS uint32 keys at `keys` (int32 storage), as
+    int64: the largest key with at least goal keys at or above it, found in one sweep of pairwise compares where
+    the radix rounds take four histograms one after another."""
+    i = tl.arange(0, _PAIR_KEYS)
+    mine = tl.load(keys + i, mask=i < n, other=0).to(tl.uint32, bitcast=True)
+    at_or_above = tl.zeros([_PAIR_KEYS], tl.int32)
+    for start in range(0, n, _PAIR_CHUNK):
+        j = start + tl.arange(0, _PAIR_CHUNK)
+        theirs = tl.load(keys + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
+        at_or_above += tl.sum(((j < n)[None, :] & (theirs[None, :] >= mine[:, None])).to(tl.int32), axis=1)
+    return tl.max(tl.where((i < n) & (at_or_above >= goal), mine, 0), axis=0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["num_splits", "b"])
 def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, CutK, vocab_size, num_splits, b,
                           greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
                           Order=None, CHECKED: tl.constexpr = False):
     """CutK[row]: top_k's cut, the order key of the row's k-th largest kept x (_NEG_INF_KEY where nothing is cut):
-    the select's passes, finished over the keys a pass gathered where one did. CHECKED: only the rows that need
-    their cut (`_verdict_kernel`'s list); the others' are left unset."""
+    the select's passes, finished over the keys a pass gathered where one did (by their ranks where at most
+    _PAIR_KEYS were). CHECKED: only the rows that need their cut (`_verdict_kernel`'s list); the others' are left
+    unset."""
     row, listed = _program_row(Order, CHECKED)
     if listed == 0:
         return
@@ -539,8 +559,10 @@ def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Den
     if active:
         prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, _TOP_K_PASSES, top_k,
                                                                     top_block, False)
-        if gather_at > 0:  # the rest of the select over the gathered keys (n of them) alone
-            dense = Dense + row * _TOP_K_GATHER
+        dense = Dense + row * _TOP_K_GATHER
+        if (gather_at > 0) & (n <= _PAIR_KEYS):  # the goal-th largest of a few gathered keys by their ranks
+            prefix = _ranked(dense, n, goal)
+        elif gather_at > 0:  # the rest of the select over the gathered keys (n of them) alone
             for p in range(gather_at, _TOP_K_PASSES):
                 hist = tl.zeros([_HIST], tl.int32)
                 for start in range(0, n, BLOCK):
