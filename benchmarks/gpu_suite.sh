@@ -69,6 +69,9 @@
 #   bash benchmarks/gpu_suite.sh filtersab  top_k / top_p end to end at bs 32 against the tree in .ab/base
 #   bash benchmarks/gpu_suite.sh keptab  top_p over what top_k keeps: sampling GPU tests, the sampler alone and
 #                                          LLM.generate with both filters against .ab/ (PARTS)
+#   bash benchmarks/gpu_suite.sh topkab  top_k alone's select and draw in one launch: the sampler alone against .ab/
+#                                          copies (BASELINES), the sampling GPU tests, LLM.generate against .ab/base
+#                                          (PARTS)
 #   bash benchmarks/gpu_suite.sh verdict  the sampling GPU tests, the empty-launch probe, the sampler alone against
 #                                         .ab/fused_sample_head.py
 #   bash benchmarks/gpu_suite.sh verdictprofile  the sampler's kernels at 256 rows by profile, against the head's
@@ -605,6 +608,34 @@ persistentcap)
         --top-p 0.9 --repeats 1 --out "$OUT/generate-persistentcap-$mode.json" 2>&1 | quiet \
         | grep -E "ms/token|Error" | sed "s/^/[$mode] /" | tee -a "$OUT/generate-persistentcap.log"
   done
+  ;;
+topkab)
+  # sixtieth session: top_k alone's select and draw as one launch (fused_sample._top_k_search_kernel) and its resolve
+  # by ranks. PARTS picks: "sampler" the sampler alone against the fused_sample.py copies in BASELINES (carried .ab
+  # files) with each launch profiled (about 3 minutes); "tests" the sampling GPU tests (about 5); "generate"
+  # LLM.generate with top_k 50 (alone, and with min_p 0.05) beside greedy against .ab/base, one process a tree in
+  # TREES (about 4)
+  case " ${PARTS:-sampler} " in *" sampler "*)
+    timeout 280 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 --scale 3 0.3 \
+        --baseline ${BASELINES:-.ab/fused_sample_head.py} --profile --profile-order --out "$OUT/fused-sample-topk.json" \
+        2>&1 | quiet | grep -vE "^$" | tee "$OUT/fused-sample-topk.log"
+  esac
+  case " ${PARTS:-sampler} " in *" tests "*)
+    logs=$(mktemp -d)
+    sampler_gpu_tests "$logs" topk-tests.log
+    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done | quiet > "$OUT/topk-tests.full.log"
+  esac
+  case " ${PARTS:-sampler} " in *" generate "*)
+    turn=0
+    for tree in ${TREES:-base new}; do
+      turn=$((turn + 1)); limit=200; [ $turn = 1 ] && limit=300
+      pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+      PYTHONPATH=$pp timeout $limit python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b \
+          --batch-sizes 1 32 --repeats 2 --settings temperature=0 temperature=0.6,top_k=50 \
+          temperature=0.6,top_k=50,min_p=0.05 --out "$OUT/generate-topk-$tree-$turn.json" 2>&1 | quiet \
+          | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-topk-ab.log"
+    done
+  esac
   ;;
 keptab)
   # fifty-eighth session: top_p's cut found over what top_k keeps (fused_sample._kept_top_p_kernel). The sampling

@@ -89,9 +89,10 @@ def test_one_launch_search_draws_what_the_torch_sampler_draws(b, min_p, monkeypa
 
 
 def test_one_launch_where_top_p_alone_filters_a_small_batch_whose_splits_fit(monkeypatch):
-    """`_persistent_search`'s rule (the GPU's decision, with the device's SM count stubbed): by default top_p as the
-    batch's one filter, at most PERSISTENT_MAX_BATCH rows, no more splits than the SMs the process may use (an MPS
-    client's share counted); "0" never, "1" wherever the splits fit; on the CPU only when forced, one split a row."""
+    """`_persistent_search`'s rule (the GPU's decision, with the device's SM count stubbed): by default top_p or
+    top_k as the batch's one filter, at most PERSISTENT_MAX_BATCH rows, no more splits than the SMs the process may
+    use (an MPS client's share counted); "0" never, "1" wherever the splits fit; on the CPU only when forced, one
+    split a row."""
     import types
 
     from ostinato.runner import fused_sample
@@ -101,19 +102,75 @@ def test_one_launch_where_top_p_alone_filters_a_small_batch_whose_splits_fit(mon
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     rule = fused_sample._persistent_search
     cap = fused_sample.PERSISTENT_MAX_BATCH
-    assert rule(cuda, 63, 1, False) and rule(cuda, 16, cap, False)
-    assert not rule(cuda, 16, cap + 1, False) and not rule(cuda, 63, 1, True) and not rule(cuda, 133, 1, False)
+    for k, p in [(False, True), (True, False)]:  # one filter alone: top_p's one launch, or top_k's
+        assert rule(cuda, 63, 1, k, p) and rule(cuda, 16, cap, k, p)
+        assert not rule(cuda, 16, cap + 1, k, p) and not rule(cuda, 133, 1, k, p)
+    assert not rule(cuda, 63, 1, True, True) and not rule(cuda, 63, 1, False, False)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")  # 33 SMs
-    assert not rule(cuda, 63, 1, False) and rule(cuda, 16, cap, False)
+    assert not rule(cuda, 63, 1, False, True) and rule(cuda, 16, cap, False, True) and rule(cuda, 16, cap, True, False)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "most")  # unreadable: the one launch stays off
-    assert not rule(cuda, 16, cap, False)
+    assert not rule(cuda, 16, cap, False, True)
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    assert not rule(cpu, 1, 1, False)
+    assert not rule(cpu, 1, 1, False, True) and not rule(cpu, 1, 1, True, False)
     monkeypatch.setattr(fused_sample, "PERSISTENT", "1")
-    assert rule(cuda, 16, 256, True) and not rule(cuda, 133, 1, False)
-    assert rule(cpu, 1, 4, False) and not rule(cpu, 2, 4, False)
+    assert rule(cuda, 16, 256, True, True) and rule(cuda, 16, 256, True, False) and not rule(cuda, 133, 1, False, True)
+    assert rule(cpu, 1, 4, False, True) and rule(cpu, 1, 4, True, False) and not rule(cpu, 2, 4, False, True)
+    assert not rule(cuda, 16, 4, False, False)  # no filter: nothing to search
     monkeypatch.setattr(fused_sample, "PERSISTENT", "0")
-    assert not rule(cuda, 63, 1, False)
+    assert not rule(cuda, 63, 1, False, True) and not rule(cuda, 63, 1, True, False)
+
+
+@pytest.mark.parametrize("min_p", [False, True])
+def test_one_launch_top_k_select_draws_what_the_torch_sampler_draws(min_p, monkeypatch):
+    """top_k's select and the draw under its cut as one launch (`_top_k_search_kernel`: the passes up to the row's
+    gather, the resolve, the draw, the row's programs waiting for each other between them), against the torch
+    sampler, with one split a row on the CPU (the interpreter runs a launch's programs one after another). The rows
+    reach every way the select ends: rows whose range is gathered after pass 0 and resolved by ranks (flat, k 5) or
+    by radix rounds (k 300 within a block of 600 values: more than _PAIR_KEYS keys gathered); a row whose k-th
+    value lies in a block of 3,000 close values (k 100), gathered only at pass 2; one whose k-th value is tied
+    3,000 times, never gathered, so every pass runs and the resolve reads the last histogram; min_p keeping fewer
+    than k columns (nothing cut); and peaked rows whose first draw is kept (not searched)."""
+    from ostinato.runner import fused_sample
+
+    vocab = 6007
+    monkeypatch.setattr(fused_sample, "PERSISTENT", "1")
+    monkeypatch.setattr(fused_sample, "split_plan", lambda batch, v: (-(-v // 2048) * 2048, 1))
+    launched = []
+    real = fused_sample._top_k_search_kernel
+    monkeypatch.setattr(fused_sample, "_top_k_search_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    gen = torch.Generator().manual_seed(61 + min_p)
+    flat = torch.randn(2, vocab, generator=gen) * 0.3
+    flat[1] = 0.9 * torch.rand(vocab, generator=gen)
+    flat[1, torch.randperm(vocab, generator=gen)[:600]] = 1.0 + torch.rand(600, generator=gen) / 10  # one block
+    close = torch.randn(vocab, generator=gen) - 4.0
+    close[torch.randperm(vocab, generator=gen)[:3000]] = 1.0 + torch.rand(3000, generator=gen) / 16  # one block
+    tied = 1.0 + 0.4 * torch.rand(vocab, generator=gen)  # mass enough below the cut for the first draw to fall there
+    tied[torch.randperm(vocab, generator=gen)[:3000]] = 1.5
+    tied[:10] = 2.0
+    peaked = torch.randn(2, vocab, generator=gen) * 3
+    logits = torch.cat([flat, close[None], tied[None], flat[:1], peaked]).contiguous()
+    ks = [5, 300, 100, 30, 2000, 50, 3]
+    mins = [0.0, 0.01, 0.0, 0.0, 0.97, 0.05, 0.0] if min_p else [0.0] * len(ks)
+    params = [SamplingParams(temperature=0.7, top_k=k, min_p=m) for k, m in zip(ks, mins, strict=True)]
+    free = [SamplingParams(temperature=0.7, min_p=m) for m in mins]
+    b = len(params)
+    logits = logits.to(DEVICE)
+    steps = [7] * b
+
+    def searched(seeds: list[int]) -> torch.Tensor:  # the rows whose unrestricted draw top_k cuts
+        draw = [sample_torch(logits, SamplingTensors.from_params(p, seeds, steps, vocab, DEVICE)) for p in (params,
+                                                                                                           free)]
+        return (draw[0] != draw[1]).cpu()
+
+    tries = torch.stack([searched([1000 * j + i for i in range(b)]) for j in range(8)])
+    wanted = torch.tensor([True] * 5 + [False] * 2)  # each row's first seed searched (rows 0-4) or kept (5, 6)
+    seeds = [1000 * int((tries[:, i] == wanted[i]).int().argmax()) + i for i in range(b)]
+    assert torch.equal(searched(seeds)[:4], wanted[:4]) and not searched(seeds)[5:].any(), tries
+    t = SamplingTensors.from_params(params, seeds, steps, vocab, DEVICE)
+    assert (t.need_top_k, t.need_top_p) == (True, False)
+    assert torch.equal(sample_fused(logits, t).cpu(), sample_torch(logits, t).cpu())
+    assert launched == [(1, b)]
 
 
 @pytest.mark.skipif(GPU, reason="denormal logits (a GPU may flush them); the GPU runs the one launch at real splits")

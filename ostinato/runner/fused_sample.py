@@ -409,25 +409,26 @@ def _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits, vocab_size, greed
 
 
 @triton.jit
-def _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block, FIRST: tl.constexpr):
+def _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block, FIRST: tl.constexpr, CG: tl.constexpr = False):
     """A row's top_k select state for pass pass_idx: (prefix, w, wide, floor_u: the range, as `_column_bins` reads
     it; goal: the k-th largest key's rank in it; n: its count; gather_at: the pass that gathers it, the first whose
     range holds at most TOP_K_GATHER columns, 0 while none, -1 where the row keeps fewer than k columns and nothing
     is cut). Pass 0's (FIRST) is the whole row; a later pass's is the last pass's (State slot (pass_idx - 1) % 2,
-    stored by its split 0) narrowed by that pass's histogram, once all its programs have added to it."""
+    stored by its split 0) narrowed by that pass's histogram, once all its programs have added to it. CG:
+    `_shared_load`'s."""
     if FIRST:
         zero = tl.zeros([], tl.int32)
         return top_block.to(tl.int64), zero + 32, zero != 0, zero.to(tl.uint32), top_k.to(tl.int32), zero, zero
     last = State + (((pass_idx + 1) % 2) * b + row) * 8
-    prefix = tl.load(last)
-    w = tl.load(last + 1).to(tl.int32)
-    wide = tl.load(last + 2) != 0
-    floor_u = tl.load(last + 3).to(tl.uint32)
-    goal = tl.load(last + 4).to(tl.int32)
-    n = tl.load(last + 5).to(tl.int32)
-    gather_at = tl.load(last + 6).to(tl.int32)
+    prefix = _shared_load(last, CG=CG)
+    w = _shared_load(last + 1, CG=CG).to(tl.int32)
+    wide = _shared_load(last + 2, CG=CG) != 0
+    floor_u = _shared_load(last + 3, CG=CG).to(tl.uint32)
+    goal = _shared_load(last + 4, CG=CG).to(tl.int32)
+    n = _shared_load(last + 5, CG=CG).to(tl.int32)
+    gather_at = _shared_load(last + 6, CG=CG).to(tl.int32)
     walk = gather_at == 0
-    hist = tl.load(Hist + ((pass_idx - 1) * b + row) * _HIST + tl.arange(0, _HIST))
+    hist = _shared_load(Hist + ((pass_idx - 1) * b + row) * _HIST + tl.arange(0, _HIST), CG=CG)
     bin, rank, count = _pick_bin(hist, goal)
     new_prefix, new_w, new_wide, new_floor = _descend(prefix, w, wide, floor_u, bin, pass_idx - 1, top_block)
     short = walk & (pass_idx == 1) & (tl.sum(hist, axis=0) < goal)
@@ -460,27 +461,51 @@ def _top_k_pass_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, S
                        split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
                        BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, Order=None,
                        CHECKED: tl.constexpr = False):
+    """Pass `pass_idx` of top_k's select (`_top_k_pass`) for (row, split). CHECKED: only the rows that need their cut
+    (grid (splits, B) over `_verdict_kernel`'s list)."""
+    row, split, listed = _program_row_split(Order, CHECKED)
+    if listed:
+        _top_k_pass(row, split, Logits, stride_l, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense, Cursor,
+                    vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P, BLOCK, SPLITS_POW2, FIRST)
+
+
+@triton.jit
+def _top_k_pass(row, split, Logits, stride_l, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense, Cursor, vocab_size,
+                split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
+                SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, CG: tl.constexpr = False):
     """Pass `pass_idx` of top_k's select for (row, split): histogram the keys in the row's range into
     Hist[pass_idx, row] (atomic adds), or, the pass after the range's count fell to TOP_K_GATHER, copy those keys to
     Dense[row] (as uint32 keys, in no fixed order; Cursor[row] counts them). Hist and Cursor start at zero; split 0
-    stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0. CHECKED: only the rows
-    that need their cut (grid (splits, B) over `_verdict_kernel`'s list). After a row's gather its programs exit
-    before reading its inputs or histogram (split 0 copying its state to the slot)."""
-    row, split, listed = _program_row_split(Order, CHECKED)
-    if listed == 0:
-        return
-    if not FIRST:  # a row gathered at an earlier pass (or cut nothing): split 0 hands its state on, the rest exit
+    stores the row's state (`_top_k_state`) at State slot pass_idx % 2. FIRST: pass_idx is 0. After a row's gather
+    its programs do nothing else but split 0 copying its state to the slot, before reading the row's inputs or
+    histogram. CG: `_shared_load`'s, for the state and histogram other programs wrote."""
+    if FIRST:
+        _top_k_count_or_gather(row, split, Logits, stride_l, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense,
+                               Cursor, vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P, BLOCK,
+                               SPLITS_POW2, FIRST, CG)
+    else:
         last = State + (((pass_idx + 1) % 2) * b + row) * 8
-        if tl.load(last + 6) != 0:  # (an inactive row's slot holds anything; it is never read)
+        # (an inactive row's slot holds anything; it is never read)
+        if _shared_load(last + 6, CG=CG) != 0:  # gathered at an earlier pass (or cut nothing): split 0 hands it on
             if split == 0:
                 i = tl.arange(0, 8)
-                tl.store(State + ((pass_idx % 2) * b + row) * 8 + i, tl.load(last + i))
-            return
+                tl.store(State + ((pass_idx % 2) * b + row) * 8 + i, _shared_load(last + i, CG=CG))
+        else:
+            _top_k_count_or_gather(row, split, Logits, stride_l, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense,
+                                   Cursor, vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P,
+                                   BLOCK, SPLITS_POW2, FIRST, CG)
+
+
+@triton.jit
+def _top_k_count_or_gather(row, split, Logits, stride_l, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense, Cursor,
+                           vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P: tl.constexpr,
+                           BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, FIRST: tl.constexpr, CG: tl.constexpr):
+    """`_top_k_pass`'s work for a row not yet gathered."""
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
                                                                   vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     if active:
         prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, pass_idx, top_k, top_block,
-                                                                    FIRST)
+                                                                    FIRST, CG)
         if split == 0:
             slot = State + ((pass_idx % 2) * b + row) * 8
             tl.store(slot, prefix)
@@ -528,16 +553,16 @@ _PAIR_CHUNK = tl.constexpr(32)
 
 
 @triton.jit
-def _ranked(keys, n, goal):
+def _ranked(keys, n, goal, CG: tl.constexpr = False):
     """The goal-th largest (1-based, ties counted) of the n <= _PAIR_KEYS uint32 keys at `keys` (int32 storage), as
     int64: the largest key with at least goal keys at or above it, found in one sweep of pairwise compares where
-    the radix rounds take four histograms one after another."""
+    the radix rounds take four histograms one after another. CG: `_shared_load`'s."""
     i = tl.arange(0, _PAIR_KEYS)
-    mine = tl.load(keys + i, mask=i < n, other=0).to(tl.uint32, bitcast=True)
+    mine = _shared_load(keys + i, mask=i < n, other=0, CG=CG).to(tl.uint32, bitcast=True)
     at_or_above = tl.zeros([_PAIR_KEYS], tl.int32)
     for start in range(0, n, _PAIR_CHUNK):
         j = start + tl.arange(0, _PAIR_CHUNK)
-        theirs = tl.load(keys + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
+        theirs = _shared_load(keys + j, mask=j < n, other=0, CG=CG).to(tl.uint32, bitcast=True)
         at_or_above += tl.sum(((j < n)[None, :] & (theirs[None, :] >= mine[:, None])).to(tl.int32), axis=1)
     return tl.max(tl.where((i < n) & (at_or_above >= goal), mine, 0), axis=0).to(tl.int64)
 
@@ -551,29 +576,39 @@ def _top_k_resolve_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Den
     _PAIR_KEYS were). CHECKED: only the rows that need their cut (`_verdict_kernel`'s list); the others' are left
     unset."""
     row, listed = _program_row(Order, CHECKED)
-    if listed == 0:
-        return
+    if listed:
+        tl.store(CutK + row, _top_k_resolve(row, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense, vocab_size,
+                                            num_splits, b, _TOP_K_PASSES, greedy_eps, HAS_MIN_P, SPLITS_POW2, BLOCK))
+
+
+@triton.jit
+def _top_k_resolve(row, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense, vocab_size, num_splits, b, final_pass,
+                   greedy_eps, HAS_MIN_P: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr,
+                   CG: tl.constexpr = False):
+    """`_top_k_resolve_kernel`'s cut of a row, from the state after pass final_pass - 1 (its State slot and
+    histogram; the passes after a row's gather, which only hand the state on, may be left out). CG:
+    `_shared_load`'s."""
     temp, x_max, log_min_p, top_k, active, top_block = _top_k_row(Temps, MinPs, TopKs, SplitMax, row, num_splits,
                                                                   vocab_size, greedy_eps, HAS_MIN_P, SPLITS_POW2)
     cut = tl.full([], _NEG_INF_KEY, tl.int64)
     if active:
-        prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, _TOP_K_PASSES, top_k,
-                                                                    top_block, False)
+        prefix, w, wide, floor_u, goal, n, gather_at = _top_k_state(State, Hist, row, b, final_pass, top_k,
+                                                                    top_block, False, CG)
         dense = Dense + row * _TOP_K_GATHER
         if (gather_at > 0) & (n <= _PAIR_KEYS):  # the goal-th largest of a few gathered keys by their ranks
-            prefix = _ranked(dense, n, goal)
+            prefix = _ranked(dense, n, goal, CG)
         elif gather_at > 0:  # the rest of the select over the gathered keys (n of them) alone
             for p in range(gather_at, _TOP_K_PASSES):
                 hist = tl.zeros([_HIST], tl.int32)
                 for start in range(0, n, BLOCK):
                     i = start + tl.arange(0, BLOCK)
-                    u = tl.load(dense + i, mask=i < n, other=0).to(tl.uint32, bitcast=True)
+                    u = _shared_load(dense + i, mask=i < n, other=0, CG=CG).to(tl.uint32, bitcast=True)
                     inside, bin = _column_bins(u, top_block, prefix, w, wide, floor_u, False)
                     hist += tl.histogram(bin, _HIST, mask=inside & (i < n))
                 bin, goal, _ = _pick_bin(hist, goal)
                 prefix, w, wide, floor_u = _descend(prefix, w, wide, floor_u, bin, p, top_block)
         cut = tl.where(gather_at < 0, cut, prefix - 2147483648)
-    tl.store(CutK + row, cut)
+    return cut
 
 
 # The acceptance pass's mass lanes a (row, split): the candidates it sums (the floor, j1's key and key + 1, j2's
@@ -1086,6 +1121,44 @@ def _top_p_search_kernel(Logits, stride_l, Temps, MinPs, TopPs, SplitMax, State,
                 split_len, num_splits, greedy_eps, HAS_MIN_P, True, DRAW_BLOCK, SPLITS_POW2)
 
 
+@triton.jit(do_not_specialize=["split_len", "num_splits", "b"])
+def _top_k_search_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, Cursor, CutK,
+                         Seeds, Steps, OutVal, OutIdx, Bar, Order, vocab_size, split_len, num_splits, b, greedy_eps,
+                         HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, RESOLVE_BLOCK: tl.constexpr,
+                         DRAW_BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """top_k's whole select and the draw under its cut in one launch, over `_verdict_kernel`'s list (grid (splits,
+    B), a listed row's splits side by side), as `_top_p_search_kernel` does top_p's: each listed row's programs run
+    the passes (`_top_k_pass`) up to the one that gathers the row's range (the later ones, which would only hand the
+    state on, are left out), split 0 the resolve (`_top_k_resolve`, into CutK), then each takes the row's cut and
+    draws its split under it, waiting for each other at the row's barrier (`_row_barrier`; Bar[row] zeroed by
+    `_verdict_kernel`) between steps. Hist and Cursor start at zero, as for the separate launches."""
+    row, split, listed = _program_row_split(Order, True)
+    if listed:
+        bar = Bar + row
+        _top_k_pass(row, split, Logits, stride_l, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense, Cursor,
+                    vocab_size, split_len, num_splits, b, 0, greedy_eps, HAS_MIN_P, BLOCK, SPLITS_POW2, True, True)
+        passed = _row_barrier(bar, 0, num_splits)
+        pass_idx = tl.full([], 1, tl.int32)
+        more = pass_idx < _TOP_K_PASSES  # pass 0 never gathers
+        while more:  # the same for all of the row's programs: they read one state
+            _top_k_pass(row, split, Logits, stride_l, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense, Cursor,
+                        vocab_size, split_len, num_splits, b, pass_idx, greedy_eps, HAS_MIN_P, BLOCK, SPLITS_POW2,
+                        False, True)
+            passed = _row_barrier(bar, passed, num_splits)
+            gather_at = _shared_load(State + ((pass_idx % 2) * b + row) * 8 + 6, CG=True)
+            pass_idx += 1
+            more = (gather_at == 0) & (pass_idx < _TOP_K_PASSES)
+        if split == 0:  # pass_idx: the pass after the last one run, whose state and histogram the resolve reads
+            tl.store(CutK + row, _top_k_resolve(row, Temps, MinPs, TopKs, SplitMax, State, Hist, Dense, vocab_size,
+                                                num_splits, b, pass_idx, greedy_eps, HAS_MIN_P, SPLITS_POW2,
+                                                RESOLVE_BLOCK, True))
+        passed = _row_barrier(bar, passed, num_splits)
+        cut = _row_cut(row, Temps, TopPs, State, State, State, CutK, num_splits, b, greedy_eps, False, 16,
+                       SPLITS_POW2, State, 0, True)  # (top_k's cut alone: no top_p state read)
+        _split_draw(row, split, Logits, stride_l, Temps, MinPs, SplitMax, cut, Seeds, Steps, OutVal, OutIdx,
+                    vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P, True, DRAW_BLOCK, SPLITS_POW2)
+
+
 _BLOCK = 2048
 REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0": every row searched (for A/B runs)
 # rejection first also checks each row's second best draw (`_draw_checks`): "1" always, "0" never, by default
@@ -1093,7 +1166,7 @@ REJECTION_FIRST = os.environ.get("OSTINATO_SAMPLER_REJECTION", "1") != "0"  # "0
 SECOND_BEST = os.environ.get("OSTINATO_SAMPLER_SECOND", "auto")
 if SECOND_BEST not in ("0", "1", "auto"):
     raise ValueError(f"OSTINATO_SAMPLER_SECOND must be 0, 1 or auto, got {SECOND_BEST!r}")
-# top_p's search and its draw as one launch (`_persistent_search`): "auto" (on CUDA), "0" never, "1" (for tests)
+# the cut search and its draw as one launch (`_persistent_search`): "auto" (on CUDA), "0" never, "1" (for tests)
 PERSISTENT = os.environ.get("OSTINATO_SAMPLER_PERSISTENT", "auto")
 if PERSISTENT not in ("0", "1", "auto"):
     raise ValueError(f"OSTINATO_SAMPLER_PERSISTENT must be 0, 1 or auto, got {PERSISTENT!r}")
@@ -1181,12 +1254,20 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
                               HAS_MIN_P=min_ps is not None, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
                               num_warps=_SEARCH_WARPS, Order=order, Vals2=vals2, Idx2=idx2, **second_args)
-    persistent = has_p and _persistent_search(dev, num_splits, b, has_k)
+    persistent = _persistent_search(dev, num_splits, b, has_k, has_p)
     bar = torch.empty(b, dtype=torch.int32, device=dev) if persistent else order  # (unread without it)
     _verdict_kernel[(b,)](temperatures, top_ks, top_ps, mass, count, order, vocab_size, num_splits, b, greedy_eps,
                           HAS_K=has_k, HAS_P=has_p, SPLITS_POW2=pow2, Vals=vals, Idx=idx, Vals2=vals2, Idx2=idx2,
                           num_warps=1, Bar=bar, ZERO_BAR=persistent, **second_args)
     check = dict(Order=order, CHECKED=True)
+    if persistent and not has_p:  # top_k alone: its select and the draw under its cut in one launch
+        hist, cursor, dense, select = _top_k_buffers(b, dev)
+        _top_k_search_kernel[(num_splits, b)](
+            logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, select, hist, dense, cursor,
+            torch.empty(b, dtype=torch.int64, device=dev), seeds, steps, vals, idx, bar, order, vocab_size, split_len,
+            num_splits, b, greedy_eps, HAS_MIN_P=min_ps is not None, BLOCK=_RADIX_BLOCK,
+            RESOLVE_BLOCK=_SEARCH_BLOCK, DRAW_BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=_RADIX_WARPS)
+        return pick_rows(vals, idx, out, scatter)
     if persistent:  # top_k's search (its own launches), then top_p's and the draw under the cut in one
         row_args, meta = _search_inputs(temperatures, min_ps, top_ks, top_ps, split_max, num_splits, check)
         cut_k = _top_k_cut(logits, row_args, meta, has_k, vocab_size, greedy_eps, split_len, num_splits,
@@ -1236,22 +1317,23 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
     return split_max
 
 
-def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k: bool) -> bool:
-    """Whether rejection first runs top_p's search and the draw under the cut as one launch (`_top_p_search_kernel`;
-    OSTINATO_SAMPLER_PERSISTENT "0": never, "1": always, and in Triton's interpreter, which runs a launch's programs
-    one after another, with one split a row, whose one program never waits for another). By default ("auto", on
-    CUDA) where top_p is the batch's one filter and it has at most PERSISTENT_MAX_BATCH rows: there most steps list
-    few rows or none, and one launch gained (H200, Llama-3.2-1B's vocabulary, top_p 0.9: bs 1 24 -> 15 us, bs 32 47
-    -> 33); where many rows are searched it lost, likely as its programs run one an SM (top_k 50 with top_p
-    0.9: bs 32 169 -> 218 us, bs 256 1,044 -> 1,365; top_p at 256 peaked rows 526 -> 588; docs/gpu-notes.md,
-    fifty-first session)."""
-    if PERSISTENT == "0":
+def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k: bool, has_p: bool) -> bool:
+    """Whether rejection first runs the cut search and the draw under the cut as one launch: top_p's where the batch
+    has top_p (`_top_p_search_kernel`, top_k's select before it in its own launches), else top_k's
+    (`_top_k_search_kernel`). OSTINATO_SAMPLER_PERSISTENT "0": never, "1": always, and in Triton's interpreter,
+    which runs a launch's programs one after another, with one split a row, whose one program never waits for
+    another. By default ("auto", on CUDA) where one filter is the batch's only one and it has at most
+    PERSISTENT_MAX_BATCH rows: there most steps list few rows or none, and one launch gained (H200, Llama-3.2-1B's
+    vocabulary, top_p 0.9: bs 1 24 -> 15 us, bs 32 47 -> 33); with both filters it lost where many rows are
+    searched, likely as its programs run one an SM (top_k 50 with top_p 0.9: bs 32 169 -> 218 us, bs 256 1,044 ->
+    1,365; top_p at 256 peaked rows 526 -> 588; docs/gpu-notes.md, fifty-first session)."""
+    if PERSISTENT == "0" or not (has_k or has_p):
         return False
     if device.type != "cuda":
         return PERSISTENT == "1" and num_splits == 1
     if num_splits > usable_sms(device):
         return False  # a row's programs, one an SM, could not all be resident (`_row_barrier`)
-    return PERSISTENT == "1" or (not has_k and batch <= PERSISTENT_MAX_BATCH)
+    return PERSISTENT == "1" or (has_k != has_p and batch <= PERSISTENT_MAX_BATCH)
 
 
 def _search_inputs(temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
@@ -1273,10 +1355,7 @@ def _top_k_cut(logits: torch.Tensor, row_args: tuple, meta: dict, has_k: bool, v
     cut_k = torch.empty(b, dtype=torch.int64, device=dev)
     if not has_k:
         return cut_k
-    counts = torch.zeros(TOP_K_PASSES * b * 256 + b, dtype=torch.int32, device=dev)  # Hist, then Cursor
-    hist, cursor = counts[:-b], counts[-b:]
-    dense = torch.empty(b, TOP_K_GATHER, dtype=torch.int32, device=dev)
-    select = torch.empty(2, b, 8, dtype=torch.int64, device=dev)  # the select's state, by pass parity
+    hist, cursor, dense, select = _top_k_buffers(b, dev)
     for pass_idx in range(TOP_K_PASSES):
         _top_k_pass_kernel[grid](logits, logits.stride(0), *row_args, select, hist, dense, cursor, vocab_size,
                                  split_len, num_splits, b, pass_idx, greedy_eps, BLOCK=_RADIX_BLOCK,
@@ -1284,6 +1363,13 @@ def _top_k_cut(logits: torch.Tensor, row_args: tuple, meta: dict, has_k: bool, v
     _top_k_resolve_kernel[(b,)](*row_args, select, hist, dense, cut_k, vocab_size, num_splits, b, greedy_eps,
                                 BLOCK=_SEARCH_BLOCK, **meta)
     return cut_k
+
+
+def _top_k_buffers(b: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """top_k's select buffers: (Hist and Cursor, zeroed; Dense, the gathered keys; State, by pass parity)."""
+    counts = torch.zeros(TOP_K_PASSES * b * 256 + b, dtype=torch.int32, device=dev)  # Hist, then Cursor
+    dense = torch.empty(b, TOP_K_GATHER, dtype=torch.int32, device=dev)
+    return counts[:-b], counts[-b:], dense, torch.empty(2, b, 8, dtype=torch.int64, device=dev)
 
 
 def _top_p_buffers(b: int, num_splits: int, dev: torch.device, gathers: bool = True) -> tuple:
