@@ -4,6 +4,7 @@ CUDA graph (the GPU's time alone).
 
 python benchmarks/bench_fused_sample.py [--vocab 128256] [--batch-sizes 1 32 256] [--out FILE]   # GPU
     [--baseline PATH ...]   # also time other copies of fused_sample.py (e.g. the last commit's), in turns
+    [--two-phase-baselines] # copies from before c33771b: given (top_k, top_p) alone, not top_p's search phase
     [--profile]             # and each replay's kernels, from torch.profiler
     [--profile-order]       # the same, each launch apart, in launch order
     [--scale 3 0.3]         # logits' spread: how often the unrestricted draw survives the cut
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--baseline", nargs="*", default=[], help="other fused_sample.py files, timed beside the tree's")
+    ap.add_argument("--two-phase-baselines", action="store_true",
+                    help="give the baselines two cut phases (copies of fused_sample.py from before c33771b)")
     ap.add_argument("--profile", action="store_true", help="print each replay's kernels and their mean times")
     ap.add_argument("--profile-order", action="store_true",
                     help="--profile with each launch in launch order (a name's passes apart) instead of by name")
@@ -102,10 +105,12 @@ def main() -> None:
             tk = torch.full((b,), top_k or v, dtype=torch.int64, device=dev) if cut else None
             tp = torch.full((b,), top_p or 1.0, device=dev) if cut else None
 
-            # the tree also learns whether a top_p row lacks a small top_k (SamplingTensors.fused_args' third phase)
+            # whether a top_p row lacks a small top_k (SamplingTensors.fused_args' third phase), as the engine passes
+            # it; copies from before c33771b take the first two (--two-phase-baselines)
             search = top_p is not None and (top_k is None or top_k > KEPT_TOP_K)
             for name, fn in impls.items():
-                phases = (top_k is not None, top_p is not None) + ((search,) if name == "tree" else ())
+                third = () if args.two_phase_baselines and name != "tree" else (search,)
+                phases = (top_k is not None, top_p is not None) + third
 
                 def step(x=logits, t=temps, tk=tk, tp=tp, s=seeds, n=steps, fn=fn, phases=phases) -> torch.Tensor:
                     return fn(x, t, None, tk, tp, s, n, v, 1e-5, cut_phases=phases)

@@ -747,9 +747,12 @@ def test_warm_up_leaves_nothing_to_compile():
     before = _compiled_kernels()
     gen = torch.Generator(device="cpu").manual_seed(0)
     for b in range(1, max_batch + 1):
-        for min_p, cut in ((False, False), (True, False), (False, True), (True, True), (False, "top_p")):
-            # top_p alone: one launch up to PERSISTENT_MAX_BATCH rows, the separate launches past it
-            params = [SamplingParams(temperature=0.7, top_p=0.9)] * b if cut == "top_p" else _params(gen, b, min_p, cut)
+        for min_p, cut in ((False, False), (True, False), (False, True), (True, True), (False, "top_p"),
+                           (False, "top_k"), (True, "top_k")):
+            # top_p alone or top_k alone: one launch up to PERSISTENT_MAX_BATCH rows, the separate launches past it
+            alone = dict(top_p=0.9) if cut == "top_p" else dict(top_k=50, min_p=0.05 if min_p else 0.0)
+            params = [SamplingParams(temperature=0.7, **alone)] * b if isinstance(cut, str) else _params(gen, b,
+                                                                                                        min_p, cut)
             t = SamplingTensors.from_params(params, list(range(b)), [0] * b, vocab, DEVICE)
             if not t.fused_ok:  # every row greedy: the kernels do not run
                 continue
