@@ -612,9 +612,8 @@ persistentcap)
 topkab)
   # sixtieth session: top_k alone's select and draw as one launch (fused_sample._top_k_search_kernel) and its resolve
   # by ranks. PARTS picks: "sampler" the sampler alone against the fused_sample.py copies in BASELINES (carried .ab
-  # files) with each launch profiled (about 3 minutes); "tests" the sampling GPU tests (about 5); "generate"
-  # LLM.generate with top_k 50 (alone, and with min_p 0.05) beside greedy against .ab/base, one process a tree in
-  # TREES (about 4)
+  # files) with each launch profiled (about 4 minutes); "tests" the sampling GPU tests (about 4); "generate"
+  # LLM.generate with top_k 50 beside greedy against .ab/base, one process a tree in TREES
   case " ${PARTS:-sampler} " in *" sampler "*)
     timeout 280 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 --scale 3 0.3 \
         --baseline ${BASELINES:-.ab/fused_sample_head.py} --profile --profile-order --out "$OUT/fused-sample-topk.json" \
@@ -632,7 +631,7 @@ topkab)
       pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
       PYTHONPATH=$pp timeout $limit python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b \
           --batch-sizes 1 32 --repeats 2 --settings temperature=0 temperature=0.6,top_k=50 \
-          temperature=0.6,top_k=50,min_p=0.05 --out "$OUT/generate-topk-$tree-$turn.json" 2>&1 | quiet \
+          --out "$OUT/generate-topk-$tree-$turn.json" 2>&1 | quiet \
           | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-topk-ab.log"
     done
   esac
