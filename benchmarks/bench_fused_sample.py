@@ -24,7 +24,7 @@ from ostinato.layers.sampling_ops import KEPT_TOP_K
 from ostinato.layers.triton_ops.argmax import argmax_rows, draw_rows
 from ostinato.runner.fused_sample import fused_sample
 
-SETTINGS = [(None, None), (50, None), (200, None), (1000, None), (None, 0.9), (50, 0.9)]  # (top_k, top_p)
+SETTINGS = [(None, None), (50, None), (200, None), (1000, None), (None, 0.9), (50, 0.9), (20, 0.95)]  # (top_k, top_p)
 
 
 def timed(fn, iters: int = 20) -> float:

@@ -968,6 +968,32 @@ def _kept_gather_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, 
             tl.atomic_add(Ties + row, tied)
 
 
+@triton.jit
+def _kept_mass(key, x_max):
+    """A kept key's softmax mass exp(x - x_max) in fixed point (int64, 2**40 for 1): sums of it are exact in any
+    order."""
+    return (tl.exp(_key_value(key) - x_max) * _KEPT_SCALE).to(tl.int64)
+
+
+@triton.jit
+def _kept_top_p_ranked(keys, total, cut, x_max, top_p, tie_mass):
+    """`_kept_top_p_kernel`'s cut where at most _PAIR_KEYS keys lie above top_k's cut: the largest key whose mass at
+    or above it (the kept keys', exact in fixed point) reaches the goal, or top_k's cut where none does. The
+    narrowings find the same key (the mass at or above a key changes only at the keys), in eight passes one after
+    another where this takes one sweep of pairwise compares."""
+    i = tl.arange(0, _PAIR_KEYS)
+    mine = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
+    goal = top_p * (tl.sum(tl.where(i < total, _kept_mass(mine, x_max), 0), axis=0) + tie_mass).to(tl.float64)
+    at_or_above = tl.zeros([_PAIR_KEYS], tl.int64)
+    for start in range(0, total, _PAIR_CHUNK):
+        j = start + tl.arange(0, _PAIR_CHUNK)
+        theirs = tl.load(keys + j, mask=j < total, other=_NEG_INF_KEY)
+        w = tl.where(j < total, _kept_mass(theirs, x_max), 0)
+        at_or_above += tl.sum(tl.where(theirs[None, :] >= mine[:, None], w[None, :], 0), axis=1)
+    reach = (i < total) & (at_or_above.to(tl.float64) >= goal)
+    return tl.maximum(cut, tl.max(tl.where(reach, mine, _NEG_INF_KEY), axis=0).to(tl.int64))
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _kept_top_p_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, Ties, PCut, Order2, vocab_size,
                        num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
@@ -988,25 +1014,26 @@ def _kept_top_p_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor,
     if found:
         keys = Kept + row * KEPT_CAP
         cut = tl.load(CutK + row)
-        tie_mass = tl.load(Ties + row).to(tl.int64) * (tl.exp(_key_value(cut.to(tl.int32)) - x_max)
-                                                       * _KEPT_SCALE).to(tl.int64)
-        whole = tl.zeros([RESOLVE_BLOCK], tl.int64)
-        for start in range(0, total, RESOLVE_BLOCK):
-            i = start + tl.arange(0, RESOLVE_BLOCK)
-            key = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
-            whole += (tl.exp(_key_value(key) - x_max) * _KEPT_SCALE).to(tl.int64)
-        goal = tl.load(TopPs + row).to(tl.float64) * (tl.sum(whole, axis=0) + tie_mass).to(tl.float64)
-        lo = cut
-        hi = _order_key(x_max).to(tl.int64)
-        for _ in tl.static_range(_PASSES):
-            cand = _candidates(lo, hi, NWAY).to(tl.int32)
-            acc = tl.zeros([NWAY, RESOLVE_BLOCK], tl.int64)
+        tie_mass = tl.load(Ties + row).to(tl.int64) * _kept_mass(cut.to(tl.int32), x_max)
+        top_p = tl.load(TopPs + row).to(tl.float64)
+        if total <= _PAIR_KEYS:  # a few keys: the cut by each key's mass at or above it, in one sweep
+            lo = _kept_top_p_ranked(keys, total, cut, x_max, top_p, tie_mass)
+        else:
+            whole = tl.zeros([RESOLVE_BLOCK], tl.int64)
             for start in range(0, total, RESOLVE_BLOCK):
                 i = start + tl.arange(0, RESOLVE_BLOCK)
-                key = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
-                w = (tl.exp(_key_value(key) - x_max) * _KEPT_SCALE).to(tl.int64)
-                acc += tl.where(key[None, :] >= cand[:, None], w[None, :], 0)
-            lo, hi = _narrow(lo, hi, tl.sum(acc, axis=1).to(tl.float64), goal, NWAY)
+                whole += _kept_mass(tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY), x_max)
+            goal = top_p * (tl.sum(whole, axis=0) + tie_mass).to(tl.float64)
+            lo = cut
+            hi = _order_key(x_max).to(tl.int64)
+            for _ in tl.static_range(_PASSES):
+                cand = _candidates(lo, hi, NWAY).to(tl.int32)
+                acc = tl.zeros([NWAY, RESOLVE_BLOCK], tl.int64)
+                for start in range(0, total, RESOLVE_BLOCK):
+                    i = start + tl.arange(0, RESOLVE_BLOCK)
+                    key = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
+                    acc += tl.where(key[None, :] >= cand[:, None], _kept_mass(key, x_max)[None, :], 0)
+                lo, hi = _narrow(lo, hi, tl.sum(acc, axis=1).to(tl.float64), goal, NWAY)
         tl.store(PCut + row * 2 + 1, lo)
     tl.store(PCut + row * 2, found.to(tl.int64))
     if searched & ~found:
