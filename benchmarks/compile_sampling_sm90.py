@@ -18,7 +18,7 @@ import ostinato.runner.fused_sample as fs
 I64 = {"Idx", "Idx2", "OutIdx", "OutIdx2", "State", "Resolved", "CutK", "PCut", "TopKs", "Seeds", "Steps", "seeds_ptr",
        "steps_ptr", "out_ptr", "dest_ptr", "index_ptr"}
 I32 = {"Count", "Count2", "Second", "Order", "Order2", "Hist", "Dense", "Gathered", "GathN", "Cursor", "Kept", "Ties",
-       "Bar", "idx_ptr"}
+       "Bar", "KeptCursor", "idx_ptr"}
 PLAIN_INTS = ("pass_idx", "passes", "b", "split_len", "num_splits", "vocab_size", "stride_l", "n_cols", "n_chunks")
 ROW = dict(HAS_MIN_P=False, SPLITS_POW2=16, NWAY=16)
 CHECK = dict(CHECKED=True)
@@ -46,6 +46,8 @@ CASES = [
     (fs._top_k_search_kernel, dict(BLOCK=2048, RESOLVE_BLOCK=1024, DRAW_BLOCK=2048, num_warps=4, **ROW)),
     (fs._top_k_search_kernel, dict(BLOCK=2048, RESOLVE_BLOCK=1024, DRAW_BLOCK=2048, num_warps=4,
                                    **(ROW | dict(HAS_MIN_P=True)))),
+    (fs._top_k_search_kernel, dict(BLOCK=2048, RESOLVE_BLOCK=1024, DRAW_BLOCK=2048, num_warps=4, KEPT_P=True,
+                                   KEPT_CAP=2048, **ROW)),
     (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=True, num_warps=4)),
     (am._chunk_best_kernel, dict(BLOCK=2048, DRAW=False, num_warps=4)),
     (am._rows_argmax_kernel, dict(BLOCK_C=128, SCATTER=True, num_warps=1)),

@@ -88,11 +88,11 @@ def test_one_launch_search_draws_what_the_torch_sampler_draws(b, min_p, monkeypa
     assert taken and all(taken), taken
 
 
-def test_one_launch_where_top_p_alone_filters_a_small_batch_whose_splits_fit(monkeypatch):
-    """`_persistent_search`'s rule (the GPU's decision, with the device's SM count stubbed): by default top_p or
-    top_k as the batch's one filter, at most PERSISTENT_MAX_BATCH rows, no more splits than the SMs the process may
-    use (an MPS client's share counted); "0" never, "1" wherever the splits fit; on the CPU only when forced, one
-    split a row."""
+def test_one_launch_where_one_filter_searches_a_small_batch_whose_splits_fit(monkeypatch):
+    """`_persistent_search`'s rule (the GPU's decision, with the device's SM count stubbed): by default at most
+    PERSISTENT_MAX_BATCH rows, no more splits than the SMs the process may use (an MPS client's share counted), and
+    not top_p's search passes beside top_k (top_k alone, top_p alone, or both with every top_p row's top_k small);
+    "0" never, "1" wherever the splits fit; on the CPU only when forced, one split a row."""
     import types
 
     from ostinato.runner import fused_sample
@@ -102,26 +102,29 @@ def test_one_launch_where_top_p_alone_filters_a_small_batch_whose_splits_fit(mon
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     rule = fused_sample._persistent_search
     cap = fused_sample.PERSISTENT_MAX_BATCH
-    for k, p in [(False, True), (True, False)]:  # one filter alone: top_p's one launch, or top_k's
-        assert rule(cuda, 63, 1, k, p) and rule(cuda, 16, cap, k, p)
-        assert not rule(cuda, 16, cap + 1, k, p) and not rule(cuda, 133, 1, k, p)
-    assert not rule(cuda, 63, 1, True, True) and not rule(cuda, 63, 1, False, False)
+    one = [(False, True, True), (True, False, False), (True, True, False)]  # (top_k, top_p, top_p's search passes)
+    for f in one:
+        assert rule(cuda, 63, 1, *f) and rule(cuda, 16, cap, *f)
+        assert not rule(cuda, 16, cap + 1, *f) and not rule(cuda, 133, 1, *f)
+    assert not rule(cuda, 63, 1, True, True, True) and not rule(cuda, 63, 1, False, False, False)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")  # 33 SMs
-    assert not rule(cuda, 63, 1, False, True) and rule(cuda, 16, cap, False, True) and rule(cuda, 16, cap, True, False)
+    assert not rule(cuda, 63, 1, *one[0]) and all(rule(cuda, 16, cap, *f) for f in one)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "most")  # unreadable: the one launch stays off
-    assert not rule(cuda, 16, cap, False, True)
+    assert not rule(cuda, 16, cap, *one[0])
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    assert not rule(cpu, 1, 1, False, True) and not rule(cpu, 1, 1, True, False)
+    assert not any(rule(cpu, 1, 1, *f) for f in one)
     monkeypatch.setattr(fused_sample, "PERSISTENT", "1")
-    assert rule(cuda, 16, 256, True, True) and rule(cuda, 16, 256, True, False) and not rule(cuda, 133, 1, False, True)
-    assert rule(cpu, 1, 4, False, True) and rule(cpu, 1, 4, True, False) and not rule(cpu, 2, 4, False, True)
-    assert not rule(cuda, 16, 4, False, False)  # no filter: nothing to search
+    assert rule(cuda, 16, 256, True, True, True) and all(rule(cuda, 16, 256, *f) for f in one)
+    assert not rule(cuda, 133, 1, *one[0]) and not rule(cpu, 2, 4, *one[0])
+    assert all(rule(cpu, 1, 4, *f) for f in one)
+    assert not rule(cuda, 16, 4, False, False, False)  # no filter: nothing to search
     monkeypatch.setattr(fused_sample, "PERSISTENT", "0")
-    assert not rule(cuda, 63, 1, False, True) and not rule(cuda, 63, 1, True, False)
+    assert not any(rule(cuda, 63, 1, *f) for f in one)
 
 
 @pytest.mark.parametrize("min_p", [False, True])
-def test_one_launch_top_k_select_draws_what_the_torch_sampler_draws(min_p, monkeypatch):
+@pytest.mark.parametrize("top_p", [False, True])
+def test_one_launch_top_k_select_draws_what_the_torch_sampler_draws(min_p, top_p, monkeypatch):
     """top_k's select and the draw under its cut as one launch (`_top_k_search_kernel`: the passes up to the row's
     gather, the resolve, the draw, the row's programs waiting for each other between them), against the torch
     sampler, with one split a row on the CPU (the interpreter runs a launch's programs one after another). The rows
@@ -129,7 +132,9 @@ def test_one_launch_top_k_select_draws_what_the_torch_sampler_draws(min_p, monke
     by radix rounds (k 300 within a block of 600 values: more than _PAIR_KEYS keys gathered); a row whose k-th
     value lies in a block of 3,000 close values (k 100), gathered only at pass 2; one whose k-th value is tied
     3,000 times, never gathered, so every pass runs and the resolve reads the last histogram; min_p keeping fewer
-    than k columns (nothing cut); and peaked rows whose first draw is kept (not searched)."""
+    than k columns (nothing cut); and peaked rows whose first draw is kept (not searched). With top_p on the first
+    five rows, top_p's cut over what top_k keeps follows in the same launch: ranked where at most _PAIR_KEYS keys
+    lie above top_k's cut (with 3,000 ties at it in one row), narrowed where more do (k 300 and 2,000)."""
     from ostinato.runner import fused_sample
 
     vocab = 6007
@@ -152,7 +157,8 @@ def test_one_launch_top_k_select_draws_what_the_torch_sampler_draws(min_p, monke
     logits = torch.cat([flat, close[None], tied[None], flat[:1], peaked]).contiguous()
     ks = [5, 300, 100, 30, 2000, 50, 3]
     mins = [0.0, 0.01, 0.0, 0.0, 0.97, 0.05, 0.0] if min_p else [0.0] * len(ks)
-    params = [SamplingParams(temperature=0.7, top_k=k, min_p=m) for k, m in zip(ks, mins, strict=True)]
+    ps = [0.9, 0.5, 0.95, 0.8, 0.3, 1.0, 1.0] if top_p else [1.0] * len(ks)
+    params = [SamplingParams(temperature=0.7, top_k=k, min_p=m, top_p=p) for k, m, p in zip(ks, mins, ps, strict=True)]
     free = [SamplingParams(temperature=0.7, min_p=m) for m in mins]
     b = len(params)
     logits = logits.to(DEVICE)
@@ -168,7 +174,7 @@ def test_one_launch_top_k_select_draws_what_the_torch_sampler_draws(min_p, monke
     seeds = [1000 * int((tries[:, i] == wanted[i]).int().argmax()) + i for i in range(b)]
     assert torch.equal(searched(seeds)[:4], wanted[:4]) and not searched(seeds)[5:].any(), tries
     t = SamplingTensors.from_params(params, seeds, steps, vocab, DEVICE)
-    assert (t.need_top_k, t.need_top_p) == (True, False)
+    assert (t.need_top_k, t.need_top_p, t.need_top_p_search) == (True, top_p, False)
     assert torch.equal(sample_fused(logits, t).cpu(), sample_torch(logits, t).cpu())
     assert launched == [(1, b)]
 
@@ -748,9 +754,11 @@ def test_warm_up_leaves_nothing_to_compile():
     gen = torch.Generator(device="cpu").manual_seed(0)
     for b in range(1, max_batch + 1):
         for min_p, cut in ((False, False), (True, False), (False, True), (True, True), (False, "top_p"),
-                           (False, "top_k"), (True, "top_k")):
-            # top_p alone or top_k alone: one launch up to PERSISTENT_MAX_BATCH rows, the separate launches past it
-            alone = dict(top_p=0.9) if cut == "top_p" else dict(top_k=50, min_p=0.05 if min_p else 0.0)
+                           (False, "top_k"), (True, "top_k"), (False, "both"), (True, "both")):
+            # top_p alone, top_k alone, or both with every top_p row's top_k small: one launch up to
+            # PERSISTENT_MAX_BATCH rows, the separate launches past it
+            alone = {"top_p": dict(top_p=0.9), "top_k": dict(top_k=50), "both": dict(top_k=20, top_p=0.95)}.get(cut, {})
+            alone |= dict(min_p=0.05) if min_p and cut != "top_p" else {}
             params = [SamplingParams(temperature=0.7, **alone)] * b if isinstance(cut, str) else _params(gen, b,
                                                                                                         min_p, cut)
             t = SamplingTensors.from_params(params, list(range(b)), [0] * b, vocab, DEVICE)

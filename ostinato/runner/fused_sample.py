@@ -943,13 +943,21 @@ def _kept_gather_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, 
     the columns at the cut itself are counted into Ties[row] (none where the cut is -inf's key: top_k cut nothing).
     Cursor and Ties start at zero. CHECKED: only the rows that need their cut (`_verdict_kernel`'s list)."""
     row, split, listed = _program_row_split(Order, CHECKED)
-    if listed == 0:
-        return
+    if listed:
+        _kept_gather(row, split, Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, Ties,
+                     vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P, BLOCK, SPLITS_POW2, KEPT_CAP)
+
+
+@triton.jit
+def _kept_gather(row, split, Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, Ties,
+                 vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
+                 SPLITS_POW2: tl.constexpr, KEPT_CAP: tl.constexpr, CG: tl.constexpr = False):
+    """`_kept_gather_kernel`'s work for (row, split). CG: `_shared_load`'s, for top_k's cut."""
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     searched, found = _kept_row(TopKs, TopPs, row, samples, vocab_size, KEPT_CAP)  # (`_` would be loop-carried)
     if found:
-        cut = tl.load(CutK + row).to(tl.int32)
+        cut = _shared_load(CutK + row, CG=CG).to(tl.int32)
         lo_col = split * split_len
         hi_col = tl.minimum(lo_col + split_len, vocab_size)
         row_ptr = Logits + row * stride_l
@@ -975,19 +983,22 @@ def _kept_mass(key, x_max):
     return (tl.exp(_key_value(key) - x_max) * _KEPT_SCALE).to(tl.int64)
 
 
+_KEPT_PAIR_CHUNK = tl.constexpr(16)  # (int64 masses: a chunk of 32 took a four-warp program to 168 registers)
+
+
 @triton.jit
-def _kept_top_p_ranked(keys, total, cut, x_max, top_p, tie_mass):
+def _kept_top_p_ranked(keys, total, cut, x_max, top_p, tie_mass, CG: tl.constexpr = False):
     """`_kept_top_p_kernel`'s cut where at most _PAIR_KEYS keys lie above top_k's cut: the largest key whose mass at
     or above it (the kept keys', exact in fixed point) reaches the goal, or top_k's cut where none does. The
     narrowings find the same key (the mass at or above a key changes only at the keys), in eight passes one after
-    another where this takes one sweep of pairwise compares."""
+    another where this takes one sweep of pairwise compares. CG: `_shared_load`'s."""
     i = tl.arange(0, _PAIR_KEYS)
-    mine = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
+    mine = _shared_load(keys + i, mask=i < total, other=_NEG_INF_KEY, CG=CG)
     goal = top_p * (tl.sum(tl.where(i < total, _kept_mass(mine, x_max), 0), axis=0) + tie_mass).to(tl.float64)
     at_or_above = tl.zeros([_PAIR_KEYS], tl.int64)
-    for start in range(0, total, _PAIR_CHUNK):
-        j = start + tl.arange(0, _PAIR_CHUNK)
-        theirs = tl.load(keys + j, mask=j < total, other=_NEG_INF_KEY)
+    for start in range(0, total, _KEPT_PAIR_CHUNK):
+        j = start + tl.arange(0, _KEPT_PAIR_CHUNK)
+        theirs = _shared_load(keys + j, mask=j < total, other=_NEG_INF_KEY, CG=CG)
         w = tl.where(j < total, _kept_mass(theirs, x_max), 0)
         at_or_above += tl.sum(tl.where(theirs[None, :] >= mine[:, None], w[None, :], 0), axis=1)
     reach = (i < total) & (at_or_above.to(tl.float64) >= goal)
@@ -1004,25 +1015,33 @@ def _kept_top_p_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor,
     found so is added to Order2 (its count zeroed beforehand), the list the search's passes then run over. CHECKED:
     only the rows that need their cut (`_verdict_kernel`'s list)."""
     row, listed = _program_row(Order, CHECKED)
-    if listed == 0:
-        return
+    if listed:
+        _kept_top_p(row, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, Ties, PCut, Order2, vocab_size,
+                    num_splits, greedy_eps, HAS_MIN_P, NWAY, SPLITS_POW2, KEPT_CAP, RESOLVE_BLOCK)
+
+
+@triton.jit
+def _kept_top_p(row, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor, Ties, PCut, Order2, vocab_size,
+                num_splits, greedy_eps, HAS_MIN_P: tl.constexpr, NWAY: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                KEPT_CAP: tl.constexpr, RESOLVE_BLOCK: tl.constexpr, CG: tl.constexpr = False):
+    """`_kept_top_p_kernel`'s work for a row. CG: `_shared_load`'s, for what the gather and top_k's resolve wrote."""
     temp, samples, x_max, log_min_p = _row_setup(Temps, MinPs, SplitMax, row, num_splits, greedy_eps, HAS_MIN_P,
                                                  SPLITS_POW2)
     searched, found = _kept_row(TopKs, TopPs, row, samples, vocab_size, KEPT_CAP)
-    total = tl.load(Cursor + row)
+    total = _shared_load(Cursor + row, CG=CG)
     found = found & (total <= KEPT_CAP)  # (always: fewer than k keys lie above the k-th largest)
     if found:
         keys = Kept + row * KEPT_CAP
-        cut = tl.load(CutK + row)
-        tie_mass = tl.load(Ties + row).to(tl.int64) * _kept_mass(cut.to(tl.int32), x_max)
+        cut = _shared_load(CutK + row, CG=CG)
+        tie_mass = _shared_load(Ties + row, CG=CG).to(tl.int64) * _kept_mass(cut.to(tl.int32), x_max)
         top_p = tl.load(TopPs + row).to(tl.float64)
         if total <= _PAIR_KEYS:  # a few keys: the cut by each key's mass at or above it, in one sweep
-            lo = _kept_top_p_ranked(keys, total, cut, x_max, top_p, tie_mass)
+            lo = _kept_top_p_ranked(keys, total, cut, x_max, top_p, tie_mass, CG)
         else:
             whole = tl.zeros([RESOLVE_BLOCK], tl.int64)
             for start in range(0, total, RESOLVE_BLOCK):
                 i = start + tl.arange(0, RESOLVE_BLOCK)
-                whole += _kept_mass(tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY), x_max)
+                whole += _kept_mass(_shared_load(keys + i, mask=i < total, other=_NEG_INF_KEY, CG=CG), x_max)
             goal = top_p * (tl.sum(whole, axis=0) + tie_mass).to(tl.float64)
             lo = cut
             hi = _order_key(x_max).to(tl.int64)
@@ -1031,7 +1050,7 @@ def _kept_top_p_kernel(Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, Cursor,
                 acc = tl.zeros([NWAY, RESOLVE_BLOCK], tl.int64)
                 for start in range(0, total, RESOLVE_BLOCK):
                     i = start + tl.arange(0, RESOLVE_BLOCK)
-                    key = tl.load(keys + i, mask=i < total, other=_NEG_INF_KEY)
+                    key = _shared_load(keys + i, mask=i < total, other=_NEG_INF_KEY, CG=CG)
                     acc += tl.where(key[None, :] >= cand[:, None], _kept_mass(key, x_max)[None, :], 0)
                 lo, hi = _narrow(lo, hi, tl.sum(acc, axis=1).to(tl.float64), goal, NWAY)
         tl.store(PCut + row * 2 + 1, lo)
@@ -1070,8 +1089,8 @@ def _row_cut(row, Temps, TopPs, State, Part, Goal, CutK, num_splits, b, greedy_e
             if top_p < 1.0:
                 searched = True
                 if KEPT:
-                    if tl.load(PCut + row * 2) != 0:
-                        cut = tl.load(PCut + row * 2 + 1)
+                    if _shared_load(PCut + row * 2, CG=CG) != 0:
+                        cut = _shared_load(PCut + row * 2 + 1, CG=CG)
                         searched = False
                 if searched:
                     cut = _search_cut(State, Part, Resolved, row, b, num_splits, _shared_load(Goal + row, CG=CG),
@@ -1152,13 +1171,18 @@ def _top_p_search_kernel(Logits, stride_l, Temps, MinPs, TopPs, SplitMax, State,
 def _top_k_search_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, State, Hist, Dense, Cursor, CutK,
                          Seeds, Steps, OutVal, OutIdx, Bar, Order, vocab_size, split_len, num_splits, b, greedy_eps,
                          HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, RESOLVE_BLOCK: tl.constexpr,
-                         DRAW_BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                         DRAW_BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr, Kept=None, KeptCursor=None, Ties=None,
+                         PCut=None, Order2=None, KEPT_P: tl.constexpr = False, KEPT_CAP: tl.constexpr = 0,
+                         NWAY: tl.constexpr = 16, KEPT_BLOCK: tl.constexpr = 128):
     """top_k's whole select and the draw under its cut in one launch, over `_verdict_kernel`'s list (grid (splits,
     B), a listed row's splits side by side), as `_top_p_search_kernel` does top_p's: each listed row's programs run
     the passes (`_top_k_pass`) up to the one that gathers the row's range (the later ones, which would only hand the
     state on, are left out), split 0 the resolve (`_top_k_resolve`, into CutK), then each takes the row's cut and
     draws its split under it, waiting for each other at the row's barrier (`_row_barrier`; Bar[row] zeroed by
-    `_verdict_kernel`) between steps. Hist and Cursor start at zero, as for the separate launches."""
+    `_verdict_kernel`) between steps. Hist and Cursor start at zero, as for the separate launches. KEPT_P (a batch
+    whose every top_p row has a top_k of at most KEPT_CAP): after the resolve, top_p's cut over what top_k keeps,
+    `_kept_gather` by every program then `_kept_top_p` by split 0 over KEPT_BLOCK keys at a time (KeptCursor and
+    Ties zeroed; Order2 is unread)."""
     row, split, listed = _program_row_split(Order, True)
     if listed:
         bar = Bar + row
@@ -1180,8 +1204,20 @@ def _top_k_search_kernel(Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax,
                                                 num_splits, b, pass_idx, greedy_eps, HAS_MIN_P, SPLITS_POW2,
                                                 RESOLVE_BLOCK, True))
         passed = _row_barrier(bar, passed, num_splits)
-        cut = _row_cut(row, Temps, TopPs, State, State, State, CutK, num_splits, b, greedy_eps, False, 16,
-                       SPLITS_POW2, State, 0, True)  # (top_k's cut alone: no top_p state read)
+        cut = _shared_load(CutK + row, CG=True)
+        if KEPT_P:
+            _kept_gather(row, split, Logits, stride_l, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, KeptCursor,
+                         Ties, vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P, BLOCK, SPLITS_POW2, KEPT_CAP,
+                         True)
+            passed = _row_barrier(bar, passed, num_splits)
+            if split == 0:
+                _kept_top_p(row, Temps, MinPs, TopKs, TopPs, SplitMax, CutK, Kept, KeptCursor, Ties, PCut, Order2,
+                            vocab_size, num_splits, greedy_eps, HAS_MIN_P, NWAY, SPLITS_POW2, KEPT_CAP, KEPT_BLOCK,
+                            True)
+            passed = _row_barrier(bar, passed, num_splits)
+            if _shared_load(PCut + row * 2, CG=True) != 0:  # a row with top_p: its cut, above top_k's
+                cut = _shared_load(PCut + row * 2 + 1, CG=True)
+        cut = _key_value(cut.to(tl.int32))  # (a listed row samples: no greedy row's cut to leave at -inf)
         _split_draw(row, split, Logits, stride_l, Temps, MinPs, SplitMax, cut, Seeds, Steps, OutVal, OutIdx,
                     vocab_size, split_len, num_splits, greedy_eps, HAS_MIN_P, True, DRAW_BLOCK, SPLITS_POW2)
 
@@ -1251,7 +1287,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
     sample_args = (logits, logits.stride(0), temperatures, min_p_arg)
     sample_meta = dict(HAS_MIN_P=min_ps is not None, BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=8)
     draw_args = (seeds, steps, vals, idx, vocab_size, split_len, num_splits, greedy_eps)
-    has_k, has_p, _ = _phases(cut_phases)
+    has_k, has_p, p_search = _phases(cut_phases)
     if top_ks is None or not REJECTION_FIRST:
         split_max = _split_max(logits, temperatures, min_ps, top_ks is not None and (has_k or has_p), vocab_size,
                                greedy_eps, split_len, num_splits)
@@ -1281,19 +1317,24 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch
                               vocab_size, split_len, num_splits, greedy_eps, HAS_K=has_k, HAS_P=has_p,
                               HAS_MIN_P=min_ps is not None, BLOCK=_SEARCH_BLOCK, SPLITS_POW2=pow2,
                               num_warps=_SEARCH_WARPS, Order=order, Vals2=vals2, Idx2=idx2, **second_args)
-    persistent = _persistent_search(dev, num_splits, b, has_k, has_p)
+    persistent = _persistent_search(dev, num_splits, b, has_k, has_p, p_search)
     bar = torch.empty(b, dtype=torch.int32, device=dev) if persistent else order  # (unread without it)
     _verdict_kernel[(b,)](temperatures, top_ks, top_ps, mass, count, order, vocab_size, num_splits, b, greedy_eps,
                           HAS_K=has_k, HAS_P=has_p, SPLITS_POW2=pow2, Vals=vals, Idx=idx, Vals2=vals2, Idx2=idx2,
                           num_warps=1, Bar=bar, ZERO_BAR=persistent, **second_args)
     check = dict(Order=order, CHECKED=True)
-    if persistent and not has_p:  # top_k alone: its select and the draw under its cut in one launch
+    if persistent and not p_search:  # top_k's select (top_p's cut over its kept keys) and the draw in one launch
         hist, cursor, dense, select = _top_k_buffers(b, dev)
+        kept = {}
+        if has_p:
+            order2, kept_cursor, ties, keys, pcut = _kept_buffers(b, dev)
+            kept = dict(Kept=keys, KeptCursor=kept_cursor, Ties=ties, PCut=pcut, Order2=order2, KEPT_P=True,
+                        KEPT_CAP=KEPT_CAP)
         _top_k_search_kernel[(num_splits, b)](
             logits, logits.stride(0), temperatures, min_p_arg, top_ks, top_ps, split_max, select, hist, dense, cursor,
             torch.empty(b, dtype=torch.int64, device=dev), seeds, steps, vals, idx, bar, order, vocab_size, split_len,
             num_splits, b, greedy_eps, HAS_MIN_P=min_ps is not None, BLOCK=_RADIX_BLOCK,
-            RESOLVE_BLOCK=_SEARCH_BLOCK, DRAW_BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=_RADIX_WARPS)
+            RESOLVE_BLOCK=_SEARCH_BLOCK, DRAW_BLOCK=_BLOCK, SPLITS_POW2=pow2, num_warps=_RADIX_WARPS, **kept)
         return pick_rows(vals, idx, out, scatter)
     if persistent:  # top_k's search (its own launches), then top_p's and the draw under the cut in one
         row_args, meta = _search_inputs(temperatures, min_ps, top_ks, top_ps, split_max, num_splits, check)
@@ -1344,23 +1385,26 @@ def _split_max(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.T
     return split_max
 
 
-def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k: bool, has_p: bool) -> bool:
-    """Whether rejection first runs the cut search and the draw under the cut as one launch: top_p's where the batch
-    has top_p (`_top_p_search_kernel`, top_k's select before it in its own launches), else top_k's
-    (`_top_k_search_kernel`). OSTINATO_SAMPLER_PERSISTENT "0": never, "1": always, and in Triton's interpreter,
-    which runs a launch's programs one after another, with one split a row, whose one program never waits for
-    another. By default ("auto", on CUDA) where one filter is the batch's only one and it has at most
-    PERSISTENT_MAX_BATCH rows: there most steps list few rows or none, and one launch gained (H200, Llama-3.2-1B's
-    vocabulary, top_p 0.9: bs 1 24 -> 15 us, bs 32 47 -> 33); with both filters it lost where many rows are
-    searched, likely as its programs run one an SM (top_k 50 with top_p 0.9: bs 32 169 -> 218 us, bs 256 1,044 ->
-    1,365; top_p at 256 peaked rows 526 -> 588; docs/gpu-notes.md, fifty-first session)."""
+def _persistent_search(device: torch.device, num_splits: int, batch: int, has_k: bool, has_p: bool,
+                       p_search: bool) -> bool:
+    """Whether rejection first runs the cut search and the draw under the cut as one launch: top_k's
+    (`_top_k_search_kernel`) where the batch has top_k and no top_p row needs top_p's search passes (p_search: a
+    top_p row without a top_k of at most KEPT_CAP), with top_p's cut over the kept keys inside it; else top_p's
+    (`_top_p_search_kernel`, top_k's select before it in its own launches). OSTINATO_SAMPLER_PERSISTENT "0":
+    never, "1": always, and in Triton's interpreter, which runs a launch's programs one after another, with one
+    split a row, whose one program never waits for another. By default ("auto", on CUDA) where the batch has at
+    most PERSISTENT_MAX_BATCH rows, except with top_p's search passes beside top_k's: there most steps list few
+    rows or none, and one launch gained (H200, Llama-3.2-1B's vocabulary: top_p 0.9 at bs 1 24 -> 15 us, bs 32 47
+    -> 33, fifty-first session; top_k 50 on flat rows 40 -> 31 and 83 -> 69, sixtieth); top_p's kernel with
+    top_k's filter in it lost where many rows are searched (top_k 50 with top_p 0.9: bs 32 169 -> 218 us),
+    likely as its programs run one an SM (docs/gpu-notes.md)."""
     if PERSISTENT == "0" or not (has_k or has_p):
         return False
     if device.type != "cuda":
         return PERSISTENT == "1" and num_splits == 1
     if num_splits > usable_sms(device):
         return False  # a row's programs, one an SM, could not all be resident (`_row_barrier`)
-    return PERSISTENT == "1" or (has_k != has_p and batch <= PERSISTENT_MAX_BATCH)
+    return PERSISTENT == "1" or (batch <= PERSISTENT_MAX_BATCH and not (has_k and p_search))
 
 
 def _search_inputs(temperatures: torch.Tensor, min_ps: torch.Tensor | None, top_ks: torch.Tensor,
@@ -1399,6 +1443,18 @@ def _top_k_buffers(b: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
     return counts[:-b], counts[-b:], dense, torch.empty(2, b, 8, dtype=torch.int64, device=dev)
 
 
+def _kept_buffers(b: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """top_p over what top_k keeps: (the leftovers' list, a cursor a row and a tie count a row, zeroed; the kept keys;
+    PCut). The first three share one buffer, each part 16-byte aligned, as Triton specializes a pointer on that (an
+    unaligned one would compile every kernel that takes it again)."""
+    at = -(-(b + 1) // 4) * 4
+    span = -(-b // 4) * 4
+    counts = torch.zeros(at + 2 * span, dtype=torch.int32, device=dev)
+    keys = torch.empty(b, KEPT_CAP, dtype=torch.int32, device=dev)
+    return (counts[:b + 1], counts[at:at + b], counts[at + span:at + span + b], keys,
+            torch.empty(b, 2, dtype=torch.int64, device=dev))
+
+
 def _top_p_buffers(b: int, num_splits: int, dev: torch.device, gathers: bool = True) -> tuple:
     """top_p's search state: (State: (lo, hi) of the last two passes, Part: their masses, Goal: top_p x the mass
     above top_k's cut, the gather pass's buffers, the resolve's keys side by side, the gather capacity); the last
@@ -1434,14 +1490,7 @@ def _cuts(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor
     kept = {}
     search, search_grid = meta, grid  # the passes' rows: every listed row, or the kept keys' leftovers
     if has_k and has_p:  # top_p over what top_k keeps first (KEPT_CAP)
-        # the leftovers' list, a cursor a row and a tie count a row in one zeroed buffer; each part 16-byte aligned,
-        # as Triton specializes a pointer on that (an unaligned one would compile every kernel that takes it again)
-        at = -(-(b + 1) // 4) * 4
-        span = -(-b // 4) * 4
-        counts = torch.zeros(at + 2 * span, dtype=torch.int32, device=dev)
-        order2, cursor, ties = counts[:b + 1], counts[at:at + b], counts[at + span:at + span + b]
-        keys = torch.empty(b, KEPT_CAP, dtype=torch.int32, device=dev)
-        pcut = torch.empty(b, 2, dtype=torch.int64, device=dev)
+        order2, cursor, ties, keys, pcut = _kept_buffers(b, dev)
         _kept_gather_kernel[grid](logits, logits.stride(0), *row_args, cut_k, keys, cursor, ties, vocab_size,
                                   split_len, num_splits, greedy_eps, BLOCK=_SEARCH_BLOCK, KEPT_CAP=KEPT_CAP, **meta)
         _kept_top_p_kernel[(b,)](*row_args, cut_k, keys, cursor, ties, pcut, order2, vocab_size, num_splits,
@@ -1552,6 +1601,8 @@ def warm_up(max_batch: int, vocab_size: int, device: torch.device, filters: bool
         top_ks = torch.full((b,), max(1, vocab_size // 2), dtype=torch.int64, device=device) if cut else None
         top_ps = torch.full((b,), 0.5, device=device) if cut else None
         scatter = (torch.empty(b, dtype=torch.int64, device=device), torch.arange(b, device=device))
-        fused_sample(logits, ones, ones * 0.01 if min_p else None, top_ks, top_ps, zeros, zeros, vocab_size,
-                     greedy_eps=1e-5, cut_phases=(has_k, has_p), out=torch.empty_like(zeros),
-                     scatter=scatter)  # (no row greedy)
+        # with both filters, also as a batch whose every top_p row has a small top_k (top_p's search passes left out)
+        for phases in [CutPhases(has_k, has_p)] + [CutPhases(True, True, False)] * (has_k and has_p):
+            fused_sample(logits, ones, ones * 0.01 if min_p else None, top_ks, top_ps, zeros, zeros, vocab_size,
+                         greedy_eps=1e-5, cut_phases=phases, out=torch.empty_like(zeros),
+                         scatter=scatter)  # (no row greedy)
