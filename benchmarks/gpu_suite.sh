@@ -615,7 +615,7 @@ topkab)
   # files) with each launch profiled (about 4 minutes); "tests" the sampling GPU tests (about 4); "generate"
   # LLM.generate with top_k 50 beside greedy against .ab/base, one process a tree in TREES
   case " ${PARTS:-sampler} " in *" sampler "*)
-    timeout 280 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 --scale 3 0.3 \
+    timeout 400 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 --scale 3 0.3 \
         --baseline ${BASELINES:-.ab/fused_sample_head.py} --profile --profile-order --out "$OUT/fused-sample-topk.json" \
         2>&1 | quiet | grep -vE "^$" | tee "$OUT/fused-sample-topk.log"
   esac
