@@ -111,6 +111,27 @@ sampler_gpu_tests() {
   for f in "$logs"/*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; grep -h -E "^(FAILED|ERROR)" "$f"; done \
       | tee "$OUT/$2"
 }
+# the sampling GPU tests, their summary in $OUT/NAME.log and every group's whole log in $OUT/NAME.full.log:
+# sampler_tests_kept NAME
+sampler_tests_kept() {
+  local logs f; logs=$(mktemp -d)
+  sampler_gpu_tests "$logs" "$1.log"
+  for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done | quiet > "$OUT/$1.full.log"
+}
+# LLM.generate at bs 1 and 32, Llama-3.2-1B and Qwen3-0.6B, each SETTING (bench_generate.py --settings), one process
+# a tree in TREES (default "base new"; base: .ab/base on PYTHONPATH), in that order; one JSON a turn, the rows
+# tagged in $OUT/generate-NAME-ab.log. A fresh machine's first process compiles every kernel, so it gets more time:
+# generate_ab NAME SETTING...
+generate_ab() {
+  local name=$1 turn=0 tree limit pp; shift
+  for tree in ${TREES:-base new}; do
+    turn=$((turn + 1)); limit=200; [ $turn = 1 ] && limit=300
+    pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
+    PYTHONPATH=$pp timeout $limit python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b \
+        --batch-sizes 1 32 --repeats 2 --settings "$@" --out "$OUT/generate-$name-$tree-$turn.json" 2>&1 | quiet \
+        | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-$name-ab.log"
+  done
+}
 # Llama-3.2-1B bs 32 through LLM.generate, greedy beside T=0.6 with a filter, with OSTINATO_SAMPLER_SECOND=$1, its
 # rows tagged into $OUT/$2.log: bench_at_second SECOND NAME FILTER-ARGS...
 bench_at_second() {
@@ -619,22 +640,8 @@ topkab)
         --baseline ${BASELINES:-.ab/fused_sample_head.py} --profile --profile-order --out "$OUT/fused-sample-topk.json" \
         2>&1 | quiet | grep -vE "^$" | tee "$OUT/fused-sample-topk.log"
   esac
-  case " ${PARTS:-sampler} " in *" tests "*)
-    logs=$(mktemp -d)
-    sampler_gpu_tests "$logs" topk-tests.log
-    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done | quiet > "$OUT/topk-tests.full.log"
-  esac
-  case " ${PARTS:-sampler} " in *" generate "*)
-    turn=0
-    for tree in ${TREES:-base new}; do
-      turn=$((turn + 1)); limit=200; [ $turn = 1 ] && limit=300
-      pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
-      PYTHONPATH=$pp timeout $limit python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b \
-          --batch-sizes 1 32 --repeats 2 --settings temperature=0 temperature=0.6,top_k=50 \
-          --out "$OUT/generate-topk-$tree-$turn.json" 2>&1 | quiet \
-          | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-topk-ab.log"
-    done
-  esac
+  case " ${PARTS:-sampler} " in *" tests "*) sampler_tests_kept topk-tests; esac
+  case " ${PARTS:-sampler} " in *" generate "*) generate_ab topk temperature=0 temperature=0.6,top_k=50; esac
   ;;
 keptab)
   # fifty-eighth session: top_p's cut found over what top_k keeps (fused_sample._kept_top_p_kernel). The sampling
@@ -642,27 +649,14 @@ keptab)
   # 71a4495:ostinato/runner/fused_sample.py`); LLM.generate with top_k and top_p (Qwen3's own 20 / 0.95, and 50 /
   # 0.9 with min_p 0.05) beside greedy against the starting tree (.ab/base: `git archive 71a4495 ostinato | tar -x
   # -C .ab/base`), one process each. PARTS picks ("tests sampler" about 6 minutes, "generate" about 4)
-  case " ${PARTS:-tests sampler} " in *" tests "*)
-    logs=$(mktemp -d)
-    sampler_gpu_tests "$logs" kept-tests.log
-    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done | quiet > "$OUT/kept-tests.full.log"
-  esac
+  case " ${PARTS:-tests sampler} " in *" tests "*) sampler_tests_kept kept-tests; esac
   case " ${PARTS:-tests sampler} " in *" sampler "*)
     timeout 200 python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 1 32 256 --scale 3 0.3 \
         --baseline .ab/fused_sample_head.py --out "$OUT/fused-sample-kept.json" 2>&1 | quiet | grep -vE "^$" \
         | tee "$OUT/fused-sample-kept.log"
   esac
   case " ${PARTS:-tests sampler} " in *" generate "*)
-    # (one JSON a turn; a fresh machine's first process compiles every kernel, so it gets more time)
-    turn=0
-    for tree in ${TREES:-base new}; do
-      turn=$((turn + 1)); limit=200; [ $turn = 1 ] && limit=300
-      pp=$PYTHONPATH; [ "$tree" = base ] && pp=$PWD/.ab/base:$PYTHONPATH
-      PYTHONPATH=$pp timeout $limit python benchmarks/bench_generate.py --models llama-3.2-1b qwen3-0.6b \
-          --batch-sizes 1 32 --repeats 2 --settings temperature=0 temperature=0.6,top_k=20,top_p=0.95 \
-          temperature=0.6,top_k=50,top_p=0.9,min_p=0.05 --out "$OUT/generate-kept-$tree-$turn.json" 2>&1 | quiet \
-          | grep -E "ms/token|Error" | sed "s/^/[$tree] /" | tee -a "$OUT/generate-kept-ab.log"
-    done
+    generate_ab kept temperature=0 temperature=0.6,top_k=20,top_p=0.95 temperature=0.6,top_k=50,top_p=0.9,min_p=0.05
   esac
   ;;
 persistentab)
