@@ -72,6 +72,8 @@
 #   bash benchmarks/gpu_suite.sh topkab  top_k alone's select and draw in one launch: the sampler alone against .ab/
 #                                          copies (BASELINES), the sampling GPU tests, LLM.generate against .ab/base
 #                                          (PARTS)
+#   bash benchmarks/gpu_suite.sh topkbatch  the one-launch cut search forced at 64-256 rows against the separate
+#                                          launches, in turns (prepared in the sixtieth session, not yet run)
 #   bash benchmarks/gpu_suite.sh verdict  the sampling GPU tests, the empty-launch probe, the sampler alone against
 #                                         .ab/fused_sample_head.py
 #   bash benchmarks/gpu_suite.sh verdictprofile  the sampler's kernels at 256 rows by profile, against the head's
@@ -642,6 +644,19 @@ topkab)
   esac
   case " ${PARTS:-sampler} " in *" tests "*) sampler_tests_kept topk-tests; esac
   case " ${PARTS:-sampler} " in *" generate "*) generate_ab topk temperature=0 temperature=0.6,top_k=50; esac
+  ;;
+topkbatch)
+  # sixtieth session, prepared: the one-launch cut search and draw (top_k's, with top_p's kept-key cut) forced at
+  # 33-256 rows (OSTINATO_SAMPLER_PERSISTENT=1) against the default's separate launches there, one process each, in
+  # turns; the sampler alone in 10-call graphs. Read the top_k rows and top_k + top_p (top_p alone forced is top_p's
+  # kernel, which lost at 256 peaked rows in the fifty-first session). About 5 minutes
+  n=0
+  for mode in auto 1 auto 1; do
+    n=$((n + 1))
+    OSTINATO_SAMPLER_PERSISTENT=$mode timeout 150 python benchmarks/bench_fused_sample.py --vocab 128256 \
+        --batch-sizes 64 128 256 --scale 3 0.3 --graph-calls 10 --out "$OUT/fused-sample-batch-$mode-$n.json" 2>&1 \
+        | quiet | grep -E "graph|Error" | sed "s/^/[$mode] /" | tee -a "$OUT/fused-sample-batch.log"
+  done
   ;;
 keptab)
   # fifty-eighth session: top_p's cut found over what top_k keeps (fused_sample._kept_top_p_kernel). The sampling
