@@ -74,6 +74,8 @@
 #                                          (PARTS)
 #   bash benchmarks/gpu_suite.sh topkbatch  the one-launch cut search forced at 64-256 rows against the separate
 #                                          launches, in turns (prepared in the sixtieth session, not yet run)
+#   bash benchmarks/gpu_suite.sh topkncu  top_k's one launch and its separate passes 0-1 under Nsight Compute
+#                                          (prepared in the sixtieth session, not yet run)
 #   bash benchmarks/gpu_suite.sh verdict  the sampling GPU tests, the empty-launch probe, the sampler alone against
 #                                         .ab/fused_sample_head.py
 #   bash benchmarks/gpu_suite.sh verdictprofile  the sampler's kernels at 256 rows by profile, against the head's
@@ -656,6 +658,29 @@ topkbatch)
     OSTINATO_SAMPLER_PERSISTENT=$mode timeout 150 python benchmarks/bench_fused_sample.py --vocab 128256 \
         --batch-sizes 64 128 256 --scale 3 0.3 --graph-calls 10 --out "$OUT/fused-sample-batch-$mode-$n.json" 2>&1 \
         | quiet | grep -E "graph|Error" | sed "s/^/[$mode] /" | tee -a "$OUT/fused-sample-batch.log"
+  done
+  ;;
+topkncu)
+  # sixtieth session, prepared: top_k's one launch (OSTINATO_SAMPLER_PERSISTENT default) and the separate pass 0 and
+  # pass 1 (=0) under Nsight Compute at 32 flat rows, top_k 50: why a pass over the row costs about three times the
+  # acceptance pass's read of it (stall reasons per issued instruction, occupancy, DRAM and issue throughput)
+  for form in "auto _top_k_search_kernel 1" "0 _top_k_pass_kernel 2"; do
+    set -- $form
+    OSTINATO_SAMPLER_PERSISTENT=$1 timeout 240 ncu --clock-control none -k "regex:$2" -c "$3" --set full \
+        -o "$OUT/topk" -f python benchmarks/bench_fused_sample.py --vocab 128256 --batch-sizes 32 --scale 0.3 \
+        --out "$OUT/ncu-bench-$2.json" 2>&1 | tail -3 > "$OUT/topk-ncu-run-$2.log"
+    ncu --import "$OUT/topk.ncu-rep" --page raw --csv 2>/dev/null | python -c "
+import csv, sys
+rows = list(csv.reader(sys.stdin)); names = rows[0]
+keys = ('issue_stalled', 'achieved_occupancy', 'dram__throughput.avg.pct', 'sm__inst_executed.sum ',
+        'smsp__issue_active.avg.pct', 'registers_per_thread', 'gpu__time_duration.sum')
+for vals in rows[2:]:
+    print('--- launch')
+    for n, v in zip(names, vals):
+        if any(k.strip() in n for k in keys) and ('issue_stalled' not in n or 'average_warp' in n) and v not in ('', '0'):
+            print(n, v)
+" 2>&1 | keep "topk-ncu-$2" 80
+    rm -f "$OUT/topk.ncu-rep"
   done
   ;;
 keptab)
